@@ -1,0 +1,1 @@
+"""Process, device and checkpoint glue around accelerate (imported lazily by the trainers)."""

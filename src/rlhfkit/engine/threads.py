@@ -1,0 +1,34 @@
+"""Torch thread count: every command sets it at start-up (DESIGN.md, "Threads").
+
+Two processes with two threads each on a two-core machine run small tensors 25-40x slower than one
+thread each, so the count is max(1, cores // local processes), unless the user set
+``OMP_NUM_THREADS`` or ``RLHFKIT_NUM_THREADS`` explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def default_num_threads(local_processes: int | None = None) -> int:
+    """max(1, usable cores // local processes); honours RLHFKIT_NUM_THREADS and OMP_NUM_THREADS."""
+    for var in ("RLHFKIT_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var)
+        if value and value.strip().isdigit() and int(value) > 0:
+            return int(value)
+    if local_processes is None:
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS / Windows
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_processes))
+
+
+def set_num_threads(local_processes: int | None = None) -> int:
+    """Set torch's intra-op thread count for this process and return it."""
+    import torch
+
+    n = default_num_threads(local_processes)
+    torch.set_num_threads(n)
+    return n

@@ -1,0 +1,43 @@
+"""Errors that are the user's to fix.
+
+Anything raised as a :class:`UserError` is reported by the command line as one clear message with exit
+code 2 and no traceback. Every other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input (configuration, data, paths, command line)."""
+
+
+class ConfigError(UserError):
+    """A configuration key that is unknown, wrongly typed or out of range."""
+
+
+class DataError(UserError):
+    """A bad dataset: the message names the file, the line (or row) and the field.
+
+    Args:
+        source: file path or dataset name.
+        message: what is wrong, in words a user can act on.
+        line: 1-based line number (JSON Lines) or 0-based row index (other formats), if known.
+        field: the offending field, if any.
+        row_kind: ``"line"`` for text files, ``"row"`` for tables and datasets.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        message: str,
+        line: int | None = None,
+        field: str | None = None,
+        row_kind: str = "line",
+    ):
+        self.source, self.line, self.field, self.row_kind = source, line, field, row_kind
+        where = str(source)
+        if line is not None:
+            where += f", {row_kind} {line}"
+        if field is not None:
+            where += f", field '{field}'"
+        super().__init__(f"{where}: {message}")
