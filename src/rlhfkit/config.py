@@ -1,0 +1,443 @@
+"""Run configuration: one typed dataclass per component, every field documented once.
+
+Each field is declared with :func:`option`, which stores its help text (and optional bounds) in the
+dataclass field's ``metadata``; ``rlhfkit train --help`` lists them from there (:func:`config_help`), so
+there is no second schema anywhere. A YAML file only sets values; the command line overrides any key with
+``dotted.key=value`` (the value is parsed as a YAML scalar or flow list). Parsing and type conversion are
+omegaconf structured configs (which also check ``Literal`` choices); this module adds the error messages
+that name the key and the file, the bounds and the cross-field checks.
+
+To add a field for a trainer: add one ``name: type = option(default, "help")`` line to the section's
+dataclass below. Nothing else needs to change (loading, overrides, validation, ``--help`` and the saved
+``config.yaml`` all follow the dataclasses).
+
+Defaults follow Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO" (kl_coef 0.05,
+gamma 1, lam 0.95, 4 epochs, clip 0.2, value clip 0.2, vf_coef 0.1, temperature 0.7, dropout off,
+whitened advantages, a fixed score for responses without EOS), unless a field says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from rlhfkit.errors import ConfigError
+
+Kind = Literal["sft", "reward", "prm", "ppo", "grpo", "rloo"]
+KINDS: tuple[str, ...] = get_args(Kind)
+ONLINE_KINDS = ("ppo", "grpo", "rloo")
+
+
+def option(default: Any, help: str, *, gt: float | None = None, ge: float | None = None,
+           lt: float | None = None, le: float | None = None) -> Any:
+    """A dataclass field with its help text and optional numeric bounds (checked by :func:`load_config`).
+
+    A list default, or a section's dataclass, becomes a ``default_factory`` so instances never share it.
+    """
+    metadata = {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    if isinstance(default, type) and dataclasses.is_dataclass(default):  # a section
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelConfig:
+    """The model being trained."""
+
+    name_or_path: str = option(
+        "", "The policy (sft/ppo/grpo/rloo) or backbone (reward/prm): a local folder or a hub id. Required.")
+    trust_remote_code: bool = option(
+        False, "Run code shipped with a hub model. Off unless you trust its author.")
+    dtype: Literal["auto", "float32", "bfloat16"] = option(
+        "auto", "Weights dtype; auto = float32 on CPU, bfloat16 on a GPU that supports it.")
+    disable_dropout: bool = option(
+        True, "Set every dropout probability to 0, so that the PPO ratio is exactly 1 before the first "
+              "update (Huang et al. 2024; huggingface/trl#454).")
+
+
+@dataclass
+class DataConfig:
+    """Training and evaluation data (formats: DESIGN.md, 'Data formats')."""
+
+    train_file: str = option(
+        "", "Training data: a .jsonl/.json/.parquet file, a datasets folder or a hub name. For ppo/grpo/rloo, "
+            "the prompts. Required.")
+    eval_file: str | None = option(None, "Evaluation data in the same format; none = no evaluation.")
+    max_prompt_length: int = option(256, "Longest prompt, in tokens.", gt=0)
+    max_length: int = option(512, "Longest prompt + response, in tokens (sft/reward/prm).", gt=0)
+    truncation: Literal["error", "left", "right"] = option(
+        "error", "A prompt longer than max_prompt_length: stop with an error naming the row, or drop tokens "
+                 "from its left (keeps the end of the prompt) or right.")
+    shuffle: bool = option(True, "Shuffle the training data every epoch (seeded by the run's seed).")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop shared by every trainer."""
+
+    max_steps: int = option(
+        200, "Optimizer steps (sft/reward/prm); rollouts, i.e. PPO iterations (ppo/grpo/rloo).", gt=0)
+    batch_size: int = option(
+        32, "Sequences or pairs per optimizer step, all processes together; online: prompts per rollout "
+            "(responses = batch_size * online.group_size).", gt=0)
+    micro_batch_size: int | None = option(
+        None, "Sequences per forward/backward pass per process; batch_size / (micro_batch_size * processes) "
+              "is the number of gradient-accumulation steps. None = batch_size / processes.", gt=0)
+    learning_rate: float = option(1.0e-5, "Peak learning rate (AdamW).", gt=0)
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay.", ge=0)
+    adam_beta1: float = option(0.9, "AdamW beta1.", ge=0, lt=1)
+    adam_beta2: float = option(0.999, "AdamW beta2.", ge=0, lt=1)
+    adam_eps: float = option(1.0e-8, "AdamW epsilon.", gt=0)
+    warmup_steps: int = option(0, "Linear warm-up from 0 to learning_rate over this many steps.", ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = option(
+        "linear", "Decay after warm-up, to 0 at max_steps (linear annealing as in Ziegler et al. 2019's "
+                  "lm-human-preferences).")
+    max_grad_norm: float | None = option(1.0, "Clip the global gradient norm to this; none = no clipping.", gt=0)
+    save_steps: int = option(50, "Save a checkpoint every N steps, and at the end.", gt=0)
+    eval_steps: int = option(50, "Evaluate every N steps (when data.eval_file is set), and at the end.", gt=0)
+    log_steps: int = option(1, "Write a line to metrics.jsonl every N steps.", gt=0)
+    keep_last_checkpoints: int | None = option(
+        None, "Keep only the newest N complete checkpoints; none = keep all.", gt=0)
+
+
+@dataclass
+class OnlineConfig:
+    """Online RL (ppo / grpo / rloo): generation, reward, KL, advantages and the PPO update."""
+
+    reward_model: str | None = option(None, "Frozen reward model folder (from `rlhfkit train reward`).")
+    reward_functions: list[str] = option(
+        [], "Reward functions 'pkg.module:fn' or 'path/to/file.py:fn', added to the reward model's score.")
+    critic_model: str | None = option(
+        None, "Initial critic (value model) for gae; none = the reward model, else the policy "
+              "(Huang et al. 2024: critic initialised from the reward model).")
+    response_length: int = option(64, "Most tokens generated per response.", gt=0)
+    temperature: float = option(
+        0.7, "Sampling temperature; log-probs are computed at the same temperature (Huang et al. 2024).", gt=0)
+    top_p: float = option(1.0, "Nucleus sampling threshold; 1 = off.", gt=0, le=1)
+    top_k: int = option(0, "Sample from the k most likely tokens; 0 = off.", ge=0)
+    stop_token: str | None = option(None, "Text of the token that ends a response; none = the tokenizer's EOS.")
+    missing_eos: Literal["penalty", "mask", "none"] = option(
+        "penalty", "A response that hits response_length without the stop token: its score is replaced by "
+                   "missing_eos_score (penalty), it is left out of the loss (mask), or it is scored as is.")
+    missing_eos_score: float = option(
+        -1.0, "The score given to a response without the stop token under missing_eos=penalty "
+              "(the 'EOS trick', Huang et al. 2024).")
+    kl_coef: float = option(0.05, "Initial coefficient of the per-token KL penalty in the reward.", ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = option(
+        "k1", "Per-token KL estimator (Schulman, 'Approximating KL divergence'), used in the reward and logged.")
+    kl_target: float | None = option(
+        None, "Adaptive KL controller target, nats per response (Ziegler et al. 2019); none = fixed kl_coef.",
+        gt=0)
+    kl_horizon: int = option(10000, "Adaptive KL controller horizon, in responses (Ziegler et al. 2019).", gt=0)
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = option(
+        "gae", "Advantage estimator: gae (PPO with a critic) or a critic-free one. Set by the command for "
+               "`train grpo` / `train rloo`.")
+    group_size: int = option(1, "Responses per prompt (critic-free grpo / rloo need at least 2).", gt=0)
+    norm_by_std: bool = option(
+        True, "grpo: divide group-centred scores by the group's std (Shao et al. 2024); false = Dr. GRPO "
+              "(Liu et al. 2025).")
+    advantage_eps: float = option(1.0e-6, "Added to standard deviations before dividing (grpo, whitening).", gt=0)
+    gamma: float = option(1.0, "Discount factor.", ge=0, le=1)
+    lam: float = option(0.95, "GAE lambda (Schulman et al. 2016).", ge=0, le=1)
+    whiten_advantages: bool = option(True, "Whiten advantages over the valid tokens of the batch.")
+    ppo_epochs: int = option(4, "Passes over each rollout batch.", gt=0)
+    num_minibatches: int = option(1, "Optimizer steps per PPO epoch.", gt=0)
+    clip_eps: float = option(0.2, "PPO policy ratio clip (Schulman et al. 2017, eq. 7).", gt=0)
+    value_clip_eps: float = option(0.2, "Value clip around the rollout's values.", gt=0)
+    vf_coef: float = option(0.1, "Value-loss coefficient.", ge=0)
+    ent_coef: float = option(0.0, "Entropy-bonus coefficient.", ge=0)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = option(
+        "token-mean", "How per-token losses become a scalar (rlhfkit.algos.aggregate_loss).")
+    critic_learning_rate: float | None = option(
+        None, "Critic learning rate; none = train.learning_rate.", gt=0)
+    critic_warmup_steps: int = option(
+        0, "Rollouts at the start during which only the critic is trained (Zheng et al. 2023).", ge=0)
+
+
+@dataclass
+class RewardConfig:
+    """Reward-model training (reward / prm)."""
+
+    margin: float = option(
+        0.0, "Margin m in the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - m) (Touvron et al. 2023).")
+    center_coef: float = option(
+        0.0, "Weight of the auxiliary loss (r_chosen + r_rejected)^2 that keeps rewards centred on 0 "
+             "(Eisenstein et al. 2023; 0.01 is usual).", ge=0)
+    length_bias_coef: float = option(
+        0.0, "Weight of a penalty on the batch covariance between reward and response length, against "
+             "length hacking (Singhal et al. 2023); 0 = off.", ge=0)
+    normalize: bool = option(
+        True, "After training, set the head's bias so that the training responses score 0 on average "
+              "(Huang et al. 2024, reward normalisation).")
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides metrics.jsonl."""
+
+    tensorboard: bool = option(False, "Also write TensorBoard events to <output_dir>/tensorboard (needs tensorboard).")
+    wandb: bool = option(False, "Also log to Weights & Biases (needs wandb and a login).")
+    wandb_project: str = option("rlhfkit", "W&B project name.")
+    wandb_run_name: str | None = option(None, "W&B run name; none = the output folder's name.")
+    progress_bar: bool = option(True, "Show a progress bar (only ever on a terminal).")
+
+
+@dataclass
+class RunConfig:
+    """Everything one `rlhfkit train <kind>` run needs."""
+
+    output_dir: str = option("", "The run folder: config.yaml, metrics.jsonl, checkpoints/, final/. Required.")
+    seed: int = option(0, "Seeds python, numpy and torch (and the data order).")
+    kind: Kind = option("sft", "What is trained; set by the command (`rlhfkit train <kind>`).")
+    model: ModelConfig = option(ModelConfig, "The model.")
+    data: DataConfig = option(DataConfig, "The data.")
+    train: TrainConfig = option(TrainConfig, "The optimisation loop.")
+    online: OnlineConfig = option(OnlineConfig, "Online RL (ppo / grpo / rloo only).")
+    reward: RewardConfig = option(RewardConfig, "Reward-model training (reward / prm only).")
+    logging: LoggingConfig = option(LoggingConfig, "Extra metric sinks.")
+
+# Per-command defaults, applied under the file and the command line. `forced` keys may not be set to
+# another value: `train grpo` with advantage_estimator=rloo is a contradiction, not a preference.
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {"online.group_size": 4},
+    "rloo": {"online.group_size": 4},
+}
+KIND_FORCED: dict[str, dict[str, Any]] = {
+    "grpo": {"online.advantage_estimator": "grpo"},
+    "rloo": {"online.advantage_estimator": "rloo"},
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading, validation, saving
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), kind: str = "sft") -> RunConfig:
+    """Build a :class:`RunConfig`: dataclass defaults < per-kind defaults < YAML file < ``dotted.key=value``.
+
+    Raises:
+        ConfigError: unreadable or invalid YAML, an unknown key, a value of the wrong type or out of range,
+            a missing required value, or contradicting settings; the message names the key and where it was
+            set (the file, or the command-line override).
+    """
+    from omegaconf import OmegaConf
+
+    if kind not in KINDS:
+        raise ConfigError(f"unknown kind '{kind}'; choose one of {', '.join(KINDS)}")
+    layers: list[tuple[str, dict]] = [(f"the defaults of `train {kind}`", _nest(
+        {**KIND_DEFAULTS.get(kind, {}), **KIND_FORCED.get(kind, {}), "kind": kind}))]
+    if path is not None:
+        layers.append((str(path), _read_yaml(path)))
+    for item in overrides:
+        layers.append((f"command-line override '{item}'", _parse_override(item)))
+
+    cfg = OmegaConf.structured(RunConfig)
+    set_by: dict[str, str] = {}  # dotted key -> where its value was last set
+    for source, values in layers:
+        for key in _check_keys(values, RunConfig, "", source):
+            set_by[key] = source
+        try:
+            cfg = OmegaConf.merge(cfg, values)
+        except Exception as e:  # omegaconf's ValidationError / ConfigKeyError and friends
+            raise _translate(e, source) from None
+    try:
+        run: RunConfig = OmegaConf.to_object(cfg)
+    except Exception as e:  # an interpolation ${...} that does not resolve
+        raise _translate(e, "the configuration") from None
+    _validate(run, kind, set_by)
+    return run
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The configuration as plain nested dicts, lists and scalars (what ``config.yaml`` holds)."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write ``cfg`` as YAML that :func:`load_config` reads back to an equal :class:`RunConfig`."""
+    import yaml
+
+    path = Path(path)
+    header = f"# rlhfkit resolved configuration; rerun with: rlhfkit train {cfg.kind} --config {path.name}\n"
+    text = header + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def config_help(cls: type = RunConfig, prefix: str = "") -> str:
+    """One entry per key: ``dotted.key (type, default: value)`` and its help text, for ``--help``."""
+    lines = []
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if _is_section(hints[f.name]):
+            lines.append(f"{key}:  {f.metadata['help']}")
+            lines.append(config_help(hints[f.name], key + "."))
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        lines.append(f"  {key} ({_type_name(hints[f.name])}, default: {_show(default)})")
+        lines.append(f"      {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def _read_yaml(path: str | Path) -> dict:
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        # omegaconf's YAML loader: reads 1e-5 as a number and refuses duplicate keys (PyYAML keeps the last).
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}{where}: not valid YAML: {problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys (like `train:` and `model:`), got a list")
+    return data
+
+
+def _parse_override(item: str) -> dict:
+    from omegaconf import OmegaConf
+
+    key, sep, _ = item.partition("=")
+    if not sep or not all(part.isidentifier() for part in key.split(".")):
+        raise ConfigError(f"command-line override '{item}': expected dotted.key=value, e.g. train.learning_rate=1e-5")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+    except Exception as e:
+        raise ConfigError(f"command-line override '{item}': {str(e).splitlines()[0]}") from None
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _check_keys(values: dict, cls: type, prefix: str, source: str) -> list[str]:
+    """Refuse unknown keys (suggesting the closest known one); return the dotted keys set."""
+    hints = _hints(cls)
+    seen = []
+    for name, value in values.items():
+        key = prefix + str(name)
+        if name not in hints:
+            close = difflib.get_close_matches(str(name), list(hints), n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f"; known keys here: {', '.join(hints)}"
+            raise ConfigError(f"{source}: unknown key '{key}'{hint}")
+        if _is_section(hints[name]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: '{key}' is a section; expected a mapping of its keys, got {value!r}")
+            seen += _check_keys(value, hints[name], key + ".", source)
+        else:
+            seen.append(key)
+    return seen
+
+
+def _translate(e: Exception, source: str) -> ConfigError:
+    key = getattr(e, "full_key", None)
+    message = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return ConfigError(f"{source}: {key}: {message}" if key else f"{source}: {message}")
+
+
+def _validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
+    def fail(key: str, message: str) -> None:
+        where = f" (set in {set_by[key]})" if key in set_by else ""
+        raise ConfigError(f"{key}{where}: {message}")
+
+    if run.kind != kind:
+        fail("kind", f"this configuration is for `train {run.kind}`, but the command is `train {kind}`")
+    for key, value in KIND_FORCED.get(kind, {}).items():
+        if _get(run, key) != value:
+            fail(key, f"`train {kind}` always uses {value}; for another choice run "
+                      f"`train ppo {key}={_get(run, key)}`")
+    _check_bounds(run, "", fail)
+    for key in ("output_dir", "model.name_or_path", "data.train_file"):
+        if not _get(run, key):
+            fail(key, f"required; set it in the config file or on the command line ({key}=...)")
+    t = run.train
+    if t.micro_batch_size is not None and t.batch_size % t.micro_batch_size:
+        fail("train.micro_batch_size", f"must divide train.batch_size ({t.batch_size}), got {t.micro_batch_size}")
+    if kind not in ONLINE_KINDS and run.data.max_prompt_length >= run.data.max_length:
+        fail("data.max_prompt_length", f"must be below data.max_length ({run.data.max_length}) to leave room "
+                                       f"for a response, got {run.data.max_prompt_length}")
+    if kind in ONLINE_KINDS:
+        o = run.online
+        if not o.reward_model and not o.reward_functions:
+            fail("online.reward_model", "set online.reward_model and/or online.reward_functions: nothing scores "
+                                        "the responses")
+        if o.advantage_estimator in ("grpo", "rloo") and o.group_size < 2:
+            fail("online.group_size", f"advantage_estimator={o.advantage_estimator} compares the responses to one "
+                                      f"prompt, so it needs group_size >= 2, got {o.group_size}")
+        responses = t.batch_size * o.group_size
+        if responses % o.num_minibatches:
+            fail("online.num_minibatches", f"must divide the responses per rollout (train.batch_size * "
+                                           f"online.group_size = {responses}), got {o.num_minibatches}")
+
+
+def _check_bounds(obj: Any, prefix: str, fail) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_bounds(value, prefix + f.name + ".", fail)
+            continue
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        for bound, holds in (("gt", value.__gt__), ("ge", value.__ge__), ("lt", value.__lt__), ("le", value.__le__)):
+            limit = f.metadata.get(bound)
+            if limit is not None and not holds(limit):
+                symbol = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}[bound]
+                fail(prefix + f.name, f"must be {symbol} {limit}, got {value}")
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        import typing
+
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp: Any) -> str:
+    import types
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "|".join(args)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return " or ".join(_type_name(a) for a in inner) + (" or none" if len(inner) < len(args) else "")
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _show(value: Any) -> str:
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
