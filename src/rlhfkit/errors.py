@@ -41,3 +41,7 @@ class DataError(UserError):
         if field is not None:
             where += f", field '{field}'"
         super().__init__(f"{where}: {message}")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is incomplete or does not match the run resuming from it."""

@@ -1,0 +1,267 @@
+"""The checkpoint engine every trainer uses: safetensors + JSON, never pickle.
+
+A checkpoint is a folder ``checkpoints/step-N/`` holding
+
+    model.<name>.safetensors                       each model's state_dict (tied weights stored once)
+    optimizer.<name>.json / .safetensors           the optimizer's state_dict: structure in JSON, tensors apart
+    scheduler.<name>.json (/ .safetensors)         the LR scheduler's state_dict
+    rng.json / rng.safetensors                     python, numpy, torch (and CUDA) generator states
+    trainer_state.json (/ .safetensors)            step, data position, KL controller, ...
+    COMPLETE                                       written last: the step and every file's size
+
+It is written into a temporary folder beside it and renamed into place once the marker is on disk, so
+``step-N/`` is either complete or absent; a folder whose marker is missing or whose files do not match it
+(an interrupted copy) is ignored by :func:`latest_checkpoint`. Loading restores models, optimizers,
+schedulers and RNG streams so that a resumed run continues bit-identically on CPU (REFERENCES.md, bug 11;
+huggingface/transformers#39215).
+
+Every non-model state is stored with one encoder (:func:`_encode`): JSON for the structure (dicts with any
+keys, lists, tuples, numbers, strings, None, non-finite floats) and one safetensors file for its tensors.
+Python objects outside that set (a lambda's closure in a scheduler, a custom class) are refused with a
+message naming their place, rather than pickled.
+
+One process writes: under data parallelism, call :func:`save_checkpoint` on the main process only (the
+other processes' RNG streams are not captured yet). FSDP / DeepSpeed runs use their native checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from rlhfkit.engine.seed import get_rng_state, set_rng_state
+from rlhfkit.errors import CheckpointError
+
+MARKER = "COMPLETE"
+FORMAT = "rlhfkit-checkpoint-v1"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def save_checkpoint(
+    checkpoints_dir: str | Path,
+    step: int,
+    models: dict[str, torch.nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer] | None = None,
+    schedulers: dict[str, Any] | None = None,
+    trainer_state: dict[str, Any] | None = None,
+    *,
+    keep_last: int | None = None,
+) -> Path:
+    """Write ``checkpoints_dir/step-<step>/`` atomically and return its path.
+
+    Args:
+        checkpoints_dir: the run's ``checkpoints/`` folder (created if missing).
+        step: the number of completed steps; a resumed run continues with ``step + 1``.
+        models / optimizers / schedulers: name -> object; names are letters, digits, ``-`` and ``_``.
+        trainer_state: anything else the loop needs (data position, controller state, ...): plain data
+            and tensors. ``step`` is added to it.
+        keep_last: afterwards, delete all but the newest ``keep_last`` complete checkpoints.
+    """
+    optimizers, schedulers = optimizers or {}, schedulers or {}
+    state = {"step": step, **(trainer_state or {})}
+    if state["step"] != step:
+        raise ValueError(f"trainer_state['step'] = {state['step']} disagrees with step = {step}")
+    for name in [*models, *optimizers, *schedulers]:
+        if not _NAME.match(name):
+            raise ValueError(f"checkpoint object name {name!r}: use letters, digits, '-' and '_' only")
+
+    root = Path(checkpoints_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step-*"):  # left behind by a crash while saving
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-step-{step}"
+    tmp.mkdir()
+
+    for name, model in models.items():
+        save_model(model, str(tmp / f"model.{name}.safetensors"))  # drops the duplicates of tied weights
+    for name, optimizer in optimizers.items():
+        _save_state(optimizer.state_dict(), tmp, f"optimizer.{name}")
+    for name, scheduler in schedulers.items():
+        _save_state(scheduler.state_dict(), tmp, f"scheduler.{name}")
+    _save_state(get_rng_state(), tmp, "rng")
+    _save_state(state, tmp, "trainer_state")
+
+    files = {}
+    for path in sorted(tmp.iterdir()):
+        _fsync(path)
+        files[path.name] = path.stat().st_size
+    marker = {"format": FORMAT, "step": step, "models": sorted(models), "optimizers": sorted(optimizers),
+              "schedulers": sorted(schedulers), "files": files}
+    (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+    _fsync(tmp / MARKER)
+
+    final = root / f"step-{step}"
+    if final.exists():  # an older incomplete attempt at this step, or a run resumed from before it
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync(root)
+    if keep_last is not None:
+        for old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(
+    path: str | Path,
+    models: dict[str, torch.nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer] | None = None,
+    schedulers: dict[str, Any] | None = None,
+    *,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Restore a checkpoint into the given objects (in place) and return its trainer state.
+
+    The names must be exactly those saved, so that nothing is silently left at its initial value.
+    Optimizer state moves to its parameters' device; tensors in the trainer state come back on CPU.
+
+    Raises:
+        CheckpointError: incomplete checkpoint, different names, or weights that do not fit the model.
+    """
+    optimizers, schedulers = optimizers or {}, schedulers or {}
+    path = Path(path)
+    marker = _read_marker(path)
+    if marker is None:
+        raise CheckpointError(f"{path}: not a complete rlhfkit checkpoint (no valid {MARKER} marker)")
+    for kind, given in (("models", models), ("optimizers", optimizers), ("schedulers", schedulers)):
+        if sorted(given) != marker[kind]:
+            raise CheckpointError(f"{path}: holds {kind} {marker[kind]}, but this run has {sorted(given)}")
+
+    for name, model in models.items():
+        device = next((p.device for p in model.parameters()), "cpu")
+        try:
+            load_model(model, str(path / f"model.{name}.safetensors"), strict=True, device=str(device))
+        except RuntimeError as e:
+            raise CheckpointError(f"{path}: model '{name}' does not fit the saved weights: "
+                                  f"{str(e).splitlines()[0]}") from None
+    for name, optimizer in optimizers.items():
+        optimizer.load_state_dict(_load_state(path, f"optimizer.{name}"))
+    for name, scheduler in schedulers.items():
+        scheduler.load_state_dict(_load_state(path, f"scheduler.{name}"))
+    if restore_rng:
+        set_rng_state(_load_state(path, "rng"))
+    return _load_state(path, "trainer_state")
+
+
+def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
+    """The newest complete ``step-N`` folder in ``checkpoints_dir``, or None if there is none."""
+    complete = complete_checkpoints(checkpoints_dir)
+    return complete[-1] if complete else None
+
+
+def complete_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
+    """Every complete ``step-N`` folder in ``checkpoints_dir``, oldest first."""
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and _read_marker(child) is not None:
+            found.append((int(match.group(1)), child))
+    return [p for _, p in sorted(found)]
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step a complete checkpoint was saved at."""
+    marker = _read_marker(Path(path))
+    if marker is None:
+        raise CheckpointError(f"{path}: not a complete rlhfkit checkpoint (no valid {MARKER} marker)")
+    return marker["step"]
+
+
+def _read_marker(path: Path) -> dict | None:
+    """The marker's contents if it exists and every file it lists is there with its size, else None."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+        if marker.get("format") != FORMAT:
+            return None
+        for name, size in marker["files"].items():
+            if (path / name).stat().st_size != size:
+                return None
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None
+    return marker
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plain data + tensors <-> JSON + safetensors
+
+
+def _save_state(obj: Any, folder: Path, stem: str) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode(obj, stem, tensors, set())
+    (folder / f"{stem}.json").write_text(json.dumps(encoded, indent=1, allow_nan=False))
+    if tensors:
+        save_file(tensors, str(folder / f"{stem}.safetensors"))
+
+
+def _load_state(folder: Path, stem: str) -> Any:
+    encoded = json.loads((folder / f"{stem}.json").read_text())
+    tensor_file = folder / f"{stem}.safetensors"
+    tensors = load_file(str(tensor_file)) if tensor_file.exists() else {}
+    return _decode(encoded, tensors)
+
+
+def _encode(obj: Any, where: str, tensors: dict[str, torch.Tensor], storages: set[int]) -> Any:
+    """JSON-ready form of ``obj``; its tensors go to ``tensors``. ``where`` names the place, for errors."""
+    if obj is None or isinstance(obj, bool | str):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return float(obj) if math.isfinite(obj) else {"__float__": repr(float(obj))}
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu").contiguous()
+        if t.untyped_storage().data_ptr() in storages:  # safetensors refuses two views of one storage
+            t = t.clone()
+        if t.numel():
+            storages.add(t.untyped_storage().data_ptr())
+        key = str(len(tensors))  # not `where`: dict keys containing "." could make two places collide
+        tensors[key] = t
+        return {"__tensor__": key}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, f"{where}.{i}", tensors, storages) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{where}.{i}", tensors, storages) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _encode(v, f"{where}.{k}", tensors, storages) for k, v in obj.items()}
+        return {"__items__": [[_encode(k, f"{where}.key{i}", tensors, storages),
+                               _encode(v, f"{where}.{k}", tensors, storages)] for i, (k, v) in enumerate(obj.items())]}
+    if hasattr(obj, "item") and getattr(obj, "shape", None) == ():  # a numpy scalar
+        return _encode(obj.item(), where, tensors, storages)
+    raise TypeError(f"checkpoint: cannot store {type(obj).__name__} at {where}; use plain data and tensors "
+                    "(rlhfkit never pickles)")
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__float__" in obj:
+        return float(obj["__float__"])
+    if "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    if "__items__" in obj:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["__items__"]}
+    return {k: _decode(v, tensors) for k, v in obj.items()}
