@@ -1,0 +1,30 @@
+"""rlhfkit.algos: the pure algorithm core (tensors and plain scalars in, tensors out).
+
+Imports nothing of the project but :mod:`rlhfkit.types`, and no transformers, accelerate, datasets or
+I/O. DESIGN.md, "The algorithm core", defines every function here.
+"""
+
+from rlhfkit.algos.advantages import compute_gae, discounted_cumsum
+from rlhfkit.algos.masked import (
+    LOSS_AGGREGATIONS,
+    LossAggregation,
+    aggregate_loss,
+    loss_normalizer,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+
+__all__ = [
+    "LOSS_AGGREGATIONS",
+    "LossAggregation",
+    "aggregate_loss",
+    "compute_gae",
+    "discounted_cumsum",
+    "loss_normalizer",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+]
