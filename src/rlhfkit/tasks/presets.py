@@ -8,9 +8,13 @@ patience. Dropout is 0 everywhere: the PPO ratio must be exactly 1 before the fi
 
 from __future__ import annotations
 
-from transformers import LlamaConfig, LlamaForCausalLM
+from typing import TYPE_CHECKING
 
 from rlhfkit.errors import ConfigError
+
+if TYPE_CHECKING:  # transformers and torch are imported when a model is built, so that the task's
+    # language, gold scorer and annotators import in milliseconds
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 MODEL_PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, intermediate_size=512),
@@ -31,6 +35,8 @@ COMMON = dict(
 
 def model_config(preset: str, tokenizer) -> LlamaConfig:
     """The LlamaConfig of a preset for a tokenizer (vocabulary size and bos/eos/pad ids come from it)."""
+    from transformers import LlamaConfig
+
     if preset not in MODEL_PRESETS:
         raise ConfigError(f"unknown model preset {preset!r}; the presets are {sorted(MODEL_PRESETS)}")
     shape = MODEL_PRESETS[preset]
@@ -49,6 +55,7 @@ def build_causal_lm(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
     """A freshly initialised causal LM; the initialisation depends only on ``seed`` (the global torch
     RNG is left as it was)."""
     import torch
+    from transformers import LlamaForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
