@@ -1,0 +1,58 @@
+"""Hugging Face model I/O and read-outs: tokenizers, causal LMs, scalar (reward / value) models.
+
+- loading: :func:`load_tokenizer`, :func:`load_causal_lm`, :func:`load_scalar_model`,
+  :func:`disable_dropout`, :func:`init_score_head`;
+- read-outs (padding independent, position ids from the attention mask):
+  :func:`logprobs_from_logits`, :func:`response_logprobs`, :func:`response_values`,
+  :func:`token_scores`, :func:`sequence_scores`;
+- saving: :func:`save_hf_folder` (a folder plain transformers loads).
+
+transformers is imported lazily inside the loaders, so importing this package stays cheap.
+"""
+
+from rlhfkit.models.loading import (
+    PAD_TOKEN,
+    disable_dropout,
+    init_score_head,
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    match_tokenizer,
+    resolve_dtype,
+)
+from rlhfkit.models.readout import (
+    causal_lm_logits,
+    last_token_index,
+    logprobs_from_logits,
+    position_ids_from_mask,
+    response_logits,
+    response_logprobs,
+    response_values,
+    sequence_scores,
+    token_scores,
+    unwrap_model,
+)
+from rlhfkit.models.saving import is_scalar_model, save_hf_folder
+
+__all__ = [
+    "PAD_TOKEN",
+    "causal_lm_logits",
+    "disable_dropout",
+    "init_score_head",
+    "is_scalar_model",
+    "last_token_index",
+    "load_causal_lm",
+    "load_scalar_model",
+    "load_tokenizer",
+    "logprobs_from_logits",
+    "match_tokenizer",
+    "position_ids_from_mask",
+    "resolve_dtype",
+    "response_logits",
+    "response_logprobs",
+    "response_values",
+    "save_hf_folder",
+    "sequence_scores",
+    "token_scores",
+    "unwrap_model",
+]

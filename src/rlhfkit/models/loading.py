@@ -1,0 +1,235 @@
+"""Loading tokenizers, causal LMs and scalar (reward / value) models from a folder or a hub id.
+
+Rules (DESIGN.md, "Models"):
+- ``trust_remote_code`` is False unless the caller sets it, so no code from a model folder runs
+  by default;
+- weights come from safetensors only (``use_safetensors=True``): a folder with nothing but
+  pickled ``pytorch_model.bin`` weights is refused with a message that says so;
+- ``dtype="auto"`` means float32 master weights (on CPU and on GPU alike; mixed precision is the
+  engine's job), so the actor and the frozen reference agree bit for bit at step 0;
+- a tokenizer without a pad token is resolved explicitly by :func:`load_tokenizer`'s
+  ``missing_pad`` argument, never silently.
+
+Scalar models are ``AutoModelForSequenceClassification`` with ``num_labels=1``. Loaded from a
+causal-LM folder (a reward model's backbone), the new ``score`` head is initialised with
+std 1/sqrt(d_model + 1) (Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO";
+Ziegler et al. 2019 reward model init).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Literal
+
+import torch
+
+from rlhfkit.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PAD_TOKEN = "<|pad|>"
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"auto"`` -> float32; ``"float32" | "bfloat16" | "float16"`` or a torch dtype as given."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype '{dtype}': use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _check_local(name_or_path: str, what: str) -> None:
+    """Refuse a path that is plainly local but missing, instead of asking the hub about it."""
+    path = os.fspath(name_or_path)
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+        raise UserError(f"{what} folder not found: {path}")
+
+
+def _load(what: str, name_or_path: str, loader, **kwargs):
+    """Call a transformers ``from_pretrained`` and turn its input errors into a UserError."""
+    _check_local(name_or_path, what)
+    try:
+        return loader(os.path.expanduser(os.fspath(name_or_path)), **kwargs)
+    except (OSError, ValueError) as error:
+        hint = ""
+        if "safetensors" in str(error) or "model.safetensors" in str(error):
+            hint = " (rlhfkit loads safetensors weights only; convert pickled .bin weights first)"
+        raise UserError(f"cannot load {what} from '{name_or_path}': {error}{hint}") from error
+
+
+def load_tokenizer(
+    name_or_path: str,
+    *,
+    trust_remote_code: bool = False,
+    missing_pad: Literal["add", "eos"] = "add",
+):
+    """Load a tokenizer and make sure it has a pad token and an EOS token.
+
+    Args:
+        name_or_path: local folder or hub id.
+        trust_remote_code: allow custom tokenizer code from the folder (off by default).
+        missing_pad: what to do when the tokenizer has no pad token.
+            ``"add"`` adds a distinct special token ``<|pad|>``; the models loaded with this
+            tokenizer (``tokenizer=`` below) grow their embeddings by one row. The policy can
+            then in principle sample ``<|pad|>``; generation should suppress it.
+            ``"eos"`` reuses EOS as pad, which is safe inside rlhfkit (masks come from lengths and
+            attention masks, never from comparing ids with the pad id); a reward model saved with
+            :func:`save_hf_folder` still gets a distinct pad token for plain transformers.
+    Returns:
+        a ``transformers`` tokenizer with ``pad_token_id`` and ``eos_token_id`` set.
+    """
+    from transformers import AutoTokenizer
+
+    if missing_pad not in ("add", "eos"):
+        raise UserError(f"missing_pad must be 'add' or 'eos', got '{missing_pad}'")
+    tokenizer = _load(
+        "tokenizer", name_or_path, AutoTokenizer.from_pretrained, trust_remote_code=trust_remote_code
+    )
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"the tokenizer in '{name_or_path}' has no EOS token; set eos_token in its config")
+    if tokenizer.pad_token_id is None:
+        if missing_pad == "add":
+            tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        else:
+            tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def match_tokenizer(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
+    """Grow the embeddings to the tokenizer's size (an added pad token) and record its pad id.
+
+    Args:
+        model: a Hugging Face model (modified in place and returned).
+        tokenizer: the tokenizer the model will be fed with.
+    """
+    if tokenizer is None:
+        return model
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def load_causal_lm(
+    name_or_path: str,
+    *,
+    trust_remote_code: bool = False,
+    dtype: str | torch.dtype = "auto",
+    tokenizer=None,
+    dropout: bool = False,
+):
+    """Load a causal LM (``AutoModelForCausalLM``) from safetensors.
+
+    Args:
+        name_or_path: local folder or hub id.
+        trust_remote_code: allow custom model code from the folder (off by default).
+        dtype: ``"auto"`` (float32), ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype.
+        tokenizer: when given, embeddings are resized to it and its pad id is recorded.
+        dropout: keep the model's dropout; RLHF turns it off in all four roles (trl#454), the default.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = _load(
+        "causal LM",
+        name_or_path,
+        AutoModelForCausalLM.from_pretrained,
+        trust_remote_code=trust_remote_code,
+        dtype=resolve_dtype(dtype),
+        use_safetensors=True,
+    )
+    match_tokenizer(model, tokenizer)
+    if not dropout:
+        disable_dropout(model)
+    return model
+
+
+def init_score_head(model: torch.nn.Module) -> None:
+    """Initialise ``model.score`` with N(0, 1/(d_model + 1)) weights and a zero bias.
+
+    Source: Huang et al. 2024 ("The N+ Implementation Details of RLHF with PPO"), detail "reward
+    head initialisation", following Ziegler et al. 2019 (lm-human-preferences).
+    """
+    head = model.score
+    with torch.no_grad():
+        head.weight.normal_(mean=0.0, std=1.0 / math.sqrt(head.in_features + 1))
+        if head.bias is not None:
+            head.bias.zero_()
+
+
+def load_scalar_model(
+    name_or_path: str,
+    *,
+    trust_remote_code: bool = False,
+    dtype: str | torch.dtype = "auto",
+    tokenizer=None,
+    dropout: bool = False,
+):
+    """Load a reward / value model: ``AutoModelForSequenceClassification`` with one label.
+
+    A folder saved as a sequence classifier must have ``num_labels == 1`` (else a UserError). A
+    causal-LM folder becomes the backbone of a new scalar model whose ``score`` head is
+    initialised by :func:`init_score_head` (for reward-model training).
+
+    Args:
+        name_or_path: local folder or hub id.
+        trust_remote_code, dtype, tokenizer, dropout: as in :func:`load_causal_lm`.
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = _load(
+        "model config", name_or_path, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code
+    )
+    architectures = getattr(config, "architectures", None) or []
+    is_classifier = any(name.endswith("ForSequenceClassification") for name in architectures)
+    if is_classifier and config.num_labels != 1:
+        raise UserError(
+            f"'{name_or_path}' is a classifier with num_labels={config.num_labels}; "
+            "a reward or value model needs num_labels=1"
+        )
+    model, info = _load(
+        "scalar model",
+        name_or_path,
+        AutoModelForSequenceClassification.from_pretrained,
+        trust_remote_code=trust_remote_code,
+        dtype=resolve_dtype(dtype),
+        use_safetensors=True,
+        num_labels=1,
+        output_loading_info=True,
+    )
+    if not isinstance(getattr(model, "score", None), torch.nn.Linear):
+        raise UserError(f"{type(model).__name__} has no linear `score` head; rlhfkit cannot read its scores")
+    if any(key.split(".")[0] == "score" for key in info["missing_keys"]):
+        init_score_head(model)
+    if tokenizer is None and model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    match_tokenizer(model, tokenizer)
+    if not dropout:
+        disable_dropout(model)
+    return model
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Turn off every dropout: ``nn.Dropout`` modules, float ``*dropout*`` attributes that attention
+    code reads directly (Llama's ``attention_dropout``), and the matching config fields.
+
+    Dropout makes the PPO ratio differ from 1 before any update (huggingface/trl#454).
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    if config is not None:
+        for name, value in list(vars(config).items()):
+            if ("dropout" in name or name.endswith("_pdrop")) and isinstance(value, float):
+                setattr(config, name, 0.0)
+    return model

@@ -1,0 +1,265 @@
+"""Read-outs from Hugging Face models: token log-probs, per-token values, sequence scores.
+
+Every read-out here is padding independent: position ids come from the attention mask
+(``cumsum - 1``, clamped at 0), so left padding does not shift absolute or rotary positions
+(NVIDIA/NeMo-Aligner#68), and the score of a sequence is read at its last token whose attention
+mask is 1, never at "the last token that is not the pad id", which breaks when pad == EOS
+(huggingface/transformers#30004, huggingface/trl#2778).
+
+Alignment (DESIGN.md, "Models"): for ``input_ids = [prompt | response]`` with the response
+starting at column ``p0``, ``logprobs[:, t]`` and ``values[:, t]`` come from the model's output at
+column ``p0 + t - 1``, the state before response token ``y_t``; the score comes from the last
+valid column.
+
+Scalar (reward / value) models are ``AutoModelForSequenceClassification`` models with a linear
+``score`` head. The read-outs call the *whole* model (so a DistributedDataParallel or FSDP wrapper
+sees its forward and synchronises gradients) and capture the head's per-position output with a
+forward hook; the pooled output that transformers computes from the pad id is ignored.
+
+Shapes: ``B`` batch, ``L`` full sequence length (prompt + response), ``R`` response length
+(``L - p0``), ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+# Upper bound on the elements of one temporary (rows, T, V) block in logprobs_from_logits: 2**24
+# float32 values are 64 MiB, so a large vocabulary never needs a second full-size copy.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside DistributedDataParallel / accelerate / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that ignore padding on either side.
+
+    Args:
+        attention_mask: (B, L), 1 on real tokens, 0 on padding.
+    Returns:
+        (B, L) long: 0, 1, 2, ... over the real tokens of each row; padding gets a clamped value
+        that is never read.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Column of the last real token of each row (0 for a row with no real token).
+
+    Args:
+        attention_mask: (B, L).
+    Returns:
+        (B,) long.
+    """
+    columns = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    return (columns * attention_mask.bool()).max(dim=-1).values
+
+
+class _LabelLogprob(torch.autograd.Function):
+    """log softmax(logits / temperature)[label], computed as the label logit minus a logsumexp.
+
+    Forward keeps only the (B, T) logsumexp and a reference to the logits; backward rebuilds the
+    softmax block by block. Neither pass holds a second full (B, T, V) tensor besides the gradient
+    itself, which is what a plain ``log_softmax(logits / temperature).gather(...)`` would (twice).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature):
+        batch, steps, vocab = logits.shape
+        rows = max(1, _CHUNK_ELEMENTS // max(1, steps * vocab))
+        lse = torch.empty(batch, steps, dtype=torch.float32, device=logits.device)
+        for start in range(0, batch, rows):
+            block = logits[start : start + rows].float() / temperature  # (rows, T, V)
+            lse[start : start + rows] = torch.logsumexp(block, dim=-1)
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() / temperature  # (B, T)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, labels, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.rows):
+            stop = start + ctx.rows
+            block = torch.exp(logits[start:stop].float() / ctx.temperature - lse[start:stop, :, None])
+            grad = grad_out[start:stop, :, None].float()  # (rows, T, 1)
+            block.mul_(-grad).scatter_add_(-1, labels[start:stop, :, None], grad)
+            grad_logits[start:stop] = (block / ctx.temperature).to(logits.dtype)
+        return grad_logits, None, None
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probability of each label under ``softmax(logits / temperature)``.
+
+    Equal to ``log_softmax(logits / temperature, -1).gather(-1, labels)`` but without storing a
+    (B, T, V) log-softmax (the sampling temperature must be applied here too: OpenRLHF PR #853).
+
+    Args:
+        logits: (B, T, V), any float dtype; a non-contiguous slice is fine (it is not copied).
+        labels: (B, T) token ids. A negative label (e.g. -100) gives a finite, meaningless value:
+            mask those positions.
+        temperature: > 0.
+    Returns:
+        (B, T) float32, differentiable with respect to ``logits``.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
+    return _LabelLogprob.apply(logits, labels.long().clamp(min=0), float(temperature))
+
+
+def causal_lm_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep_last: int = 0
+) -> torch.Tensor:
+    """Logits of a causal LM with position ids from the attention mask.
+
+    Args:
+        model: a causal LM (possibly wrapped by DDP / accelerate).
+        input_ids, attention_mask: (B, L).
+        keep_last: when > 0, only the logits of the last ``keep_last`` columns are needed; models
+            that accept ``logits_to_keep`` then skip the output projection of the others.
+    Returns:
+        (B, L, V), or (B, keep_last, V) when ``keep_last`` > 0.
+    """
+    kwargs = {}
+    if keep_last > 0 and "logits_to_keep" in inspect.signature(unwrap_model(model).forward).parameters:
+        kwargs["logits_to_keep"] = keep_last
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        **kwargs,
+    )
+    logits = out.logits
+    if keep_last > 0 and logits.shape[1] != keep_last:
+        logits = logits[:, -keep_last:]
+    return logits
+
+
+def response_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int
+) -> torch.Tensor:
+    """The logits that predict each response token: column ``response_start + t - 1`` for token t.
+
+    Args:
+        input_ids, attention_mask: (B, L) = left-padded prompts followed by right-padded responses.
+        response_start: p0, the column of the first response token (>= 1, same for all rows).
+    Returns:
+        (B, R, V) with R = L - p0 (a view; divide by the sampling temperature before use).
+    """
+    length = input_ids.shape[1]
+    if not 1 <= response_start <= length:
+        raise ValueError(f"response_start must be in [1, {length}], got {response_start}")
+    responses = length - response_start
+    logits = causal_lm_logits(model, input_ids, attention_mask, keep_last=responses + 1)  # (B, R+1, V)
+    return logits[:, :-1]
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probabilities of the response tokens under the model at ``temperature``.
+
+    Args:
+        input_ids, attention_mask: (B, L) = prompts (left padded) then responses (right padded).
+        response_start: p0, the column of the first response token.
+        temperature: the sampling temperature.
+    Returns:
+        (B, R) float32; ``[:, t]`` is log pi(y_t | x, y_<t) read at column p0 + t - 1.
+    """
+    logits = response_logits(model, input_ids, attention_mask, response_start)  # (B, R, V)
+    return logprobs_from_logits(logits, input_ids[:, response_start:], temperature)
+
+
+def token_scores(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """The scalar head's output at every column (values of a critic, dense rewards of a PRM).
+
+    The whole model is called (wrappers see the forward) with position ids from the attention
+    mask; a forward hook on ``score`` captures the per-column output before transformers pools it.
+
+    Args:
+        model: a sequence-classification model with ``num_labels == 1`` and a ``score`` head.
+        input_ids, attention_mask: (B, L).
+    Returns:
+        (B, L); columns where ``attention_mask`` is 0 hold meaningless values.
+    """
+    inner = unwrap_model(model)
+    head = getattr(inner, "score", None)
+    if not isinstance(head, torch.nn.Module):
+        raise TypeError(f"{type(inner).__name__} has no `score` head; load it with load_scalar_model")
+    if getattr(inner.config, "pad_token_id", None) is None:
+        # transformers' own pooling (whose result is ignored) refuses batches without a pad id.
+        raise ValueError(
+            "model.config.pad_token_id is None: load the model with load_scalar_model(tokenizer=...)"
+        )
+    captured = []
+    hook = head.register_forward_hook(lambda _module, _inputs, output: captured.append(output))
+    try:
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+    finally:
+        hook.remove()
+    if len(captured) != 1 or captured[0].shape[:2] != input_ids.shape:
+        raise RuntimeError(f"{type(inner).__name__}.score was not applied once to every position")
+    out = captured[0]  # (B, L, num_labels)
+    if out.shape[-1] != 1:
+        raise ValueError(f"a scalar model needs num_labels == 1, this one has {out.shape[-1]}")
+    return out.squeeze(-1)
+
+
+def sequence_scores(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """One score per sequence, read at its last real token, whatever the padding side or pad id.
+
+    Args:
+        model: a scalar (reward) model, see :func:`token_scores`.
+        input_ids, attention_mask: (B, L), left or right padded.
+    Returns:
+        (B,) in the head's dtype.
+    """
+    scores = token_scores(model, input_ids, attention_mask)  # (B, L)
+    return scores.gather(1, last_token_index(attention_mask).unsqueeze(1)).squeeze(1)
+
+
+def response_values(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int
+) -> torch.Tensor:
+    """Critic values of the states before each response token.
+
+    Args:
+        input_ids, attention_mask: (B, L) = prompts (left padded) then responses (right padded).
+        response_start: p0, the column of the first response token (>= 1).
+    Returns:
+        (B, R); ``[:, t]`` is V(x, y_<t), read at column p0 + t - 1.
+    """
+    length = input_ids.shape[1]
+    if not 1 <= response_start <= length:
+        raise ValueError(f"response_start must be in [1, {length}], got {response_start}")
+    return token_scores(model, input_ids, attention_mask)[:, response_start - 1 : length - 1]

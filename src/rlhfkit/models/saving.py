@@ -1,0 +1,50 @@
+"""Saving a model and its tokenizer as a Hugging Face folder that plain transformers loads.
+
+The folder holds ``config.json``, safetensors weights and the tokenizer files, and nothing
+rlhfkit-specific. A reward model whose tokenizer pads with EOS (or has no pad) is saved with a
+distinct ``<|pad|>`` token and one more embedding row: transformers' own sequence-classification
+pooling reads the score at the last token that is *not* the pad id, so with pad == EOS it would
+skip the EOS the score belongs to (huggingface/transformers#30004, huggingface/trl#2778).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+from rlhfkit.models.loading import PAD_TOKEN
+from rlhfkit.models.readout import unwrap_model
+
+
+def is_scalar_model(model: torch.nn.Module) -> bool:
+    """True for a sequence-classification model (reward / value), judged by its class name."""
+    return type(unwrap_model(model)).__name__.endswith("ForSequenceClassification")
+
+
+def save_hf_folder(model: torch.nn.Module, tokenizer, path: str | os.PathLike) -> None:
+    """Write ``model`` (safetensors) and ``tokenizer`` into the folder ``path``.
+
+    The caller's model and tokenizer are never changed in a way that matters to training: when a
+    reward model needs a distinct pad token, a copy of both is resized and saved (so an optimizer
+    that holds the model's parameters is not left with stale ones); this briefly needs the memory
+    of a second copy of the model.
+
+    Args:
+        model: a causal LM or a scalar model, possibly wrapped (DDP / accelerate).
+        tokenizer: its tokenizer.
+        path: the output folder (created if missing).
+    """
+    model = unwrap_model(model)
+    os.makedirs(path, exist_ok=True)
+    pad_id = tokenizer.pad_token_id
+    if is_scalar_model(model) and (pad_id is None or pad_id == tokenizer.eos_token_id):
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        model = copy.deepcopy(model)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    if model.config.pad_token_id != tokenizer.pad_token_id:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
