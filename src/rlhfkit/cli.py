@@ -1,0 +1,206 @@
+"""The ``rlhfkit`` command.
+
+    rlhfkit train {sft,reward,prm,ppo,grpo,rloo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
+    rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite]
+    rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE]
+    rlhfkit report RUN_DIR
+
+A user's mistake (a :class:`rlhfkit.errors.UserError`: bad configuration, bad data, an occupied output
+folder) prints one line ``rlhfkit: error: <message>`` on stderr and exits with code 2; any other exception is
+a bug and keeps its traceback. :func:`main` takes ``argv`` and returns the exit code, so tests call it
+in-process.
+
+Each command runs a function named in :data:`TARGETS` (``module:function``), imported only when that
+command runs, so a new trainer plugs in with one line here and ``rlhfkit --help`` stays fast. A target
+whose module is not written yet gives "not built yet: ..." and exit code 2.
+
+One process: ``rlhfkit train ppo --config ppo.yaml``. Several (data parallel, through accelerate):
+``accelerate launch -m rlhfkit.cli train ppo --config ppo.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from rlhfkit import __version__
+from rlhfkit.config import KINDS, config_help, load_config
+from rlhfkit.errors import UserError
+
+# Command -> "module:function". Trainers are called as train(cfg: RunConfig, resume: bool).
+TARGETS: dict[str, str] = {
+    "sft": "rlhfkit.trainers.sft:train",
+    "reward": "rlhfkit.trainers.reward:train",
+    "prm": "rlhfkit.trainers.reward:train_prm",
+    "ppo": "rlhfkit.trainers.online:train",
+    "grpo": "rlhfkit.trainers.online:train",
+    "rloo": "rlhfkit.trainers.online:train",
+    "quickstart": "rlhfkit.pipeline:quickstart",  # quickstart(out_dir, preset, overwrite)
+    "generate": "rlhfkit.rollout.generate_cli:generate",  # see _generate
+    "report": "rlhfkit.report:write_report",  # write_report(run_dir)
+}
+# What `quickstart` runs, for the message that says which stages are still missing.
+QUICKSTART_STAGES: dict[str, str] = {
+    "built-in task": "rlhfkit.tasks",
+    "SFT trainer": "rlhfkit.trainers.sft",
+    "reward-model trainer": "rlhfkit.trainers.reward",
+    "PPO trainer": "rlhfkit.trainers.online",
+    "pipeline": "rlhfkit.pipeline",
+    "report": "rlhfkit.report",
+}
+DEFAULT_TEMPERATURE = 0.7  # as online.temperature (Huang et al. 2024)
+
+
+class NotBuiltError(UserError):
+    """A command whose code is not written yet (not the user's mistake, but reported the same way)."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            if args.command != "train" or any(a.startswith("-") or "=" not in a for a in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.overrides = [*args.overrides, *extra]  # overrides written before an option
+    except SystemExit as e:  # --help, or a usage error that argparse has already printed
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+
+    from rlhfkit.engine import threads
+
+    threads.set_num_threads()
+    try:
+        return args.run(args) or 0
+    except UserError as e:
+        message = " ".join(str(e).split("\n"))
+        print(f"rlhfkit: error: {message}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlhfkit", description="Classic RLHF on Hugging Face language models: SFT, reward models, PPO "
+                                    "(and GRPO / RLOO / REINFORCE++).")
+    parser.add_argument("--version", action="version", version=f"rlhfkit {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser(
+        "train", help="train one model from a YAML configuration",
+        description="Train one model. Every configuration key can be set in the YAML file or overridden "
+                    "here as dotted.key=value (parsed as YAML: 1e-5, true, null, [a, b]).",
+        epilog="configuration keys:\n" + config_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("kind", choices=KINDS, help="sft, reward (Bradley-Terry), prm (process reward), ppo, "
+                                                   "grpo, rloo")
+    train.add_argument("--config", required=True, metavar="FILE", help="the run's YAML configuration")
+    folder = train.add_mutually_exclusive_group()
+    folder.add_argument("--resume", action="store_true",
+                        help="continue the run in output_dir from its newest complete checkpoint")
+    folder.add_argument("--overwrite", action="store_true", help="delete output_dir's run and start again")
+    train.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="configuration overrides")
+    train.set_defaults(run=_train)
+
+    quick = commands.add_parser(
+        "quickstart", help="the whole pipeline on the built-in task",
+        description="SFT -> preference labelling -> reward model -> PPO -> evaluation on the built-in "
+                    "offline task; writes summary.json and a report.")
+    quick.add_argument("--out", default="runs/quickstart", metavar="DIR", help="output folder (default: %(default)s)")
+    quick.add_argument("--preset", choices=("tiny", "small"), default="tiny", help="model and data size")
+    quick.add_argument("--overwrite", action="store_true", help="delete DIR's previous quickstart first")
+    quick.set_defaults(run=_quickstart)
+
+    gen = commands.add_parser("generate", help="sample responses from a trained policy",
+                              description="Sample one response per prompt and write JSON Lines.")
+    gen.add_argument("--model", required=True, metavar="DIR", help="a policy folder (e.g. <run>/final)")
+    gen.add_argument("--prompts", required=True, metavar="FILE", help="prompts file ({\"prompt\": ...} rows)")
+    how = gen.add_mutually_exclusive_group()
+    how.add_argument("--greedy", action="store_true", help="take the most likely token")
+    how.add_argument("--temperature", type=float, metavar="T",
+                     help=f"sampling temperature (default: {DEFAULT_TEMPERATURE})")
+    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: %(default)s")
+    gen.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    gen.add_argument("--out", metavar="FILE", help="write {prompt, response} JSON Lines here (default: stdout)")
+    gen.set_defaults(run=_generate)
+
+    rep = commands.add_parser("report", help="plots and a report from a run's metrics.jsonl",
+                              description="Write plots (PNG) and a report into RUN_DIR.")
+    rep.add_argument("run_dir", metavar="RUN_DIR")
+    rep.set_defaults(run=_report)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rlhfkit.engine.run import prepare_output_dir
+
+    cfg = load_config(args.config, args.overrides, args.kind)
+    train = resolve(TARGETS[args.kind])
+    prepare_output_dir(cfg.output_dir, resume=args.resume, overwrite=args.overwrite)
+    train(cfg, resume=args.resume)
+    return 0
+
+
+def _quickstart(args: argparse.Namespace) -> int:
+    from rlhfkit.engine.run import prepare_output_dir
+
+    try:
+        quickstart = resolve(TARGETS["quickstart"])
+    except NotBuiltError as e:
+        missing = [stage for stage, module in QUICKSTART_STAGES.items() if not _module_exists(module)]
+        raise NotBuiltError(f"{e}; stages still missing: {', '.join(missing) or 'none'}") from None
+    prepare_output_dir(args.out, overwrite=args.overwrite)
+    quickstart(args.out, args.preset, args.overwrite)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if not Path(args.prompts).is_file():
+        raise UserError(f"prompts file not found: {args.prompts}")
+    temperature = 0.0 if args.greedy else DEFAULT_TEMPERATURE if args.temperature is None else args.temperature
+    if temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {temperature}")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    generate = resolve(TARGETS["generate"])
+    # temperature 0 means greedy decoding.
+    generate(args.model, args.prompts, out=args.out, temperature=temperature,
+             max_new_tokens=args.max_new_tokens, seed=args.seed)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    if not Path(args.run_dir).is_dir():
+        raise UserError(f"run folder not found: {args.run_dir}")
+    resolve(TARGETS["report"])(args.run_dir)
+    return 0
+
+
+def resolve(target: str) -> Callable:
+    """Import ``"module:function"``; :class:`NotBuiltError` when the module or function does not exist yet.
+
+    An import error from inside an existing module (a missing dependency) is a bug and propagates.
+    """
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise
+        raise NotBuiltError(f"not built yet: {target}") from None
+    if not hasattr(module, attr):
+        raise NotBuiltError(f"not built yet: {target}")
+    return getattr(module, attr)
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
