@@ -339,6 +339,8 @@ def _check_keys(values: dict, cls: type, prefix: str, source: str) -> list[str]:
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f"; known keys here: {', '.join(hints)}"
             raise ConfigError(f"{source}: unknown key '{key}'{hint}")
         if _is_section(hints[name]):
+            if value is None:  # `online:` with every key commented out
+                values[name] = value = {}
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: '{key}' is a section; expected a mapping of its keys, got {value!r}")
             seen += _check_keys(value, hints[name], key + ".", source)

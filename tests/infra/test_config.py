@@ -163,6 +163,8 @@ def test_file_errors_name_the_file_and_line(tmp_path):
 
 
 def test_empty_file_gives_defaults_and_required_keys_are_named(tmp_path):
+    commented = write(tmp_path, "online:\n  # kl_coef: 0.1\nreward:\n", "commented.yaml")
+    assert load_config(commented, REQUIRED, "sft") == load_config(None, REQUIRED, "sft")
     empty = write(tmp_path, "", "empty.yaml")
     with pytest.raises(ConfigError, match=r"^output_dir: required"):
         load_config(empty, [], "sft")

@@ -62,6 +62,7 @@ def save_checkpoint(
         checkpoints_dir: the run's ``checkpoints/`` folder (created if missing).
         step: the number of completed steps; a resumed run continues with ``step + 1``.
         models / optimizers / schedulers: name -> object; names are letters, digits, ``-`` and ``_``.
+            Pass unwrapped models (``accelerator.unwrap_model``), so that the weight names are the model's.
         trainer_state: anything else the loop needs (data position, controller state, ...): plain data
             and tensors. ``step`` is added to it.
         keep_last: afterwards, delete all but the newest ``keep_last`` complete checkpoints.
@@ -193,7 +194,13 @@ def _read_marker(path: Path) -> dict | None:
 
 
 def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    """Flush a file, or a folder's entries, to disk (folders cannot be opened on Windows: skipped)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if path.is_dir():
+            return
+        raise
     try:
         os.fsync(fd)
     finally:
