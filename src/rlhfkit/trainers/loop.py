@@ -1,0 +1,181 @@
+"""The offline training loop shared by SFT and reward-model training.
+
+Both are "minimise a loss over a fixed dataset": what differs is how a batch is collated, how its loss is
+computed and what evaluation reports. This module owns the rest, once:
+
+- the data order: a stateless function of (seed, step), so resuming needs only the step
+  (no sampler state to save: REFERENCES.md bug 11, huggingface/accelerate#2016);
+- micro-batching and gradient accumulation, with the loss normalised by the *whole* batch
+  (``normalizer``), so micro-batch and process counts do not change the gradient
+  (REFERENCES.md bug 10; STYLE.md rule 8);
+- gradient clipping, the optimizer and schedule, metrics, evaluation, checkpoints, resume, ``final/``.
+
+A trainer passes a :class:`Objective`. Launch: one process with ``rlhfkit train ...``; several with
+``accelerate launch -m rlhfkit.cli train ...`` (each process takes a slice of every batch).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhfkit.engine.accel import dp_scale
+from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
+from rlhfkit.engine.optim import optimizer_and_scheduler
+from rlhfkit.engine.run import RunDir
+
+
+@dataclass
+class Objective:
+    """What a trainer supplies to :func:`train_offline`.
+
+    Attributes:
+        collate: a list of examples -> a dict of tensors (one micro-batch).
+        loss: (model, micro-batch, normalizer) -> (scalar loss, stats). The loss is already divided by
+            ``normalizer`` (the whole batch's unit count, via ``rlhfkit.algos.aggregate_loss``), so the
+            loop only sums micro-batches and processes; stats are normalised the same way.
+        normalizer: a list of examples (the whole batch, all processes) -> the number of units the loss
+            averages over (tokens for SFT, pairs for a reward model).
+        evaluate: (model, step) -> metrics to log (prefixed ``eval/`` by the caller), or None.
+        better: (new_eval, best_eval) -> True when ``new_eval`` is better (to keep the best model), or None.
+    """
+
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]]
+    loss: Callable[[torch.nn.Module, dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]]
+    normalizer: Callable[[list[Any]], float]
+    evaluate: Callable[[torch.nn.Module, int], dict[str, float]] | None = None
+
+
+def batch_indices(num_examples: int, batch_size: int, step: int, seed: int, shuffle: bool = True) -> list[int]:
+    """The example indices of optimizer step ``step`` (1-based): a stateless function of (seed, step).
+
+    The data is one endless stream of epochs, each a permutation seeded by (seed, epoch); step k takes
+    items [(k-1)*batch_size, k*batch_size) of that stream, so a batch may span two epochs.
+    """
+    start = (step - 1) * batch_size
+    out: list[int] = []
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), num_examples)
+        order = _epoch_order(num_examples, seed, epoch, shuffle)
+        out.extend(order[offset : offset + batch_size - len(out)])
+    return out
+
+
+def _epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def micro_batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    """Consecutive chunks of ``items`` of at most ``size``."""
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def train_offline(
+    cfg,
+    run: RunDir,
+    model: torch.nn.Module,
+    examples: Sequence[Any],
+    objective: Objective,
+    accelerator,
+    *,
+    on_save: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Train ``model`` on ``examples`` for ``cfg.train.max_steps`` optimizer steps.
+
+    Args:
+        cfg: the run's :class:`rlhfkit.config.RunConfig` (``train`` and ``data.shuffle`` are read).
+        run: the opened run folder (metrics, checkpoints, resume point).
+        model: the model, already on ``accelerator.device``.
+        examples: tokenised training examples (any objects ``objective.collate`` understands).
+        objective: see :class:`Objective`.
+        accelerator: an ``accelerate.Accelerator``.
+        on_save: called after every checkpoint (e.g. to keep the best model).
+    Returns:
+        ``{"step", "loss", "eval": last evaluation metrics, "wall_seconds", "examples_per_second"}``.
+    """
+    t = cfg.train
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if t.batch_size % world:
+        from rlhfkit.errors import ConfigError
+
+        raise ConfigError(f"train.batch_size ({t.batch_size}) must be a multiple of the number of processes ({world})")
+    local_batch = t.batch_size // world
+    micro = t.micro_batch_size or local_batch
+    optimizer, scheduler = optimizer_and_scheduler(model, t)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    state: dict[str, Any] = {"step": 0}
+    if run.resume_checkpoint is not None:
+        state = load_checkpoint(run.resume_checkpoint, {"model": accelerator.unwrap_model(model)},
+                                {"model": optimizer}, {"model": scheduler})
+    last_eval: dict[str, float] = dict(state.get("last_eval", {}))
+    start_time, seen, loss_value = time.perf_counter(), 0, float("nan")
+    model.train()
+    for step in run.progress(range(state["step"] + 1, t.max_steps + 1), total=t.max_steps, desc="train"):
+        step_start = time.perf_counter()
+        indices = batch_indices(len(examples), t.batch_size, step, cfg.seed, cfg.data.shuffle)
+        batch = [examples[i] for i in indices]
+        norm = max(float(objective.normalizer(batch)), 1.0)
+        mine = batch[rank::world]
+        chunks = micro_batches(mine, micro)
+        totals: dict[str, float] = {}
+        loss_sum = 0.0
+        for k, chunk in enumerate(chunks):
+            inputs = {name: v.to(accelerator.device) for name, v in objective.collate(list(chunk)).items()}
+            # No gradient all-reduce until the last micro-batch of the step.
+            sync = accelerator.no_sync(model) if k < len(chunks) - 1 and world > 1 else nullcontext()
+            with sync:
+                loss, stats = objective.loss(model, inputs, norm)
+                accelerator.backward(loss * dp_scale(accelerator))
+            loss_sum += float(loss.detach())
+            for name, value in stats.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+        grad_norm = None
+        if t.max_grad_norm is not None:
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm))
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        seen += len(batch)
+        loss_value = _all_sum(accelerator, loss_sum)
+
+        metrics: dict[str, Any] = {"loss": loss_value, "learning_rate": lr, "time/step_seconds": time.perf_counter() - step_start}
+        metrics.update({name: _all_sum(accelerator, v) for name, v in totals.items()})
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        if objective.evaluate is not None and (step % t.eval_steps == 0 or step == t.max_steps):
+            model.eval()
+            with torch.no_grad():
+                last_eval = objective.evaluate(accelerator.unwrap_model(model), step)
+            model.train()
+            metrics.update({f"eval/{k}": v for k, v in last_eval.items()})
+        if step % t.log_steps == 0 or step == t.max_steps or "eval/loss" in metrics:
+            run.metrics.log(step, metrics)
+        if step % t.save_steps == 0 or step == t.max_steps:
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                save_checkpoint(run.checkpoints_dir, step, {"model": accelerator.unwrap_model(model)},
+                                {"model": optimizer}, {"model": scheduler},
+                                {"last_eval": last_eval}, keep_last=t.keep_last_checkpoints)
+            if on_save is not None:
+                on_save(step)
+    elapsed = time.perf_counter() - start_time
+    return {"step": t.max_steps, "loss": loss_value, "eval": last_eval, "wall_seconds": elapsed,
+            "examples_per_second": seen / elapsed if elapsed > 0 else None}
+
+
+def _all_sum(accelerator, value: float) -> float:
+    if accelerator.num_processes == 1:
+        return value
+    tensor = torch.tensor([value], device=accelerator.device, dtype=torch.float64)
+    return float(accelerator.reduce(tensor, reduction="sum"))
+

@@ -1,0 +1,101 @@
+"""Supervised fine-tuning: next-token cross-entropy on completion tokens only.
+
+The SFT policy is the start of classic RLHF (Ouyang et al. 2022, step 1): the PPO actor, the frozen
+reference, and the reward model's backbone all begin from it. The loss is the mean negative
+log-likelihood over the completion tokens of the whole batch (prompt and padding tokens carry label
+-100); the completion ends with EOS, which is inside the loss also when the tokenizer pads with EOS
+(huggingface/trl#1623).
+
+Launch:
+    rlhfkit train sft --config sft.yaml                       # one process
+    accelerate launch -m rlhfkit.cli train sft --config sft.yaml   # several processes (data parallel)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from rlhfkit.algos import aggregate_loss
+from rlhfkit.data import SFTCollator, TokenLimits, prepare_examples
+from rlhfkit.engine.accel import make_accelerator
+from rlhfkit.engine.run import RunDir
+from rlhfkit.engine.seed import seed_everything
+from rlhfkit.models import causal_lm_logits, load_causal_lm, load_tokenizer, logprobs_from_logits, save_hf_folder
+from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
+
+
+def completion_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token negative log-likelihood of the labels and its mask.
+
+    Args:
+        batch: ``input_ids``, ``attention_mask``, ``labels`` (B, L); labels are -100 where no loss is taken.
+    Returns:
+        (nll (B, L-1), mask (B, L-1) bool): the token at column j+1 predicted from column j.
+    """
+    logits = causal_lm_logits(model, batch["input_ids"], batch["attention_mask"])  # (B, L, V)
+    targets = batch["labels"][:, 1:]  # (B, L-1)
+    mask = targets != -100
+    logprobs = logprobs_from_logits(logits[:, :-1], targets.clamp(min=0))  # (B, L-1)
+    return -logprobs, mask
+
+
+def sft_objective(collate: SFTCollator, eval_examples: list[dict] | None, eval_batch_size: int, device) -> Objective:
+    """The SFT loss (token-mean over the whole batch) and an evaluation loss on held-out examples."""
+
+    def loss(model, batch, normalizer):
+        nll, mask = completion_nll(model, batch)
+        value = aggregate_loss(nll, mask, "token-mean", normalizer=normalizer)
+        return value, {}
+
+    def evaluate(model, step):
+        if not eval_examples:
+            return {}
+        total, count = 0.0, 0
+        for chunk in micro_batches(eval_examples, eval_batch_size):
+            batch = {k: v.to(device) for k, v in collate(list(chunk)).items()}
+            nll, mask = completion_nll(model, batch)
+            total += float((nll * mask).sum())
+            count += int(mask.sum())
+        mean = total / max(count, 1)
+        return {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}
+
+    return Objective(collate=collate, loss=loss, normalizer=count_completion_tokens, evaluate=evaluate)
+
+
+def count_completion_tokens(examples: list[dict]) -> float:
+    """The number of tokens the loss averages over: every completion token (EOS included)."""
+    return float(sum(len(e["completion_ids"]) for e in examples))
+
+
+def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Run SFT as configured; write ``final/`` and ``summary.json``; return the summary."""
+    seed_everything(cfg.seed)
+    accelerator = make_accelerator()
+    run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
+
+    # Load and validate all data before any model is built: bad input stops here, with file/line/field.
+    tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
+    examples = prepare_examples(cfg.data.train_file, "sft", tokenizer, limits)
+    eval_examples = prepare_examples(cfg.data.eval_file, "sft", tokenizer, limits) if cfg.data.eval_file else None
+
+    model = load_causal_lm(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
+                           dtype=cfg.model.dtype, tokenizer=tokenizer, dropout=not cfg.model.disable_dropout)
+    model.to(accelerator.device)
+    collate = SFTCollator(tokenizer.pad_token_id)
+    eval_batch = cfg.train.micro_batch_size or cfg.train.batch_size
+    objective = sft_objective(collate, eval_examples, eval_batch, accelerator.device)
+    result = train_offline(cfg, run, model, examples, objective, accelerator)
+
+    summary = {"kind": "sft", "steps": result["step"], "train_loss": result["loss"],
+               "eval_loss": result["eval"].get("loss"), "eval_perplexity": result["eval"].get("perplexity"),
+               "train_examples": len(examples), "wall_seconds": result["wall_seconds"],
+               "examples_per_second": result["examples_per_second"]}
+    if accelerator.is_main_process:
+        save_hf_folder(accelerator.unwrap_model(model), tokenizer, run.final_dir)
+        run.write_summary(summary)
+    run.close()
+    return summary
