@@ -23,7 +23,13 @@ from rlhfkit.data import SFTCollator, TokenLimits, prepare_examples
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import seed_everything
-from rlhfkit.models import causal_lm_logits, load_causal_lm, load_tokenizer, logprobs_from_logits, save_hf_folder
+from rlhfkit.models import (
+    causal_lm_logits,
+    load_causal_lm,
+    load_tokenizer,
+    logprobs_from_logits,
+    save_hf_folder,
+)
 from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
 
 
