@@ -71,9 +71,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, or a usage error that argparse has already printed
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
-    from rlhfkit.engine import threads
-
-    threads.set_num_threads()
     try:
         return args.run(args) or 0
     except UserError as e:
@@ -134,9 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rlhfkit.engine.run import prepare_output_dir
-
     cfg = load_config(args.config, args.overrides, args.kind)
+    _set_threads()
+    from rlhfkit.engine.run import prepare_output_dir  # imports torch
+
     train = resolve(TARGETS[args.kind])
     prepare_output_dir(cfg.output_dir, resume=args.resume, overwrite=args.overwrite)
     train(cfg, resume=args.resume)
@@ -146,6 +144,7 @@ def _train(args: argparse.Namespace) -> int:
 def _quickstart(args: argparse.Namespace) -> int:
     from rlhfkit.engine.run import prepare_output_dir
 
+    _set_threads()
     try:
         quickstart = resolve(TARGETS["quickstart"])
     except NotBuiltError as e:
@@ -164,6 +163,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError(f"--temperature must be >= 0, got {temperature}")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    _set_threads()
     generate = resolve(TARGETS["generate"])
     # temperature 0 means greedy decoding.
     generate(args.model, args.prompts, out=args.out, temperature=temperature,
@@ -174,8 +174,17 @@ def _generate(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     if not Path(args.run_dir).is_dir():
         raise UserError(f"run folder not found: {args.run_dir}")
+    _set_threads()
     resolve(TARGETS["report"])(args.run_dir)
     return 0
+
+
+def _set_threads() -> None:
+    """Every command sets torch's thread count before any work (DESIGN.md, "Threads"); after the checks
+    of its arguments, so that a mistake is reported without waiting for torch to import."""
+    from rlhfkit.engine import threads
+
+    threads.set_num_threads()
 
 
 def resolve(target: str) -> Callable:

@@ -87,7 +87,7 @@ def test_train_dispatch_with_overrides(tmp_path, fake, no_thread_change):
     assert cfg.kind == "grpo" and cfg.online.advantage_estimator == "grpo" and cfg.online.group_size >= 2
     assert cfg.train.learning_rate == 3e-6 and cfg.online.kl_coef == 0.1 and resume is False
     assert (tmp_path / "run" / RUN_MARKER).is_file()
-    assert no_thread_change == [()]
+    assert no_thread_change == [()]  # set once, before the trainer runs
     for kind, estimator in (("ppo", "gae"), ("rloo", "rloo")):
         fake.clear()
         assert cli.main(["train", kind, "--config", str(path), "--overwrite"]) == 0
