@@ -48,7 +48,7 @@ def test_added_pad_token_resizes_the_model(tmp_path):
     model = load_causal_lm(str(tmp_path / "lm"), tokenizer=tokenizer)
     assert model.get_input_embeddings().weight.shape[0] == len(tokenizer) == vocab + 1
     assert model.config.pad_token_id == tokenizer.pad_token_id
-    assert model.dtype == torch.float32
+    assert model.dtype == resolve_dtype("auto")
 
 
 def test_missing_and_pickle_only_folders(tmp_path):
@@ -128,7 +128,8 @@ def test_disable_dropout_makes_train_mode_deterministic():
 
 
 def test_resolve_dtype():
-    assert resolve_dtype("auto") == torch.float32
+    expected = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    assert resolve_dtype("auto") == expected
     assert resolve_dtype("bfloat16") == torch.bfloat16
     with pytest.raises(UserError, match="unknown dtype 'bf16'"):
         resolve_dtype("bf16")

@@ -5,8 +5,9 @@ Rules (DESIGN.md, "Models"):
   by default;
 - weights come from safetensors only (``use_safetensors=True``): a folder with nothing but
   pickled ``pytorch_model.bin`` weights is refused with a message that says so;
-- ``dtype="auto"`` means float32 master weights (on CPU and on GPU alike; mixed precision is the
-  engine's job), so the actor and the frozen reference agree bit for bit at step 0;
+- ``dtype="auto"`` means float32 on CPU (bf16 there is ~18x slower, REFERENCES.md) and bfloat16
+  when a CUDA GPU that supports it is present (the ``model.dtype`` help in config.py); all roles
+  load in the same dtype, so the actor and the frozen reference agree bit for bit at step 0;
 - a tokenizer without a pad token is resolved explicitly by :func:`load_tokenizer`'s
   ``missing_pad`` argument, never silently.
 
@@ -31,11 +32,13 @@ PAD_TOKEN = "<|pad|>"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"auto"`` -> float32; ``"float32" | "bfloat16" | "float16"`` or a torch dtype as given."""
+    """``"auto"`` -> bfloat16 on a CUDA machine that supports it, else float32;
+    ``"float32" | "bfloat16" | "float16"`` or a torch dtype as given."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.float32
+        cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype '{dtype}': use auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -130,7 +133,7 @@ def load_causal_lm(
     Args:
         name_or_path: local folder or hub id.
         trust_remote_code: allow custom model code from the folder (off by default).
-        dtype: ``"auto"`` (float32), ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype.
+        dtype: ``"auto"`` (see :func:`resolve_dtype`), ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype.
         tokenizer: when given, embeddings are resized to it and its pad id is recorded.
         dropout: keep the model's dropout; RLHF turns it off in all four roles (trl#454), the default.
     """

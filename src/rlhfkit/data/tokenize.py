@@ -1,0 +1,235 @@
+"""Tokenising validated records into token-id lists, with prompt truncation and EOS handling.
+
+Conventions (one place for all trainers):
+- A plain prompt is tokenised with the tokenizer's special tokens (BOS); a response without
+  them. A conversational prompt is rendered with the tokenizer's chat template and
+  ``add_generation_prompt=True``; a conversational response is the text the template adds for the
+  reply (the rendered prompt + reply minus the rendered prompt).
+- Prompt and response are tokenised separately and concatenated, as the policy sees them when it
+  generates.
+- Every SFT completion and preference response ends with EOS: appended to plain text unless
+  already last; for a chat reply, the reply is cut right after the template's last EOS (dropping
+  trailing template whitespace), or EOS is appended when the template writes none. The EOS stays
+  in the loss (huggingface/trl#1623): collators build masks from lengths, never from the pad id.
+- ``truncation`` applies to prompts longer than ``max_prompt_length``: ``"error"`` stops with a
+  DataError that names the record; ``"left"`` drops tokens from the start (keeps the end of the
+  prompt, next to the response; a leading BOS is kept); ``"right"`` drops them from the end.
+  Responses longer than the room ``max_length`` leaves are cut at the right (such an example then
+  ends without EOS).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from rlhfkit.data.records import FieldError, Kind, Records, load_dataset_records
+
+Truncation = Literal["error", "left", "right"]
+TRUNCATIONS = ("error", "left", "right")
+
+
+@dataclass(frozen=True)
+class TokenLimits:
+    """How records are cut to size (the ``data`` section of the run configuration).
+
+    Attributes:
+        max_prompt_length: the longest prompt in tokens (None = no limit).
+        max_length: the longest prompt + response in tokens (None = no limit; unused for prompts).
+        truncation: ``"error" | "left" | "right"`` for prompts over ``max_prompt_length``.
+        step_separator: appended to every step of process-supervision data.
+    """
+
+    max_prompt_length: int | None = None
+    max_length: int | None = None
+    truncation: Truncation = "error"
+    step_separator: str = "\n"
+
+    def __post_init__(self):
+        if self.truncation not in TRUNCATIONS:
+            raise ValueError(f"truncation must be one of {TRUNCATIONS}, got '{self.truncation}'")
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, field: str = "prompt") -> str:
+    """The chat template's text for ``messages``; a FieldError when the tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise FieldError(
+            field,
+            "conversational data needs a chat template, but the tokenizer has none "
+            "(set tokenizer.chat_template, or give plain-text prompts)",
+        )
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def _ids(tokenizer, text: str, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def encode_prompt(
+    tokenizer,
+    prompt: str | list[dict],
+    max_prompt_length: int | None = None,
+    truncation: Truncation = "error",
+) -> list[int]:
+    """Token ids of a plain or conversational prompt, truncated as the module docstring says."""
+    if isinstance(prompt, list):
+        ids = _ids(tokenizer, render_chat(tokenizer, prompt, add_generation_prompt=True), special=False)
+    else:
+        ids = _ids(tokenizer, prompt, special=True)
+    if not ids:
+        raise FieldError("prompt", "tokenizes to no tokens")
+    if max_prompt_length is None or len(ids) <= max_prompt_length:
+        return ids
+    if truncation == "error":
+        raise FieldError(
+            "prompt",
+            f"is {len(ids)} tokens, longer than max_prompt_length={max_prompt_length} "
+            "(set data.truncation to left or right to cut it)",
+        )
+    if truncation == "right":
+        return ids[:max_prompt_length]
+    if truncation != "left":
+        raise ValueError(f"truncation must be one of {TRUNCATIONS}, got '{truncation}'")
+    bos = tokenizer.bos_token_id
+    if bos is not None and ids[0] == bos and max_prompt_length > 1:
+        return [bos] + ids[len(ids) - max_prompt_length + 1 :]
+    return ids[len(ids) - max_prompt_length :]
+
+
+def encode_response(tokenizer, prompt: str | list[dict], response: str | list[dict], field: str) -> list[int]:
+    """Token ids of a response that ends with EOS (see the module docstring)."""
+    eos = tokenizer.eos_token_id
+    if isinstance(prompt, list):
+        prompt_text = render_chat(tokenizer, prompt, add_generation_prompt=True, field=field)
+        full = render_chat(tokenizer, prompt + response, add_generation_prompt=False, field=field)
+        if not full.startswith(prompt_text):
+            raise FieldError(
+                field,
+                "the chat template does not render the prompt as a prefix of prompt + reply, "
+                "so the reply's tokens cannot be told apart",
+            )
+        ids = _ids(tokenizer, full[len(prompt_text) :], special=False)
+        if eos in ids:
+            ids = ids[: len(ids) - ids[::-1].index(eos)]
+    else:
+        ids = _ids(tokenizer, response, special=False)
+    if not ids or ids[-1] != eos:
+        ids.append(eos)
+    if len(ids) == 1:
+        raise FieldError(field, "tokenizes to no tokens besides EOS")
+    return ids
+
+
+def _room(prompt_ids: list[int], max_length: int | None) -> int | None:
+    """How many response tokens fit after the prompt (None = no limit)."""
+    if max_length is None:
+        return None
+    room = max_length - len(prompt_ids)
+    if room < 1:
+        raise FieldError(
+            "prompt",
+            f"is {len(prompt_ids)} tokens, which leaves no room for a response "
+            f"within max_length={max_length}",
+        )
+    return room
+
+
+def _prompt_ids(record: dict, tokenizer, limits: TokenLimits) -> list[int]:
+    return encode_prompt(tokenizer, record["prompt"], limits.max_prompt_length, limits.truncation)
+
+
+def tokenize_prompt(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -> dict:
+    """``{"prompt_ids": list[int], "record": the validated record}`` (the record goes to reward functions)."""
+    return {"prompt_ids": _prompt_ids(record, tokenizer, limits), "record": record}
+
+
+def tokenize_sft(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -> dict:
+    """``{"prompt_ids", "completion_ids"}``; the completion ends with EOS unless cut by ``max_length``."""
+    prompt_ids = _prompt_ids(record, tokenizer, limits)
+    room = _room(prompt_ids, limits.max_length)
+    completion = encode_response(tokenizer, record["prompt"], record["completion"], "completion")
+    return {"prompt_ids": prompt_ids, "completion_ids": completion[:room]}
+
+
+def tokenize_preference(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -> dict:
+    """``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (+ ``"margin"`` when the record has one)."""
+    prompt_ids = _prompt_ids(record, tokenizer, limits)
+    room = _room(prompt_ids, limits.max_length)
+    out = {"prompt_ids": prompt_ids}
+    for name in ("chosen", "rejected"):
+        out[f"{name}_ids"] = encode_response(tokenizer, record["prompt"], record[name], name)[:room]
+    if record.get("margin") is not None:
+        out["margin"] = float(record["margin"])
+    return out
+
+
+def tokenize_prm(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -> dict:
+    """``{"prompt_ids", "completion_ids", "step_ends", "labels"}``.
+
+    The completion is the steps, each followed by ``step_separator``; ``step_ends[i]`` is the index
+    (within the completion) of step i's last token, where a process reward model reads its score.
+    Steps that do not fit within ``max_length`` are dropped with their labels.
+    """
+    prompt_ids = _prompt_ids(record, tokenizer, limits)
+    room = _room(prompt_ids, limits.max_length)
+    completion, step_ends = [], []
+    for i, step in enumerate(record["steps"]):
+        ids = _ids(tokenizer, step + limits.step_separator, special=False)
+        if not ids:
+            raise FieldError(f"steps[{i}]", "tokenizes to no tokens")
+        if room is not None and len(completion) + len(ids) > room:
+            break
+        completion += ids
+        step_ends.append(len(completion) - 1)
+    if not step_ends:
+        raise FieldError("steps", f"not even the first step fits within max_length={limits.max_length}")
+    return {
+        "prompt_ids": prompt_ids,
+        "completion_ids": completion,
+        "step_ends": step_ends,
+        "labels": list(record["labels"][: len(step_ends)]),
+    }
+
+
+TOKENIZERS = {
+    "prompts": tokenize_prompt,
+    "sft": tokenize_sft,
+    "preferences": tokenize_preference,
+    "prm": tokenize_prm,
+}
+
+
+def tokenize_records(records: Records, tokenizer, limits: TokenLimits = TokenLimits()) -> list[dict]:
+    """Tokenise every validated record (of ``records.kind``); a DataError names the first bad one.
+
+    Args:
+        records: from :func:`rlhfkit.data.load_dataset_records`.
+        tokenizer: a transformers tokenizer with an EOS token.
+        limits: prompt and total length limits, truncation mode, PRM step separator.
+    Returns:
+        one dict of token-id lists per record, as the ``tokenize_*`` functions describe.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token (load it with rlhfkit.models.load_tokenizer)")
+    tokenize = TOKENIZERS[records.kind]
+    examples = []
+    for index, record in enumerate(records):
+        try:
+            examples.append(tokenize(record, tokenizer, limits))
+        except FieldError as error:
+            raise records.error(index, error.message, field=error.field) from None
+    return examples
+
+
+def prepare_examples(
+    source: str | os.PathLike,
+    kind: Kind,
+    tokenizer,
+    limits: TokenLimits = TokenLimits(),
+    split: str = "train",
+) -> list[dict]:
+    """Read, validate and tokenise a whole dataset up front, so that bad data stops a run before training."""
+    return tokenize_records(load_dataset_records(source, kind, split), tokenizer, limits)
