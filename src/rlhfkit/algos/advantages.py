@@ -16,6 +16,9 @@ cut the sum: with z the uncut sum and b the step after the next done, ``A_t = z_
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -23,14 +26,20 @@ from rlhfkit.algos.masked import _bool_mask, float_mask
 
 _CHUNK = 32  # steps per chunk of the scan; 16-64 are equally fast on CPU at B=512, T=1024
 
+_BLOCK_BYTES = 1 << 19  # on CPU, rows are done in blocks of ~512 KB per (b, T) temporary
+
 _FLOAT64_ABOVE_LAM = 0.95  # above this lam the sum spans hundreds of steps: accumulate in float64
 
 
+@functools.lru_cache(maxsize=64)
 def _decay_matrix(n: int, c: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``(n, n)`` upper-triangular ``M[j, k] = c**(k - j)`` for ``k >= j`` (built in float64)."""
-    idx = torch.arange(n, dtype=torch.float64, device=device)
-    lag = idx[None, :] - idx[:, None]  # (n, n): k - j
-    return torch.where(lag >= 0, c ** lag.clamp(min=0), 0.0).to(dtype)
+    """``(n + 1, n)``: rows 0..n-1 upper-triangular ``M[j, k] = c**(k - j)`` for ``k >= j``; row n holds
+    ``c**(n - k)``, the decay from step k to the step after the chunk. Built in float64, then cast."""
+    idx = torch.arange(n + 1, dtype=torch.float64, device=device)
+    lag = idx[None, :n] - idx[:, None]  # (n + 1, n): k - j
+    m = torch.where(lag >= 0, c ** lag.clamp(min=0), 0.0)
+    m[n] = c ** (n - idx[:n])
+    return m.to(dtype)
 
 
 def discounted_cumsum(x: torch.Tensor, c: float, chunk: int = _CHUNK) -> torch.Tensor:
@@ -45,70 +54,67 @@ def discounted_cumsum(x: torch.Tensor, c: float, chunk: int = _CHUNK) -> torch.T
     """
     B, L = x.shape
     if L <= chunk:
-        return x @ _decay_matrix(L, c, x.dtype, x.device).T
+        return x @ _decay_matrix(L, c, x.dtype, x.device)[:L].T
     n = -(-L // chunk)
-    xc = F.pad(x, (0, n * chunk - L)).view(B, n, chunk)  # (B, n, C)
-    m = _decay_matrix(chunk, c, x.dtype, x.device)  # (C, C)
+    xc = F.pad(x, (0, n * chunk - L)).view(B, n, chunk) if L % chunk else x.view(B, n, chunk)  # (B, n, C)
+    m = _decay_matrix(chunk, c, x.dtype, x.device)  # (C + 1, C)
     heads = xc @ m[0]  # (B, n): each chunk's own sum seen from its first step
     full_heads = discounted_cumsum(heads, c**chunk, chunk)  # (B, n): the same with all later chunks
     carry = F.pad(full_heads[:, 1:], (0, 1))  # (B, n): the full sum at the start of the next chunk
-    to_end = c ** (chunk - torch.arange(chunk, dtype=torch.float64, device=x.device))  # (C,)
-    y = (xc @ m.T).addcmul_(carry[:, :, None], to_end.to(x.dtype))  # (B, n, C)
+    y = (xc @ m[:chunk].T).addcmul_(carry[:, :, None], m[chunk])  # (B, n, C)
     return y.view(B, n * chunk)[:, :L]
 
 
 def _cut_at_dones(x: torch.Tensor, c: float, done: torch.Tensor) -> torch.Tensor:
     """``y_t = x_t + c * (1 - done_t) * y_{t+1}``: the reverse discounted sum, cut after each done.
 
+    With z the uncut sum and b the step after the next done at or after t (L if none, where z is 0),
+    ``y_t = z_t - c**(b - t) * z_b``. Step indices are held in ``x``'s float dtype (exact below 2**24).
+
     Args:
         x: ``(B, L)``.
-        done: ``(B, L)`` bool.
+        done: ``(B, L)``, 0./1. in ``x``'s dtype.
     """
     B, L = x.shape
     z = discounted_cumsum(x, c)  # (B, L), uncut
-    steps = torch.arange(L, device=x.device)
-    next_done = torch.where(done, steps, L).flip(1).cummin(1).values.flip(1)  # (B, L): first done >= t
-    after = (next_done + 1).clamp(max=L)  # (B, L): b, the first step of the next episode
-    z_after = F.pad(z, (0, 1)).gather(1, after)  # (B, L); 0 when no done follows
-    return z - (c ** (after - steps).to(x.dtype)) * z_after
+    steps = torch.arange(L, dtype=x.dtype, device=x.device)  # (L,)
+    marked = L - (L - steps) * done  # (B, L): t where done_t, else L
+    next_done = marked.flip(1).cummin(1).values.flip(1)  # (B, L): the first done at or after t
+    after = (next_done + 1).clamp_(max=L)  # (B, L): b
+    z_after = F.pad(z, (0, 1)).gather(1, after.long())  # (B, L); 0 when no done follows
+    log_c = math.log(c) if c > 0 else -math.inf
+    decay = torch.exp_((after - steps).mul_(log_c))  # (B, L): c**(b - t), b - t >= 1
+    return z.sub_(decay.mul_(z_after))
 
 
 def _gae_one_run(
     rewards: torch.Tensor, values: torch.Tensor, done: torch.Tensor | None, gamma: float, lam: float
 ) -> torch.Tensor:
-    """GAE for rows whose valid tokens form one run, ``rewards``/``values`` ``(B, L)`` zero elsewhere.
+    """GAE for rows whose valid tokens form one run, ``rewards``/``values``/``done`` ``(B, L)`` zero elsewhere.
 
     Then n(t) = t + 1 inside the run, V and A are 0 after it (what the zeros give), and positions
     before the run are never read by the run; their junk outputs are masked by the caller.
+    Overwrites ``rewards`` (fresh (B, L) buffers are costly: each one page-faults in on CPU).
     """
-    v_next = F.pad(values[:, 1:], (0, 1))  # (B, L): V_{t+1}
+    delta = rewards.sub_(values)  # (B, L): r_t - V_t, then + gamma * (1 - done_t) * V_{t+1}
     if done is None:
-        delta = torch.add(rewards - values, v_next, alpha=gamma)  # (B, L)
+        delta[:, :-1].add_(values[:, 1:], alpha=gamma)
         return discounted_cumsum(delta, gamma * lam)
-    not_done = 1.0 - float_mask(done, rewards.dtype)  # (B, L)
-    delta = rewards - values + gamma * not_done * v_next  # (B, L)
+    not_done = 1.0 - done[:, :-1]  # (B, L - 1)
+    delta[:, :-1].addcmul_(values[:, 1:], not_done, value=gamma)
     return _cut_at_dones(delta, gamma * lam, done)
 
 
-def _zeroed_and_checked(named: dict[str, torch.Tensor], mask: torch.Tensor, mask_f: torch.Tensor, dtype):
-    """The tensors with masked positions set to 0 (junk never read); ValueError on NaN/inf where valid.
-
-    Fast path: ``x * mask`` is right unless some entry is non-finite, which one sum per tensor detects
-    (one host sync for all); only then the slower exact ``torch.where`` runs and names the culprit.
-    """
-    out = {name: x.to(dtype) * mask_f for name, x in named.items()}
-    if torch.isfinite(torch.stack([y.sum() for y in out.values()])).all():
-        return list(out.values())
+def _raise_if_nonfinite(named: dict[str, torch.Tensor], mask: torch.Tensor, first_row: int) -> None:
+    """ValueError naming the first NaN/inf at a valid position of any of the tensors, if there is one."""
     for name, x in named.items():
         bad = ~torch.isfinite(x) & mask
         if bad.any():
             row, col = (int(i) for i in bad.nonzero()[0])
             raise ValueError(
-                f"{name} has {int(bad.sum())} NaN/inf value(s) at valid (mask = 1) positions, the first at "
-                f"row {row}, position {col}; fix the reward function / model that produced them"
+                f"{name} has NaN/inf value(s) at valid (mask = 1) positions, the first at row "
+                f"{first_row + row}, position {col}; fix the reward function / model that produced them"
             )
-        out[name] = torch.where(mask, x.to(dtype), 0.0)
-    return list(out.values())
 
 
 def _check_gae_args(rewards, values, mask, gamma, lam, dones) -> None:
@@ -159,31 +165,72 @@ def compute_gae(
     """
     _check_gae_args(rewards, values, mask, gamma, lam, dones)
     gamma, lam = float(gamma), float(lam)
+    B, T = rewards.shape
     out_dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)
     work = torch.float64 if lam > _FLOAT64_ABOVE_LAM else out_dtype
     mask = _bool_mask(mask)
-    mask_f = float_mask(mask, work)  # (B, T)
-    r, v = _zeroed_and_checked({"rewards": rewards, "values": values}, mask, mask_f, work)
-    done = None if dones is None else (dones != 0) & mask  # (B, T) bool, junk at masked dropped
-    runs = mask_f[:, :1].sum(1) + torch.relu(mask_f[:, 1:] - mask_f[:, :-1]).sum(1)  # (B,): runs per row
-    if rewards.shape[1] == 0 or bool((runs <= 1).all()):
-        adv = _gae_one_run(r, v, done, gamma, lam) * mask_f  # (B, T)
+    advantages = torch.empty(B, T, dtype=out_dtype, device=rewards.device)
+    returns = torch.empty_like(advantages)
+    # On CPU, blocks of rows keep every temporary in cache (and fresh (B, T) buffers, which page-fault
+    # in, out of the way); an accelerator takes the whole batch at once.
+    block = _BLOCK_BYTES // (T * work.itemsize + 1) if rewards.device.type == "cpu" else B
+    for first in range(0, B, max(1, block)):
+        rows = slice(first, first + max(1, block))
+        d = None if dones is None else dones[rows]
+        named = {"rewards": rewards[rows], "values": values[rows]}
+        _gae_rows(named, mask[rows], d, gamma, lam, work, advantages[rows], returns[rows], first)
+    return advantages, returns
+
+
+def _gae_rows(named, mask, dones, gamma, lam, work, adv_out, ret_out, first_row) -> None:
+    """compute_gae on a block of rows in the working dtype ``work``, written into ``adv_out``/``ret_out``.
+
+    Fast path: zero masked inputs by multiplying with the mask, which is exact unless some entry is
+    NaN/inf; then the returns are not all finite (NaN * 0 = NaN spreads), one sum tells, and the block
+    is redone with ``torch.where`` after checking that no VALID entry is NaN/inf.
+    """
+    mask_f = float_mask(mask, work)  # (b, T)
+    done = None if dones is None else float_mask((dones != 0) & mask, work)  # (b, T), junk dropped
+    one_run = _one_run_per_row(mask_f)
+    r, v = (torch.mul(x, mask_f) for x in named.values())  # (b, T) each, in the working dtype
+    _gae_block(r, v, mask, mask_f, done, one_run, gamma, lam, adv_out, ret_out)
+    if not torch.isfinite(ret_out.sum()):
+        _raise_if_nonfinite(named, mask, first_row)
+        r, v = (torch.where(mask, x, 0.0).to(work) for x in named.values())
+        _gae_block(r, v, mask, mask_f, done, one_run, gamma, lam, adv_out, ret_out)
+
+
+def _gae_block(r, v, mask, mask_f, done, one_run, gamma, lam, adv_out, ret_out) -> None:
+    """The GAE arithmetic on zeroed ``r``, ``v`` ``(b, T)``; overwrites ``r``."""
+    if one_run:
+        adv = _gae_one_run(r, v, done, gamma, lam)  # (b, T), junk before each run
     else:
-        adv = _gae_with_holes(r, v, mask, mask_f, done, gamma, lam)
-    return adv.to(out_dtype), (adv + v).to(out_dtype)
+        adv = _gae_with_holes(r, v, mask, done, gamma, lam)
+    adv.mul_(mask_f)
+    adv_out.copy_(adv)
+    torch.add(adv, v, out=ret_out)
 
 
-def _gae_with_holes(r, v, mask, mask_f, done, gamma, lam) -> torch.Tensor:
-    """Gather each row's valid tokens to the left (so n(t) = t + 1), run GAE there, scatter back."""
+def _one_run_per_row(mask_f: torch.Tensor) -> bool:
+    """Whether the valid tokens of every row of ``mask_f`` ``(B, T)`` (0./1.) form at most one run."""
+    pairs = (mask_f[:, 1:] * mask_f[:, :-1]).sum(1)  # (B,): adjacent valid pairs; runs = tokens - pairs
+    return bool((mask_f.sum(1) - pairs <= 1).all())
+
+
+def _gae_with_holes(r, v, mask, done, gamma, lam) -> torch.Tensor:
+    """Gather each row's valid tokens to the left (so n(t) = t + 1), run GAE there, spread back.
+
+    ``r``, ``v``, ``done`` ``(B, T)`` are 0 at masked positions, so a masked token can share the slot of
+    the valid token before it: ``scatter_add_`` adds its 0 there.
+    """
     B, T = r.shape
-    counts = mask.sum(1)  # (B,)
-    L = int(counts.max())
-    pos = mask.cumsum(1) - 1  # (B, T): index of each valid token among its row's valid tokens
-    slot = torch.where(mask, pos, L)  # (B, T); masked tokens go to a spare column L, dropped below
+    slot = mask.view(torch.uint8).cumsum(1, dtype=torch.int64).sub_(1)  # (B, T): rank among valid tokens
+    L = int(slot[:, -1].max()) + 1
+    slot.clamp_(min=0)
 
     def compact(x: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, L)
-        return x.new_zeros(B, L + 1).scatter_(1, slot, x)[:, :L]
+        return x.new_zeros(B, L).scatter_add_(1, slot, x)
 
     done_c = None if done is None else compact(done)
     adv_c = _gae_one_run(compact(r), compact(v), done_c, gamma, lam)  # (B, L)
-    return adv_c.gather(1, pos.clamp(min=0)) * mask_f  # (B, T)
+    return adv_c.gather(1, slot)  # (B, T), junk at masked positions
