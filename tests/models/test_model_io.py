@@ -94,7 +94,7 @@ def test_scalar_model_from_causal_backbone(tmp_path):
         "causal", hidden_size=512, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4
     )
     lm.save_pretrained(tmp_path / "lm")
-    reward = load_scalar_model(str(tmp_path / "lm"))
+    reward = load_scalar_model(str(tmp_path / "lm"), dtype="float32")
     assert reward.config.num_labels == 1 and reward.score.out_features == 1
     # backbone copied from the causal LM
     torch.testing.assert_close(reward.model.embed_tokens.weight, lm.model.embed_tokens.weight)
@@ -103,7 +103,7 @@ def test_scalar_model_from_causal_backbone(tmp_path):
     assert abs(std - 1 / math.sqrt(513)) < 0.15 / math.sqrt(513), std
     # a folder that already holds a trained head keeps it
     save_hf_folder(reward, tiny_tokenizer(), tmp_path / "rm")
-    again = load_scalar_model(str(tmp_path / "rm"))
+    again = load_scalar_model(str(tmp_path / "rm"), dtype="float32")
     torch.testing.assert_close(again.score.weight, reward.score.weight)
 
 
@@ -128,7 +128,9 @@ def test_disable_dropout_makes_train_mode_deterministic():
 
 
 def test_resolve_dtype():
-    expected = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    expected = (
+        torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    )
     assert resolve_dtype("auto") == expected
     assert resolve_dtype("bfloat16") == torch.bfloat16
     with pytest.raises(UserError, match="unknown dtype 'bf16'"):

@@ -70,33 +70,48 @@ class _LabelLogprob(torch.autograd.Function):
     """log softmax(logits / temperature)[label], computed as the label logit minus a logsumexp.
 
     Forward keeps only the (B, T) logsumexp and a reference to the logits; backward rebuilds the
-    softmax block by block. Neither pass holds a second full (B, T, V) tensor besides the gradient
-    itself, which is what a plain ``log_softmax(logits / temperature).gather(...)`` would (twice).
+    softmax block by block. Besides the gradient itself, neither pass holds more than one
+    (rows, T, V) float32 block, where a plain ``log_softmax(logits / temperature).gather(...)``
+    keeps a scaled copy and the full log-softmax.
     """
+
+    @staticmethod
+    def _scaled_block(logits, start, stop, scale):
+        """float32 copy of logits[start:stop] * scale, safe to modify in place: (rows, T, V)."""
+        block = logits[start:stop]
+        return block.float().mul_(scale) if block.dtype != torch.float32 else block * scale
 
     @staticmethod
     def forward(ctx, logits, labels, temperature):
         batch, steps, vocab = logits.shape
         rows = max(1, _CHUNK_ELEMENTS // max(1, steps * vocab))
+        scale = 1.0 / temperature
         lse = torch.empty(batch, steps, dtype=torch.float32, device=logits.device)
         for start in range(0, batch, rows):
-            block = logits[start : start + rows].float() / temperature  # (rows, T, V)
-            lse[start : start + rows] = torch.logsumexp(block, dim=-1)
-        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() / temperature  # (B, T)
+            block = _LabelLogprob._scaled_block(logits, start, start + rows, scale)
+            top = block.amax(dim=-1, keepdim=True)  # (rows, T, 1)
+            lse[start : start + rows] = block.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() * scale  # (B, T)
         ctx.save_for_backward(logits, labels, lse)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.scale, ctx.rows = scale, rows
         return picked - lse
 
     @staticmethod
     def backward(ctx, grad_out):
+        # d/dz_v [z_y / tau - lse(z / tau)] = ([v == y] - softmax(z / tau)_v) / tau
         logits, labels, lse = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits)
+        grad_logits = None
         for start in range(0, logits.shape[0], ctx.rows):
             stop = start + ctx.rows
-            block = torch.exp(logits[start:stop].float() / ctx.temperature - lse[start:stop, :, None])
-            grad = grad_out[start:stop, :, None].float()  # (rows, T, 1)
+            block = _LabelLogprob._scaled_block(logits, start, stop, ctx.scale)
+            block.sub_(lse[start:stop, :, None]).exp_()  # softmax, (rows, T, V)
+            grad = grad_out[start:stop, :, None].float() * ctx.scale  # (rows, T, 1)
             block.mul_(-grad).scatter_add_(-1, labels[start:stop, :, None], grad)
-            grad_logits[start:stop] = (block / ctx.temperature).to(logits.dtype)
+            if stop >= logits.shape[0] and start == 0:
+                return block.to(logits.dtype), None, None  # one block: it is the gradient
+            if grad_logits is None:
+                grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            grad_logits[start:stop] = block
         return grad_logits, None, None
 
 
