@@ -5,6 +5,18 @@ I/O. DESIGN.md, "The algorithm core", defines every function here.
 """
 
 from rlhfkit.algos.advantages import compute_gae, discounted_cumsum
+from rlhfkit.algos.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLEstimator,
+    kl_estimator,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    last_valid_index,
+    shape_rewards,
+)
 from rlhfkit.algos.masked import (
     LOSS_AGGREGATIONS,
     LossAggregation,
@@ -17,6 +29,16 @@ from rlhfkit.algos.masked import (
 )
 
 __all__ = [
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLEstimator",
+    "kl_estimator",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "last_valid_index",
+    "shape_rewards",
     "LOSS_AGGREGATIONS",
     "LossAggregation",
     "aggregate_loss",
