@@ -95,7 +95,7 @@ def test_hub_name_goes_to_datasets_load_dataset(monkeypatch):
 BAD_JSONL = [
     ("sft", [GOOD["sft"][0], "", "{not json"], 3, None, "not valid JSON"),
     ("sft", [GOOD["sft"][0], "[1, 2]"], 2, None, "expected a JSON object, got list"),
-    ("sft", [GOOD["sft"][0], {"completion": "world"}], 2, "prompt", "missing field"),
+    ("sft", [GOOD["sft"][0], {"completion": "world"}], 2, "prompt", "is missing"),
     (
         "sft",
         [{"prompt": 5, "completion": "x"}],
@@ -105,7 +105,7 @@ BAD_JSONL = [
     ),
     ("sft", [{"prompt": "   ", "completion": "x"}], 1, "prompt", "is empty"),
     ("sft", [{"prompt": "hi", "completion": ""}], 1, "completion", "is empty"),
-    ("sft", [{"prompt": "hi", "completion": None}], 1, "completion", "field is null"),
+    ("sft", [{"prompt": "hi", "completion": None}], 1, "completion", "is null"),
     (
         "sft",
         [{"prompt": "hi", "completion": [{"role": "assistant", "content": "x"}]}],
@@ -138,7 +138,7 @@ BAD_JSONL = [
     ),
     ("prompts", [{"prompt": []}], 1, "prompt", "empty list of messages"),
     ("prompts", [{"prompt": ["hi"]}], 1, "prompt[0]", "expected a message object"),
-    ("preferences", [{"prompt": "a", "chosen": "b"}], 1, "rejected", "missing field"),
+    ("preferences", [{"prompt": "a", "chosen": "b"}], 1, "rejected", "is missing"),
     (
         "preferences",
         [{"prompt": "a", "chosen": 1, "rejected": "c"}],
@@ -225,7 +225,7 @@ def test_parquet_null_is_named_with_its_row(tmp_path):
 
     rows = [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": None}]
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "t.parquet")
-    with pytest.raises(DataError, match=r"t\.parquet, row 1, field 'completion': field is null"):
+    with pytest.raises(DataError, match=r"t\.parquet, row 1, field 'completion': is null"):
         load_dataset_records(str(tmp_path / "t.parquet"), "sft")
 
 

@@ -152,9 +152,13 @@ def test_response_logprobs_and_values_padding_independent(pad_id):
     policy = tiny_llama("causal", pad_token_id=pad_id)
     critic = tiny_llama("scalar", seed=1, pad_token_id=pad_id)
     ids, mask, p0 = prompt_response_batch(pad_id)
+    junk = ids.masked_fill(mask == 0, 7)  # whatever sits in padded columns must not matter
     with torch.no_grad():
         logprobs = response_logprobs(policy, ids, mask, p0, temperature=0.7)
         values = response_values(critic, ids, mask, p0)
+        valid = mask[:, p0:].bool()
+        torch.testing.assert_close(response_logprobs(policy, junk, mask, p0, 0.7)[valid], logprobs[valid])
+        torch.testing.assert_close(response_values(critic, junk, mask, p0)[valid], values[valid])
         for i, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
             alone = torch.tensor([prompt + response])
             ones = torch.ones_like(alone)

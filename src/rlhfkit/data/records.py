@@ -65,7 +65,7 @@ def _type_name(value) -> str:
 def _get(record: dict, name: str):
     value = record.get(name)
     if value is None:
-        raise FieldError(name, "missing field" if name not in record else "field is null")
+        raise FieldError(name, "is missing" if name not in record else "is null")
     return value
 
 
