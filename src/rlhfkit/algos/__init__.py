@@ -17,6 +17,13 @@ from rlhfkit.algos.kl import (
     last_valid_index,
     shape_rewards,
 )
+from rlhfkit.algos.losses import (
+    bradley_terry_loss,
+    dpo_loss,
+    entropy_from_logits,
+    ppo_policy_loss,
+    value_loss,
+)
 from rlhfkit.algos.masked import (
     LOSS_AGGREGATIONS,
     LossAggregation,
@@ -42,6 +49,11 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "LossAggregation",
     "aggregate_loss",
+    "bradley_terry_loss",
+    "dpo_loss",
+    "entropy_from_logits",
+    "ppo_policy_loss",
+    "value_loss",
     "compute_gae",
     "discounted_cumsum",
     "loss_normalizer",

@@ -1,0 +1,226 @@
+"""Losses, per token (``(B, T)``) or per pair (``(B,)``), plus a dict of statistics.
+
+A loss here never averages itself: :func:`rlhfkit.algos.aggregate_loss` is the one place where
+per-token values become a scalar. The statistics are detached 0-d tensors (no host synchronisation;
+call ``.item()`` when logging). Where a ``mask`` is accepted, masked inputs are never read, masked
+outputs are 0 (with an exact zero gradient), and the statistics are means over valid positions.
+
+Shapes: ``B`` batch (sequences or pairs), ``T`` response length, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlhfkit.algos.kl import kl_k3
+from rlhfkit.algos.masked import fill_masked, masked_mean
+
+Stats = dict[str, torch.Tensor]
+
+
+def _mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    x = x.detach().float()
+    return x.mean() if mask is None else masked_mean(x, mask)
+
+
+def _read(mask: torch.Tensor | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors with masked entries replaced by 0 (so junk there is never read), or as they are."""
+    return list(tensors) if mask is None else [fill_masked(x, mask) for x in tensors]
+
+
+def _pair_accuracy(diff: torch.Tensor) -> torch.Tensor:
+    """Share of pairs whose ``diff`` (chosen minus rejected) is positive; a tie counts 1/2."""
+    return ((diff > 0).float() + 0.5 * (diff == 0).float()).mean()
+
+
+def _check_same_shape(**tensors: torch.Tensor | None) -> None:
+    shapes = {name: tuple(x.shape) for name, x in tensors.items() if x is not None}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"shapes must match: {shapes}")
+
+
+def bradley_terry_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    margin: torch.Tensor | None = None,
+    center_coef: float = 0.0,
+) -> tuple[torch.Tensor, Stats]:
+    """Bradley-Terry loss of a reward model on preference pairs, one value per pair.
+
+    ``-logsigmoid(chosen - rejected - margin) + center_coef * (chosen + rejected)**2``: the pairwise loss
+    of Ouyang et al. 2022 (eq. 1), the margin of Touvron et al. 2023 (Llama 2, eq. 2), and the centring
+    term of Eisenstein et al. 2023 (TRL's ``center_rewards_coefficient``) that pins the reward's offset.
+    An untrained model (chosen == rejected, no margin) gives ln 2.
+
+    Args:
+        chosen: ``(B,)`` rewards of the preferred responses.
+        rejected: ``(B,)`` rewards of the other responses.
+        margin: optional ``(B,)`` how much chosen should beat rejected by.
+        center_coef: weight of the centring term (0 = off; TRL suggests 0.01).
+
+    Returns:
+        ``(loss (B,), stats)`` with stats ``accuracy`` (chosen > rejected; a tie counts 1/2),
+        ``margin`` (mean chosen - rejected), ``chosen``, ``rejected`` (means).
+    """
+    _check_same_shape(chosen=chosen, rejected=rejected, margin=margin)
+    diff = chosen - rejected  # (B,)
+    loss = -F.logsigmoid(diff if margin is None else diff - margin)  # (B,)
+    if center_coef:
+        loss = loss + center_coef * (chosen + rejected) ** 2
+    d = diff.detach().float()
+    stats = {
+        "accuracy": _pair_accuracy(d),
+        "margin": d.mean(),
+        "chosen": _mean(chosen, None),
+        "rejected": _mean(rejected, None),
+    }
+    return loss, stats
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float = 0.2,
+    *,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """PPO's clipped surrogate, as a per-token loss to minimise (Schulman et al. 2017, eq. 7).
+
+    ``max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps))`` with
+    ``ratio = exp(logprobs - old_logprobs)``. When ``logprobs == old_logprobs`` the ratio is exactly 1
+    and the loss exactly ``-A``.
+
+    Args:
+        logprobs: ``(B, T)`` log-probs of the sampled tokens under the current policy (with gradient).
+        old_logprobs: ``(B, T)`` the same at sampling time.
+        advantages: ``(B, T)``.
+        clip_eps: the clipping range epsilon.
+        mask: optional ``(B, T)`` valid tokens.
+
+    Returns:
+        ``(loss (B, T), stats)`` with stats ``clip_frac`` (share of tokens where the clipped term is the
+        larger, i.e. the gradient is cut), ``approx_kl`` (k3 estimate of KL(pi_old || pi), the samples
+        being pi_old's), ``ratio`` (mean).
+    """
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
+    logprobs, old_logprobs, advantages = _read(mask, logprobs, old_logprobs, advantages)
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
+    unclipped = -advantages * ratio  # (B, T)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)  # (B, T)
+    loss = torch.maximum(unclipped, clipped)  # (B, T)
+    if mask is not None:
+        loss = fill_masked(loss, mask)
+    stats = {
+        "clip_frac": _mean((clipped > unclipped).float(), mask),
+        "approx_kl": _mean(kl_k3(old_logprobs.detach(), logprobs.detach()), mask),
+        "ratio": _mean(ratio, mask),
+    }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    value_clip_eps: float | None = 0.2,
+    *,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Stats]:
+    """Clipped value loss, per token: ``0.5 * max((V - R)**2, (V_clip - R)**2)``.
+
+    ``V_clip = old_values + clip(values - old_values, -value_clip_eps, value_clip_eps)``, as in OpenAI
+    baselines' PPO2 and lm-human-preferences (Huang et al. 2024, detail on value clipping).
+    ``value_clip_eps=None`` turns clipping off: ``0.5 * (V - R)**2``.
+
+    Args:
+        values: ``(B, T)`` the critic's current values (with gradient).
+        old_values: ``(B, T)`` its values at sampling time.
+        returns: ``(B, T)`` targets (``compute_gae``'s returns).
+        value_clip_eps: the clipping range, or None.
+        mask: optional ``(B, T)`` valid tokens.
+
+    Returns:
+        ``(loss (B, T), stats)`` with stats ``clip_frac`` (share of tokens where the clipped error is
+        the larger) and ``mse`` (mean unclipped squared error).
+    """
+    _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
+    values, old_values, returns = _read(mask, values, old_values, returns)
+    unclipped = (values - returns) ** 2  # (B, T)
+    if value_clip_eps is None:
+        loss, clip_frac = 0.5 * unclipped, torch.zeros((), device=values.device)
+    else:
+        v_clipped = old_values + torch.clamp(values - old_values, -value_clip_eps, value_clip_eps)
+        clipped = (v_clipped - returns) ** 2  # (B, T)
+        loss = 0.5 * torch.maximum(unclipped, clipped)
+        clip_frac = _mean((clipped > unclipped).float(), mask)
+    if mask is not None:
+        loss = fill_masked(loss, mask)
+    return loss, {"clip_frac": clip_frac, "mse": _mean(unclipped, mask)}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution given by ``logits`` ``(B, T, V)`` -> ``(B, T)`` (nats).
+
+    ``H = -sum_v p_v log p_v`` from ``log_softmax`` (stable), in float32 at least; tokens with
+    probability 0 (logit -inf, e.g. after top-k) contribute 0, not NaN. Pass the logits at the
+    sampling temperature.
+    """
+    logp = F.log_softmax(
+        logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, dim=-1
+    )
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, Stats]:
+    """Direct Preference Optimization loss, one value per pair (Rafailov et al. 2023, eq. 7).
+
+    With ``h = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))``:
+    ``-(1 - label_smoothing) * logsigmoid(beta * h) - label_smoothing * logsigmoid(-beta * h)``
+    (the smoothing is conservative DPO, Mitchell 2023, as in TRL's ``sigmoid`` loss). At the start
+    (policy == reference) it is ln 2.
+
+    Args:
+        policy_chosen_logps: ``(B,)`` summed log-probs of the chosen responses under the policy.
+        policy_rejected_logps: ``(B,)`` the same for the rejected responses.
+        ref_chosen_logps: ``(B,)`` chosen, under the frozen reference.
+        ref_rejected_logps: ``(B,)`` rejected, under the frozen reference.
+        beta: the KL strength (temperature of the implicit reward).
+        label_smoothing: assumed probability that a label is flipped, in [0, 0.5).
+
+    Returns:
+        ``(loss (B,), stats)`` with stats ``reward_chosen`` and ``reward_rejected`` (means of the
+        implicit rewards ``beta * (log pi - log pi_ref)``), ``accuracy`` (chosen reward larger; a tie
+        counts 1/2) and ``margin`` (mean reward difference).
+    """
+    _check_same_shape(
+        policy_chosen_logps=policy_chosen_logps,
+        policy_rejected_logps=policy_rejected_logps,
+        ref_chosen_logps=ref_chosen_logps,
+        ref_rejected_logps=ref_rejected_logps,
+    )
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    chosen = policy_chosen_logps - ref_chosen_logps  # (B,)
+    rejected = policy_rejected_logps - ref_rejected_logps  # (B,)
+    logits = beta * (chosen - rejected)  # (B,)
+    loss = -(1.0 - label_smoothing) * F.logsigmoid(logits)
+    if label_smoothing:
+        loss = loss - label_smoothing * F.logsigmoid(-logits)
+    rc, rr = (beta * chosen).detach().float(), (beta * rejected).detach().float()
+    stats = {
+        "reward_chosen": rc.mean(),
+        "reward_rejected": rr.mean(),
+        "accuracy": _pair_accuracy(rc - rr),
+        "margin": (rc - rr).mean(),
+    }
+    return loss, stats
