@@ -4,7 +4,16 @@ Imports nothing of the project but :mod:`rlhfkit.types`, and no transformers, ac
 I/O. DESIGN.md, "The algorithm core", defines every function here.
 """
 
-from rlhfkit.algos.advantages import compute_gae, discounted_cumsum
+from rlhfkit.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    compute_gae,
+    discounted_cumsum,
+    gae_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from rlhfkit.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -36,6 +45,12 @@ from rlhfkit.algos.masked import (
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "gae_advantages",
+    "grpo_advantages",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",

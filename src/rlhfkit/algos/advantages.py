@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.algos.masked import _bool_mask, float_mask
+from rlhfkit.algos.masked import _bool_mask, fill_masked, float_mask, masked_mean, masked_sum, masked_whiten
 
 _CHUNK = 32  # steps per chunk of the scan; 16-64 are equally fast on CPU at B=512, T=1024
 
@@ -234,3 +235,144 @@ def _gae_with_holes(r, v, mask, done, gamma, lam) -> torch.Tensor:
     done_c = None if done is None else compact(done)
     adv_c = _gae_one_run(compact(r), compact(v), done_c, gamma, lam)  # (B, L)
     return adv_c.gather(1, slot)  # (B, T), junk at masked positions
+
+
+# --- the estimators behind one signature -----------------------------------------------------------------
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
+"""The names in :data:`ADVANTAGE_ESTIMATORS` (a config field uses this ``Literal``)."""
+
+
+class AdvantageFn(Protocol):
+    def __call__(
+        self,
+        rewards: torch.Tensor,
+        mask: torch.Tensor,
+        values: torch.Tensor | None = None,
+        group_ids: torch.Tensor | None = None,
+        *,
+        gamma: float = 1.0,
+        lam: float = 0.95,
+        norm_by_std: bool = True,
+        eps: float = 1e-6,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def gae_advantages(
+    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6
+):
+    """PPO's estimator: :func:`compute_gae` with the critic's ``values`` ``(B, T)`` (required).
+
+    With ``norm_by_std`` the advantages are whitened over the valid tokens of the batch (mean 0, std 1;
+    lm-human-preferences does this, Huang et al. 2024); the returns are GAE's, unwhitened. ``group_ids``
+    is not used.
+    """
+    if values is None:
+        raise ValueError("the 'gae' advantage estimator needs the critic's values; the critic-free ones are "
+                         "'grpo', 'rloo' and 'reinforce_pp'")  # fmt: skip
+    advantages, returns = compute_gae(rewards, values, mask, gamma, lam)
+    if norm_by_std:
+        advantages = masked_whiten(advantages, mask, eps=eps)
+    return advantages, returns
+
+
+def grpo_advantages(
+    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6
+):
+    """GRPO (Shao et al. 2024, DeepSeekMath section 4.1.2, outcome supervision): ``(s - mean_g) / (std_g + eps)``.
+
+    s_i is the sum of row i's valid rewards; mean and std (Bessel's correction) are over the rows that
+    share its group id; a group of one gets 0. With ``norm_by_std=False`` there is no division (Dr. GRPO,
+    Liu et al. 2025). The returns are s_i, broadcast like the advantages. ``values``, ``gamma`` and
+    ``lam`` are not used.
+    """
+    s, members = _sequence_returns(rewards, mask), _Groups(group_ids, len(rewards), "grpo")
+    centred = s - members.mean(s)  # (B,)
+    advantages = centred / (members.std(s) + eps) if norm_by_std else centred
+    return _broadcast(advantages, mask), _broadcast(s, mask)
+
+
+def rloo_advantages(
+    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6
+):
+    """RLOO (Ahmadian et al. 2024, eq. 4; Kool et al. 2019): ``s_i - (sum_g s - s_i) / (k - 1)``.
+
+    The baseline is the mean of the other k - 1 responses to the same prompt (same group id); a group of
+    one gets 0. The returns are s_i, broadcast like the advantages. ``values``, ``gamma``, ``lam``,
+    ``norm_by_std`` and ``eps`` are not used (the leave-one-out baseline is not normalised).
+    """
+    s, members = _sequence_returns(rewards, mask), _Groups(group_ids, len(rewards), "rloo")
+    k = members.size()  # (B,)
+    others = (members.sum(s) - s) / (k - 1).clamp(min=1)  # (B,)
+    return _broadcast(torch.where(k > 1, s - others, 0.0), mask), _broadcast(s, mask)
+
+
+def reinforce_pp_advantages(
+    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6
+):
+    """REINFORCE++ (Hu 2025): the reward-to-go ``G_t = sum_{k>=t} gamma**(k-t) r_k``, whitened over all
+    valid tokens of the batch (k runs over valid positions, as n(t) does in GAE).
+
+    With ``norm_by_std=False`` it is only centred. The returns are G, unwhitened. ``values``,
+    ``group_ids`` and ``lam`` are not used.
+    """
+    returns, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, lam=1.0)  # A = G when V = 0
+    if norm_by_std:
+        return masked_whiten(returns, mask, eps=eps), returns
+    return fill_masked(returns - masked_mean(returns, mask), mask), returns
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
+    "gae": gae_advantages,
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+}
+"""Name -> estimator, one signature: ``f(rewards (B, T), mask (B, T), values=None, group_ids=None, *,
+gamma, lam, norm_by_std, eps) -> (advantages (B, T), returns (B, T))``, both 0 at masked positions.
+NaN/inf rewards at valid positions raise ValueError."""
+
+
+def _sequence_returns(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` s_i = sum of row i's valid rewards (float32 at least); ValueError on NaN/inf where valid."""
+    if rewards.dim() != 2 or rewards.shape != mask.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must both be (B, T)")
+    mask = _bool_mask(mask)
+    _raise_if_nonfinite({"rewards": rewards}, mask, 0)
+    return masked_sum(rewards.to(torch.promote_types(rewards.dtype, torch.float32)), mask, dim=1)
+
+
+def _broadcast(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` -> ``(B, T)``: each row's value on its valid tokens, 0 elsewhere."""
+    return fill_masked(per_row[:, None].expand(mask.shape), mask)
+
+
+class _Groups:
+    """Per-group sums over rows with the same id (ids need not be contiguous), read back per row."""
+
+    def __init__(self, group_ids: torch.Tensor | None, batch_size: int, estimator: str):
+        if group_ids is None:
+            raise ValueError(
+                f"the '{estimator}' advantage estimator needs group_ids (B,): the prompt of each response"
+            )
+        if group_ids.shape != (batch_size,) or group_ids.is_floating_point():
+            raise ValueError(f"group_ids must be an integer tensor of shape ({batch_size},), got "
+                             f"{group_ids.dtype} {tuple(group_ids.shape)}")  # fmt: skip
+        _, self.index = torch.unique(group_ids, return_inverse=True)  # (B,): group of each row, 0..G-1
+        self.n_groups = int(self.index.max()) + 1 if batch_size else 0
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B,)``: the sum of ``x`` over each row's group."""
+        return x.new_zeros(self.n_groups).index_add_(0, self.index, x)[self.index]
+
+    def size(self) -> torch.Tensor:
+        """``(B,)`` float: k, the number of rows in each row's group."""
+        return self.sum(torch.ones(len(self.index), device=self.index.device))
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sum(x) / self.size().to(x.dtype)
+
+    def std(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B,)``: the group's standard deviation with Bessel's correction; 0 for a group of one."""
+        k = self.size().to(x.dtype)
+        sq = self.sum((x - self.mean(x)) ** 2)
+        return torch.where(k > 1, sq / (k - 1).clamp(min=1), 0.0).sqrt()
