@@ -30,6 +30,7 @@ from rlhfkit.models import (
     logprobs_from_logits,
     save_hf_folder,
 )
+from rlhfkit.report import write_report
 from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
 
 
@@ -104,4 +105,6 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
         save_hf_folder(accelerator.unwrap_model(model), tokenizer, run.final_dir)
         run.write_summary(summary)
     run.close()
+    if accelerator.is_main_process:
+        write_report(run.path)
     return summary
