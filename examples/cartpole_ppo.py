@@ -240,7 +240,9 @@ def ppo_update(agent: ActorCritic, optimizer: torch.optim.Optimizer, batch: dict
             optimizer.step()
             stats = {"loss/total": loss, "loss/policy": aggregate_loss(pg, mask, "token-mean"),
                      "loss/value": aggregate_loss(vf, mask, "token-mean"),
-                     "entropy/mean": aggregate_loss(ent, mask, "token-mean"), **pg_stats, **vf_stats}
+                     "entropy/mean": aggregate_loss(ent, mask, "token-mean"),
+                     **{f"policy/{k}": v for k, v in pg_stats.items()},
+                     **{f"value/{k}": v for k, v in vf_stats.items()}}
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(torch.as_tensor(v).detach())
             count += 1
@@ -293,7 +295,8 @@ def train(args: Args, agent: ActorCritic | None = None) -> Result:
             print(f"steps {env_steps:7d}  episodes {len(tracker.returns):5d}  "
                   f"mean return (last {args.window}) {tracker.mean():6.1f}  "
                   f"policy {stats['loss/policy']:+.4f}  value {stats['loss/value']:.3f}  "
-                  f"entropy {stats['entropy/mean']:.3f}  steps/s {sps:.0f}", flush=True)
+                  f"entropy {stats['entropy/mean']:.3f}  clip {stats['policy/clip_frac']:.3f}  "
+                  f"approx-KL {stats['policy/approx_kl']:.4f}  steps/s {sps:.0f}", flush=True)
     envs.close()
     return Result(agent, env_steps, time.perf_counter() - start, tracker.returns, tracker.mean(),
                   tracker.reached_at, tracker.reached_mean, history)
