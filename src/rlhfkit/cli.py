@@ -185,6 +185,10 @@ def _set_threads() -> None:
     from rlhfkit.engine import threads
 
     threads.set_num_threads()
+    # transformers' per-load "Loading weights" bars add nothing to rlhfkit's own progress display.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def resolve(target: str) -> Callable:
