@@ -50,6 +50,29 @@ def test_ppo_clipping_by_hand():
 
 
 @settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), eps=st.sampled_from([0.1, 0.2, 0.3]))
+def test_ppo_and_value_loss_match_per_element_formulas(seed, eps):
+    gen = torch.Generator().manual_seed(seed)
+    lp, old, adv = (
+        -torch.rand(3, 7, generator=gen),
+        -torch.rand(3, 7, generator=gen),
+        torch.randn(3, 7, generator=gen),
+    )
+    values, old_values, ret = (torch.randn(3, 7, generator=gen, dtype=torch.float64) for _ in range(3))
+    policy, _ = ppo_policy_loss(lp, old, adv, clip_eps=eps)
+    critic, _ = value_loss(values, old_values, ret, value_clip_eps=eps)
+    for i in range(3):
+        for t in range(7):
+            ratio = math.exp(lp[i, t].item() - old[i, t].item())
+            a = adv[i, t].item()
+            expected = max(-a * ratio, -a * min(max(ratio, 1 - eps), 1 + eps))
+            assert policy[i, t].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+            v, o, r = values[i, t].item(), old_values[i, t].item(), ret[i, t].item()
+            v_clip = o + min(max(v - o, -eps), eps)
+            assert critic[i, t].item() == pytest.approx(0.5 * max((v - r) ** 2, (v_clip - r) ** 2), rel=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
 @given(batch=batches(max_t=20))
 def test_ppo_and_value_loss_ignore_junk_at_masked_positions(batch):
     gen, B, T, mask = batch

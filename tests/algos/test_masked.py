@@ -87,6 +87,15 @@ def test_masked_stats_match_loops_and_ignore_junk(batch):
         for t in range(T):
             expected = (x[b, t].item() - mean) / math.sqrt(var + 1e-8) if mask[b, t] else 0.0
             assert w[b, t].item() == pytest.approx(expected, abs=1e-9)
+    rows = [[x[b, t].item() for t in range(T) if mask[b, t]] for b in range(B)]
+    n_seq = sum(1 for row in rows if row)
+    by_loop = {
+        "token-mean": sum(vals) / max(n, 1),
+        "seq-mean-token-mean": sum(sum(row) / len(row) for row in rows if row) / max(n_seq, 1),
+        "seq-mean-token-sum-norm": sum(vals) / (max(n_seq, 1) * T),
+    }
+    for mode, expected in by_loop.items():
+        assert aggregate_loss(x, mask, mode).item() == pytest.approx(expected, abs=1e-12)
     junk = add_junk(gen, x, mask)
     assert torch.equal(masked_mean(junk, mask), masked_mean(x, mask))
     assert torch.equal(masked_var(junk, mask), masked_var(x, mask))
