@@ -1,0 +1,126 @@
+"""Evaluation of a policy on held-out prompts: proxy score, gold score, KL to the reference, win rate.
+
+This is the reward-hacking meter: the proxy (the reward model, what PPO optimises) beside the gold
+score of a task's annotators (what we actually want), and the KL to the reference, on the same samples.
+Sampling uses the training temperature (the policy that was optimised) or greedy decoding.
+
+Shapes: ``B`` prompts, ``R`` response length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhfkit.algos import kl_k1
+from rlhfkit.data import PromptCollator
+from rlhfkit.models import response_logprobs, sequence_scores
+from rlhfkit.rollout.generation import generate_responses
+
+
+@dataclass
+class PolicySamples:
+    """Responses of one policy to a list of prompts, with their figures (one entry per prompt)."""
+
+    prompts: list[str]
+    responses: list[str]
+    ended: list[bool]
+    lengths: list[int]
+    gold: list[float] = field(default_factory=list)
+    proxy: list[float] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    valid: list[bool] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float]:
+        """Means of every figure that was measured (``gold_mean``, ``proxy_mean``, ``kl_mean``, ...)."""
+        out = {"response_length_mean": _mean(self.lengths), "ended_rate": _mean(self.ended)}
+        for name in ("gold", "proxy", "kl"):
+            values = getattr(self, name)
+            if values:
+                out[f"{name}_mean"] = _mean(values)
+        if self.gold:
+            out["gold_std"] = float(torch.tensor(self.gold).std()) if len(self.gold) > 1 else 0.0
+        if self.valid:
+            out["valid_rate"] = _mean(self.valid)
+        return out
+
+
+def _mean(xs) -> float:
+    return float(sum(float(x) for x in xs) / max(len(xs), 1))
+
+
+@torch.no_grad()
+def sample_and_score(
+    policy: torch.nn.Module,
+    tokenizer,
+    examples: list[dict],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    greedy: bool = False,
+    reward_model: torch.nn.Module | None = None,
+    reference: torch.nn.Module | None = None,
+    gold_score: Callable[[str, str], float] | None = None,
+    is_valid: Callable[[str], bool] | None = None,
+    batch_size: int = 64,
+) -> PolicySamples:
+    """Sample one response per prompt example and measure it.
+
+    Args:
+        policy: the causal LM to evaluate.
+        tokenizer: its tokenizer (pad and EOS set).
+        examples: tokenised prompts (``rlhfkit.data.prepare_examples(..., "prompts", ...)``).
+        temperature, max_new_tokens, greedy: sampling settings.
+        reward_model: when given, ``proxy`` = its score at the last response token.
+        reference: when given, ``kl`` = sum over the response of k1 = log pi - log pi_ref (nats per
+            response, at ``temperature``; greedy samples are not from the policy, so no KL then).
+        gold_score: ``(prompt, response) -> float``, the task's gold scorer.
+        is_valid: ``response -> bool``, the task's validity check.
+    """
+    device = next(policy.parameters()).device
+    collate = PromptCollator(tokenizer.pad_token_id)
+    suppress = [tokenizer.pad_token_id] if tokenizer.pad_token_id != tokenizer.eos_token_id else []
+    out = PolicySamples([], [], [], [])
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        batch = collate(chunk)
+        r = generate_responses(
+            policy, batch["input_ids"].to(device), batch["attention_mask"].to(device), max_new_tokens=max_new_tokens,
+            stop_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, temperature=temperature,
+            greedy=greedy, suppress_token_ids=suppress)
+        prompts = [_prompt_text(ex, tokenizer) for ex in chunk]
+        texts = [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(r.response_ids, r.mask, strict=True)]
+        out.prompts += prompts
+        out.responses += texts
+        out.ended += r.ended.tolist()
+        out.lengths += r.mask.sum(1).tolist()
+        if reward_model is not None:
+            out.proxy += sequence_scores(reward_model, r.input_ids, r.attention_mask).float().tolist()
+        if reference is not None and not greedy:
+            logprobs = response_logprobs(policy, r.input_ids, r.attention_mask, r.response_start, temperature)  # (B, R)
+            ref = response_logprobs(reference, r.input_ids, r.attention_mask, r.response_start, temperature)  # (B, R)
+            out.kl += (kl_k1(logprobs, ref) * r.mask).sum(1).tolist()
+        if gold_score is not None:
+            out.gold += [float(gold_score(p, t)) for p, t in zip(prompts, texts, strict=True)]
+        if is_valid is not None:
+            out.valid += [bool(is_valid(t)) for t in texts]
+    return out
+
+
+def _prompt_text(example: dict, tokenizer) -> str:
+    record = example.get("record") or {}
+    prompt = record.get("prompt")
+    return prompt if isinstance(prompt, str) else tokenizer.decode(example["prompt_ids"], skip_special_tokens=True)
+
+
+def win_rate(gold_a: list[float], gold_b: list[float]) -> float:
+    """Fraction of prompts where A's gold score beats B's, ties counting half."""
+    if len(gold_a) != len(gold_b) or not gold_a:
+        raise ValueError("win_rate needs two equally long, non-empty lists")
+    wins = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(gold_a, gold_b, strict=True))
+    return wins / len(gold_a)
+
+
+__all__ = ["PolicySamples", "sample_and_score", "win_rate"]
