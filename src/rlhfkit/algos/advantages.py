@@ -43,27 +43,34 @@ def _decay_matrix(n: int, c: float, dtype: torch.dtype, device: torch.device) ->
     return m.to(dtype)
 
 
-def discounted_cumsum(x: torch.Tensor, c: float, chunk: int = _CHUNK) -> torch.Tensor:
+def discounted_cumsum(
+    x: torch.Tensor, c: float, chunk: int = _CHUNK, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Reverse discounted cumulative sum along the last dim: ``y_t = x_t + c * y_{t+1}``, 0 past the end.
 
     Args:
         x: ``(B, L)``.
         c: the discount, ``0 <= c <= 1``.
+        chunk: steps per chunk (one ``(chunk, chunk)`` matrix product each).
+        out: optional contiguous ``(B, L)`` tensor (not ``x``) to write the result into.
 
     Returns:
-        ``(B, L)`` in ``x``'s dtype.
+        ``(B, L)`` in ``x``'s dtype (``out`` when given).
     """
     B, L = x.shape
     if L <= chunk:
-        return x @ _decay_matrix(L, c, x.dtype, x.device)[:L].T
+        return torch.matmul(x, _decay_matrix(L, c, x.dtype, x.device)[:L].T, out=out)
     n = -(-L // chunk)
-    xc = F.pad(x, (0, n * chunk - L)).view(B, n, chunk) if L % chunk else x.view(B, n, chunk)  # (B, n, C)
+    padded = L % chunk != 0
+    xc = F.pad(x, (0, n * chunk - L)).view(B, n, chunk) if padded else x.view(B, n, chunk)  # (B, n, C)
     m = _decay_matrix(chunk, c, x.dtype, x.device)  # (C + 1, C)
-    y = xc @ m[:chunk].T  # (B, n, C): the sums within each chunk
-    full_heads = discounted_cumsum(y[:, :, 0], c**chunk, chunk)  # (B, n): chunk starts, with all later chunks
+    y = torch.matmul(xc, m[:chunk].T, out=None if out is None or padded else out.view(B, n, chunk))
+    # y (B, n, C) holds the sums within each chunk; add what the later chunks contribute
+    full_heads = discounted_cumsum(y[:, :, 0], c**chunk, chunk)  # (B, n): chunk starts, all later chunks
     carry = F.pad(full_heads[:, 1:], (0, 1))  # (B, n): the full sum at the start of the next chunk
     y.addcmul_(carry[:, :, None], m[chunk])  # (B, n, C)
-    return y.view(B, n * chunk)[:, :L]
+    y = y.view(B, n * chunk)[:, :L]
+    return out.copy_(y) if out is not None and padded else y
 
 
 def _cut_at_dones(x: torch.Tensor, c: float, done: torch.Tensor) -> torch.Tensor:
@@ -89,18 +96,24 @@ def _cut_at_dones(x: torch.Tensor, c: float, done: torch.Tensor) -> torch.Tensor
 
 
 def _gae_one_run(
-    rewards: torch.Tensor, values: torch.Tensor, done: torch.Tensor | None, gamma: float, lam: float
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    done: torch.Tensor | None,
+    gamma: float,
+    lam: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GAE for rows whose valid tokens form one run, ``rewards``/``values``/``done`` ``(B, L)`` zero elsewhere.
 
     Then n(t) = t + 1 inside the run, V and A are 0 after it (what the zeros give), and positions
     before the run are never read by the run; their junk outputs are masked by the caller.
-    Overwrites ``rewards`` (fresh (B, L) buffers are costly: each one page-faults in on CPU).
+    Overwrites ``rewards`` (fresh (B, L) buffers are costly: each one page-faults in on CPU); writes
+    into ``out`` when given (without dones).
     """
     delta = rewards.sub_(values)  # (B, L): r_t - V_t, then + gamma * (1 - done_t) * V_{t+1}
     if done is None:
         delta[:, :-1].add_(values[:, 1:], alpha=gamma)
-        return discounted_cumsum(delta, gamma * lam)
+        return discounted_cumsum(delta, gamma * lam, out=out)
     not_done = 1.0 - done[:, :-1]  # (B, L - 1)
     delta[:, :-1].addcmul_(values[:, 1:], not_done, value=gamma)
     return _cut_at_dones(delta, gamma * lam, done)
@@ -193,16 +206,16 @@ def _gae_rows(named, mask, dones, gamma, lam, work, adv_out, ret_out, first_row)
     """
     in_place = adv_out.dtype == work
     mask_f = float_mask(mask, work)  # (b, T)
-    done = None if dones is None else float_mask((dones != 0) & mask, work)  # (b, T), junk dropped
+    done = None if dones is None else float_mask(_bool_mask(dones) & mask, work)  # (b, T), junk dropped
     one_run = _one_run_per_row(mask_f, scratch=adv_out if in_place else None)
     v = torch.mul(named["values"], mask_f, out=adv_out if in_place else None)  # (b, T)
     r = torch.mul(named["rewards"], mask_f, out=ret_out if in_place else None)  # (b, T)
-    adv = _masked_advantages(r, v, mask, mask_f, done, one_run, gamma, lam)  # (b, T); r is overwritten
+    adv = _masked_advantages(r, v, mask, mask_f, done, one_run, gamma, lam)  # (b, T)
     returns = torch.add(adv, v, out=r)  # (b, T)
     if not torch.isfinite(returns.sum()):
         _raise_if_nonfinite(named, mask, first_row)
         v, r = (torch.where(mask, named[k], 0.0).to(work) for k in ("values", "rewards"))
-        adv = _masked_advantages(r, v, mask, mask_f, done, one_run, gamma, lam)
+        adv = _masked_advantages(r, v, mask, float_mask(mask, work), done, one_run, gamma, lam)
         returns = torch.add(adv, v, out=r)
     adv_out.copy_(adv)
     if returns is not ret_out:
@@ -210,9 +223,17 @@ def _gae_rows(named, mask, dones, gamma, lam, work, adv_out, ret_out, first_row)
 
 
 def _masked_advantages(r, v, mask, mask_f, done, one_run, gamma, lam) -> torch.Tensor:
-    """The GAE arithmetic on zeroed ``r``, ``v`` ``(b, T)``, 0 at masked positions; overwrites ``r``."""
+    """The GAE arithmetic on zeroed ``r``, ``v`` ``(b, T)``, 0 at masked positions.
+
+    Uses up ``r`` and ``mask_f`` (``r`` is free when this returns): in the common case (one run per row,
+    no dones) the advantages are written into ``mask_f``'s buffer, and the mask is read again from the
+    bool ``mask`` into ``r``'s, so no other (b, T) buffer is needed.
+    """
+    if one_run and done is None:
+        adv = _gae_one_run(r, v, None, gamma, lam, out=mask_f)  # (b, T), junk before each run
+        return adv.mul_(r.copy_(mask.view(torch.uint8)))
     if one_run:
-        adv = _gae_one_run(r, v, done, gamma, lam)  # (b, T), junk before each run
+        adv = _gae_one_run(r, v, done, gamma, lam)
     else:
         adv = _gae_with_holes(r, v, mask, done, gamma, lam)
     return adv.mul_(mask_f)
