@@ -144,7 +144,9 @@ class OnlineConfig:
     advantage_eps: float = option(1.0e-6, "Added to standard deviations before dividing (grpo, whitening).", gt=0)
     gamma: float = option(1.0, "Discount factor.", ge=0, le=1)
     lam: float = option(0.95, "GAE lambda (Schulman et al. 2016).", ge=0, le=1)
-    whiten_advantages: bool = option(True, "Whiten advantages over the valid tokens of the batch.")
+    whiten_advantages: bool = option(
+        True, "gae and reinforce_pp: whiten advantages over the valid tokens of the batch (grpo's own "
+              "normalisation is norm_by_std; rloo has none).")
     ppo_epochs: int = option(4, "Passes over each rollout batch.", gt=0)
     num_minibatches: int = option(1, "Optimizer steps per PPO epoch.", gt=0)
     clip_eps: float = option(0.2, "PPO policy ratio clip (Schulman et al. 2017, eq. 7).", gt=0)
@@ -155,6 +157,12 @@ class OnlineConfig:
         "token-mean", "How per-token losses become a scalar (rlhfkit.algos.aggregate_loss).")
     critic_learning_rate: float | None = option(
         None, "Critic learning rate; none = train.learning_rate.", gt=0)
+    score_clip: float | None = option(
+        None, "Clip every score to [-score_clip, score_clip] before the KL penalty is added (Zheng et al. 2023, "
+              "PPO-max); none = off.", gt=0)
+    rollout_batch_size: int | None = option(
+        None, "Responses per generate() call and per no-grad forward (reference, reward model, values) in a "
+              "rollout, per process; none = all of them at once.", gt=0)
     critic_warmup_steps: int = option(
         0, "Rollouts at the start during which only the critic is trained (Zheng et al. 2023).", ge=0)
 
@@ -371,7 +379,9 @@ def _validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
         if not _get(run, key):
             fail(key, f"required; set it in the config file or on the command line ({key}=...)")
     t = run.train
-    if t.micro_batch_size is not None and t.batch_size % t.micro_batch_size:
+    # Online runs accumulate over responses (batch_size * group_size per rollout, split in minibatches), and
+    # a last, smaller micro-batch is exact there (whole-minibatch normaliser): no divisibility needed.
+    if t.micro_batch_size is not None and kind not in ONLINE_KINDS and t.batch_size % t.micro_batch_size:
         fail("train.micro_batch_size", f"must divide train.batch_size ({t.batch_size}), got {t.micro_batch_size}")
     if kind not in ONLINE_KINDS and run.data.max_prompt_length >= run.data.max_length:
         fail("data.max_prompt_length", f"must be below data.max_length ({run.data.max_length}) to leave room "

@@ -1,0 +1,409 @@
+"""Online RL from a reward signal: PPO with a critic, and GRPO / RLOO / REINFORCE++ without one, in ONE loop.
+
+PPO for language models as in Ziegler et al. 2019 and Ouyang et al. 2022, with the implementation details
+of Huang et al. 2024 ("The N+ Implementation Details of RLHF with PPO"). Every rollout (``train.max_steps``
+of them) runs five stages, numbered in :func:`train_online`:
+
+1. **generate**: ``train.batch_size`` prompts (a stateless function of (seed, rollout number)) and
+   ``online.group_size`` responses each, sampled from the actor at ``online.temperature`` (top-p / top-k
+   optional) from LEFT-padded prompts; each response is cut after its first stop token (EOS, or also
+   ``online.stop_token``), the stop token inside the mask and everything after it outside, also when the
+   pad token is EOS. The log-probs of the actor and of the frozen reference, and the critic's values, are
+   recomputed at the sampling temperature (never taken from ``generate``: OpenRLHF PR #853, trl#2358).
+2. **score**: the frozen reward model (normalised by the reward trainer) and/or reward functions
+   (:mod:`rlhfkit.rollout.scoring`). A response that hits ``online.response_length`` without a stop token
+   is scored ``online.missing_eos_score`` (``missing_eos=penalty``, the N+ "EOS trick"), or left out of
+   every loss (``mask``: its tokens are masked and, for grpo/rloo, it leaves its group), or scored as it is
+   (``none``). Optional clipping to ``[-score_clip, score_clip]``.
+3. **KL-shaped rewards**: ``shape_rewards``: the score on each response's last real token and
+   ``-kl_coef * kl_t`` on every token, with the ``k1``/``k2``/``k3`` estimator; ``kl_coef`` fixed or adaptive
+   (Ziegler et al. 2019, ``online.kl_target``). The logged ``kl/mean`` (nats per response: the batch mean of
+   the per-sequence sum) and ``kl/per_token`` are of the very ``kl_t`` that is trained on (trl#1161).
+4. **advantages**: ``ADVANTAGE_ESTIMATORS[online.advantage_estimator]``: GAE over the critic's values
+   (gamma 1, lam 0.95, whitened; the returns train the critic), or grpo / rloo / reinforce_pp (no critic).
+5. **PPO epochs**: ``online.ppo_epochs`` passes over the rollout in ``online.num_minibatches`` shuffled
+   minibatches, one optimizer step each for the actor and the critic (separate AdamW, learning rates and
+   schedules; gradient clipping), accumulated over micro-batches of ``train.micro_batch_size`` responses.
+   Clipped surrogate (Schulman et al. 2017, eq. 7), clipped value loss times ``vf_coef``, entropy bonus
+   ``ent_coef``, each aggregated by ``aggregate_loss`` with the whole minibatch as normaliser.
+
+Before the first ``online.critic_warmup_steps`` rollouts end, only the critic is trained (Zheng et al. 2023).
+Learning-rate schedules count rollouts (one scheduler step per rollout). Under data parallelism advantages
+are whitened over each process's share of the rollout (as TRL does); loss normalisers and logged
+statistics are summed over all processes.
+
+Files: ``metrics.jsonl`` (one line per rollout: ``score/mean``, ``kl/mean``, ``kl/per_token``, ``kl_coef``,
+``loss/policy``, ``loss/value``, ``entropy/mean``, ``clipfrac``, ``approx_kl``, ``ratio/mean``,
+``response_length/mean``, ``advantages/mean``, ``time/*``, ``tokens_per_second``, ...),
+``checkpoints/step-N/`` (actor, critic, both optimizers and schedules, the KL controller, RNG states; the
+data position is the step), ``final/`` (the policy as a Hugging Face folder) and ``final_critic/`` beside it
+(the critic, an ``AutoModelForSequenceClassification`` folder; gae only), ``summary.json``.
+
+Callers such as the pipeline pass :class:`OnlineHooks`: an ``evaluate(policy, step)`` callback (e.g. the
+gold score on held-out prompts; its metrics go into ``metrics.jsonl`` as named) and a reward-model refresh
+between rollouts. The trainer itself knows nothing of any task.
+
+Launch:
+    rlhfkit train ppo --config ppo.yaml                  # one process
+    rlhfkit train grpo --config grpo.yaml                # group_size 4 by default, no critic
+    rlhfkit train ppo --config ppo.yaml --resume         # continue from the newest complete checkpoint
+    accelerate launch -m rlhfkit.cli train ppo --config ppo.yaml   # several processes (data parallel)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhfkit.algos import ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController, shape_rewards
+from rlhfkit.data import PromptCollator, TokenLimits, prepare_examples
+from rlhfkit.engine.accel import make_accelerator
+from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
+from rlhfkit.engine.run import RunDir
+from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
+from rlhfkit.errors import ConfigError
+from rlhfkit.models import load_tokenizer, save_hf_folder
+from rlhfkit.rollout.scoring import Scorer
+from rlhfkit.trainers.loop import micro_batches
+from rlhfkit.trainers.online_roles import build_optimizers, build_roles, check_online_config
+from rlhfkit.trainers.online_steps import (
+    OnlineContext,
+    StageClock,
+    StatSums,
+    ppo_update,
+    prompt_batch,
+    sample_rollout,
+    score_rollout,
+)
+from rlhfkit.types import Rollout
+
+CRITIC_DIR = "final_critic"
+
+
+@dataclass
+class OnlineHooks:
+    """Optional callbacks from the caller; the trainer stays task-agnostic.
+
+    Attributes:
+        evaluate: ``(policy, step) -> {name: number}``, called with the unwrapped actor in eval mode under
+            ``torch.no_grad`` every ``train.eval_steps`` rollouts, after the last one, and (when
+            ``evaluate_at_start``) before the first. Its metrics are logged under the names it returns
+            (e.g. ``gold/mean``). It runs with every global RNG seeded from (seed, step) and restored after,
+            so it never changes what training samples.
+        evaluate_at_start: also evaluate the initial policy, logged as step 0.
+        refresh_reward_model: ``(policy, reward_model, step) -> {name: number}``, called after the update
+            of every ``refresh_steps``-th rollout; it may train the reward model in place (issue 7's online
+            refresh). The reward model is then saved in every checkpoint, and when the callable has
+            ``state_dict()`` / ``load_state_dict()`` (e.g. its accumulated pairs, as plain data) that state is
+            checkpointed too. It is frozen again (eval mode, no gradients) after each call.
+        refresh_steps: how often ``refresh_reward_model`` runs (in rollouts; 0 = never).
+    """
+
+    evaluate: Callable[[torch.nn.Module, int], dict[str, float]] | None = None
+    evaluate_at_start: bool = True
+    refresh_reward_model: Callable[[torch.nn.Module, torch.nn.Module, int], dict[str, float]] | None = None
+    refresh_steps: int = 0
+
+
+def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks | None = None) -> dict[str, Any]:
+    """Run ppo / grpo / rloo as configured; write ``final/``, ``final_critic/`` and ``summary.json``.
+
+    Args:
+        cfg: a :class:`rlhfkit.config.RunConfig` of kind ppo, grpo or rloo.
+        resume: continue from the newest complete checkpoint in ``cfg.output_dir``.
+        overwrite: delete the folder's previous run first.
+        hooks: evaluation and reward-model refresh callbacks (see :class:`OnlineHooks`).
+    Returns:
+        the summary (also written to ``summary.json``).
+    """
+    hooks = hooks or OnlineHooks()
+    seed_everything(cfg.seed)
+    accelerator = make_accelerator()
+    check_online_config(cfg, accelerator.num_processes)
+    run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
+
+    # All data is read and validated before any model is loaded: bad input stops here.
+    tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    limits = TokenLimits(cfg.data.max_prompt_length, None, cfg.data.truncation)
+    examples = prepare_examples(cfg.data.train_file, "prompts", tokenizer, limits)
+    eval_examples = prepare_examples(cfg.data.eval_file, "prompts", tokenizer, limits) if cfg.data.eval_file else None
+    ctx = build_context(cfg, accelerator, tokenizer)
+    if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
+        raise ConfigError("a reward-model refresh needs online.reward_model")
+
+    result = train_online(ctx, run, examples, hooks, eval_examples)
+    summary = {"kind": cfg.kind, "steps": result["step"], **result["last"], "eval": result["eval"],
+               "wall_seconds": result["wall_seconds"], "seconds_per_rollout": result["seconds_per_rollout"],
+               "train_prompts": len(examples)}
+    if accelerator.is_main_process:
+        save_hf_folder(ctx.roles.actor, tokenizer, run.final_dir)
+        if ctx.roles.critic is not None:
+            save_hf_folder(ctx.roles.critic, tokenizer, run.path / CRITIC_DIR)
+        run.write_summary(summary)
+    run.close()
+    return summary
+
+
+def build_context(cfg, accelerator, tokenizer) -> OnlineContext:
+    """Load the roles, build the optimizers, the scorer and the KL controller, and prepare for accelerate."""
+    roles = build_roles(cfg, tokenizer, accelerator.device)
+    optimizers, schedulers = build_optimizers(cfg, roles)
+    names = list(optimizers)
+    prepared = accelerator.prepare(*[getattr(roles, n) for n in names], *[optimizers[n] for n in names])
+    trained = dict(zip(names, prepared[: len(names)], strict=True))
+    optimizers = dict(zip(names, prepared[len(names) :], strict=True))
+    o = cfg.online
+    kl_ctl = (AdaptiveKLController(o.kl_coef, o.kl_target, o.kl_horizon) if o.kl_target is not None
+              else FixedKLController(o.kl_coef))
+    scorer = Scorer.from_specs(roles.reward_model, o.reward_functions, o.rollout_batch_size)
+    return OnlineContext(cfg, accelerator, tokenizer, roles, trained, optimizers, schedulers, scorer, kl_ctl,
+                         stop_token_ids(cfg, tokenizer))
+
+
+def stop_token_ids(cfg, tokenizer) -> list[int]:
+    """EOS, plus ``online.stop_token`` when set (a token's text as in the vocabulary, or text that is one token)."""
+    ids = [tokenizer.eos_token_id]
+    text = cfg.online.stop_token
+    if text:
+        token = tokenizer.convert_tokens_to_ids(text)
+        if token is None or token == tokenizer.unk_token_id:
+            encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(encoded) != 1:
+                raise ConfigError(f"online.stop_token: {text!r} is not one token of the tokenizer "
+                                  f"(it encodes to {len(encoded)} tokens)")
+            token = encoded[0]
+        if token not in ids:
+            ids.append(token)
+    return ids
+
+
+def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: OnlineHooks,
+                 eval_examples: list[dict] | None = None) -> dict[str, Any]:
+    """The loop: ``train.max_steps`` rollouts of the five stages, with logging, evaluation and checkpoints."""
+    cfg, acc = ctx.cfg, ctx.accelerator
+    o, t = cfg.online, cfg.train
+    state = resume_state(ctx, run, hooks)
+    last_eval: dict[str, float] = dict(state.get("last_eval", {}))
+    if state["step"] == 0 and hooks.evaluate_at_start and (hooks.evaluate or eval_examples):
+        last_eval = evaluate(ctx, hooks, eval_examples, 0)
+        run.metrics.log(0, last_eval)
+    start_time, step_seconds, last = time.perf_counter(), [], {}
+    for step in run.progress(range(state["step"] + 1, t.max_steps + 1), total=t.max_steps, desc=cfg.kind):
+        clock, step_start = StageClock(acc.device), time.perf_counter()
+        # 1. generate: sample responses, cut them at the stop token; old and reference log-probs, values
+        batch = prompt_batch(ctx, examples, step)
+        rollout, response_mask, entropy = sample_rollout(ctx, batch, clock)
+
+        # 2. score: reward model and/or reward functions; the missing-EOS rule; clipping
+        with clock("score"):
+            rollout.scores, raw_scores, parts = score_rollout(ctx, rollout, response_mask, batch["records"])
+
+        # 3. KL-shaped rewards: -kl_coef * kl_t per token, the score on the last real token
+        kl_coef = ctx.kl_ctl.value
+        rollout.rewards, rollout.kl = shape_rewards(rollout.scores, rollout.logprobs, rollout.ref_logprobs,
+                                                    rollout.mask, kl_coef, o.kl_estimator)
+
+        # 4. advantages (and the critic's returns)
+        rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
+
+        # 5. PPO epochs: shuffled minibatches, one optimizer step each, micro-batch accumulation
+        with clock("update"):
+            update = ppo_update(ctx, rollout, step, train_actor=step > o.critic_warmup_steps)
+
+        metrics = rollout_metrics(ctx, rollout, response_mask, raw_scores, parts, entropy)
+        metrics["kl_coef"] = kl_coef
+        metrics.update(update.metrics)
+        ctx.kl_ctl.update(metrics["kl/mean"], t.batch_size * o.group_size)
+        step_schedulers(ctx, metrics)
+
+        # Between rollouts: the reward-model refresh, then timing, evaluation, the log line, the checkpoint.
+        if hooks.refresh_reward_model is not None and hooks.refresh_steps and step % hooks.refresh_steps == 0:
+            metrics.update(refresh_reward_model(ctx, hooks, step))
+        seconds = time.perf_counter() - step_start
+        step_seconds.append(seconds)
+        metrics.update({f"time/{k}": v for k, v in clock.seconds.items()})
+        metrics["time/step_seconds"] = seconds
+        metrics["tokens_per_second"] = metrics["response_length/mean"] * t.batch_size * o.group_size / seconds
+        evaluated = (hooks.evaluate or eval_examples) and (step % t.eval_steps == 0 or step == t.max_steps)
+        if evaluated:
+            last_eval = evaluate(ctx, hooks, eval_examples, step)
+            metrics.update(last_eval)
+        last = metrics
+        if step % t.log_steps == 0 or step == t.max_steps or evaluated:
+            run.metrics.log(step, metrics)
+        if step % t.save_steps == 0 or step == t.max_steps:
+            save(ctx, run, hooks, step, last_eval)
+    wall = time.perf_counter() - start_time
+    summary_keys = ("score/mean", "kl/mean", "kl_coef", "response_length/mean", "tokens_per_second")
+    return {"step": t.max_steps, "last": {k.replace("/", "_"): last[k] for k in summary_keys if k in last},
+            "eval": last_eval, "wall_seconds": wall,
+            "seconds_per_rollout": sum(step_seconds) / len(step_seconds) if step_seconds else None}
+
+
+def step_schedulers(ctx: OnlineContext, metrics: dict[str, float]) -> None:
+    """One learning-rate schedule step per rollout (the rate used is logged as ``learning_rate/<role>``).
+
+    A role that took no optimizer step (the actor during critic warm-up, or every minibatch masked out) still
+    counts the rollout; torch's warning about that order is silenced as intended.
+    """
+    for name, scheduler in ctx.schedulers.items():
+        metrics[f"learning_rate/{name}"] = scheduler.get_last_lr()[0]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            scheduler.step()
+
+
+def estimate_advantages(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ADVANTAGE_ESTIMATORS[online.advantage_estimator]`` on the shaped rewards: (advantages, returns), (B, T).
+
+    A fully masked response (``missing_eos=mask``) is put in a group of its own, so that it neither gets an
+    advantage nor shifts its group's baseline (grpo / rloo).
+    """
+    o = ctx.cfg.online
+    alone = -1 - torch.arange(rollout.batch_size, device=rollout.group_ids.device)  # (B,) distinct, negative
+    group_ids = torch.where(rollout.mask.any(1), rollout.group_ids, alone)  # (B,)
+    # grpo's division by the group std is its own switch (off = Dr. GRPO); for gae and reinforce_pp the
+    # estimator's normalisation is whitening over the batch; rloo has none.
+    norm_by_std = o.norm_by_std if o.advantage_estimator == "grpo" else o.whiten_advantages
+    return ADVANTAGE_ESTIMATORS[o.advantage_estimator](
+        rollout.rewards, rollout.mask, rollout.values, group_ids,
+        gamma=o.gamma, lam=o.lam, norm_by_std=norm_by_std, eps=o.advantage_eps)
+
+
+def rollout_metrics(ctx: OnlineContext, rollout: Rollout, response_mask: torch.Tensor, raw_scores: torch.Tensor,
+                    parts: dict[str, torch.Tensor], entropy: torch.Tensor) -> dict[str, float]:
+    """Per-rollout statistics over all processes (names in the module docstring).
+
+    ``kl/mean`` is the mean over responses (those with a valid token) of sum_t kl_t, in nats per response,
+    the unit of the adaptive controller; ``score/mean`` is the score as it enters the rewards and
+    ``score/raw_mean`` the scorer's before the missing-EOS rule and clipping.
+    """
+    s = StatSums(ctx.device)
+    rows, mask = rollout.batch_size, rollout.mask
+    kept, tokens = mask.any(1).sum(), mask.sum()
+    s.add_sum("score/mean", rollout.scores.sum(), rows)
+    s.add_sum("score/raw_mean", raw_scores.sum(), rows)
+    if len(parts) > 1:
+        for name, values in parts.items():
+            s.add_sum(f"score/{name}", values.sum(), rows)
+    s.add_sum("kl/mean", rollout.kl.sum(), kept)
+    s.add_sum("kl/per_token", rollout.kl.sum(), tokens)
+    s.add_sum("reward/mean", rollout.rewards.sum(), kept)
+    s.add_sum("entropy/mean", entropy.sum(), tokens)
+    s.add_sum("response_length/mean", response_mask.sum(), rows)
+    s.add_sum("response/ended_frac", rollout.ended.sum(), rows)
+    s.add_sum("response/trained_frac", kept, rows)
+    s.add_sum("advantages/mean", rollout.advantages.sum(), tokens)
+    s.add_sum("returns/mean", rollout.returns.sum(), tokens)
+    if rollout.values is not None:
+        s.add_sum("values/mean", rollout.values.sum(), tokens)
+    return s.means(ctx)
+
+
+def evaluate(ctx: OnlineContext, hooks: OnlineHooks, eval_examples: list[dict] | None, step: int) -> dict[str, float]:
+    """The caller's ``evaluate`` hook and, with ``data.eval_file``, the built-in held-out figures.
+
+    Runs with every global RNG seeded from (seed, step) and restored afterwards: evaluation never changes
+    what training samples, and an interrupted and resumed run evaluates the same samples.
+    """
+    saved = get_rng_state()
+    digest = hashlib.sha256(f"rlhfkit-eval-{ctx.cfg.seed}-{step}".encode()).digest()
+    seed_everything(int.from_bytes(digest[:4], "little"))
+    actor = ctx.roles.actor
+    was_training = actor.training
+    actor.eval()
+    try:
+        with torch.no_grad():
+            metrics = evaluate_prompts(ctx, eval_examples) if eval_examples else {}
+            if hooks.evaluate is not None:
+                extra = hooks.evaluate(actor, step)
+                clash = sorted(set(extra) & set(metrics))
+                if clash:
+                    raise ValueError(f"the evaluate hook returned metric names the trainer uses: {clash}")
+                metrics.update(extra)
+    finally:
+        actor.train(was_training)
+        set_rng_state(saved)
+    return metrics
+
+
+def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, float]:
+    """One response per held-out prompt at the training temperature: ``eval/score/mean`` (the scorer's raw
+    score), ``eval/kl/mean`` (nats per response, the trained estimator over each response's trained
+    tokens), ``eval/response_length/mean``, ``eval/response/ended_frac``."""
+    acc, o = ctx.accelerator, ctx.cfg.online
+    s = StatSums(ctx.device)
+    mine = examples[acc.process_index :: acc.num_processes]
+    size = max(1, ctx.cfg.train.batch_size * o.group_size // acc.num_processes)
+    collate = PromptCollator(ctx.tokenizer.pad_token_id)
+    for chunk in micro_batches(mine, size):
+        b = collate(list(chunk))
+        batch = {"query_ids": b["input_ids"].to(ctx.device), "query_mask": b["attention_mask"].to(ctx.device),
+                 "records": b["records"], "group_ids": torch.arange(len(chunk), device=ctx.device)}
+        rollout, response_mask, _ = sample_rollout(ctx, batch)
+        _, raw_scores, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
+        _, kl = shape_rewards(torch.zeros_like(raw_scores), rollout.logprobs, rollout.ref_logprobs,
+                              rollout.mask, 0.0, o.kl_estimator)
+        s.add_sum("eval/score/mean", raw_scores.sum(), len(chunk))
+        s.add_sum("eval/kl/mean", kl.sum(), len(chunk))
+        s.add_sum("eval/response_length/mean", response_mask.sum(), len(chunk))
+        s.add_sum("eval/response/ended_frac", rollout.ended.sum(), len(chunk))
+    return s.means(ctx)
+
+
+def refresh_reward_model(ctx: OnlineContext, hooks: OnlineHooks, step: int) -> dict[str, float]:
+    """Call the refresh hook with the actor (eval mode) and the reward model, then freeze the reward model."""
+    actor, reward_model = ctx.roles.actor, ctx.roles.reward_model
+    was_training = actor.training
+    actor.eval()
+    try:
+        metrics = hooks.refresh_reward_model(actor, reward_model, step) or {}
+    finally:
+        actor.train(was_training)
+        reward_model.eval()
+        reward_model.requires_grad_(False)
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints: actor, critic (and a refreshed reward model), optimizers, schedules, KL controller, RNG.
+
+
+def _checkpoint_models(ctx: OnlineContext, hooks: OnlineHooks) -> dict[str, torch.nn.Module]:
+    models = {"actor": ctx.roles.actor}
+    if ctx.roles.critic is not None:
+        models["critic"] = ctx.roles.critic
+    if hooks.refresh_reward_model is not None:
+        models["reward_model"] = ctx.roles.reward_model
+    return models
+
+
+def save(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, step: int, last_eval: dict[str, float]) -> None:
+    """Write ``checkpoints/step-<step>/`` (main process; the others wait)."""
+    acc = ctx.accelerator
+    acc.wait_for_everyone()
+    if not acc.is_main_process:
+        return
+    state = {"kl_controller": ctx.kl_ctl.state_dict(), "prompts_seen": step * ctx.cfg.train.batch_size,
+             "last_eval": last_eval}
+    if hasattr(hooks.refresh_reward_model, "state_dict"):
+        state["reward_refresh"] = hooks.refresh_reward_model.state_dict()
+    save_checkpoint(run.checkpoints_dir, step, _checkpoint_models(ctx, hooks), ctx.optimizers, ctx.schedulers,
+                    state, keep_last=ctx.cfg.train.keep_last_checkpoints)
+
+
+def resume_state(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks) -> dict[str, Any]:
+    """Restore the newest complete checkpoint when resuming; ``{"step": 0}`` for a fresh start."""
+    if run.resume_checkpoint is None:
+        return {"step": 0}
+    state = load_checkpoint(run.resume_checkpoint, _checkpoint_models(ctx, hooks), ctx.optimizers, ctx.schedulers)
+    ctx.kl_ctl.load_state_dict(state["kl_controller"])
+    if "reward_refresh" in state and hasattr(hooks.refresh_reward_model, "load_state_dict"):
+        hooks.refresh_reward_model.load_state_dict(state["reward_refresh"])
+    return state

@@ -1,0 +1,137 @@
+"""The four roles of PPO and their optimizers (DESIGN.md, "Models"; Huang et al. 2024).
+
+- **actor**: the policy, trained, loaded from ``model.name_or_path`` (the SFT policy);
+- **reference**: a frozen copy of the same weights; the KL penalty is measured against it;
+- **reward model**: frozen (``online.reward_model``), its scores already normalised by the reward trainer;
+- **critic**: trained, a scalar model loaded from ``online.critic_model``, else from the reward model
+  (Huang et al. 2024: the critic starts as the reward model, its head scaled by the reward model's
+  normalisation gain), else from the policy with a fresh head.
+  Only the ``gae`` estimator has one; GRPO / RLOO / REINFORCE++ are critic-free.
+
+Dropout is off in all four (``model.disable_dropout``, on by default) so that the PPO ratio is exactly 1
+before the first update (huggingface/trl#454). The frozen roles are in eval mode with
+``requires_grad=False``; every role loads in the same dtype. The actor and the critic each get their own
+AdamW and learning-rate schedule (the critic's rate is ``online.critic_learning_rate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhfkit.engine.optim import optimizer_and_scheduler
+from rlhfkit.errors import ConfigError
+from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, reward_normalization
+
+
+@dataclass
+class Roles:
+    """The models of an online run (``critic`` and ``reward_model`` may be None)."""
+
+    actor: torch.nn.Module
+    reference: torch.nn.Module
+    critic: torch.nn.Module | None
+    reward_model: torch.nn.Module | None
+
+
+def critic_source(cfg) -> str | None:
+    """Where the critic is loaded from, or None for the critic-free estimators."""
+    o = cfg.online
+    if o.advantage_estimator != "gae":
+        return None
+    return o.critic_model or o.reward_model or cfg.model.name_or_path
+
+
+def build_roles(cfg, tokenizer, device: torch.device | str = "cpu") -> Roles:
+    """Load the actor, the reference, the reward model and the critic as ``cfg`` says, on ``device``.
+
+    Raises:
+        ConfigError: a reward or critic model whose tokenizer numbers tokens differently from the policy's.
+    """
+    m = cfg.model
+    common = dict(trust_remote_code=m.trust_remote_code, dtype=m.dtype, tokenizer=tokenizer)
+    dropout = not m.disable_dropout
+    actor = load_causal_lm(m.name_or_path, dropout=dropout, **common).to(device)
+    reference = _frozen(load_causal_lm(m.name_or_path, **common).to(device))
+    reward_model = None
+    if cfg.online.reward_model:
+        check_same_vocabulary(tokenizer, cfg.online.reward_model, "online.reward_model", m.trust_remote_code)
+        reward_model = _frozen(load_scalar_model(cfg.online.reward_model, **common).to(device))
+    critic = None
+    source = critic_source(cfg)
+    if source is not None:
+        if source != m.name_or_path:
+            check_same_vocabulary(tokenizer, source, "online.critic_model", m.trust_remote_code)
+        critic = load_scalar_model(source, dropout=dropout, **common).to(device)
+        _fold_normalization_gain(critic)
+    return Roles(actor, reference, critic, reward_model)
+
+
+def _fold_normalization_gain(critic: torch.nn.Module) -> None:
+    """Scale a critic made from a reward model to its normalised scores, and drop the keys from its config
+    (so that a saved critic is not scaled twice). A Llama head has no bias into which to fold the bias."""
+    gain, _ = reward_normalization(critic)
+    with torch.no_grad():
+        critic.score.weight.mul_(gain)
+    for key in (GAIN_KEY, BIAS_KEY):
+        if hasattr(critic.config, key):
+            delattr(critic.config, key)
+
+
+def _frozen(model: torch.nn.Module) -> torch.nn.Module:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def check_same_vocabulary(tokenizer, other_path: str, key: str, trust_remote_code: bool = False) -> None:
+    """ConfigError unless the tokenizer saved with ``other_path`` gives every policy token the same id.
+
+    The policy's token ids are fed to the reward model and the critic unchanged (no re-tokenisation), so
+    they must share the vocabulary. A reward model may have one extra pad token (``save_hf_folder`` adds it
+    when the tokenizer pads with EOS).
+    """
+    try:
+        other = load_tokenizer(other_path, trust_remote_code=trust_remote_code)
+    except Exception:  # a folder without tokenizer files: nothing to compare
+        return
+    mine, theirs = tokenizer.get_vocab(), other.get_vocab()
+    differ = [tok for tok, i in mine.items() if theirs.get(tok) != i and tok != getattr(tokenizer, "pad_token", None)]
+    if differ:
+        raise ConfigError(f"{key}: the tokenizer in {other_path} numbers {len(differ)} of the policy's tokens "
+                          f"differently (e.g. {differ[0]!r}); the reward model and critic must use the policy's "
+                          "tokenizer")
+
+
+def build_optimizers(cfg, roles: Roles) -> tuple[dict, dict]:
+    """AdamW + schedule for the actor and (when there is one) the critic: ``({name: opt}, {name: sched})``.
+
+    Both schedules count rollouts (one scheduler step per rollout, ``train.max_steps`` in all).
+    """
+    optimizers, schedulers = {}, {}
+    optimizers["actor"], schedulers["actor"] = optimizer_and_scheduler(roles.actor, cfg.train)
+    if roles.critic is not None:
+        lr = cfg.online.critic_learning_rate or cfg.train.learning_rate
+        optimizers["critic"], schedulers["critic"] = optimizer_and_scheduler(roles.critic, cfg.train, lr=lr)
+    return optimizers, schedulers
+
+
+def check_online_config(cfg, num_processes: int = 1) -> None:
+    """Cross-field checks of an online run that :func:`rlhfkit.config.load_config` does not make."""
+    o, t = cfg.online, cfg.train
+    if o.advantage_estimator != "gae":
+        if o.critic_model:
+            raise ConfigError(f"online.critic_model is set, but advantage_estimator={o.advantage_estimator} has no "
+                              "critic; remove it or use advantage_estimator=gae")
+        if o.critic_warmup_steps:
+            raise ConfigError(f"online.critic_warmup_steps={o.critic_warmup_steps}, but advantage_estimator="
+                              f"{o.advantage_estimator} has no critic to warm up; set it to 0")
+    if t.batch_size % num_processes:
+        raise ConfigError(f"train.batch_size ({t.batch_size}) must be a multiple of the number of processes "
+                          f"({num_processes}): each process samples whole prompt groups")
+    local = t.batch_size // num_processes * o.group_size
+    if local % o.num_minibatches:
+        raise ConfigError(f"online.num_minibatches ({o.num_minibatches}) must divide each process's responses per "
+                          f"rollout ({local})")
