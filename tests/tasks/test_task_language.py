@@ -60,8 +60,9 @@ def test_prompt_splits_are_disjoint_and_large_enough():
     assert len(set(train)) == len(train) and len(set(heldout)) == len(heldout)
     assert not set(train) & set(heldout)
     assert sorted(train + heldout) == sorted(R.all_prompts())
-    # SFT records use training prompts only
+    # SFT records use the prompts of their split only
     assert {r["prompt"] for r in task.sft_records(2000)} <= set(train)
+    assert {r["prompt"] for r in task.sft_records(500, split="eval")} <= set(heldout)
     with pytest.raises(ConfigError, match="num_eval_prompts"):
         get_task(num_eval_prompts=0)
 

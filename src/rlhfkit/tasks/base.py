@@ -53,14 +53,15 @@ class Task:
         raise NotImplementedError
 
     # --- data ---------------------------------------------------------------------------------------
-    def sft_records(self, n: int = 4096) -> list[dict]:
-        """``n`` SFT records ``{"prompt", "completion"}`` on train prompts; deterministic from the seed,
-        and ``sft_records(m)`` is a prefix of ``sft_records(n)`` for m <= n."""
-        rng = random.Random(f"{self.name}-sft-{self.seed}")
-        train = self.prompts("train")
+    def sft_records(self, n: int = 4096, split: str = "train") -> list[dict]:
+        """``n`` SFT records ``{"prompt", "completion"}`` on the prompts of ``split`` (``"eval"`` gives
+        held-out records for an evaluation loss); deterministic from the seed, and ``sft_records(m)`` is
+        a prefix of ``sft_records(n)`` for m <= n."""
+        rng = random.Random(f"{self.name}-sft-{self.seed}" + ("" if split == "train" else f"-{split}"))
+        prompts = self.prompts(split)
         records = []
         for _ in range(n):
-            prompt = rng.choice(train)
+            prompt = rng.choice(prompts)
             records.append({"prompt": prompt, "completion": self.sample_completion(prompt, rng)})
         return records
 

@@ -348,12 +348,25 @@ def lexicon_texts() -> list[str]:
 
 
 class ReviewsTask(Task):
-    """Short product reviews with a requested sentiment; see the module docstring for the gold score."""
+    """Short product reviews with a requested sentiment; see the module docstring for the gold score.
+
+    Args:
+        seed: corpus, prompt splits and model initialisation derive from it.
+        num_eval_prompts: size of the held-out ``"eval"`` split (of 2,560 prompts in all).
+        annotator_temperature: Bradley-Terry temperature of the annotators; at the default 0.5 they agree
+            with the gold ordering on about 90% of untied pairs of SFT-like samples (the Bayes ceiling).
+        style: the corpus writer's mix of good and mediocre reviews.
+    """
 
     name = "reviews"
 
-    def __init__(self, seed: int = 0, num_eval_prompts: int = 384, annotator_temperature: float = 0.5,
-                 style: WriterStyle = WriterStyle()):  # fmt: skip
+    def __init__(
+        self,
+        seed: int = 0,
+        num_eval_prompts: int = 384,
+        annotator_temperature: float = 0.5,
+        style: WriterStyle = WriterStyle(),
+    ):
         super().__init__(seed=seed, annotator_temperature=annotator_temperature)
         prompts = all_prompts()
         if not 0 < num_eval_prompts < len(prompts):
