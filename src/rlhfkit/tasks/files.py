@@ -14,7 +14,6 @@ writes them; the quickstart does it as its first stage).
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 from rlhfkit.tasks.base import Task
@@ -40,13 +39,7 @@ def prepare_task_files(task: Task, out_dir: str | Path, preset: str = "tiny", nu
     task.build_model(preset, tokenizer).save_pretrained(paths["init_model"])
 
     paths["sft_train"] = write_jsonl(out / "sft_train.jsonl", task.sft_records(num_sft))
-    rng = random.Random(f"{task.name}-sft-eval-{task.seed}")
-    held_out = task.prompts("eval")
-    eval_records = []
-    for _ in range(num_sft_eval):
-        prompt = rng.choice(held_out)
-        eval_records.append({"prompt": prompt, "completion": task.sample_completion(prompt, rng)})
-    paths["sft_eval"] = write_jsonl(out / "sft_eval.jsonl", eval_records)
+    paths["sft_eval"] = write_jsonl(out / "sft_eval.jsonl", task.sft_records(num_sft_eval, split="eval"))
     paths["prompts_train"] = write_jsonl(out / "prompts_train.jsonl", [{"prompt": p} for p in task.prompts("train")])
     paths["prompts_eval"] = write_jsonl(out / "prompts_eval.jsonl", [{"prompt": p} for p in task.prompts("eval")])
     return paths
