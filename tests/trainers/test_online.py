@@ -267,7 +267,7 @@ def test_evaluate_hook_is_logged_and_leaves_training_unchanged_and_critic_warms_
 
 @pytest.mark.slow
 def test_ppo_learns_a_toy_reward(tmp_path):
-    """+1 per 'cat' token: the mean score rises well above the random policy's (a learning signal, not a benchmark)."""
+    """+1 per 'cat' token: the mean score rises far above the random policy's (a learning signal, not a benchmark)."""
     paths = write_online_problem(tmp_path, reward_model=False)
     out = tmp_path / "run"
     cfg = online_config(paths, out, "train.max_steps=24", "train.learning_rate=3e-3", "train.batch_size=8",
@@ -277,7 +277,7 @@ def test_ppo_learns_a_toy_reward(tmp_path):
     online.train(cfg)
     scores = [r["score/mean"] for r in read_metrics(out / "metrics.jsonl")]
     first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
-    assert last > first + 0.5, scores
+    assert last > first + 2.0, scores  # from ~0.1 to ~6 (of 6 tokens) on this seed
 
 
 # ---------------------------------------------------------------------------------------------------------

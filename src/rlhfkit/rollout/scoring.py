@@ -156,8 +156,12 @@ class Scorer:
     @classmethod
     def from_specs(cls, reward_model: torch.nn.Module | None, specs: Sequence[str],
                    batch_size: int | None = None) -> Scorer:
-        """A scorer with the functions named in ``specs`` (``online.reward_functions``)."""
-        functions = [(spec, load_reward_function(spec, f"online.reward_functions[{i}]")) for i, spec in enumerate(specs)]
+        """A scorer with the functions named in ``specs`` (``online.reward_functions``); each part is named
+        after its function (``fn`` of ``"pkg.module:fn"``), with ``_<index>`` when two share a name."""
+        short = [spec.rpartition(":")[2] for spec in specs]
+        functions = [(name if short.count(name) == 1 else f"{name}_{i}",
+                      load_reward_function(spec, f"online.reward_functions[{i}]"))
+                     for i, (spec, name) in enumerate(zip(specs, short, strict=True))]
         return cls(reward_model, functions, batch_size)
 
     @property

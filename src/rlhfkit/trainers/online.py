@@ -6,7 +6,8 @@ of them) runs five stages, numbered in :func:`train_online`:
 
 1. **generate**: ``train.batch_size`` prompts (a stateless function of (seed, rollout number)) and
    ``online.group_size`` responses each, sampled from the actor at ``online.temperature`` (top-p / top-k
-   optional) from LEFT-padded prompts; each response is cut after its first stop token (EOS, or also
+   optional) from LEFT-padded prompts, with torch's generator seeded from (seed, rollout number, process)
+   (so resuming needs no sampler state, and every process samples its own noise); each response is cut after its first stop token (EOS, or also
    ``online.stop_token``), the stop token inside the mask and everything after it outside, also when the
    pad token is EOS. The log-probs of the actor and of the frozen reference, and the critic's values, are
    recomputed at the sampling temperature (never taken from ``generate``: OpenRLHF PR #853, trl#2358).
@@ -52,7 +53,6 @@ Launch:
 
 from __future__ import annotations
 
-import hashlib
 import time
 import warnings
 from collections.abc import Callable
@@ -76,6 +76,7 @@ from rlhfkit.trainers.online_steps import (
     OnlineContext,
     StageClock,
     StatSums,
+    derived_seed,
     ppo_update,
     prompt_batch,
     sample_rollout,
@@ -197,6 +198,7 @@ def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: O
     for step in run.progress(range(state["step"] + 1, t.max_steps + 1), total=t.max_steps, desc=cfg.kind):
         clock, step_start = StageClock(acc.device), time.perf_counter()
         # 1. generate: sample responses, cut them at the stop token; old and reference log-probs, values
+        torch.manual_seed(derived_seed("sampling", cfg.seed, step, acc.process_index))
         batch = prompt_batch(ctx, examples, step)
         rollout, response_mask, entropy = sample_rollout(ctx, batch, clock)
 
@@ -313,8 +315,7 @@ def evaluate(ctx: OnlineContext, hooks: OnlineHooks, eval_examples: list[dict] |
     what training samples, and an interrupted and resumed run evaluates the same samples.
     """
     saved = get_rng_state()
-    digest = hashlib.sha256(f"rlhfkit-eval-{ctx.cfg.seed}-{step}".encode()).digest()
-    seed_everything(int.from_bytes(digest[:4], "little"))
+    seed_everything(derived_seed("evaluation", ctx.cfg.seed, step, ctx.accelerator.process_index) % 2**32)
     actor = ctx.roles.actor
     was_training = actor.training
     actor.eval()

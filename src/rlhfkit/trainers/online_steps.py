@@ -265,10 +265,15 @@ def score_rollout(ctx: OnlineContext, rollout: Rollout, response_mask: torch.Ten
     return scores, raw_scores, parts
 
 
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed that is a stateless function of ``parts`` (e.g. ``("sampling", seed, step, rank)``)."""
+    digest = hashlib.sha256("-".join(map(str, ("rlhfkit", *parts))).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 def minibatch_order(n: int, seed: int, step: int, epoch: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A permutation of ``n`` rows, a stateless function of (seed, step, epoch): resume needs no sampler state."""
-    digest = hashlib.sha256(f"rlhfkit-minibatches-{seed}-{step}-{epoch}".encode()).digest()
-    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    g = torch.Generator().manual_seed(derived_seed("minibatches", seed, step, epoch))
     return torch.randperm(n, generator=g).to(device)
 
 
