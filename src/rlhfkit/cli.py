@@ -3,6 +3,7 @@
     rlhfkit train {sft,reward,prm,ppo,grpo,rloo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
     rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite]
     rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE]
+    rlhfkit label-pairs --policy DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
     rlhfkit report RUN_DIR
 
 A user's mistake (a :class:`rlhfkit.errors.UserError`: bad configuration, bad data, an occupied output
@@ -42,6 +43,7 @@ TARGETS: dict[str, str] = {
     "quickstart": "rlhfkit.pipeline:quickstart",  # quickstart(out_dir, preset, overwrite)
     "generate": "rlhfkit.rollout.generate_cli:generate",  # see _generate
     "report": "rlhfkit.report:write_report",  # write_report(run_dir)
+    "label-pairs": "rlhfkit.rollout.pairs:label_pairs",  # see _label_pairs
 }
 # What `quickstart` runs, for the message that says which stages are still missing.
 QUICKSTART_STAGES: dict[str, str] = {
@@ -106,7 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="SFT -> preference labelling -> reward model -> PPO -> evaluation on the built-in "
                     "offline task; writes summary.json and a report.")
     quick.add_argument("--out", default="runs/quickstart", metavar="DIR", help="output folder (default: %(default)s)")
-    quick.add_argument("--preset", choices=("tiny", "small"), default="tiny", help="model and data size")
+    quick.add_argument("--preset", choices=("tiny", "small", "smoke"), default="tiny",
+                       help="model and run sizes: tiny (minutes on a laptop CPU), small (a GPU, or patience), "
+                            "smoke (every stage, seconds each: for tests)")
+    quick.add_argument("--seed", type=int, default=0, help="seeds the task, every model and every sample")
     quick.add_argument("--overwrite", action="store_true", help="delete DIR's previous quickstart first")
     quick.set_defaults(run=_quickstart)
 
@@ -122,6 +127,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     gen.add_argument("--out", metavar="FILE", help="write {prompt, response} JSON Lines here (default: stdout)")
     gen.set_defaults(run=_generate)
+
+    lab = commands.add_parser(
+        "label-pairs", help="sample response pairs from a policy and label them with a built-in task's annotators",
+        description="Sample two responses per prompt from a policy (an SFT run's final/) on a built-in task's "
+                    "train and held-out prompts, label each pair with the task's simulated annotators "
+                    "(Bradley-Terry noise on the gold score), and write pairs_train.jsonl, pairs_eval.jsonl "
+                    "(with gold scores for evaluation) and labels.json (counts, Bayes ceiling) into --out.")
+    lab.add_argument("--policy", required=True, metavar="DIR", help="the policy folder that samples the responses")
+    lab.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    lab.add_argument("--task", default="reviews", help="built-in task (default: %(default)s)")
+    lab.add_argument("--task-seed", type=int, default=0, metavar="S",
+                     help="the task's seed, i.e. its prompt split: the one the SFT data used (default: %(default)s)")
+    lab.add_argument("--pairs", type=int, default=2000, metavar="N", help="training pairs (default: %(default)s)")
+    lab.add_argument("--eval-pairs", type=int, default=500, metavar="N",
+                     help="held-out pairs (default: %(default)s)")
+    lab.add_argument("--seed", type=int, default=0, help="sampling and annotator seed (default: %(default)s)")
+    lab.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                     help="sampling temperature (default: %(default)s)")
+    lab.add_argument("--annotator-temperature", type=float, metavar="T",
+                     help="the annotators' Bradley-Terry temperature (default: the task's)")
+    lab.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: %(default)s")
+    lab.add_argument("--batch-size", type=int, default=256, metavar="N",
+                     help="responses per generate call (default: %(default)s)")
+    lab.add_argument("--overwrite", action="store_true", help="replace the files already in --out")
+    lab.set_defaults(run=_label_pairs)
 
     rep = commands.add_parser("report", help="plots and a report from a run's metrics.jsonl",
                               description="Write plots (PNG) and a report into RUN_DIR.")
@@ -151,7 +181,7 @@ def _quickstart(args: argparse.Namespace) -> int:
         missing = [stage for stage, module in QUICKSTART_STAGES.items() if not _module_exists(module)]
         raise NotBuiltError(f"{e}; stages still missing: {', '.join(missing) or 'none'}") from None
     prepare_output_dir(args.out, overwrite=args.overwrite)
-    quickstart(args.out, args.preset, args.overwrite)
+    quickstart(args.out, args.preset, args.overwrite, seed=args.seed)
     return 0
 
 
@@ -168,6 +198,27 @@ def _generate(args: argparse.Namespace) -> int:
     # temperature 0 means greedy decoding.
     generate(args.model, args.prompts, out=args.out, temperature=temperature,
              max_new_tokens=args.max_new_tokens, seed=args.seed)
+    return 0
+
+
+def _label_pairs(args: argparse.Namespace) -> int:
+    for flag, value, least in (("--pairs", args.pairs, 1), ("--eval-pairs", args.eval_pairs, 0),
+                               ("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 2)):
+        if value < least:
+            raise UserError(f"{flag} must be >= {least}, got {value}")
+    if not Path(args.policy).is_dir():
+        raise UserError(f"policy folder not found: {args.policy}")
+    _set_threads()
+    summary = resolve(TARGETS["label-pairs"])(
+        args.policy, args.out, task=args.task, task_seed=args.task_seed, num_pairs=args.pairs,
+        num_eval_pairs=args.eval_pairs, seed=args.seed, temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        annotator_temperature=args.annotator_temperature, overwrite=args.overwrite)
+    train, held = summary["train"], summary["eval"]
+    ceiling = held["bayes_ceiling"] if held["bayes_ceiling"] is not None else train["bayes_ceiling"]
+    print(f"{train['pairs']} training pairs -> {train['file']}; {held['pairs']} held-out pairs -> {held['file']}; "
+          f"annotators' Bayes ceiling {'n/a' if ceiling is None else f'{ceiling:.3f}'}; "
+          f"{summary['seconds']['total']:.1f} s")
     return 0
 
 
@@ -189,6 +240,9 @@ def _set_threads() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    # Its load reports (e.g. "score.weight MISSING" when a reward model is built on a causal LM) are
+    # expected here; rlhfkit's own checks raise clear errors for what is really wrong.
+    hf_logging.set_verbosity_error()
 
 
 def resolve(target: str) -> Callable:
