@@ -104,6 +104,33 @@ def test_hand_built_rollout_puts_score_on_last_real_token_and_rewards_sum_to_sco
     assert torch.allclose(rewards.sum(1), scores - kl_coef * kl.sum(1), atol=1e-6)
 
 
+def test_critic_starts_as_the_reward_models_normalised_score(tmp_path, monkeypatch):
+    """values[:, t] = gain * head(column p0 + t - 1) + bias, with the reward model's stored normalisation."""
+    from transformers import AutoModelForSequenceClassification
+
+    paths = write_online_problem(tmp_path)
+    rm = AutoModelForSequenceClassification.from_pretrained(paths["reward"])
+    rm.config.rlhfkit_reward_gain, rm.config.rlhfkit_reward_bias = 2.0, -3.0
+    rm.save_pretrained(paths["reward"])
+    ctx = make_context(online_config(paths, tmp_path / "run", f"online.reward_model={paths['reward']}"))
+    tok = ctx.tokenizer
+    w, eos = tok.convert_tokens_to_ids, tok.eos_token_id
+    raw = [[w("cat"), w("sat"), eos, 5], [w("on"), eos, 5, 5]]
+    monkeypatch.setattr(online_steps, "generate_responses", _hand_built_generation(tok, raw))
+    prompts = [[1, w("hello"), w("world")], [1, w("yes")]]
+    batch = {"query_ids": torch.tensor([prompts[0], [tok.pad_token_id] + prompts[1]]),
+             "query_mask": torch.tensor([[1, 1, 1], [0, 1, 1]]), "records": [{"prompt": "x"}] * 2,
+             "group_ids": torch.arange(2)}
+    rollout, response_mask, _ = sample_rollout(ctx, batch)
+    _, _, parts = score_rollout(ctx, rollout, response_mask, batch["records"])
+    for i, (p, n) in enumerate(zip(prompts, [3, 2], strict=True)):
+        ids = torch.tensor([p + raw[i][:n]])
+        with torch.no_grad():
+            head = rm.score(rm.model(ids).last_hidden_state)[0, :, 0]  # (L,)
+        assert torch.allclose(rollout.values[i, :n], 2.0 * head[len(p) - 1 : len(p) - 1 + n] - 3.0, atol=1e-5)
+        assert parts["reward_model"][i] == pytest.approx(float(2.0 * head[-1] - 3.0), abs=1e-5)  # same read-out
+
+
 def test_missing_eos_mask_leaves_truncated_responses_out(tmp_path, monkeypatch):
     paths = write_online_problem(tmp_path, reward_model=False)
     cfg = online_config(paths, tmp_path / "run", "online.missing_eos=mask", reward="words")

@@ -4,8 +4,11 @@
 - **reference**: a frozen copy of the same weights; the KL penalty is measured against it;
 - **reward model**: frozen (``online.reward_model``), its scores already normalised by the reward trainer;
 - **critic**: trained, a scalar model loaded from ``online.critic_model``, else from the reward model
-  (Huang et al. 2024: the critic starts as the reward model, its head scaled by the reward model's
-  normalisation gain), else from the policy with a fresh head.
+  (Huang et al. 2024: the critic starts as the reward model), else from the policy with a fresh head.
+  Its values are read like the reward model's scores, ``gain * head + bias`` with the normalisation
+  stored in its config (:func:`rlhfkit.rollout.scoring.reward_normalization`; (1, 0) for a fresh head), so
+  a critic made from a reward model starts at the normalised scores the rewards are made of, and
+  ``final_critic/`` keeps the same read-out.
   Only the ``gae`` estimator has one; GRPO / RLOO / REINFORCE++ are critic-free.
 
 Dropout is off in all four (``model.disable_dropout``, on by default) so that the PPO ratio is exactly 1
@@ -23,7 +26,6 @@ import torch
 from rlhfkit.engine.optim import optimizer_and_scheduler
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
-from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, reward_normalization
 
 
 @dataclass
@@ -65,19 +67,7 @@ def build_roles(cfg, tokenizer, device: torch.device | str = "cpu") -> Roles:
         if source != m.name_or_path:
             check_same_vocabulary(tokenizer, source, "online.critic_model", m.trust_remote_code)
         critic = load_scalar_model(source, dropout=dropout, **common).to(device)
-        _fold_normalization_gain(critic)
     return Roles(actor, reference, critic, reward_model)
-
-
-def _fold_normalization_gain(critic: torch.nn.Module) -> None:
-    """Scale a critic made from a reward model to its normalised scores, and drop the keys from its config
-    (so that a saved critic is not scaled twice). A Llama head has no bias into which to fold the bias."""
-    gain, _ = reward_normalization(critic)
-    with torch.no_grad():
-        critic.score.weight.mul_(gain)
-    for key in (GAIN_KEY, BIAS_KEY):
-        if hasattr(critic.config, key):
-            delattr(critic.config, key)
 
 
 def _frozen(model: torch.nn.Module) -> torch.nn.Module:

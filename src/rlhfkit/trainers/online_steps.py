@@ -39,7 +39,7 @@ from rlhfkit.data import PromptCollator
 from rlhfkit.engine.accel import dp_scale
 from rlhfkit.models import logprobs_from_logits, response_logits, response_values
 from rlhfkit.rollout import generate_responses
-from rlhfkit.rollout.scoring import Scorer
+from rlhfkit.rollout.scoring import Scorer, reward_normalization
 from rlhfkit.trainers.loop import batch_indices
 from rlhfkit.trainers.online_roles import Roles
 from rlhfkit.types import Rollout
@@ -138,6 +138,15 @@ def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int) -> dict[st
     }
 
 
+def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  response_start: int) -> torch.Tensor:
+    """V(x, y_<t) for every response position, (b, R) float32: the head's output under the normalisation
+    stored in the critic's config, as the reward model's scores are read (a critic made from a reward model
+    then starts at the normalised scores; Huang et al. 2024 initialise the critic from the reward model)."""
+    gain, bias = reward_normalization(critic)
+    return response_values(critic, input_ids, attention_mask, response_start).float() * gain + bias
+
+
 def model_inputs(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor,
                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Prompt + response as one model input, without the columns that no row uses.
@@ -229,7 +238,7 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
             ref_logits = response_logits(roles.reference, ids, attn, start)  # (b, w, V)
             ref_logprobs[rows, :w] = logprobs_from_logits(ref_logits, labels, o.temperature)
             if values is not None:
-                values[rows, :w] = response_values(roles.critic, ids, attn, start).float()
+                values[rows, :w] = critic_values(roles.critic, ids, attn, start)
     rollout = Rollout(
         query_ids=batch["query_ids"], query_mask=batch["query_mask"], response_ids=response_ids, mask=mask,
         logprobs=fill_masked(logprobs, mask), ref_logprobs=fill_masked(ref_logprobs, mask),
@@ -376,7 +385,7 @@ def micro_batch_loss(ctx: OnlineContext, mb: Rollout, normalizer: float, stats: 
             parts["loss/entropy"] = aggregate(entropy_from_logits(logits / o.temperature))
             loss = loss - o.ent_coef * parts["loss/entropy"]
     if "critic" in ctx.trained:
-        values = response_values(ctx.trained["critic"], ids, attn, start).float()  # (b, w)
+        values = critic_values(ctx.trained["critic"], ids, attn, start)  # (b, w)
         per_token, vf = value_loss(values, mb.values[:, :w], mb.returns[:, :w], o.value_clip_eps, mask=mask)
         parts["loss/value"] = aggregate(per_token)
         loss = loss + o.vf_coef * parts["loss/value"]
