@@ -271,16 +271,21 @@ def test_evaluate_hook_is_logged_and_leaves_training_unchanged_and_critic_warms_
         return {"probe/mean": float(torch.rand(()))}  # draws from the global RNG on purpose
 
     finals = []
-    for name, hooks in (("with", OnlineHooks(evaluate=evaluate)), ("without", None)):
+    for name, hooks, evals in (("with", OnlineHooks(evaluate=evaluate), [f"data.eval_file={paths['prompts']}"]),
+                               ("without", None, [])):
         out = tmp_path / name
         cfg = online_config(paths, out, f"online.reward_model={paths['reward']}", "train.max_steps=3",
-                            "train.eval_steps=2", "train.save_steps=1", "online.critic_warmup_steps=1")
+                            "train.eval_steps=2", "train.save_steps=1", "online.critic_warmup_steps=1", *evals)
         online.train(cfg, hooks=hooks)
         finals.append(load_file(str(out / "final" / "model.safetensors")))
     assert calls == [(0, False), (2, False), (3, False)]
     rows = read_metrics(tmp_path / "with" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [("probe/mean" in r) for r in rows] == [True, False, True, True]
+    # data.eval_file: the built-in held-out figures, one response per prompt at the training temperature
+    assert [("eval/score/mean" in r) for r in rows] == [True, False, True, True]
+    assert rows[0]["eval/kl/mean"] == 0.0 and rows[3]["eval/kl/mean"] != 0.0  # the policy has moved by then
+    assert 0 < rows[3]["eval/response_length/mean"] <= 6
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
     # Critic warm-up: after rollout 1 only the critic has moved.
     step1 = tmp_path / "with" / "checkpoints" / "step-1"

@@ -232,7 +232,7 @@ def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: O
         metrics.update({f"time/{k}": v for k, v in clock.seconds.items()})
         metrics["time/step_seconds"] = seconds
         metrics["tokens_per_second"] = metrics["response_length/mean"] * t.batch_size * o.group_size / seconds
-        evaluated = (hooks.evaluate or eval_examples) and (step % t.eval_steps == 0 or step == t.max_steps)
+        evaluated = bool(hooks.evaluate or eval_examples) and (step % t.eval_steps == 0 or step == t.max_steps)
         if evaluated:
             last_eval = evaluate(ctx, hooks, eval_examples, step)
             metrics.update(last_eval)
