@@ -172,16 +172,28 @@ class RewardConfig:
     """Reward-model training (reward / prm)."""
 
     margin: float = option(
-        0.0, "Margin m in the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - m) (Touvron et al. 2023).")
+        0.0, "Margin m in the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - m) (Touvron et al. 2023) "
+             "for every pair whose record has no `margin` field of its own.")
     center_coef: float = option(
         0.0, "Weight of the auxiliary loss (r_chosen + r_rejected)^2 that keeps rewards centred on 0 "
              "(Eisenstein et al. 2023; 0.01 is usual).", ge=0)
     length_bias_coef: float = option(
-        0.0, "Weight of a penalty on the batch covariance between reward and response length, against "
-             "length hacking (Singhal et al. 2023); 0 = off.", ge=0)
+        0.0, "Weight of a penalty c * cov(r, z)^2 on the covariance between reward r and standardised response "
+             "length z over each micro-batch's responses, against length hacking (Singhal et al. 2023); 0 = off.",
+        ge=0)
     normalize: bool = option(
-        True, "After training, set the head's bias so that the training responses score 0 on average "
-              "(Huang et al. 2024, reward normalisation).")
+        True, "After training, fit a gain and a bias so that the training responses' scores have mean 0 and std 1 "
+              "(Huang et al. 2024, reward normalisation); stored in final/config.json as rlhfkit_reward_gain "
+              "and rlhfkit_reward_bias, which rlhfkit applies whenever it scores with the model.")
+    normalize_max_pairs: int = option(
+        2048, "Fit the normalisation on at most this many training pairs (both responses), drawn with the seed.",
+        gt=0)
+    keep_best: bool = option(
+        True, "final/ is the model of the evaluation with the best held-out accuracy (ties: lower held-out "
+              "loss), not the last step's (needs data.eval_file).")
+    early_stopping_patience: int | None = option(
+        None, "Stop after this many evaluations in a row without a better held-out accuracy (needs "
+              "data.eval_file); none = train for max_steps.", gt=0)
 
 
 @dataclass

@@ -42,13 +42,15 @@ class Objective:
         normalizer: a list of examples (the whole batch, all processes) -> the number of units the loss
             averages over (tokens for SFT, pairs for a reward model).
         evaluate: (model, step) -> metrics to log (prefixed ``eval/`` by the caller), or None.
-        better: (new_eval, best_eval) -> True when ``new_eval`` is better (to keep the best model), or None.
+        should_stop: (step) -> True to end training after this step (early stopping), or None; asked after
+            every evaluation. The step is logged and checkpointed before the loop ends.
     """
 
     collate: Callable[[list[Any]], dict[str, torch.Tensor]]
     loss: Callable[[torch.nn.Module, dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]]
     normalizer: Callable[[list[Any]], float]
     evaluate: Callable[[torch.nn.Module, int], dict[str, float]] | None = None
+    should_stop: Callable[[int], bool] | None = None
 
 
 def batch_indices(num_examples: int, batch_size: int, step: int, seed: int, shuffle: bool = True) -> list[int]:
@@ -99,7 +101,8 @@ def train_offline(
         accelerator: an ``accelerate.Accelerator``.
         on_save: called after every checkpoint (e.g. to keep the best model).
     Returns:
-        ``{"step", "loss", "eval": last evaluation metrics, "wall_seconds", "examples_per_second"}``.
+        ``{"step": the last step trained (below max_steps after an early stop), "loss", "eval": last
+        evaluation metrics, "wall_seconds", "examples_per_second"}``.
     """
     t = cfg.train
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -118,6 +121,7 @@ def train_offline(
                                 {"model": optimizer}, {"model": scheduler})
     last_eval: dict[str, float] = dict(state.get("last_eval", {}))
     start_time, seen, loss_value = time.perf_counter(), 0, float("nan")
+    last_step = state["step"]
     model.train()
     for step in run.progress(range(state["step"] + 1, t.max_steps + 1), total=t.max_steps, desc="train"):
         step_start = time.perf_counter()
@@ -152,15 +156,17 @@ def train_offline(
         metrics.update({name: _all_sum(accelerator, v) for name, v in totals.items()})
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
+        stop = False
         if objective.evaluate is not None and (step % t.eval_steps == 0 or step == t.max_steps):
             model.eval()
             with torch.no_grad():
                 last_eval = objective.evaluate(accelerator.unwrap_model(model), step)
             model.train()
             metrics.update({f"eval/{k}": v for k, v in last_eval.items()})
+            stop = objective.should_stop is not None and bool(objective.should_stop(step))
         if step % t.log_steps == 0 or step == t.max_steps or "eval/loss" in metrics:
             run.metrics.log(step, metrics)
-        if step % t.save_steps == 0 or step == t.max_steps:
+        if step % t.save_steps == 0 or step == t.max_steps or stop:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 save_checkpoint(run.checkpoints_dir, step, {"model": accelerator.unwrap_model(model)},
@@ -168,8 +174,11 @@ def train_offline(
                                 {"last_eval": last_eval}, keep_last=t.keep_last_checkpoints)
             if on_save is not None:
                 on_save(step)
+        last_step = step
+        if stop:
+            break
     elapsed = time.perf_counter() - start_time
-    return {"step": t.max_steps, "loss": loss_value, "eval": last_eval, "wall_seconds": elapsed,
+    return {"step": last_step, "loss": loss_value, "eval": last_eval, "wall_seconds": elapsed,
             "examples_per_second": seen / elapsed if elapsed > 0 else None}
 
 

@@ -1,0 +1,561 @@
+"""Reward model: Bradley-Terry training on preference pairs, held-out evaluation, score normalisation.
+
+The reward model is the SFT model with a scalar head (``AutoModelForSequenceClassification``, one label)
+that reads the score at each sequence's last real token (Ouyang et al. 2022, step 2; Ziegler et al. 2019).
+Per pair, with scores r_c (chosen) and r_r (rejected), :func:`rlhfkit.algos.bradley_terry_loss` gives
+
+    -log sigmoid(r_c - r_r - m) + center_coef * (r_c + r_r)^2
+
+(Ouyang et al. 2022 eq. 1; margin m of Touvron et al. 2023 eq. 2; centring of Eisenstein et al. 2023),
+averaged over the pairs of the whole batch (``aggregate_loss`` with the batch's pair count as normaliser,
+so micro-batching and data parallelism do not change the gradient). Details:
+
+- chosen and rejected are scored in ONE forward pass (the collator pads both sides to one length);
+- the head starts at N(0, 1/(d_model + 1)) and dropout is off (Huang et al. 2024, "The N+ Implementation
+  Details of RLHF with PPO"; both done by :func:`rlhfkit.models.load_scalar_model`);
+- margin m: the record's ``margin`` field when it has one, else ``reward.margin``;
+- length-bias control (``reward.length_bias_coef`` = c, off by default; Singhal et al. 2023 show reward
+  models learn "longer is better"): with the 2n responses of a micro-batch of n pairs, scores r and lengths
+  l in tokens, z = (l - mean l) / std l and cov = mean(r * z) (= corr(r, l) * std r), the loss adds
+  c * cov^2 * n / N (N the whole batch's pairs). It is squared, so it is smooth and pulls the covariance to
+  0 from either side without rewarding a negative one. Under gradient accumulation the covariance is
+  estimated per micro-batch (a noisier estimate than the whole batch's, the same in expectation up to
+  the estimate's variance, which is also penalised);
+- evaluation on held-out pairs every ``train.eval_steps`` (and at step 0): loss, accuracy against the
+  data's labels (a tie counts 1/2), mean margin, correlation of score with response length, calibration
+  (the model's confidence sigmoid(|r_c - r_r|) against how often its preferred response is the chosen one,
+  in bins over [0.5, 1]); when the held-out records carry ``gold_chosen`` / ``gold_rejected`` (written by
+  ``rlhfkit label-pairs`` on a built-in task; the trainer knows nothing else of the task), accuracy against
+  the noiseless gold order with gold ties excluded, and with ``gold_agreement`` the annotators' Bayes ceiling;
+- the best model by held-out accuracy against the labels (never gold: gold is not known in real use;
+  ties go to the lower held-out loss) is kept in ``<run>/best/`` and becomes ``final/``;
+  ``reward.early_stopping_patience`` stops training after that many evaluations without a better one;
+- normalisation (Huang et al. 2024, "reward normalisation"): after training, a gain and a bias are fitted
+  on the scores of training responses (up to ``reward.normalize_max_pairs`` pairs, both sides) so that they
+  have mean 0 and std 1. The weights in ``final/`` stay raw, so plain ``transformers`` and
+  :func:`rlhfkit.models.sequence_scores` give the same raw scores; the gain and bias go into
+  ``final/config.json`` as ``rlhfkit_reward_gain`` / ``rlhfkit_reward_bias``, and rlhfkit applies them
+  whenever it scores with the model (:func:`normalized_scores`). (Llama's score head has no bias, so a bias
+  cannot be folded into the weights.)
+
+``summary.json`` holds the held-out figures of the final model; ``metrics.jsonl`` the training and
+``eval/`` lines. The process reward model (``rlhfkit train prm``) is not built yet.
+
+Launch:
+    rlhfkit train reward --config reward.yaml                          # one process
+    accelerate launch -m rlhfkit.cli train reward --config reward.yaml   # several processes (data parallel)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rlhfkit.algos import aggregate_loss, bradley_terry_loss
+from rlhfkit.data import (
+    PreferenceCollator,
+    TokenLimits,
+    load_dataset_records,
+    prepare_examples,
+    tokenize_records,
+)
+from rlhfkit.engine.accel import make_accelerator
+from rlhfkit.engine.run import RunDir
+from rlhfkit.engine.seed import seed_everything
+from rlhfkit.errors import ConfigError
+from rlhfkit.models import load_scalar_model, load_tokenizer, save_hf_folder, sequence_scores
+from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
+
+# Keys of a saved reward model's config.json: normalised score = gain * raw score + bias.
+GAIN_KEY, BIAS_KEY = "rlhfkit_reward_gain", "rlhfkit_reward_bias"
+GOLD_FIELDS = ("gold_chosen", "gold_rejected")
+GOLD_TIE = 1e-9  # gold scores closer than this are a tie (as rlhfkit.tasks.annotators)
+CALIBRATION_BINS = 5  # confidence bins of width 0.1 over [0.5, 1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Batches and the loss
+
+
+class PairCollator:
+    """Tokenised pairs -> a :class:`rlhfkit.data.PreferenceCollator` batch plus ``margin`` (B,) float (the
+    record's own, else ``default_margin``) and ``chosen_length`` / ``rejected_length`` (B,) long (response
+    tokens, EOS included)."""
+
+    def __init__(self, pad_token_id: int, default_margin: float = 0.0):
+        self.pairs = PreferenceCollator(pad_token_id)
+        self.default_margin = float(default_margin)
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        batch = self.pairs(examples)
+        batch["margin"] = torch.tensor([ex.get("margin", self.default_margin) for ex in examples],
+                                       dtype=torch.float32)
+        for side in ("chosen", "rejected"):
+            batch[f"{side}_length"] = torch.tensor([len(ex[f"{side}_ids"]) for ex in examples])
+        return batch
+
+
+def pair_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of both sides of every pair from ONE forward pass over ``cat([chosen, rejected])``.
+
+    Args:
+        batch: ``chosen_input_ids``, ``chosen_attention_mask``, ``rejected_input_ids``,
+            ``rejected_attention_mask``, all (B, L).
+    Returns:
+        (chosen (B,), rejected (B,)) raw scores.
+    """
+    ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])  # (2B, L)
+    mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])  # (2B, L)
+    scores = sequence_scores(model, ids, mask)  # (2B,)
+    n = batch["chosen_input_ids"].shape[0]
+    return scores[:n], scores[n:]
+
+
+def length_covariance(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """cov(r, z) = mean(r * z) with z the lengths standardised over the set (population std).
+
+    Args:
+        scores: (N,) rewards.
+        lengths: (N,) response lengths.
+    Returns:
+        a scalar, differentiable in ``scores``; 0 when every length is the same.
+    """
+    lengths = lengths.to(scores.dtype)
+    centred = lengths - lengths.mean()  # (N,)
+    std = centred.pow(2).mean().sqrt()
+    if float(std) < 1e-6:
+        return scores.sum() * 0.0
+    return (scores * (centred / std)).mean()
+
+
+def pair_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    margin: torch.Tensor | None,
+    normalizer: float,
+    *,
+    center_coef: float = 0.0,
+    length_bias_coef: float = 0.0,
+    chosen_length: torch.Tensor | None = None,
+    rejected_length: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The reward-model loss of one micro-batch of n pairs, divided by the whole batch's pair count N.
+
+    ``sum_i BT_i / N + length_bias_coef * cov^2 * n / N`` (module docstring); summing it over the
+    micro-batches of a step gives the step's loss.
+
+    Args:
+        chosen, rejected: (n,) scores.
+        margin: (n,) or None.
+        normalizer: N.
+        center_coef, length_bias_coef: as in ``RewardConfig``.
+        chosen_length, rejected_length: (n,) response lengths (needed when ``length_bias_coef`` > 0).
+    Returns:
+        (scalar loss, stats already multiplied by n / N so that the loop's sum over micro-batches is the
+        step's mean).
+    """
+    per_pair, bt = bradley_terry_loss(chosen, rejected, margin, center_coef)  # (n,)
+    loss = aggregate_loss(per_pair[:, None], torch.ones_like(per_pair[:, None]), "token-mean", normalizer)
+    share = per_pair.shape[0] / normalizer
+    stats = {"loss/bradley_terry": float(loss.detach()), "accuracy": float(bt["accuracy"]) * share,
+             "margin": float(bt["margin"]) * share, "score/chosen": float(bt["chosen"]) * share,
+             "score/rejected": float(bt["rejected"]) * share}
+    if length_bias_coef:
+        if chosen_length is None or rejected_length is None:
+            raise ValueError("length_bias_coef > 0 needs chosen_length and rejected_length")
+        cov = length_covariance(torch.cat([chosen, rejected]), torch.cat([chosen_length, rejected_length]))
+        penalty = length_bias_coef * cov.pow(2) * share
+        loss = loss + penalty
+        stats["loss/length_bias"] = float(penalty.detach())
+        stats["length_covariance"] = float(cov.detach()) * share
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Held-out evaluation
+
+
+@torch.no_grad()
+def score_examples(model, collate, examples: list[dict], batch_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw scores of both sides of ``examples`` (in micro-batches sorted by length, to pad little).
+
+    Returns:
+        (chosen (n,), rejected (n,)) float32 on the CPU, in the order of ``examples``.
+    """
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["prompt_ids"]) + max(
+        len(examples[i]["chosen_ids"]), len(examples[i]["rejected_ids"])))
+    chosen, rejected = torch.empty(len(examples)), torch.empty(len(examples))
+    for chunk in micro_batches(order, batch_size):
+        batch = {k: v.to(device) for k, v in collate([examples[i] for i in chunk]).items()}
+        c, r = pair_scores(model, batch)
+        chosen[list(chunk)], rejected[list(chunk)] = c.float().cpu(), r.float().cpu()
+    return chosen, rejected
+
+
+def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Pearson correlation of two (N,) tensors; NaN when either is constant."""
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denominator = float(x.norm() * y.norm())
+    return float((x * y).sum()) / denominator if denominator > 0 else float("nan")
+
+
+def calibration(diff: torch.Tensor, num_bins: int = CALIBRATION_BINS) -> tuple[float, list[dict]]:
+    """Confidence against observed agreement with the labels.
+
+    The model prefers the response it scores higher, with confidence c = sigmoid(|r_c - r_r|) in [0.5, 1];
+    it is right when that response is the chosen one (1/2 for a tie). Pairs are binned by c into
+    ``num_bins`` equal bins over [0.5, 1].
+
+    Args:
+        diff: (n,) r_chosen - r_rejected.
+    Returns:
+        (expected calibration error sum_k n_k / n * |mean c_k - mean right_k|,
+         bins [{"low", "high", "count", "confidence", "observed"}] with null means in empty bins).
+    """
+    diff = diff.double()
+    confidence = torch.sigmoid(diff.abs())  # (n,)
+    right = (diff > 0).double() + 0.5 * (diff == 0).double()  # (n,)
+    index = ((confidence - 0.5) * 2 * num_bins).long().clamp(0, num_bins - 1)  # (n,)
+    ece, bins = 0.0, []
+    for k in range(num_bins):
+        members = index == k
+        count = int(members.sum())
+        low, high = 0.5 + 0.5 * k / num_bins, 0.5 + 0.5 * (k + 1) / num_bins
+        if count == 0:
+            bins.append({"low": low, "high": high, "count": 0, "confidence": None, "observed": None})
+            continue
+        conf, observed = float(confidence[members].mean()), float(right[members].mean())
+        ece += count / len(diff) * abs(conf - observed)
+        bins.append({"low": low, "high": high, "count": count, "confidence": conf, "observed": observed})
+    return ece, bins
+
+
+def heldout_metrics(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    chosen_length: torch.Tensor,
+    rejected_length: torch.Tensor,
+    margin: torch.Tensor,
+    gold_chosen: torch.Tensor | None = None,
+    gold_rejected: torch.Tensor | None = None,
+) -> tuple[dict[str, float], list[dict]]:
+    """The held-out figures of a reward model (see the module docstring).
+
+    Args:
+        chosen, rejected: (n,) raw scores.
+        chosen_length, rejected_length: (n,) response lengths in tokens.
+        margin: (n,) the margins the loss uses.
+        gold_chosen, gold_rejected: (n,) gold scores, or None.
+    Returns:
+        (metrics: loss, accuracy, margin, score_mean, score_std, length_correlation, calibration_error and,
+        with gold, gold_accuracy and gold_pairs (non-tied pairs); calibration bins).
+    """
+    diff = (chosen - rejected).double()  # (n,)
+    scores = torch.cat([chosen, rejected]).double()  # (2n,)
+    lengths = torch.cat([chosen_length, rejected_length]).double()  # (2n,)
+    ece, bins = calibration(diff)
+    metrics = {
+        "loss": float(-F.logsigmoid(diff - margin.double()).mean()),
+        "accuracy": float(((diff > 0).double() + 0.5 * (diff == 0).double()).mean()),
+        "margin": float(diff.mean()),
+        "score_mean": float(scores.mean()),
+        "score_std": float(scores.std(unbiased=False)),
+        "length_correlation": pearson(scores, lengths),
+        "calibration_error": ece,
+    }
+    if gold_chosen is not None and gold_rejected is not None:
+        gold_diff = (gold_chosen - gold_rejected).double()  # (n,)
+        untied = gold_diff.abs() > GOLD_TIE
+        agree = (torch.sign(diff) == torch.sign(gold_diff)).double() + 0.5 * (diff == 0).double()
+        metrics["gold_accuracy"] = float(agree[untied].mean()) if bool(untied.any()) else float("nan")
+        metrics["gold_pairs"] = int(untied.sum())
+    return metrics, bins
+
+
+@dataclass
+class HeldOut:
+    """Tokenised held-out pairs and what is known about them beyond the labels.
+
+    Attributes:
+        examples: tokenised pairs.
+        gold: (gold_chosen (n,), gold_rejected (n,)) when every record has both fields, else None.
+        bayes_ceiling: mean ``gold_agreement`` over the non-tied pairs when the records carry it, else None.
+        gold_length_correlation: correlation of gold score with response length, for comparison.
+    """
+
+    examples: list[dict]
+    gold: tuple[torch.Tensor, torch.Tensor] | None = None
+    bayes_ceiling: float | None = None
+    gold_length_correlation: float | None = None
+
+
+def evaluate_heldout(model, collate: PairCollator, heldout: HeldOut, batch_size: int, device
+                     ) -> tuple[dict[str, float], list[dict]]:
+    """:func:`heldout_metrics` of ``model`` on ``heldout`` (scored in micro-batches of ``batch_size``)."""
+    chosen, rejected = score_examples(model, collate, heldout.examples, batch_size, device)
+    lengths = [torch.tensor([len(e[f"{side}_ids"]) for e in heldout.examples]) for side in ("chosen", "rejected")]
+    margin = torch.tensor([e.get("margin", collate.default_margin) for e in heldout.examples])
+    return heldout_metrics(chosen, rejected, *lengths, margin, *(heldout.gold or (None, None)))
+
+
+def _number(records, index: int, name: str, allow_null: bool = False) -> float | None:
+    value = records[index].get(name)
+    if value is None and allow_null:
+        return None
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        got = "missing" if name not in records[index] else type(value).__name__ if value is not None else "null"
+        raise records.error(index, f"expected a number, got {got}", field=name)
+    return float(value)
+
+
+def load_heldout(source: str, tokenizer, limits: TokenLimits) -> HeldOut:
+    """Read, validate and tokenise held-out pairs, with their optional gold fields.
+
+    ``gold_chosen`` / ``gold_rejected`` must be in every record or in none (a DataError names the first
+    record without them); ``gold_agreement`` is a number, or null for a gold tie.
+    """
+    records = load_dataset_records(source, "preferences")
+    examples = tokenize_records(records, tokenizer, limits)
+    held = HeldOut(examples)
+    has_gold = [all(records[i].get(f) is not None for f in GOLD_FIELDS) for i in range(len(records))]
+    if not any(has_gold):
+        return held
+    first_without = has_gold.index(False) if not all(has_gold) else None
+    if first_without is not None:
+        missing = next(f for f in GOLD_FIELDS if records[first_without].get(f) is None)
+        raise records.error(first_without, "is missing, but other records have gold scores; give them for every "
+                                           "record or for none", field=missing)
+    gold = [[_number(records, i, f) for i in range(len(records))] for f in GOLD_FIELDS]
+    held.gold = (torch.tensor(gold[0], dtype=torch.float64), torch.tensor(gold[1], dtype=torch.float64))
+    lengths = torch.tensor([len(e[f"{side}_ids"]) for side in ("chosen", "rejected") for e in examples])
+    held.gold_length_correlation = pearson(torch.cat(held.gold), lengths)
+    if all("gold_agreement" in r for r in records):
+        agreement = [_number(records, i, "gold_agreement", allow_null=True) for i in range(len(records))]
+        known = [a for a in agreement if a is not None]
+        held.bayes_ceiling = sum(known) / len(known) if known else None
+    return held
+
+
+class BestKeeper:
+    """Keeps the weights of the best evaluation in ``<run>/best/`` (``model.safetensors``, then ``best.json``
+    written last as the marker), so that they survive a resume.
+
+    Best = higher held-out ``accuracy``; equal accuracy: lower ``loss``. A resumed run recomputes the
+    same evaluations as the interrupted one (bit-identical resume), so a ``best.json`` from after the
+    resume point is kept: the same evaluation cannot beat it.
+    """
+
+    def __init__(self, folder: Path, keep_existing: bool, main_process: bool = True):
+        self.folder, self.main_process = Path(folder), main_process
+        self.best: dict[str, Any] | None = None
+        marker = self.folder / "best.json"
+        if keep_existing and marker.is_file():
+            self.best = json.loads(marker.read_text())
+        elif main_process and marker.is_file():
+            marker.unlink()
+
+    @staticmethod
+    def better(new: dict[str, float], old: dict[str, float] | None) -> bool:
+        if old is None:
+            return True
+        return (new["accuracy"], -new["loss"]) > (old["accuracy"], -old["loss"])
+
+    def update(self, model: torch.nn.Module, step: int, metrics: dict[str, float]) -> bool:
+        """Record ``metrics`` of ``step``; save the model when they are the best so far."""
+        if not self.better(metrics, None if self.best is None else self.best["eval"]):
+            return False
+        self.best = {"step": step, "eval": metrics}
+        if self.main_process:
+            from safetensors.torch import save_model
+
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / "best.json").unlink(missing_ok=True)
+            tmp = self.folder / "model.safetensors.tmp"
+            save_model(model, str(tmp))
+            os.replace(tmp, self.folder / "model.safetensors")
+            _write_json(self.folder / "best.json", self.best)
+        return True
+
+    def restore(self, model: torch.nn.Module) -> None:
+        """Load the best weights into ``model``."""
+        from safetensors.torch import load_model
+
+        load_model(model, str(self.folder / "model.safetensors"), device=str(next(model.parameters()).device))
+
+    @property
+    def step(self) -> int | None:
+        return None if self.best is None else int(self.best["step"])
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Normalisation
+
+
+def score_normalization(config) -> tuple[float, float]:
+    """(gain, bias) stored in a reward model's config (1, 0 when it has none)."""
+    return float(getattr(config, GAIN_KEY, 1.0)), float(getattr(config, BIAS_KEY, 0.0))
+
+
+def normalized_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``gain * sequence_scores + bias`` with the model's stored normalisation: what PPO should use.
+
+    Args:
+        input_ids, attention_mask: (B, L), either padding side.
+    Returns:
+        (B,).
+    """
+    from rlhfkit.models import unwrap_model
+
+    gain, bias = score_normalization(unwrap_model(model).config)
+    return sequence_scores(model, input_ids, attention_mask) * gain + bias
+
+
+def fit_normalization(scores: torch.Tensor) -> tuple[float, float]:
+    """Gain and bias that map ``scores`` (N,) to mean 0 and (population) std 1; gain 1 if they are constant."""
+    scores = scores.double()
+    mean, std = float(scores.mean()), float(scores.std(unbiased=False))
+    gain = 1.0 / std if std > 1e-8 else 1.0
+    return gain, -mean * gain
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The trainer
+
+
+def reward_objective(cfg, collate: PairCollator, heldout: HeldOut | None, keeper: BestKeeper, device,
+                     counters: dict[str, float]) -> Objective:
+    """The loss, evaluation and early stopping of a reward-model run (``counters`` collects tokens and
+    evaluation time for the throughput figures)."""
+    r = cfg.reward
+    eval_batch = scoring_batch_size(cfg)
+
+    def loss(model, batch, normalizer):
+        chosen, rejected = pair_scores(model, batch)
+        counters["tokens"] += float(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
+        return pair_loss(chosen, rejected, batch["margin"], normalizer, center_coef=r.center_coef,
+                         length_bias_coef=r.length_bias_coef, chosen_length=batch["chosen_length"],
+                         rejected_length=batch["rejected_length"])
+
+    def evaluate(model, step):
+        if heldout is None:
+            return {}
+        start = time.perf_counter()
+        metrics, _ = evaluate_heldout(model, collate, heldout, eval_batch, device)
+        keeper.update(model, step, metrics)
+        counters["eval_seconds"] += time.perf_counter() - start
+        return metrics
+
+    def should_stop(step):
+        patience = r.early_stopping_patience
+        return patience is not None and keeper.step is not None and step - keeper.step >= patience * cfg.train.eval_steps
+
+    return Objective(collate=collate, loss=loss, normalizer=len, evaluate=evaluate, should_stop=should_stop)
+
+
+def scoring_batch_size(cfg) -> int:
+    """Pairs per forward pass when only scoring (evaluation, normalisation): 4 training micro-batches, as
+    no activations are kept for a backward pass."""
+    return 4 * (cfg.train.micro_batch_size or cfg.train.batch_size)
+
+
+def _check(cfg) -> None:
+    if cfg.data.eval_file is None and cfg.reward.early_stopping_patience is not None:
+        raise ConfigError("reward.early_stopping_patience: early stopping watches the held-out accuracy, so it "
+                          "needs data.eval_file")
+
+
+def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Train a Bradley-Terry reward model as configured; write ``final/`` and ``summary.json``; return the
+    summary."""
+    _check(cfg)
+    seed_everything(cfg.seed)
+    accelerator = make_accelerator()
+    run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
+
+    # 1. data: read, validate and tokenise everything before a model is built (bad input stops here).
+    tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
+    examples = prepare_examples(cfg.data.train_file, "preferences", tokenizer, limits)
+    heldout = load_heldout(cfg.data.eval_file, tokenizer, limits) if cfg.data.eval_file else None
+
+    # 2. model: the backbone with a fresh scalar head (N+ init), dropout off.
+    model = load_scalar_model(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
+                              dtype=cfg.model.dtype, tokenizer=tokenizer, dropout=not cfg.model.disable_dropout)
+    model.to(accelerator.device)
+    collate = PairCollator(tokenizer.pad_token_id, cfg.reward.margin)
+    keeper = BestKeeper(run.path / "best", keep_existing=run.resume_checkpoint is not None,
+                        main_process=accelerator.is_main_process)
+    counters = {"tokens": 0.0, "eval_seconds": 0.0}
+    objective = reward_objective(cfg, collate, heldout, keeper, accelerator.device, counters)
+
+    # 3. the untrained model's held-out figures (loss ~ ln 2, accuracy ~ 0.5) as step 0.
+    if heldout is not None and run.resume_checkpoint is None:
+        model.eval()
+        with torch.no_grad():
+            run.metrics.log(0, {f"eval/{k}": v for k, v in objective.evaluate(model, 0).items()})
+
+    # 4. Bradley-Terry training (the shared offline loop), evaluation, best model, early stopping.
+    result = train_offline(cfg, run, model, examples, objective, accelerator)
+    model = accelerator.unwrap_model(model)
+    model.eval()
+    accelerator.wait_for_everyone()
+    if heldout is not None and cfg.reward.keep_best and keeper.best is not None:
+        keeper.restore(model)
+    eval_batch = scoring_batch_size(cfg)
+    final_eval, bins = {}, []
+    if heldout is not None:  # the final model's figures, with its calibration bins
+        final_eval, bins = evaluate_heldout(model, collate, heldout, eval_batch, accelerator.device)
+
+    # 5. normalisation on training responses; save final/ (raw weights + gain/bias in config.json).
+    gain, bias, fitted = 1.0, 0.0, 0
+    if cfg.reward.normalize:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        picked = torch.randperm(len(examples), generator=gen)[: cfg.reward.normalize_max_pairs].tolist()
+        fit = [examples[i] for i in sorted(picked)]
+        chosen, rejected = score_examples(model, collate, fit, eval_batch, accelerator.device)
+        gain, bias = fit_normalization(torch.cat([chosen, rejected]))
+        fitted = 2 * len(fit)
+    setattr(model.config, GAIN_KEY, gain)
+    setattr(model.config, BIAS_KEY, bias)
+
+    train_seconds = max(result["wall_seconds"] - counters["eval_seconds"], 1e-9)
+    summary: dict[str, Any] = {
+        "kind": "reward",
+        "steps": result["step"],
+        "early_stopped": result["step"] < cfg.train.max_steps,
+        "final_step": keeper.step if heldout is not None and cfg.reward.keep_best else result["step"],
+        "train_pairs": len(examples),
+        "eval_pairs": len(heldout.examples) if heldout is not None else 0,
+        "train_loss": result["loss"],
+        **{f"heldout_{k}": v for k, v in final_eval.items()},
+    }
+    if heldout is not None:
+        summary.update({"bayes_ceiling": heldout.bayes_ceiling,
+                        "heldout_gold_length_correlation": heldout.gold_length_correlation,
+                        "calibration_bins": bins})
+    summary.update({
+        "normalization": {"gain": gain, "bias": bias, "fit_responses": fitted, "config_keys": [GAIN_KEY, BIAS_KEY]},
+        "wall_seconds": result["wall_seconds"],
+        "eval_seconds": counters["eval_seconds"],
+        # training throughput, held-out evaluations excluded (this session's steps when resumed)
+        "pairs_per_second": (result["examples_per_second"] or 0.0) * result["wall_seconds"] / train_seconds,
+        "tokens_per_second": counters["tokens"] / train_seconds,
+    })
+    if accelerator.is_main_process:
+        save_hf_folder(model, tokenizer, run.final_dir)
+        run.write_summary(summary)
+    run.close()
+    return summary
