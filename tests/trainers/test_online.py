@@ -297,6 +297,51 @@ def test_evaluate_hook_is_logged_and_leaves_training_unchanged_and_critic_warms_
     assert "loss/policy" not in rows[1] and "loss/value" in rows[1] and "loss/policy" in rows[2]
 
 
+class ShiftingRewardModel:
+    """A reward-model 'refresh' that nudges the head and counts its calls (its state is checkpointed)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, policy, reward_model, step):
+        assert not policy.training and not any(p.requires_grad for p in reward_model.parameters())
+        with torch.no_grad():
+            reward_model.score.weight.mul_(1.5)
+        self.calls.append(step)
+        return {"refresh/calls": len(self.calls)}
+
+    def state_dict(self):
+        return {"calls": list(self.calls)}
+
+    def load_state_dict(self, saved):
+        self.calls = list(saved["calls"])
+
+
+def test_reward_model_refresh_hook_is_checkpointed_and_resumes(tmp_path):
+    paths = write_online_problem(tmp_path)
+    args = (f"online.reward_model={paths['reward']}", "train.save_steps=2", "online.critic_learning_rate=3e-3")
+    full, part = ShiftingRewardModel(), ShiftingRewardModel()
+    online.train(online_config(paths, tmp_path / "full", "train.max_steps=4", *args),
+                 hooks=OnlineHooks(refresh_reward_model=full, refresh_steps=2))
+    online.train(online_config(paths, tmp_path / "part", "train.max_steps=2", *args),
+                 hooks=OnlineHooks(refresh_reward_model=part, refresh_steps=2))
+    resumed = ShiftingRewardModel()
+    online.train(online_config(paths, tmp_path / "part", "train.max_steps=4", *args), resume=True,
+                 hooks=OnlineHooks(refresh_reward_model=resumed, refresh_steps=2))
+    assert full.calls == [2, 4] and resumed.calls == [2, 4]  # the hook's own state came back
+    marker = json.loads((tmp_path / "full" / "checkpoints" / "step-2" / "COMPLETE").read_text())
+    assert marker["models"] == ["actor", "critic", "reward_model"]
+    for name in ("actor", "critic", "reward_model"):
+        a = load_file(str(tmp_path / "full" / "checkpoints" / "step-4" / f"model.{name}.safetensors"))
+        b = load_file(str(tmp_path / "part" / "checkpoints" / "step-4" / f"model.{name}.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    reward = load_file(str(tmp_path / "full" / "checkpoints" / "step-4" / "model.reward_model.safetensors"))
+    initial = load_file(str(paths["reward"] / "model.safetensors"))
+    assert torch.allclose(reward["score.weight"], initial["score.weight"] * 2.25)
+    rows = read_metrics(tmp_path / "part" / "metrics.jsonl")
+    assert [r.get("refresh/calls") for r in rows] == [None, 1, None, 2]
+
+
 @pytest.mark.slow
 def test_ppo_learns_a_toy_reward(tmp_path):
     """+1 per 'cat' token: the mean score rises far above the random policy's (a learning signal, not a benchmark)."""
