@@ -243,13 +243,16 @@ def test_all_truncated_batch_under_mask_changes_nothing_and_logs_no_nan(tmp_path
         assert row["update/skipped_minibatches"] == 2 * 2  # every minibatch of every epoch
 
 
-@pytest.mark.parametrize("kind, extra", [("grpo", ()), ("rloo", ()),
-                                         ("ppo", ("online.advantage_estimator=reinforce_pp",))])
-def test_critic_free_estimators_run_without_a_critic(tmp_path, monkeypatch, kind, extra):
+@pytest.mark.parametrize("kind, extra, reward", [
+    ("grpo", ("online.kl_estimator=k3",), "cat_count"),
+    ("rloo", ("online.score_clip=0.5",), "words"),
+    ("ppo", ("online.advantage_estimator=reinforce_pp", "online.ent_coef=0.01"), "cat_count")])
+def test_critic_free_estimators_run_without_a_critic(tmp_path, monkeypatch, kind, extra, reward):
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")  # the command line would take every core
     paths = write_online_problem(tmp_path, reward_model=False)
     out = tmp_path / "run"
-    assert main(online_cli_args(paths, out, "train.max_steps=2", "online.kl_coef=0.2", *extra, kind=kind)) == 0
+    assert main(online_cli_args(paths, out, "train.max_steps=2", "online.kl_coef=0.2", *extra, kind=kind,
+                                reward=reward)) == 0
     marker = json.loads((out / "checkpoints" / "step-2" / "COMPLETE").read_text())
     assert marker["models"] == ["actor"] and marker["optimizers"] == ["actor"]
     assert not (out / "final_critic").exists()
@@ -260,6 +263,10 @@ def test_critic_free_estimators_run_without_a_critic(tmp_path, monkeypatch, kind
         assert "loss/value" not in row and "values/mean" not in row and "loss/policy" in row
         # stage 3 as logged: per-response reward = score - kl_coef * KL (nothing masked here)
         assert row["reward/mean"] == pytest.approx(row["score/mean"] - 0.2 * row["kl/mean"], abs=1e-6)
+        assert row["kl/mean"] >= 0 or "online.kl_estimator=k3" not in extra  # k3 is never negative
+        if "online.score_clip=0.5" in extra:  # words: about 5 per response, clipped to 0.5
+            assert row["score/raw_mean"] > 1.0 and row["score/mean"] <= 0.5
+        assert ("loss/entropy" in row) == ("online.ent_coef=0.01" in extra)
 
 
 def test_evaluate_hook_is_logged_and_leaves_training_unchanged_and_critic_warms_up_first(tmp_path):
