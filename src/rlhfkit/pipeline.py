@@ -1,0 +1,275 @@
+"""The quickstart: the whole classic-RLHF pipeline on the built-in offline task, by calling the trainers.
+
+    rlhfkit quickstart [--out DIR] [--preset tiny|small]
+
+Stages (Ouyang et al. 2022, figure 2), each in its own run folder under ``DIR``:
+
+1. ``task/``    the task written to disk: tokenizer, a fresh model of the preset, SFT data, prompt splits;
+2. ``sft/``     supervised fine-tuning on the task's corpus (``rlhfkit train sft``);
+3. ``pairs/``   two samples per training prompt from the SFT policy, labelled by the task's noisy
+                annotators (Bradley-Terry noise on the gold score);
+4. ``reward/``  the reward model on those pairs (``rlhfkit train reward``), normalised on SFT samples;
+5. ``ppo/``     PPO against the reward model (``rlhfkit train ppo``), logging the gold score on
+                held-out prompts beside the proxy as it goes (the reward-hacking meter);
+6. evaluation   SFT and PPO policies on held-out prompts: gold and proxy scores, KL, the gold win rate
+                of PPO over SFT (at the training temperature, and greedy);
+7. report       ``summary.json``, ``report.md`` with plots, and a table in the terminal.
+
+This module holds no training code: only configurations, the order of the stages, and the evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhfkit.config import load_config
+
+STAGES = ("task", "SFT", "preference pairs", "reward model", "PPO", "evaluation", "report")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Sizes of one quickstart preset (model size and how long each stage trains)."""
+
+    model: str
+    sft_steps: int
+    sft_batch: int
+    sft_lr: float
+    num_pairs: int
+    rm_steps: int
+    rm_batch: int
+    rm_lr: float
+    ppo_rollouts: int
+    ppo_batch: int
+    ppo_lr: float
+    response_length: int
+    num_eval_prompts: int
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(model="tiny", sft_steps=300, sft_batch=32, sft_lr=2e-3, num_pairs=2048, rm_steps=192,
+                   rm_batch=32, rm_lr=5e-4, ppo_rollouts=60, ppo_batch=32, ppo_lr=3e-5, response_length=48,
+                   num_eval_prompts=256),
+    "small": Preset(model="small", sft_steps=1500, sft_batch=64, sft_lr=5e-4, num_pairs=8192, rm_steps=600,
+                    rm_batch=64, rm_lr=1e-4, ppo_rollouts=200, ppo_batch=64, ppo_lr=1e-5, response_length=64,
+                    num_eval_prompts=384),
+    # For the test suite: every stage runs, none long enough to learn much.
+    "smoke": Preset(model="tiny", sft_steps=8, sft_batch=16, sft_lr=2e-3, num_pairs=64, rm_steps=4,
+                    rm_batch=16, rm_lr=5e-4, ppo_rollouts=2, ppo_batch=8, ppo_lr=3e-5, response_length=24,
+                    num_eval_prompts=16),
+}
+
+
+def _stage(index: int, name: str, detail: str = "") -> float:
+    print(f"[{index}/{len(STAGES)}] {name}{': ' + detail if detail else ''}", flush=True)
+    return time.perf_counter()
+
+
+def _config(kind: str, out: Path, overrides: dict[str, Any]):
+    """A validated RunConfig for one stage (the same path as ``rlhfkit train`` with dotted overrides)."""
+    return load_config(None, [f"output_dir={out}", *(f"{k}={v}" for k, v in overrides.items())], kind)
+
+
+def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = False, seed: int = 0) -> dict[str, Any]:
+    """Run every stage into ``out_dir``; write ``summary.json`` and ``report.md``; return the summary."""
+    from rlhfkit.rollout.pairs import label_pairs
+    from rlhfkit.tasks import get_task
+    from rlhfkit.tasks.files import prepare_task_files
+    from rlhfkit.trainers import online, reward, sft
+
+    p = PRESETS[preset]
+    out = Path(out_dir)
+    start = time.perf_counter()
+    seconds: dict[str, float] = {}
+    task = get_task("reviews", seed=seed)
+
+    t = _stage(1, "task", f"'{task.name}', preset {preset} ({p.model} model)")
+    files = prepare_task_files(task, out / "task", p.model, num_sft_eval=min(256, p.num_eval_prompts))
+    seconds["task"] = time.perf_counter() - t
+
+    t = _stage(2, "SFT", f"{p.sft_steps} steps of {p.sft_batch} examples")
+    sft_cfg = _config("sft", out / "sft", {
+        "seed": seed, "model.name_or_path": files["init_model"], "data.train_file": files["sft_train"],
+        "data.eval_file": files["sft_eval"], "data.max_prompt_length": 32, "data.max_length": 32 + p.response_length,
+        "train.max_steps": p.sft_steps, "train.batch_size": p.sft_batch, "train.learning_rate": p.sft_lr,
+        "train.warmup_steps": max(1, p.sft_steps // 20), "train.lr_schedule": "cosine",
+        "train.save_steps": p.sft_steps, "train.eval_steps": max(1, p.sft_steps // 3), "train.log_steps": 10})
+    sft.train(sft_cfg)
+    sft_dir = out / "sft" / "final"
+    seconds["sft"] = time.perf_counter() - t
+
+    t = _stage(3, "preference pairs", f"{p.num_pairs} pairs from the SFT policy, labelled by noisy annotators")
+    labels = label_pairs(str(sft_dir), out / "pairs", task=task.name, task_seed=seed, num_pairs=p.num_pairs,
+                         num_eval_pairs=max(64, p.num_pairs // 4), seed=seed, max_new_tokens=p.response_length)
+    seconds["pairs"] = time.perf_counter() - t
+
+    t = _stage(4, "reward model", f"{p.rm_steps} steps of {p.rm_batch} pairs")
+    rm_cfg = _config("reward", out / "reward", {
+        "seed": seed, "model.name_or_path": sft_dir, "data.train_file": labels["paths"]["train"],
+        "data.eval_file": labels["paths"]["eval"], "data.max_prompt_length": 32,
+        "data.max_length": 32 + p.response_length, "train.max_steps": p.rm_steps, "train.batch_size": p.rm_batch,
+        "train.learning_rate": p.rm_lr, "train.weight_decay": 0.01, "train.lr_schedule": "linear",
+        "train.save_steps": p.rm_steps, "train.eval_steps": max(1, p.rm_steps // 4), "train.log_steps": 10})
+    rm_summary = reward.train(rm_cfg)
+    rm_dir = out / "reward" / "final"
+    seconds["reward_model"] = time.perf_counter() - t
+
+    t = _stage(5, "PPO", f"{p.ppo_rollouts} rollouts of {p.ppo_batch} prompts x {p.response_length} tokens")
+    meter = HackingMeter(task, sft_dir, rm_dir, files["prompts_eval"], p, seed,
+                         meter_prompts=min(64, p.num_eval_prompts))
+    ppo_cfg = _config("ppo", out / "ppo", {
+        "seed": seed, "model.name_or_path": sft_dir, "data.train_file": files["prompts_train"],
+        "data.max_prompt_length": 32, "online.reward_model": rm_dir, "online.response_length": p.response_length,
+        "train.max_steps": p.ppo_rollouts, "train.batch_size": p.ppo_batch, "train.learning_rate": p.ppo_lr,
+        "online.critic_learning_rate": p.ppo_lr * 3, "train.lr_schedule": "constant",
+        "train.save_steps": p.ppo_rollouts, "train.eval_steps": max(1, p.ppo_rollouts // 6), "train.log_steps": 1})
+    online.train(ppo_cfg, hooks=online.OnlineHooks(evaluate=meter.during_training))
+    seconds["ppo"] = time.perf_counter() - t
+
+    t = _stage(6, "evaluation", f"SFT and PPO on {p.num_eval_prompts} held-out prompts")
+    evaluation = meter.compare(out / "ppo" / "final")
+    seconds["evaluation"] = time.perf_counter() - t
+
+    t = _stage(7, "report")
+    summary = {
+        "preset": preset, "seed": seed,
+        "sft": evaluation["sft"],
+        "reward_model": {"heldout_accuracy": rm_summary.get("heldout_gold_accuracy"),
+                         "heldout_accuracy_vs_labels": rm_summary.get("heldout_accuracy"),
+                         "bayes_ceiling": rm_summary.get("bayes_ceiling"),
+                         "train_pairs": labels.get("train", {}).get("pairs")},
+        "ppo": evaluation["ppo"],
+        "examples": evaluation["examples"],
+        "win_rate_vs_sft": evaluation["win_rate_vs_sft"],
+        "win_rate_vs_sft_greedy": evaluation["win_rate_vs_sft_greedy"],
+        "stage_seconds": seconds,
+    }
+    from rlhfkit.report import write_report
+
+    for name in ("sft", "reward", "ppo"):
+        write_report(out / name)
+    summary["wall_seconds"] = time.perf_counter() - start
+    _write_summary(out, summary)
+    write_quickstart_report(out, summary)
+    print(format_table(summary), flush=True)
+    return summary
+
+
+class HackingMeter:
+    """Gold and proxy scores of a policy on held-out prompts: during PPO (a hook) and at the end (SFT vs PPO).
+
+    The reward model is the proxy PPO optimises; the task's gold scorer is what the annotators actually
+    want. Both are measured on the same samples, with the KL to the SFT policy (k1, nats per response).
+    """
+
+    def __init__(self, task, sft_dir: Path, rm_dir: Path, prompts_file: Path, preset: Preset, seed: int,
+                 temperature: float = 0.7, meter_prompts: int = 64):
+        from rlhfkit.data import TokenLimits, prepare_examples
+        from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
+
+        self.task, self.preset, self.seed, self.temperature = task, preset, seed, temperature
+        self.tokenizer = load_tokenizer(str(sft_dir))
+        self.reference = load_causal_lm(str(sft_dir), tokenizer=self.tokenizer).eval().requires_grad_(False)
+        self.reward_model = load_scalar_model(str(rm_dir), tokenizer=self.tokenizer).eval().requires_grad_(False)
+        examples = prepare_examples(str(prompts_file), "prompts", self.tokenizer, TokenLimits(32, None, "left"))
+        self.examples = examples[: preset.num_eval_prompts]
+        self.meter_examples = examples[:meter_prompts]
+
+    def _measure(self, policy, examples, greedy: bool = False):
+        from rlhfkit.rollout.evaluate import sample_and_score
+
+        return sample_and_score(policy, self.tokenizer, examples, temperature=self.temperature,
+                                max_new_tokens=self.preset.response_length, greedy=greedy,
+                                reward_model=self.reward_model, reference=self.reference,
+                                gold_score=self.task.gold_score, is_valid=self.task.is_valid)
+
+    def during_training(self, policy, step: int) -> dict[str, float]:
+        """The PPO ``evaluate`` hook: ``eval/gold/mean`` beside ``eval/score/mean`` (proxy) and ``eval/kl/mean``."""
+        s = self._measure(policy, self.meter_examples).summary()
+        return {"eval/gold/mean": s["gold_mean"], "eval/score/mean": s["proxy_mean"], "eval/kl/mean": s["kl_mean"],
+                "eval/valid_rate": s["valid_rate"], "eval/response_length/mean": s["response_length_mean"]}
+
+    def compare(self, ppo_dir: Path) -> dict[str, Any]:
+        """SFT and PPO on the held-out prompts, sampled at the training temperature and greedy."""
+        import torch
+
+        from rlhfkit.models import load_causal_lm
+        from rlhfkit.rollout.evaluate import win_rate
+
+        ppo = load_causal_lm(str(ppo_dir), tokenizer=self.tokenizer).eval()
+        out: dict[str, Any] = {}
+        samples = {}
+        for name, policy in (("sft", self.reference), ("ppo", ppo)):
+            torch.manual_seed(self.seed)
+            sampled = self._measure(policy, self.examples)
+            greedy = self._measure(policy, self.examples, greedy=True)
+            samples[name] = (sampled, greedy)
+            figures = sampled.summary()
+            figures.update({f"{k}_greedy": v for k, v in greedy.summary().items() if k != "kl_mean"})
+            out[name] = figures
+        out["sft"].pop("kl_mean", None)  # the reference against itself
+        sft_std = out["sft"]["gold_std"]
+        out["ppo"]["gold_gain_in_sft_std"] = (out["ppo"]["gold_mean"] - out["sft"]["gold_mean"]) / max(sft_std, 1e-8)
+        out["win_rate_vs_sft"] = win_rate(samples["ppo"][0].gold, samples["sft"][0].gold)
+        out["win_rate_vs_sft_greedy"] = win_rate(samples["ppo"][1].gold, samples["sft"][1].gold)
+        out["examples"] = [{"prompt": p, "sft": a, "ppo": b} for p, a, b in
+                           zip(samples["sft"][0].prompts[:5], samples["sft"][0].responses[:5],
+                               samples["ppo"][0].responses[:5], strict=True)]
+        return out
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The few figures a person asks first, as a small table for the terminal."""
+    sft, ppo, rm = summary["sft"], summary["ppo"], summary["reward_model"]
+
+    def f(x, fmt=".3f"):
+        return "n/a" if x is None else format(x, fmt)
+
+    rows = [
+        ("SFT gold score (held out)", f(sft.get("gold_mean"))),
+        ("PPO gold score (held out)", f(ppo.get("gold_mean"))),
+        ("PPO proxy score (reward model)", f(ppo.get("proxy_mean"))),
+        ("PPO KL to SFT (nats / response)", f(ppo.get("kl_mean"))),
+        ("PPO win rate vs SFT (gold judge)", f(summary.get("win_rate_vs_sft"))),
+        ("   ... greedy", f(summary.get("win_rate_vs_sft_greedy"))),
+        ("Reward model accuracy vs gold", f(rm.get("heldout_accuracy"))),
+        ("   annotators' Bayes ceiling", f(rm.get("bayes_ceiling"))),
+        ("Wall time (s)", f(summary.get("wall_seconds"), ".0f")),
+    ]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in rows)
+
+
+def write_quickstart_report(out: Path, summary: dict[str, Any]) -> Path:
+    """``report.md`` at the top of the quickstart folder: the summary and the plots of each stage's run."""
+    lines = ["# rlhfkit quickstart", "", "```", format_table(summary), "```", ""]
+    for name, title in (("sft", "SFT"), ("reward", "Reward model"), ("ppo", "PPO")):
+        lines += [f"## {title} (`{name}/`, full report: [{name}/report.md]({name}/report.md))", ""]
+        for png in sorted((out / name / "report").glob("*.png")):
+            lines.append(f"![{name} {png.stem}]({name}/report/{png.name})")
+        lines.append("")
+    if summary.get("examples"):
+        lines += ["## What the policies write (held-out prompts, sampled)", ""]
+        for ex in summary["examples"]:
+            lines += [f"- **{ex['prompt']}**", f"  - SFT: {ex['sft']}", f"  - PPO: {ex['ppo']}"]
+    path = out / "report.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def _write_summary(out: Path, summary: dict[str, Any]) -> None:
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    (out / "summary.json").write_text(json.dumps(clean(summary), indent=2), encoding="utf-8")
