@@ -18,6 +18,7 @@ from rlhfkit.algos import kl_k1
 from rlhfkit.data import PromptCollator
 from rlhfkit.models import response_logprobs, sequence_scores
 from rlhfkit.rollout.generation import generate_responses
+from rlhfkit.rollout.scoring import reward_normalization
 
 
 @dataclass
@@ -73,7 +74,8 @@ def sample_and_score(
         tokenizer: its tokenizer (pad and EOS set).
         examples: tokenised prompts (``rlhfkit.data.prepare_examples(..., "prompts", ...)``).
         temperature, max_new_tokens, greedy: sampling settings.
-        reward_model: when given, ``proxy`` = its score at the last response token.
+        reward_model: when given, ``proxy`` = its normalised score (gain * raw + bias, as online training
+            uses it) at the last response token.
         reference: when given, ``kl`` = sum over the response of k1 = log pi - log pi_ref (nats per
             response, at ``temperature``; greedy samples are not from the policy, so no KL then).
         gold_score: ``(prompt, response) -> float``, the task's gold scorer.
@@ -97,7 +99,9 @@ def sample_and_score(
         out.ended += r.ended.tolist()
         out.lengths += r.mask.sum(1).tolist()
         if reward_model is not None:
-            out.proxy += sequence_scores(reward_model, r.input_ids, r.attention_mask).float().tolist()
+            gain, bias = reward_normalization(reward_model)  # the reward trainer's normalisation
+            raw = sequence_scores(reward_model, r.input_ids, r.attention_mask).float()  # (B,)
+            out.proxy += (raw * gain + bias).tolist()
         if reference is not None and not greedy:
             logprobs = response_logprobs(policy, r.input_ids, r.attention_mask, r.response_start, temperature)  # (B, R)
             ref = response_logprobs(reference, r.input_ids, r.attention_mask, r.response_start, temperature)  # (B, R)
