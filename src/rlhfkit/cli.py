@@ -1,7 +1,7 @@
 """The ``rlhfkit`` command.
 
     rlhfkit train {sft,reward,prm,ppo,grpo,rloo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
-    rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite]
+    rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite] [--refresh-steps K]
     rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE]
     rlhfkit label-pairs --policy DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
     rlhfkit report RUN_DIR
@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "smoke (every stage, seconds each: for tests)")
     quick.add_argument("--seed", type=int, default=0, help="seeds the task, every model and every sample")
     quick.add_argument("--overwrite", action="store_true", help="delete DIR's previous quickstart first")
+    quick.add_argument("--refresh-steps", type=int, default=0, metavar="K",
+                       help="refresh the reward model every K PPO rollouts on new pairs from the current policy, "
+                            "labelled by the task's annotators (default: 0, never)")
     quick.set_defaults(run=_quickstart)
 
     gen = commands.add_parser("generate", help="sample responses from a trained policy",
@@ -180,8 +183,10 @@ def _quickstart(args: argparse.Namespace) -> int:
     except NotBuiltError as e:
         missing = [stage for stage, module in QUICKSTART_STAGES.items() if not _module_exists(module)]
         raise NotBuiltError(f"{e}; stages still missing: {', '.join(missing) or 'none'}") from None
+    if args.refresh_steps < 0:
+        raise UserError(f"--refresh-steps must be 0 (off) or a positive number of rollouts, got {args.refresh_steps}")
     prepare_output_dir(args.out, overwrite=args.overwrite)
-    quickstart(args.out, args.preset, args.overwrite, seed=args.seed)
+    quickstart(args.out, args.preset, args.overwrite, seed=args.seed, refresh_steps=args.refresh_steps)
     return 0
 
 

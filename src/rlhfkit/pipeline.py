@@ -75,8 +75,13 @@ def _config(kind: str, out: Path, overrides: dict[str, Any]):
     return load_config(None, [f"output_dir={out}", *(f"{k}={v}" for k, v in overrides.items())], kind)
 
 
-def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = False, seed: int = 0) -> dict[str, Any]:
-    """Run every stage into ``out_dir``; write ``summary.json`` and ``report.md``; return the summary."""
+def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = False, seed: int = 0,
+               refresh_steps: int = 0) -> dict[str, Any]:
+    """Run every stage into ``out_dir``; write ``summary.json`` and ``report.md``; return the summary.
+
+    ``refresh_steps`` = K > 0: during PPO, every K rollouts the reward model is refreshed on new pairs
+    from the current policy, labelled by the task's annotators (:func:`task_refresh`).
+    """
     from rlhfkit.rollout.pairs import label_pairs
     from rlhfkit.tasks import get_task
     from rlhfkit.tasks.files import prepare_task_files
@@ -128,7 +133,11 @@ def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = Fals
         "train.max_steps": p.ppo_rollouts, "train.batch_size": p.ppo_batch, "train.learning_rate": p.ppo_lr,
         "online.critic_learning_rate": p.ppo_lr * 3, "train.lr_schedule": "constant",
         "train.save_steps": p.ppo_rollouts, "train.eval_steps": max(1, p.ppo_rollouts // 6), "train.log_steps": 1})
-    online.train(ppo_cfg, hooks=online.OnlineHooks(evaluate=meter.during_training))
+    hooks = online.OnlineHooks(evaluate=meter.during_training)
+    if refresh_steps:
+        hooks.refresh_reward_model = task_refresh(task, meter, labels["paths"]["train"], p, seed)
+        hooks.refresh_steps = refresh_steps
+    online.train(ppo_cfg, hooks=hooks)
     seconds["ppo"] = time.perf_counter() - t
 
     t = _stage(6, "evaluation", f"SFT and PPO on {p.num_eval_prompts} held-out prompts")
@@ -137,7 +146,7 @@ def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = Fals
 
     t = _stage(7, "report")
     summary = {
-        "preset": preset, "seed": seed,
+        "preset": preset, "seed": seed, "refresh_steps": refresh_steps,
         "sft": evaluation["sft"],
         "reward_model": {"heldout_accuracy": rm_summary.get("heldout_gold_accuracy"),
                          "heldout_accuracy_vs_labels": rm_summary.get("heldout_accuracy"),
@@ -221,6 +230,19 @@ class HackingMeter:
                            zip(samples["sft"][0].prompts[:5], samples["sft"][0].responses[:5],
                                samples["ppo"][0].responses[:5], strict=True)]
         return out
+
+
+def task_refresh(task, meter: HackingMeter, pairs_file: str | Path, preset: Preset, seed: int, **settings):
+    """The online reward-model refresh on the task's annotators (issue 7, item 5), replaying the reward
+    model's training pairs; the meter's proxy follows the refreshed model (the trainer's own object).
+    ``settings`` override :class:`rlhfkit.trainers.refresh.RefreshConfig` fields."""
+    from rlhfkit.data import load_dataset_records
+    from rlhfkit.trainers.refresh import RefreshConfig, RewardRefresh
+
+    config = RefreshConfig(**{"max_new_tokens": preset.response_length, **settings})
+    return RewardRefresh(meter.tokenizer, task.prompts("train"), task=task,
+                         initial_pairs=load_dataset_records(str(pairs_file), "preferences"), config=config,
+                         seed=seed, on_refresh=lambda reward_model: setattr(meter, "reward_model", reward_model))
 
 
 def format_table(summary: dict[str, Any]) -> str:
