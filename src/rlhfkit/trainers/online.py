@@ -68,8 +68,8 @@ from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
 from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import load_tokenizer, save_hf_folder
-from rlhfkit.rollout.scoring import Scorer
+from rlhfkit.models import load_tokenizer, save_hf_folder, unwrap_model
+from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, Scorer, reward_normalization
 from rlhfkit.trainers.loop import micro_batches
 from rlhfkit.trainers.online_roles import build_optimizers, build_roles, check_online_config
 from rlhfkit.trainers.online_steps import (
@@ -102,7 +102,8 @@ class OnlineHooks:
             of every ``refresh_steps``-th rollout; it may train the reward model in place (issue 7's online
             refresh). The reward model is then saved in every checkpoint, and when the callable has
             ``state_dict()`` / ``load_state_dict()`` (e.g. its accumulated pairs, as plain data) that state is
-            checkpointed too. It is frozen again (eval mode, no gradients) after each call.
+            checkpointed too, and so is the model's normalisation (gain, bias in its config), which a refresh
+            may re-fit. It is frozen again (eval mode, no gradients) after each call.
         refresh_steps: how often ``refresh_reward_model`` runs (in rollouts; 0 = never).
     """
 
@@ -393,6 +394,8 @@ def save(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, step: int, last_ev
         return
     state = {"kl_controller": ctx.kl_ctl.state_dict(), "prompts_seen": step * ctx.cfg.train.batch_size,
              "last_eval": last_eval}
+    if hooks.refresh_reward_model is not None:  # a refresh may re-fit the normalisation in the model's config
+        state["reward_normalization"] = list(reward_normalization(ctx.roles.reward_model))
     if hasattr(hooks.refresh_reward_model, "state_dict"):
         state["reward_refresh"] = hooks.refresh_reward_model.state_dict()
     save_checkpoint(run.checkpoints_dir, step, _checkpoint_models(ctx, hooks), ctx.optimizers, ctx.schedulers,
@@ -405,6 +408,10 @@ def resume_state(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks) -> dict[st
         return {"step": 0}
     state = load_checkpoint(run.resume_checkpoint, _checkpoint_models(ctx, hooks), ctx.optimizers, ctx.schedulers)
     ctx.kl_ctl.load_state_dict(state["kl_controller"])
+    if "reward_normalization" in state:
+        config = unwrap_model(ctx.roles.reward_model).config
+        setattr(config, GAIN_KEY, state["reward_normalization"][0])
+        setattr(config, BIAS_KEY, state["reward_normalization"][1])
     if "reward_refresh" in state and hasattr(hooks.refresh_reward_model, "load_state_dict"):
         hooks.refresh_reward_model.load_state_dict(state["reward_refresh"])
     return state
