@@ -39,9 +39,13 @@ so micro-batching and data parallelism do not change the gradient). Details:
   cannot be folded into the weights.)
 
 ``summary.json`` holds the held-out figures of the final model; ``metrics.jsonl`` the training and
-``eval/`` lines. The process reward model (``rlhfkit train prm``) is not built yet.
+``eval/`` lines.
 
-Launch:
+The process reward model (``rlhfkit train prm``, :func:`train_prm`) shares the loop, the best model and
+early stopping: binary cross-entropy of each step's correctness, read at the step's last token
+(Lightman et al. 2023), averaged over the whole batch's steps; held-out step and solution accuracy.
+
+Launch (``prm`` for a process reward model):
     rlhfkit train reward --config reward.yaml                          # one process
     accelerate launch -m rlhfkit.cli train reward --config reward.yaml   # several processes (data parallel)
 """
@@ -70,7 +74,7 @@ from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import load_scalar_model, load_tokenizer, save_hf_folder, sequence_scores
+from rlhfkit.models import load_scalar_model, load_tokenizer, save_hf_folder, sequence_scores, token_scores
 from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
 
 # Keys of a saved reward model's config.json: normalised score = gain * raw score + bias.
@@ -324,14 +328,13 @@ def load_heldout(source: str, tokenizer, limits: TokenLimits) -> HeldOut:
     records = load_dataset_records(source, "preferences")
     examples = tokenize_records(records, tokenizer, limits)
     held = HeldOut(examples)
-    has_gold = [all(records[i].get(f) is not None for f in GOLD_FIELDS) for i in range(len(records))]
-    if not any(has_gold):
+    if not any(r.get(f) is not None for r in records for f in GOLD_FIELDS):
         return held
-    first_without = has_gold.index(False) if not all(has_gold) else None
-    if first_without is not None:
-        missing = next(f for f in GOLD_FIELDS if records[first_without].get(f) is None)
-        raise records.error(first_without, "is missing, but other records have gold scores; give them for every "
-                                           "record or for none", field=missing)
+    for i, record in enumerate(records):
+        for f in GOLD_FIELDS:
+            if record.get(f) is None:
+                raise records.error(i, "is missing, but other records have gold scores; give both gold fields "
+                                       "in every record or in none", field=f)
     gold = [[_number(records, i, f) for i in range(len(records))] for f in GOLD_FIELDS]
     held.gold = (torch.tensor(gold[0], dtype=torch.float64), torch.tensor(gold[1], dtype=torch.float64))
     lengths = torch.tensor([len(e[f"{side}_ids"]) for side in ("chosen", "rejected") for e in examples])
@@ -458,11 +461,19 @@ def reward_objective(cfg, collate: PairCollator, heldout: HeldOut | None, keeper
         counters["eval_seconds"] += time.perf_counter() - start
         return metrics
 
-    def should_stop(step):
-        patience = r.early_stopping_patience
-        return patience is not None and keeper.step is not None and step - keeper.step >= patience * cfg.train.eval_steps
+    return Objective(collate=collate, loss=loss, normalizer=len, evaluate=evaluate,
+                     should_stop=patience_stop(cfg, keeper))
 
-    return Objective(collate=collate, loss=loss, normalizer=len, evaluate=evaluate, should_stop=should_stop)
+
+def patience_stop(cfg, keeper: BestKeeper):
+    """``should_stop(step)``: True once ``reward.early_stopping_patience`` evaluations in a row have not beaten
+    the best (counted from the best evaluation's step, so it needs no state of its own across a resume)."""
+    patience, every = cfg.reward.early_stopping_patience, cfg.train.eval_steps
+
+    def should_stop(step: int) -> bool:
+        return patience is not None and keeper.step is not None and step - keeper.step >= patience * every
+
+    return should_stop
 
 
 def scoring_batch_size(cfg) -> int:
@@ -477,85 +488,240 @@ def _check(cfg) -> None:
                           "needs data.eval_file")
 
 
-def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Train a Bradley-Terry reward model as configured; write ``final/`` and ``summary.json``; return the
-    summary."""
+@dataclass
+class _Session:
+    """What every scalar-model run opens: processes, the run folder, the tokenizer, the length limits."""
+
+    accelerator: Any
+    run: RunDir
+    tokenizer: Any
+    limits: TokenLimits
+
+
+def _open(cfg, resume: bool, overwrite: bool) -> _Session:
     _check(cfg)
     seed_everything(cfg.seed)
     accelerator = make_accelerator()
     run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
-
-    # 1. data: read, validate and tokenise everything before a model is built (bad input stops here).
     tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
-    examples = prepare_examples(cfg.data.train_file, "preferences", tokenizer, limits)
-    heldout = load_heldout(cfg.data.eval_file, tokenizer, limits) if cfg.data.eval_file else None
+    return _Session(accelerator, run, tokenizer, limits)
 
-    # 2. model: the backbone with a fresh scalar head (N+ init), dropout off.
+
+def _scalar_model(cfg, session: _Session) -> torch.nn.Module:
+    """The backbone with a fresh scalar head (N+ init, :func:`rlhfkit.models.load_scalar_model`), dropout off."""
     model = load_scalar_model(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
-                              dtype=cfg.model.dtype, tokenizer=tokenizer, dropout=not cfg.model.disable_dropout)
-    model.to(accelerator.device)
-    collate = PairCollator(tokenizer.pad_token_id, cfg.reward.margin)
+                              dtype=cfg.model.dtype, tokenizer=session.tokenizer,
+                              dropout=not cfg.model.disable_dropout)
+    return model.to(session.accelerator.device)
+
+
+def _fit(cfg, session: _Session, model, examples, objective: Objective, keeper: BestKeeper, heldout: bool,
+         counters: dict[str, float]) -> tuple[dict[str, Any], torch.nn.Module]:
+    """Step-0 evaluation, the shared offline loop, then the best model back in place (eval mode)."""
+    run, accelerator = session.run, session.accelerator
+    if heldout and run.resume_checkpoint is None:  # the untrained model's held-out figures, as step 0
+        model.eval()
+        with torch.no_grad():
+            run.metrics.log(0, {f"eval/{k}": v for k, v in objective.evaluate(model, 0).items()})
+        counters["eval_seconds"] = 0.0  # before the loop's clock starts
+    result = train_offline(cfg, run, model, examples, objective, accelerator)
+    model = accelerator.unwrap_model(model)
+    model.eval()
+    accelerator.wait_for_everyone()
+    if heldout and cfg.reward.keep_best and keeper.best is not None:
+        keeper.restore(model)
+    return result, model
+
+
+def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Train a Bradley-Terry reward model as configured; write ``final/`` and ``summary.json``; return the
+    summary."""
+    session = _open(cfg, resume, overwrite)
+    run, accelerator = session.run, session.accelerator
+
+    # 1. data: read, validate and tokenise everything before a model is built (bad input stops here).
+    examples = prepare_examples(cfg.data.train_file, "preferences", session.tokenizer, session.limits)
+    heldout = load_heldout(cfg.data.eval_file, session.tokenizer, session.limits) if cfg.data.eval_file else None
+
+    # 2. model, loss, evaluation, best model.
+    model = _scalar_model(cfg, session)
+    collate = PairCollator(session.tokenizer.pad_token_id, cfg.reward.margin)
     keeper = BestKeeper(run.path / "best", keep_existing=run.resume_checkpoint is not None,
                         main_process=accelerator.is_main_process)
     counters = {"tokens": 0.0, "eval_seconds": 0.0}
     objective = reward_objective(cfg, collate, heldout, keeper, accelerator.device, counters)
 
-    # 3. the untrained model's held-out figures (loss ~ ln 2, accuracy ~ 0.5) as step 0.
-    if heldout is not None and run.resume_checkpoint is None:
-        model.eval()
-        with torch.no_grad():
-            run.metrics.log(0, {f"eval/{k}": v for k, v in objective.evaluate(model, 0).items()})
-
-    # 4. Bradley-Terry training (the shared offline loop), evaluation, best model, early stopping.
-    result = train_offline(cfg, run, model, examples, objective, accelerator)
-    model = accelerator.unwrap_model(model)
-    model.eval()
-    accelerator.wait_for_everyone()
-    if heldout is not None and cfg.reward.keep_best and keeper.best is not None:
-        keeper.restore(model)
-    eval_batch = scoring_batch_size(cfg)
+    # 3. Bradley-Terry training, evaluation every eval_steps, early stopping; final = best.
+    result, model = _fit(cfg, session, model, examples, objective, keeper, heldout is not None, counters)
     final_eval, bins = {}, []
     if heldout is not None:  # the final model's figures, with its calibration bins
-        final_eval, bins = evaluate_heldout(model, collate, heldout, eval_batch, accelerator.device)
+        final_eval, bins = evaluate_heldout(model, collate, heldout, scoring_batch_size(cfg), accelerator.device)
 
-    # 5. normalisation on training responses; save final/ (raw weights + gain/bias in config.json).
+    # 4. normalisation on training responses; save final/ (raw weights + gain/bias in config.json).
     gain, bias, fitted = 1.0, 0.0, 0
     if cfg.reward.normalize:
-        gen = torch.Generator().manual_seed(cfg.seed)
-        picked = torch.randperm(len(examples), generator=gen)[: cfg.reward.normalize_max_pairs].tolist()
-        fit = [examples[i] for i in sorted(picked)]
-        chosen, rejected = score_examples(model, collate, fit, eval_batch, accelerator.device)
-        gain, bias = fit_normalization(torch.cat([chosen, rejected]))
-        fitted = 2 * len(fit)
+        gain, bias, fitted = fit_on_training_responses(model, collate, examples, cfg, accelerator.device)
     setattr(model.config, GAIN_KEY, gain)
     setattr(model.config, BIAS_KEY, bias)
 
-    train_seconds = max(result["wall_seconds"] - counters["eval_seconds"], 1e-9)
-    summary: dict[str, Any] = {
-        "kind": "reward",
-        "steps": result["step"],
-        "early_stopped": result["step"] < cfg.train.max_steps,
-        "final_step": keeper.step if heldout is not None and cfg.reward.keep_best else result["step"],
-        "train_pairs": len(examples),
-        "eval_pairs": len(heldout.examples) if heldout is not None else 0,
-        "train_loss": result["loss"],
-        **{f"heldout_{k}": v for k, v in final_eval.items()},
-    }
+    summary = _summary(cfg, "reward", "pairs", result, len(examples), len(heldout.examples) if heldout else 0,
+                       keeper, final_eval, counters, accelerator)
     if heldout is not None:
         summary.update({"bayes_ceiling": heldout.bayes_ceiling,
                         "heldout_gold_length_correlation": heldout.gold_length_correlation,
                         "calibration_bins": bins})
-    summary.update({
-        "normalization": {"gain": gain, "bias": bias, "fit_responses": fitted, "config_keys": [GAIN_KEY, BIAS_KEY]},
+    summary["normalization"] = {"gain": gain, "bias": bias, "fit_responses": fitted,
+                                "config_keys": [GAIN_KEY, BIAS_KEY]}
+    _finish(session, model, summary)
+    return summary
+
+
+def fit_on_training_responses(model, collate: PairCollator, examples: list[dict], cfg, device
+                              ) -> tuple[float, float, int]:
+    """(gain, bias, responses used) fitted on both responses of up to ``reward.normalize_max_pairs``
+    training pairs drawn with the run's seed."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    picked = torch.randperm(len(examples), generator=gen)[: cfg.reward.normalize_max_pairs].tolist()
+    fit = [examples[i] for i in sorted(picked)]
+    chosen, rejected = score_examples(model, collate, fit, scoring_batch_size(cfg), device)
+    gain, bias = fit_normalization(torch.cat([chosen, rejected]))
+    return gain, bias, 2 * len(fit)
+
+
+def _summary(cfg, kind: str, unit: str, result, num_train: int, num_eval: int, keeper: BestKeeper,
+             final_eval: dict, counters: dict[str, float], accelerator) -> dict[str, Any]:
+    """summary.json: the final model's held-out figures, and the training throughput (held-out evaluations
+    excluded; this session's steps when resumed)."""
+    train_seconds = max(result["wall_seconds"] - counters["eval_seconds"], 1e-9)
+    tokens = counters["tokens"]
+    if accelerator.num_processes > 1:  # every process counted its own slice of each batch
+        tokens = float(accelerator.reduce(torch.tensor([tokens], device=accelerator.device), reduction="sum"))
+    return {
+        "kind": kind,
+        "steps": result["step"],
+        "early_stopped": result["step"] < cfg.train.max_steps,
+        "final_step": keeper.step if num_eval and cfg.reward.keep_best and keeper.step is not None else result["step"],
+        f"train_{unit}": num_train,
+        f"eval_{unit}": num_eval,
+        "train_loss": result["loss"],
+        **{f"heldout_{k}": v for k, v in final_eval.items()},
         "wall_seconds": result["wall_seconds"],
         "eval_seconds": counters["eval_seconds"],
-        # training throughput, held-out evaluations excluded (this session's steps when resumed)
-        "pairs_per_second": (result["examples_per_second"] or 0.0) * result["wall_seconds"] / train_seconds,
-        "tokens_per_second": counters["tokens"] / train_seconds,
-    })
-    if accelerator.is_main_process:
-        save_hf_folder(model, tokenizer, run.final_dir)
-        run.write_summary(summary)
-    run.close()
+        f"{unit}_per_second": (result["examples_per_second"] or 0.0) * result["wall_seconds"] / train_seconds,
+        "tokens_per_second": tokens / train_seconds,  # real (non-padding) tokens through forward + backward
+    }
+
+
+def _finish(session: _Session, model, summary: dict[str, Any]) -> None:
+    if session.accelerator.is_main_process:
+        save_hf_folder(model, session.tokenizer, session.run.final_dir)
+        session.run.write_summary(summary)
+    session.run.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Process reward model
+
+
+def step_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The head's output at the last token of every step (a logit of P(step is correct)).
+
+    Args:
+        batch: a :class:`rlhfkit.data.PRMCollator` batch: ``input_ids``, ``attention_mask`` (B, L),
+            ``step_positions`` (B, S).
+    Returns:
+        (B, S); meaningless where ``step_mask`` is False.
+    """
+    scores = token_scores(model, batch["input_ids"], batch["attention_mask"])  # (B, L)
+    return scores.gather(1, batch["step_positions"])  # (B, S)
+
+
+def step_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, normalizer: float
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Binary cross-entropy per step, averaged over the whole batch's steps (Lightman et al. 2023, "Let's
+    Verify Step by Step": a PRM predicts each step's correctness at the step's last token).
+
+    Args:
+        logits, labels, mask: (B, S) step logits, 1.0 for a correct step, True on real steps.
+        normalizer: the number of steps in the whole batch.
+    Returns:
+        (scalar loss, stats already multiplied by this micro-batch's share of the steps).
+    """
+    bce = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")  # (B, S)
+    loss = aggregate_loss(bce, mask, "token-mean", normalizer)
+    right = ((logits > 0).float() == labels).float()  # (B, S)
+    return loss, {"accuracy": float((right * mask).sum()) / normalizer}
+
+
+def prm_metrics(logits: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, float]:
+    """Held-out figures of a PRM from per-solution step logits and labels (lists of (S_i,) tensors): mean
+    step loss, step accuracy, and solution accuracy (a solution is judged correct when every step's
+    P(correct) > 1/2; it is correct when every label is)."""
+    flat_logits, flat_labels = torch.cat(logits).double(), torch.cat(labels).double()
+    loss = F.binary_cross_entropy_with_logits(flat_logits, flat_labels)
+    step_right = ((flat_logits > 0).double() == flat_labels).double()
+    solutions = [bool((lg > 0).all()) == bool(lb.bool().all()) for lg, lb in zip(logits, labels, strict=True)]
+    return {"loss": float(loss), "accuracy": float(step_right.mean()),
+            "solution_accuracy": sum(solutions) / len(solutions),
+            "correct_step_rate": float(flat_labels.mean())}
+
+
+@torch.no_grad()
+def evaluate_prm(model, collate, examples: list[dict], batch_size: int, device) -> dict[str, float]:
+    """:func:`prm_metrics` of ``model`` on tokenised process-supervision examples."""
+    logits, labels = [], []
+    for chunk in micro_batches(examples, batch_size):
+        batch = {k: v.to(device) for k, v in collate(list(chunk)).items()}
+        out = step_logits(model, batch).float().cpu()  # (b, S)
+        for i, ex in enumerate(chunk):
+            logits.append(out[i, : len(ex["labels"])])
+            labels.append(torch.tensor([float(v) for v in ex["labels"]]))
+    return prm_metrics(logits, labels)
+
+
+def prm_objective(cfg, collate, heldout: list[dict] | None, keeper: BestKeeper, device,
+                  counters: dict[str, float]) -> Objective:
+    """Loss, evaluation and early stopping of a process-reward-model run."""
+    eval_batch = scoring_batch_size(cfg)
+
+    def loss(model, batch, normalizer):
+        counters["tokens"] += float(batch["attention_mask"].sum())
+        return step_loss(step_logits(model, batch), batch["step_labels"], batch["step_mask"], normalizer)
+
+    def evaluate(model, step):
+        if not heldout:
+            return {}
+        start = time.perf_counter()
+        metrics = evaluate_prm(model, collate, heldout, eval_batch, device)
+        keeper.update(model, step, metrics)
+        counters["eval_seconds"] += time.perf_counter() - start
+        return metrics
+
+    return Objective(collate=collate, loss=loss, normalizer=lambda exs: float(sum(len(e["labels"]) for e in exs)),
+                     evaluate=evaluate, should_stop=patience_stop(cfg, keeper))
+
+
+def train_prm(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Train a process reward model on ``{"prompt", "steps", "labels"}`` records: binary cross-entropy on
+    each step's correctness, read at the step's last token (the separator after it). The saved model's
+    token scores are logits of P(step correct); no normalisation is fitted (reward.normalize is ignored)."""
+    from rlhfkit.data import PRMCollator
+
+    session = _open(cfg, resume, overwrite)
+    run, accelerator = session.run, session.accelerator
+    examples = prepare_examples(cfg.data.train_file, "prm", session.tokenizer, session.limits)
+    heldout = (prepare_examples(cfg.data.eval_file, "prm", session.tokenizer, session.limits)
+               if cfg.data.eval_file else None)
+    model = _scalar_model(cfg, session)
+    collate = PRMCollator(session.tokenizer.pad_token_id)
+    keeper = BestKeeper(run.path / "best", keep_existing=run.resume_checkpoint is not None,
+                        main_process=accelerator.is_main_process)
+    counters = {"tokens": 0.0, "eval_seconds": 0.0}
+    objective = prm_objective(cfg, collate, heldout, keeper, accelerator.device, counters)
+    result, model = _fit(cfg, session, model, examples, objective, keeper, bool(heldout), counters)
+    final_eval = evaluate_prm(model, collate, heldout, scoring_batch_size(cfg), accelerator.device) if heldout else {}
+    summary = _summary(cfg, "prm", "solutions", result, len(examples), len(heldout or []), keeper, final_eval,
+                       counters, accelerator)
+    _finish(session, model, summary)
     return summary
