@@ -8,10 +8,7 @@ part of the suite; see examples/README.md.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -19,18 +16,9 @@ import pytest
 import torch
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cartpole_ppo.py"
+from tests.examples.loader import load_example
 
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("cartpole_ppo", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-cp = _load_example()
+cp = load_example("cartpole_ppo")
 
 
 def _constant_critic(agent, value: float) -> None:
