@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--annotator-temperature", type=float, metavar="T",
                      help="the annotators' Bradley-Terry temperature (default: the task's)")
     lab.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: %(default)s")
-    lab.add_argument("--batch-size", type=int, default=256, metavar="N",
+    lab.add_argument("--batch-size", type=int, default=512, metavar="N",
                      help="responses per generate call (default: %(default)s)")
     lab.add_argument("--overwrite", action="store_true", help="replace the files already in --out")
     lab.set_defaults(run=_label_pairs)

@@ -61,7 +61,7 @@ def sample_response_pairs(
     *,
     max_new_tokens: int = 64,
     temperature: float = 1.0,
-    batch_size: int = 256,
+    batch_size: int = 512,
     seed: int = 0,
 ) -> list[SampledPair]:
     """Sample two responses per prompt (plain-text prompts, encoded as the trainers encode them).
@@ -170,7 +170,7 @@ def label_pairs(
     seed: int = 0,
     temperature: float = 1.0,
     max_new_tokens: int = 64,
-    batch_size: int = 256,
+    batch_size: int = 512,
     annotator_temperature: float | None = None,
     overwrite: bool = False,
 ) -> dict[str, Any]:

@@ -35,7 +35,7 @@ so micro-batching and data parallelism do not change the gradient). Details:
   have mean 0 and std 1. The weights in ``final/`` stay raw, so plain ``transformers`` and
   :func:`rlhfkit.models.sequence_scores` give the same raw scores; the gain and bias go into
   ``final/config.json`` as ``rlhfkit_reward_gain`` / ``rlhfkit_reward_bias``, and rlhfkit applies them
-  whenever it scores with the model (:func:`normalized_scores`). (Llama's score head has no bias, so a bias
+  whenever it scores with the model (:mod:`rlhfkit.rollout.scoring`, :func:`normalized_scores`). (Llama's score head has no bias, so a bias
   cannot be folded into the weights.)
 
 ``summary.json`` holds the held-out figures of the final model; ``metrics.jsonl`` the training and
@@ -75,10 +75,9 @@ from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import load_scalar_model, load_tokenizer, save_hf_folder, sequence_scores, token_scores
+from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, reward_normalization
 from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
 
-# Keys of a saved reward model's config.json: normalised score = gain * raw score + bias.
-GAIN_KEY, BIAS_KEY = "rlhfkit_reward_gain", "rlhfkit_reward_bias"
 GOLD_FIELDS = ("gold_chosen", "gold_rejected")
 GOLD_TIE = 1e-9  # gold scores closer than this are a tie (as rlhfkit.tasks.annotators)
 CALIBRATION_BINS = 5  # confidence bins of width 0.1 over [0.5, 1]
@@ -407,22 +406,16 @@ def _write_json(path: Path, obj: Any) -> None:
 # Normalisation
 
 
-def score_normalization(config) -> tuple[float, float]:
-    """(gain, bias) stored in a reward model's config (1, 0 when it has none)."""
-    return float(getattr(config, GAIN_KEY, 1.0)), float(getattr(config, BIAS_KEY, 0.0))
-
-
 def normalized_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``gain * sequence_scores + bias`` with the model's stored normalisation: what PPO should use.
+    """``gain * sequence_scores + bias`` with the model's stored normalisation (what
+    :class:`rlhfkit.rollout.scoring.Scorer` gives PPO).
 
     Args:
         input_ids, attention_mask: (B, L), either padding side.
     Returns:
         (B,).
     """
-    from rlhfkit.models import unwrap_model
-
-    gain, bias = score_normalization(unwrap_model(model).config)
+    gain, bias = reward_normalization(model)
     return sequence_scores(model, input_ids, attention_mask) * gain + bias
 
 
