@@ -16,7 +16,7 @@ with both curves (``fit.png``; numbers in ``fit.json``).
 
 ``--refresh-steps K`` also runs the same PPO (same seed, same settings) with the online reward-model
 refresh of :mod:`rlhfkit.trainers.refresh` every K rollouts, and compares gold, proxy and KL of the two
-runs: at the end, and at the same KL (each trajectory interpolated where it first reaches a KL level).
+runs: at the end, and at the same KL (the mean of each run's evaluations in KL bins of 3 nats).
 The gap is reported in the proxy's units: the proxy is normalised to std 1 on SFT responses, so gold is
 put on the same footing as z = (gold − gold_SFT) / std(gold of SFT samples), and gap = proxy − z (0 for
 the SFT policy; it grows when the proxy rises faster than what the annotators want).
@@ -126,15 +126,12 @@ class Trajectory:
         col = lambda k: np.array([float(r[k]) for r in picked])  # noqa: E731
         return cls(col("step"), col(keys[0]), col(keys[1]), col(keys[2]))
 
-    def at_kl(self, level: float) -> tuple[float, float] | None:
-        """(gold, proxy) where the run first reaches KL = ``level`` (linear between evaluations), or None."""
-        for i in range(1, len(self.kl)):
-            k0, k1 = self.kl[i - 1], self.kl[i]
-            if k0 <= level <= k1 and k1 > k0:
-                w = (level - k0) / (k1 - k0)
-                return (float(self.gold[i - 1] + w * (self.gold[i] - self.gold[i - 1])),
-                        float(self.proxy[i - 1] + w * (self.proxy[i] - self.proxy[i - 1])))
-        return None
+    def in_kl_bin(self, low: float, high: float) -> dict | None:
+        """Mean gold and proxy of the evaluations after step 0 with low <= KL < high (and how many), or None."""
+        inside = (self.steps > 0) & (self.kl >= low) & (self.kl < high)
+        if not inside.any():
+            return None
+        return {"gold": float(self.gold[inside].mean()), "proxy": float(self.proxy[inside].mean()), "n": int(inside.sum())}
 
 
 def analyse(t: Trajectory) -> dict:
@@ -150,24 +147,26 @@ def analyse(t: Trajectory) -> dict:
     return fit
 
 
-def compare(plain: Trajectory, refreshed: Trajectory, gold_std: float, levels: int = 4) -> dict:
-    """Gold, proxy and the gap (proxy − (gold − gold_SFT) / gold_std) of both runs at the end and at the
-    same KL: ``levels`` evenly spaced KL values up to the smaller of the two runs' largest KL."""
+def compare(plain: Trajectory, refreshed: Trajectory, gold_std: float, bin_width: float = 3.0) -> dict:
+    """Gold, proxy and the gap (proxy − (gold − gold_SFT) / gold_std) of both runs at the end, and at the same KL:
+    the means over each run's evaluations in KL bins of ``bin_width`` nats (a trajectory's KL goes up and
+    down, so every evaluation counts, not only the first to reach a level)."""
     def gap(gold: float, proxy: float, sft_gold: float) -> float | None:
         return proxy - (gold - sft_gold) / gold_std if gold_std > 0 else None  # SFT samples all scored alike
 
-    out: dict = {"gold_std_sft": gold_std, "end": {}, "same_kl": []}
-    for name, t in (("plain", plain), ("refresh", refreshed)):
+    runs = {"plain": plain, "refresh": refreshed}
+    out: dict = {"gold_std_sft": gold_std, "bin_width": bin_width, "end": {}, "same_kl": []}
+    for name, t in runs.items():
         out["end"][name] = {"step": int(t.steps[-1]), "kl": float(t.kl[-1]), "gold": float(t.gold[-1]),
                             "proxy": float(t.proxy[-1]), "gap": gap(t.gold[-1], t.proxy[-1], t.gold[0])}
-    top = min(float(plain.kl.max()), float(refreshed.kl.max()))
-    for level in np.linspace(top / levels, top, levels):
-        row = {"kl": float(level)}
-        for name, t in (("plain", plain), ("refresh", refreshed)):
-            hit = t.at_kl(float(level))
-            if hit is not None:
-                row[name] = {"gold": hit[0], "proxy": hit[1], "gap": gap(hit[0], hit[1], t.gold[0])}
-        out["same_kl"].append(row)
+    top = max(float(plain.kl.max()), float(refreshed.kl.max()))
+    for low in np.arange(0.0, top + bin_width, bin_width):
+        row: dict = {"kl_low": float(low), "kl_high": float(low + bin_width)}
+        for name, t in runs.items():
+            hit = t.in_kl_bin(low, low + bin_width)
+            row[name] = None if hit is None else {**hit, "gap": gap(hit["gold"], hit["proxy"], t.gold[0])}
+        if row["plain"] is not None or row["refresh"] is not None:
+            out["same_kl"].append(row)
     return out
 
 
@@ -206,24 +205,32 @@ def plot_fit(path: Path, t: Trajectory, fit: dict, title: str) -> None:
 
 
 def plot_compare(path: Path, runs: dict[str, Trajectory], gold_std: float) -> None:
-    """Gold (z units) and proxy of each run against sqrt(KL), and KL against the rollout."""
+    """Gold (z units) and proxy of each run against the rollout and against sqrt(KL); KL against the rollout."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11.0, 4.2), dpi=110)
+    fig, (by_step, by_kl, kl) = plt.subplots(1, 3, figsize=(15.0, 4.2), dpi=110)
+    unit = gold_std if gold_std > 0 else 1.0
     for i, (name, t) in enumerate(runs.items()):
-        left.plot(t.d, (t.gold - t.gold[0]) / gold_std, "o-", color=f"C{i}", markersize=3, label=f"{name}: gold (z)")
-        left.plot(t.d, t.proxy, "s--", color=f"C{i}", markersize=3, alpha=0.6, label=f"{name}: proxy")
-        right.plot(t.steps, t.kl, "o-", color=f"C{i}", markersize=3, label=name)
-    left.set_title("Gold and proxy against sqrt(KL), held-out prompts")
-    left.set_xlabel("sqrt(KL, nats per response)")
-    left.set_ylabel("SFT-std units (0 = SFT policy)")
-    right.set_title("KL to the SFT policy")
-    right.set_xlabel("rollout")
-    right.set_ylabel("nats per response")
-    for ax in (left, right):
+        z = (t.gold - t.gold[0]) / unit
+        by_step.plot(t.steps, z, "o-", color=f"C{i}", markersize=3, label=f"{name}: gold (z)")
+        by_step.plot(t.steps, t.proxy, "s--", color=f"C{i}", markersize=3, alpha=0.6, label=f"{name}: proxy")
+        by_kl.plot(t.d, z, "o", color=f"C{i}", markersize=4, label=f"{name}: gold (z)")
+        by_kl.plot(t.d, t.proxy, "s", color=f"C{i}", markersize=3, alpha=0.45, label=f"{name}: proxy")
+        kl.plot(t.steps, t.kl, "o-", color=f"C{i}", markersize=3, label=name)
+    by_step.set_title("Gold and proxy, held-out prompts")
+    by_step.set_xlabel("rollout")
+    by_kl.set_title("... against sqrt(KL)")
+    by_kl.set_xlabel("sqrt(KL, nats per response)")
+    for ax in (by_step, by_kl):
+        ax.set_ylabel("SFT-std units (gold: 0 = SFT policy)")
+        ax.axhline(0.0, color="black", linewidth=0.6)
+    kl.set_title("KL to the SFT policy")
+    kl.set_xlabel("rollout")
+    kl.set_ylabel("nats per response")
+    for ax in (by_step, by_kl, kl):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -347,22 +354,22 @@ def format_fit(fit: dict) -> str:
 
 
 def format_compare(c: dict) -> str:
-    lines = [f"  gap = proxy − (gold − gold_SFT) / {c['gold_std_sft']:.3f}  (proxy units; 0 for the SFT policy)",
-             "  where                 | plain: gold   proxy    gap   | refresh: gold   proxy    gap"]
+    lines = [f"  gap = proxy − (gold − gold_SFT) / {c['gold_std_sft']:.3f}  (proxy units; 0 for the SFT policy)"]
 
     def number(x):
         return "    n/a" if x is None else f"{x:7.3f}"
 
     def cells(row, name):
         r = row.get(name)
-        return "   (not reached)      " if r is None else f"{r['gold']:7.3f} {r['proxy']:7.3f} {number(r['gap'])}"
+        return " " * 22 + "-   " if r is None else f"{r['gold']:7.3f} {r['proxy']:7.3f} {number(r['gap'])} {r['n']:3d}"
 
     for name in ("plain", "refresh"):
         e = c["end"][name]
         lines.append(f"  end of {name:<8} (KL {e['kl']:5.2f}, step {e['step']}): gold {e['gold']:.3f}, proxy "
                      f"{e['proxy']:.3f}, gap {number(e['gap']).strip()}")
+    lines.append("  KL bin (nats)   | plain: gold   proxy     gap   n | refresh: gold   proxy     gap   n")
     for row in c["same_kl"]:
-        lines.append(f"  KL = {row['kl']:6.2f} nats      | {cells(row, 'plain')}   | {cells(row, 'refresh')}")
+        lines.append(f"  [{row['kl_low']:4.1f}, {row['kl_high']:4.1f})    | {cells(row, 'plain')} | {cells(row, 'refresh')}")
     return "\n".join(lines)
 
 

@@ -70,13 +70,14 @@ def rows(kl, gold, proxy, steps=None):
             for s, k, g, p in zip(steps, kl, gold, proxy, strict=True)]
 
 
-def test_trajectories_are_read_at_a_kl_level_where_they_first_reach_it():
+def test_trajectories_are_averaged_in_kl_bins():
     t = ex.Trajectory.from_rows([{"step": 1, "score/mean": 3.0}]
-                                + rows([0, 2, 6, 4, 8], [0, 1, 3, 2, 5], [0, 1, 1, 1, 1]))
-    assert list(t.steps) == [0, 1, 2, 3, 4]  # rows without the meter's figures are skipped
-    assert t.at_kl(4.0) == pytest.approx((2.0, 1.0))  # between KL 2 and 6, half way
-    assert t.at_kl(7.0)[0] == pytest.approx(2.0 + 0.75 * 3.0)  # between KL 4 and 8 (the first rise past 7)
-    assert t.at_kl(9.0) is None
+                                + rows([0, 2, 6, 4, 8, 1], [0, 1, 3, 2, 5, 7], [0, 1, 2, 3, 4, 5]))
+    assert list(t.steps) == [0, 1, 2, 3, 4, 5]  # rows without the meter's figures are skipped
+    assert t.in_kl_bin(0.0, 3.0) == {"gold": 4.0, "proxy": 3.0, "n": 2}  # KL 2 and 1; the SFT point (step 0) is not in
+    assert t.in_kl_bin(3.0, 6.0) == {"gold": 2.0, "proxy": 3.0, "n": 1}  # KL 4 (6 belongs to the next bin)
+    assert t.in_kl_bin(6.0, 9.0) == {"gold": 4.0, "proxy": 3.0, "n": 2}
+    assert t.in_kl_bin(9.0, 12.0) is None
     with pytest.raises(ValueError, match="step 0"):
         ex.Trajectory.from_rows(rows([1, 2], [0, 1], [0, 1], steps=[2, 4]))
 
@@ -92,11 +93,13 @@ def test_analyse_and_compare_by_hand():
     best = int(np.argmax(gold))
     assert fit["observed_peak"]["step"] == best and fit["observed_peak"]["delta"] == pytest.approx(gold[best] - 0.5)
     refreshed = ex.Trajectory.from_rows(rows([0.0, 2.0, 4.0], [0.5, 1.5, 2.5], [0.0, 1.0, 1.0]))
-    c = ex.compare(plain, refreshed, gold_std=2.0, levels=2)
+    c = ex.compare(plain, refreshed, gold_std=2.0, bin_width=5.0)
     assert c["end"]["refresh"]["gap"] == pytest.approx(1.0 - (2.5 - 0.5) / 2.0)
     assert c["end"]["plain"]["gap"] == pytest.approx(2.5 - (gold[-1] - 0.5) / 2.0)
-    assert [row["kl"] for row in c["same_kl"]] == pytest.approx([2.0, 4.0])  # up to the smaller largest KL
-    at2 = c["same_kl"][0]
-    g2, p2 = plain.at_kl(2.0)
-    assert at2["plain"]["gap"] == pytest.approx(p2 - (g2 - 0.5) / 2.0)
-    assert at2["refresh"] == {"gold": 1.5, "proxy": 1.0, "gap": pytest.approx(1.0 - 0.5)}
+    assert [(row["kl_low"], row["kl_high"]) for row in c["same_kl"]] == [(0, 5), (5, 10), (15, 20)]  # none in [10, 15)
+    first = c["same_kl"][0]
+    g, p = np.mean(gold[1:4]), np.mean([0.5, 1.0, 1.5])  # plain: KL 0.25, 1 and 4
+    assert first["plain"] == {"gold": pytest.approx(g), "proxy": pytest.approx(p), "n": 3,
+                              "gap": pytest.approx(p - (g - 0.5) / 2.0)}
+    assert first["refresh"] == {"gold": 2.0, "proxy": 1.0, "n": 2, "gap": pytest.approx(1.0 - (2.0 - 0.5) / 2.0)}
+    assert c["same_kl"][1]["refresh"] is None and c["same_kl"][2]["plain"]["n"] == 1
