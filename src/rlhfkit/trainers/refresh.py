@@ -69,7 +69,8 @@ LabelFunction = Callable[[str, str, str], bool]
 
 @dataclass(frozen=True)
 class RefreshConfig:
-    """Settings of one online refresh (defaults sized for the built-in task's tiny preset).
+    """Settings of one online refresh (defaults: those measured on the built-in task's tiny preset with a refresh
+    every 5 rollouts, examples/README.md).
 
     Attributes:
         pairs: prompts sampled per refresh (two responses each; identical or empty pairs are dropped).
@@ -85,11 +86,11 @@ class RefreshConfig:
         sample_batch_size: responses per ``generate`` call.
     """
 
-    pairs: int = 64
-    steps: int = 8
+    pairs: int = 128
+    steps: int = 16
     batch_size: int = 32
     fresh_fraction: float = 0.5
-    learning_rate: float = 1e-4
+    learning_rate: float = 2e-4
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     temperature: float = 1.0
