@@ -330,6 +330,12 @@ def test_train_reward_learns_keeps_the_best_normalises_and_loads_in_plain_transf
             reference = raw if reference is None else reference
             torch.testing.assert_close(raw, reference, atol=1e-5, rtol=0)  # left == right padding
 
+        # The summary's held-out figures are final/'s own.
+        held = load_heldout(str(paths["eval"]), ours_tok, TokenLimits(8, 24))
+        figures, _ = evaluate_heldout(ours, PairCollator(ours_tok.pad_token_id), held, 64, "cpu")
+        assert figures["accuracy"] == summary["heldout_accuracy"]
+        assert figures["loss"] == pytest.approx(summary["heldout_loss"], abs=1e-6)
+
         # Normalisation: mean 0, std 1 over its fitting set (every training response here: 64 pairs <= 2048).
         examples = load_heldout(str(paths["train"]), ours_tok, TokenLimits(8, 24)).examples
         batch = PairCollator(ours_tok.pad_token_id)(examples)

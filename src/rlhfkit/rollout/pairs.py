@@ -17,8 +17,8 @@ writes, under ``--out``:
 Each line is a preference record ``{"prompt", "chosen", "rejected"}`` (DESIGN.md, "Data formats") with
 three extra fields that only evaluation reads: ``gold_chosen`` and ``gold_rejected`` (the noiseless gold
 scores) and ``gold_agreement`` (the probability that an annotator's label agrees with the gold order,
-sigmoid(|gold_chosen - gold_rejected| / T), null for a gold tie; its mean over a file is that file's
-Bayes ceiling). ``rlhfkit train reward`` reads them to report accuracy against gold beside the ceiling,
+sigmoid(|gold_chosen - gold_rejected| / T), null for a gold tie; its mean over a file's non-tied pairs is
+that file's Bayes ceiling). ``rlhfkit train reward`` reads them to report accuracy against gold beside the ceiling,
 so the trainer needs to know nothing about the task.
 
 A pair whose two responses are the same text teaches nothing and is dropped, and so is a pair with an

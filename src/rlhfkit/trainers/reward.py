@@ -369,11 +369,12 @@ class BestKeeper:
             return True
         return (new["accuracy"], -new["loss"]) > (old["accuracy"], -old["loss"])
 
-    def update(self, model: torch.nn.Module, step: int, metrics: dict[str, float]) -> bool:
-        """Record ``metrics`` of ``step``; save the model when they are the best so far."""
+    def update(self, model: torch.nn.Module, step: int, metrics: dict[str, float], extra: Any = None) -> bool:
+        """Record ``metrics`` of ``step``; save the model (and ``extra``, e.g. calibration bins) when they are
+        the best so far."""
         if not self.better(metrics, None if self.best is None else self.best["eval"]):
             return False
-        self.best = {"step": step, "eval": metrics}
+        self.best = {"step": step, "eval": metrics, "extra": extra}
         if self.main_process:
             from safetensors.torch import save_model
 
@@ -432,9 +433,10 @@ def fit_normalization(scores: torch.Tensor) -> tuple[float, float]:
 
 
 def reward_objective(cfg, collate: PairCollator, heldout: HeldOut | None, keeper: BestKeeper, device,
-                     counters: dict[str, float]) -> Objective:
+                     counters: dict[str, float], latest: dict[str, Any]) -> Objective:
     """The loss, evaluation and early stopping of a reward-model run (``counters`` collects tokens and
-    evaluation time for the throughput figures)."""
+    evaluation time for the throughput figures; ``latest`` receives the last evaluation, with its calibration
+    bins)."""
     r = cfg.reward
     eval_batch = scoring_batch_size(cfg)
 
@@ -449,8 +451,9 @@ def reward_objective(cfg, collate: PairCollator, heldout: HeldOut | None, keeper
         if heldout is None:
             return {}
         start = time.perf_counter()
-        metrics, _ = evaluate_heldout(model, collate, heldout, eval_batch, device)
-        keeper.update(model, step, metrics)
+        metrics, bins = evaluate_heldout(model, collate, heldout, eval_batch, device)
+        keeper.update(model, step, metrics, bins)
+        latest.update(step=step, eval=metrics, extra=bins)
         counters["eval_seconds"] += time.perf_counter() - start
         return metrics
 
@@ -542,14 +545,15 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     collate = PairCollator(session.tokenizer.pad_token_id, cfg.reward.margin)
     keeper = BestKeeper(run.path / "best", keep_existing=run.resume_checkpoint is not None,
                         main_process=accelerator.is_main_process)
-    counters = {"tokens": 0.0, "eval_seconds": 0.0}
-    objective = reward_objective(cfg, collate, heldout, keeper, accelerator.device, counters)
+    counters, latest = {"tokens": 0.0, "eval_seconds": 0.0}, {"step": None}
+    objective = reward_objective(cfg, collate, heldout, keeper, accelerator.device, counters, latest)
 
     # 3. Bradley-Terry training, evaluation every eval_steps, early stopping; final = best.
     result, model = _fit(cfg, session, model, examples, objective, keeper, heldout is not None, counters)
     final_eval, bins = {}, []
     if heldout is not None:  # the final model's figures, with its calibration bins
-        final_eval, bins = evaluate_heldout(model, collate, heldout, scoring_batch_size(cfg), accelerator.device)
+        final_eval, bins = final_figures(cfg, model, collate, heldout, keeper, latest, result["step"],
+                                         accelerator.device)
 
     # 4. normalisation on training responses; save final/ (raw weights + gain/bias in config.json).
     gain, bias, fitted = 1.0, 0.0, 0
@@ -568,6 +572,16 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
                                 "config_keys": [GAIN_KEY, BIAS_KEY]}
     _finish(session, model, summary)
     return summary
+
+
+def final_figures(cfg, model, collate, heldout: HeldOut, keeper: BestKeeper, latest: dict[str, Any], step: int,
+                  device) -> tuple[dict[str, float], list[dict]]:
+    """The held-out figures of the final model: those of the evaluation it comes from (the best one, or the
+    last step's), else (a resumed run with nothing left to train) evaluated again."""
+    done = keeper.best if cfg.reward.keep_best and keeper.best is not None else latest
+    if done.get("step") is not None and done.get("extra") is not None and (done is keeper.best or done["step"] == step):
+        return done["eval"], done["extra"]
+    return evaluate_heldout(model, collate, heldout, scoring_batch_size(cfg), device)
 
 
 def fit_on_training_responses(model, collate: PairCollator, examples: list[dict], cfg, device
