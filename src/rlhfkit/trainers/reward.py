@@ -19,8 +19,8 @@ so micro-batching and data parallelism do not change the gradient). Details:
   l in tokens, z = (l - mean l) / std l and cov = mean(r * z) (= corr(r, l) * std r), the loss adds
   c * cov^2 * n / N (N the whole batch's pairs). It is squared, so it is smooth and pulls the covariance to
   0 from either side without rewarding a negative one. Under gradient accumulation the covariance is
-  estimated per micro-batch (a noisier estimate than the whole batch's, the same in expectation up to
-  the estimate's variance, which is also penalised);
+  estimated per micro-batch: E[cov_micro^2] = cov^2 + Var(cov_micro), so small micro-batches penalise a
+  little more than one whole batch would;
 - evaluation on held-out pairs every ``train.eval_steps`` (and at step 0): loss, accuracy against the
   data's labels (a tie counts 1/2), mean margin, correlation of score with response length, calibration
   (the model's confidence sigmoid(|r_c - r_r|) against how often its preferred response is the chosen one,
@@ -35,8 +35,8 @@ so micro-batching and data parallelism do not change the gradient). Details:
   have mean 0 and std 1. The weights in ``final/`` stay raw, so plain ``transformers`` and
   :func:`rlhfkit.models.sequence_scores` give the same raw scores; the gain and bias go into
   ``final/config.json`` as ``rlhfkit_reward_gain`` / ``rlhfkit_reward_bias``, and rlhfkit applies them
-  whenever it scores with the model (:mod:`rlhfkit.rollout.scoring`, :func:`normalized_scores`). (Llama's score head has no bias, so a bias
-  cannot be folded into the weights.)
+  whenever it scores with the model (:mod:`rlhfkit.rollout.scoring`, :func:`normalized_scores`). (Llama's
+  score head has no bias, so the bias could not be folded into the weights.)
 
 ``summary.json`` holds the held-out figures of the final model; ``metrics.jsonl`` the training and
 ``eval/`` lines.
