@@ -52,10 +52,9 @@ from rlhfkit.engine.optim import build_optimizer
 from rlhfkit.errors import ConfigError, UserError
 from rlhfkit.models import unwrap_model
 from rlhfkit.rollout.pairs import SampledPair, _keep, annotate_records, sample_response_pairs
+from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY
 from rlhfkit.trainers.online_steps import derived_seed
 from rlhfkit.trainers.reward import (
-    BIAS_KEY,
-    GAIN_KEY,
     PairCollator,
     fit_normalization,
     heldout_metrics,
