@@ -52,8 +52,8 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(model="tiny", sft_steps=300, sft_batch=32, sft_lr=2e-3, num_pairs=2048, rm_steps=192,
-                   rm_batch=32, rm_lr=5e-4, ppo_rollouts=60, ppo_batch=32, ppo_lr=3e-5, response_length=48,
+    "tiny": Preset(model="tiny", sft_steps=300, sft_batch=32, sft_lr=3e-3, num_pairs=2048, rm_steps=256,
+                   rm_batch=32, rm_lr=3e-4, ppo_rollouts=40, ppo_batch=32, ppo_lr=1e-4, response_length=48,
                    num_eval_prompts=256),
     "small": Preset(model="small", sft_steps=1500, sft_batch=64, sft_lr=5e-4, num_pairs=8192, rm_steps=600,
                     rm_batch=64, rm_lr=1e-4, ppo_rollouts=200, ppo_batch=64, ppo_lr=1e-5, response_length=64,
@@ -131,7 +131,7 @@ def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = Fals
         "seed": seed, "model.name_or_path": sft_dir, "data.train_file": files["prompts_train"],
         "data.max_prompt_length": 32, "online.reward_model": rm_dir, "online.response_length": p.response_length,
         "train.max_steps": p.ppo_rollouts, "train.batch_size": p.ppo_batch, "train.learning_rate": p.ppo_lr,
-        "online.critic_learning_rate": p.ppo_lr * 3, "train.lr_schedule": "constant",
+        "online.kl_coef": 0.1, "train.lr_schedule": "linear",
         "train.save_steps": p.ppo_rollouts, "train.eval_steps": max(1, p.ppo_rollouts // 6), "train.log_steps": 1})
     hooks = online.OnlineHooks(evaluate=meter.during_training)
     if refresh_steps:
