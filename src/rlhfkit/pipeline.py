@@ -158,10 +158,6 @@ def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = Fals
         "win_rate_vs_sft_greedy": evaluation["win_rate_vs_sft_greedy"],
         "stage_seconds": seconds,
     }
-    from rlhfkit.report import write_report
-
-    for name in ("sft", "reward", "ppo"):
-        write_report(out / name)
     summary["wall_seconds"] = time.perf_counter() - start
     _write_summary(out, summary)
     write_quickstart_report(out, summary)

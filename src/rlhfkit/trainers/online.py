@@ -69,6 +69,7 @@ from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import load_tokenizer, save_hf_folder, unwrap_model
+from rlhfkit.report import write_report
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, Scorer, reward_normalization
 from rlhfkit.trainers.loop import micro_batches
 from rlhfkit.trainers.online_roles import build_optimizers, build_roles, check_online_config
@@ -149,6 +150,8 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
             save_hf_folder(ctx.roles.critic, tokenizer, run.path / CRITIC_DIR)
         run.write_summary(summary)
     run.close()
+    if accelerator.is_main_process:
+        write_report(run.path)
     return summary
 
 

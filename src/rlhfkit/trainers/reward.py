@@ -75,6 +75,7 @@ from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import load_scalar_model, load_tokenizer, save_hf_folder, sequence_scores, token_scores
+from rlhfkit.report import write_report
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, reward_normalization
 from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
 
@@ -625,6 +626,8 @@ def _finish(session: _Session, model, summary: dict[str, Any]) -> None:
         save_hf_folder(model, session.tokenizer, session.run.final_dir)
         session.run.write_summary(summary)
     session.run.close()
+    if session.accelerator.is_main_process:
+        write_report(session.run.path)
 
 
 # ----------------------------------------------------------------------------------------------------------
