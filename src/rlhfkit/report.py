@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rlhfkit.engine.run import read_metrics
+from rlhfkit.engine.run import flatten_dict, read_metrics
 from rlhfkit.errors import UserError
 
 # file name -> (title, y label, [(metric key, legend label)])
@@ -111,7 +111,7 @@ def write_report(run_dir: str | Path) -> Path:
     lines = [f"# rlhfkit report: {run.name}", ""]
     if summary:
         lines += ["## Summary", "", "| figure | value |", "|---|---|"]
-        lines += [f"| {k} | {_fmt(v)} |" for k, v in _flatten(summary).items()]
+        lines += [f"| {k} | {_fmt(v)} |" for k, v in flatten_dict(summary).items()]
         lines.append("")
     last = rows[-1]
     lines += [f"## Last logged step ({last['step']})", "", "| metric | value |", "|---|---|"]
@@ -122,16 +122,6 @@ def write_report(run_dir: str | Path) -> Path:
     report = run / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     return report
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _fmt(v: Any) -> str:

@@ -125,8 +125,8 @@ class RunDir:
         if resume and self.config_path.is_file():
             import yaml
 
-            old = _flatten(yaml.safe_load(self.config_path.read_text()) or {})
-            new = _flatten(config_to_dict(cfg))
+            old = flatten_dict(yaml.safe_load(self.config_path.read_text()) or {})
+            new = flatten_dict(config_to_dict(cfg))
             changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new
                        if k in old and old[k] != new[k] and not k.startswith(RESUMABLE_CHANGES)]
             if changed:
@@ -272,11 +272,12 @@ def _truncate_metrics(path: Path, keep_until: int) -> None:
     tmp.replace(path)
 
 
-def _flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
+def flatten_dict(d: Mapping, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level with dotted keys: {"a": {"b": 1}} -> {"a.b": 1}."""
     out = {}
     for k, v in d.items():
         if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_dict(v, f"{prefix}{k}."))
         else:
             out[prefix + str(k)] = v
     return out
