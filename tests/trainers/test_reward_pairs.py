@@ -10,7 +10,13 @@ import torch
 
 from rlhfkit.cli import main
 from rlhfkit.errors import UserError
-from rlhfkit.rollout.pairs import SampledPair, _keep, annotate_records, label_pairs, sample_response_pairs
+from rlhfkit.rollout.pairs import (
+    SampledPair,
+    annotate_records,
+    drop_uninformative,
+    label_pairs,
+    sample_response_pairs,
+)
 from rlhfkit.tasks import get_task
 from rlhfkit.tasks.annotators import sigmoid
 from tests.helpers import tiny_llama, tiny_tokenizer
@@ -63,7 +69,7 @@ def test_annotated_records_carry_gold_scores_and_agreement():
 def test_identical_and_empty_pairs_are_dropped_and_counted():
     pairs = [SampledPair("p", " a.", " b."), SampledPair("p", " a.", " a."), SampledPair("p", "", " b."),
              SampledPair("p", " c.", " d.", ended_b=False)]
-    kept, counts = _keep(pairs)
+    kept, counts = drop_uninformative(pairs)
     assert [(p.a, p.b) for p in kept] == [(" a.", " b."), (" c.", " d.")]
     assert counts == {"dropped_identical": 1, "dropped_empty": 1, "truncated_responses": 1}
 

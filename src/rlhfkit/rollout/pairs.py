@@ -135,7 +135,7 @@ def _pick_prompts(prompts: list[str], n: int, rng: random.Random) -> list[str]:
     return picked
 
 
-def _keep(pairs: list[SampledPair]) -> tuple[list[SampledPair], dict[str, int]]:
+def drop_uninformative(pairs: list[SampledPair]) -> tuple[list[SampledPair], dict[str, int]]:
     kept = [p for p in pairs if p.a.strip() and p.b.strip() and p.a != p.b]
     counts = {"dropped_identical": sum(p.a == p.b and bool(p.a.strip()) for p in pairs),
               "dropped_empty": sum(not (p.a.strip() and p.b.strip()) for p in pairs),
@@ -228,7 +228,7 @@ def label_pairs(
     split_at = len(prompts["train"])
     for offset, split in enumerate(("train", "eval")):
         pairs = sampled[:split_at] if split == "train" else sampled[split_at:]
-        kept, counts = _keep(pairs)
+        kept, counts = drop_uninformative(pairs)
         if split == "train" and not kept:
             raise UserError(f"every pair sampled from {policy} had identical or empty responses; nothing to label")
         records = annotate_records(the_task, kept, seed=2 * seed + offset, temperature=t)

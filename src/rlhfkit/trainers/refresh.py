@@ -51,7 +51,7 @@ from rlhfkit.data.records import FieldError
 from rlhfkit.engine.optim import build_optimizer
 from rlhfkit.errors import ConfigError, UserError
 from rlhfkit.models import unwrap_model
-from rlhfkit.rollout.pairs import SampledPair, _keep, annotate_records, sample_response_pairs
+from rlhfkit.rollout.pairs import SampledPair, annotate_records, drop_uninformative, sample_response_pairs
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY
 from rlhfkit.trainers.online_steps import derived_seed
 from rlhfkit.trainers.reward import (
@@ -180,7 +180,7 @@ class RewardRefresh:
         pairs = sample_response_pairs(policy, self.tokenizer, picked, max_new_tokens=self.config.max_new_tokens,
                                       temperature=self.config.temperature, batch_size=self.config.sample_batch_size,
                                       seed=derived_seed("refresh-sampling", self.seed, step))
-        return _keep(pairs)[0]
+        return drop_uninformative(pairs)[0]
 
     def label(self, pairs: list[SampledPair], step: int) -> list[dict]:
         """Preference records for ``pairs``: the task's annotators (with gold fields) or ``label_fn``."""
