@@ -24,7 +24,7 @@ the SFT policy; it grows when the proxy rises faster than what the annotators wa
 Inputs: the SFT policy, the reward model, the prompt splits and (for the refresh) the reward model's
 training pairs. Take them from a finished quickstart, name them, or let the script run one first::
 
-    rlhfkit quickstart --out runs/qs                       # ~10 min on 2 cores (tiny preset)
+    rlhfkit quickstart --out runs/qs                       # ~3 min on 2 idle cores (tiny preset)
     python examples/overoptimization.py --quickstart runs/qs --out runs/overopt
     python examples/overoptimization.py --quickstart runs/qs --out runs/overopt --refresh-steps 5
     python examples/overoptimization.py --sft DIR --reward-model DIR --prompts-train FILE \\

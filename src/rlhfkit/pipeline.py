@@ -52,8 +52,8 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(model="tiny", sft_steps=300, sft_batch=32, sft_lr=3e-3, num_pairs=2048, rm_steps=256,
-                   rm_batch=32, rm_lr=3e-4, ppo_rollouts=40, ppo_batch=32, ppo_lr=1e-4, response_length=48,
+    "tiny": Preset(model="tiny", sft_steps=300, sft_batch=32, sft_lr=3e-3, num_pairs=2048, rm_steps=300,
+                   rm_batch=64, rm_lr=5e-4, ppo_rollouts=40, ppo_batch=32, ppo_lr=1e-4, response_length=48,
                    num_eval_prompts=256),
     "small": Preset(model="small", sft_steps=1500, sft_batch=64, sft_lr=5e-4, num_pairs=8192, rm_steps=600,
                     rm_batch=64, rm_lr=1e-4, ppo_rollouts=200, ppo_batch=64, ppo_lr=1e-5, response_length=64,
@@ -118,7 +118,8 @@ def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = Fals
         "seed": seed, "model.name_or_path": sft_dir, "data.train_file": labels["paths"]["train"],
         "data.eval_file": labels["paths"]["eval"], "data.max_prompt_length": 32,
         "data.max_length": 32 + p.response_length, "train.max_steps": p.rm_steps, "train.batch_size": p.rm_batch,
-        "train.learning_rate": p.rm_lr, "train.weight_decay": 0.01, "train.lr_schedule": "linear",
+        "train.learning_rate": p.rm_lr, "train.weight_decay": 0.1, "train.warmup_steps": 10,
+        "train.lr_schedule": "linear",
         "train.save_steps": p.rm_steps, "train.eval_steps": max(1, p.rm_steps // 4), "train.log_steps": 10})
     rm_summary = reward.train(rm_cfg)
     rm_dir = out / "reward" / "final"
