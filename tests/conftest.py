@@ -10,3 +10,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Commands run in-process set torch's thread count (cores // processes); put it back to one so that
+    every test computes the same numbers whatever ran before it."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)

@@ -31,7 +31,7 @@ def fake(monkeypatch):
         calls.append(("train", cfg, resume))
 
     module.train = train
-    module.quickstart = lambda out_dir, preset, overwrite: calls.append(("quickstart", out_dir, preset, overwrite))
+    module.quickstart = lambda out_dir, preset, overwrite, **kw: calls.append(("quickstart", out_dir, preset, overwrite))
     module.generate = lambda model, prompts, **kw: calls.append(("generate", model, prompts, kw))
     module.write_report = lambda run_dir: calls.append(("report", run_dir))
     monkeypatch.setitem(sys.modules, "fake_targets", module)
