@@ -20,14 +20,13 @@ This module holds no training code: only configurations, the order of the stages
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlhfkit.config import load_config
+from rlhfkit.engine.run import write_summary_json
 
 STAGES = ("task", "SFT", "preference pairs", "reward model", "PPO", "evaluation", "report")
 
@@ -160,7 +159,7 @@ def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = Fals
         "stage_seconds": seconds,
     }
     summary["wall_seconds"] = time.perf_counter() - start
-    _write_summary(out, summary)
+    write_summary_json(out / "summary.json", summary)
     write_quickstart_report(out, summary)
     print(format_table(summary), flush=True)
     return summary
@@ -279,16 +278,3 @@ def write_quickstart_report(out: Path, summary: dict[str, Any]) -> Path:
     path = out / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
-
-
-def _write_summary(out: Path, summary: dict[str, Any]) -> None:
-    def clean(x):
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [clean(v) for v in x]
-        return x
-
-    (out / "summary.json").write_text(json.dumps(clean(summary), indent=2), encoding="utf-8")

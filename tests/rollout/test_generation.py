@@ -71,3 +71,27 @@ def test_generate_pads_short_outputs_and_marks_ended():
     assert batch.mask[0].tolist() == [True, False, False, False, False]
     assert batch.ended.tolist() == [True]
     assert batch.attention_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0]
+
+
+def _biased_toward(model, token: int):
+    """A forward hook that makes ``token`` overwhelmingly likely at every step."""
+    return model.lm_head.register_forward_hook(lambda m, i, o: o + 100.0 * torch.nn.functional.one_hot(
+        torch.tensor(token), o.shape[-1]).to(o.dtype))
+
+
+def test_a_pad_distinct_from_the_stop_tokens_is_never_sampled():
+    model = tiny_llama(seed=0)
+    eos, pad = model.config.eos_token_id, model.config.pad_token_id
+    assert pad != eos
+    handle = _biased_toward(model, pad)
+    try:
+        batch = generate_responses(model, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long),
+                                   max_new_tokens=5, stop_token_ids=[eos], pad_token_id=pad, temperature=0.7)
+        # When pad is a stop token (pad == EOS) it is not suppressed: it ends the response.
+        as_stop = generate_responses(model, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long),
+                                     max_new_tokens=5, stop_token_ids=[pad], pad_token_id=pad, temperature=0.7)
+    finally:
+        handle.remove()
+    assert pad not in batch.response_ids[0][batch.mask[0]].tolist()
+    assert batch.mask[0].all()
+    assert as_stop.response_ids[0].tolist()[0] == pad and as_stop.ended.tolist() == [True]

@@ -15,26 +15,13 @@ import torch
 
 
 def make_accelerator(cpu: bool | None = None):
-    """An Accelerator with no mixed-precision wrapping (dtype is chosen when the weights are loaded)."""
+    """An Accelerator with no mixed-precision wrapping (the dtype is chosen when the weights are loaded:
+    :func:`rlhfkit.models.resolve_dtype`)."""
     from accelerate import Accelerator
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
     return Accelerator(cpu=cpu, mixed_precision="no", step_scheduler_with_optimizer=False)
-
-
-def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
-    """``auto``: float32 on CPU (no bf16 hardware on most CPUs: ~18x slower), bfloat16 on a GPU with bf16."""
-    device = torch.device(device)
-    if dtype == "float32":
-        return torch.float32
-    if dtype == "bfloat16":
-        return torch.bfloat16
-    if dtype != "auto":
-        raise ValueError(f"unknown dtype {dtype!r}")
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
 
 
 def dp_scale(accelerator) -> float:

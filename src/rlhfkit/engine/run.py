@@ -138,7 +138,7 @@ class RunDir:
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         """Write ``summary.json`` (replacing it whole; non-finite numbers become null)."""
         if self.main_process:
-            _write_json(self.summary_path, _plain(summary), indent=2)
+            write_summary_json(self.summary_path, summary)
 
     def progress(self, iterable: Iterable | None = None, total: int | None = None, desc: str = ""):
         """A progress bar over ``iterable`` that starts at the resume step; see :func:`progress_bar`."""
@@ -234,6 +234,11 @@ def _scalar(key: Any, value: Any) -> Any:
     if isinstance(value, float):
         return float(value) if math.isfinite(value) else None
     raise TypeError(f"metric {key!r}: expected a number, bool or string, got {type(value).__name__}")
+
+
+def write_summary_json(path: str | Path, summary: Mapping[str, Any]) -> None:
+    """Write a summary as indented JSON, atomically; non-finite numbers become null."""
+    _write_json(Path(path), _plain(summary), indent=2)
 
 
 def _plain(obj: Any) -> Any:

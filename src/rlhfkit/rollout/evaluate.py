@@ -83,7 +83,6 @@ def sample_and_score(
     """
     device = next(policy.parameters()).device
     collate = PromptCollator(tokenizer.pad_token_id)
-    suppress = [tokenizer.pad_token_id] if tokenizer.pad_token_id != tokenizer.eos_token_id else []
     out = PolicySamples([], [], [], [])
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
@@ -91,7 +90,7 @@ def sample_and_score(
         r = generate_responses(
             policy, batch["input_ids"].to(device), batch["attention_mask"].to(device), max_new_tokens=max_new_tokens,
             stop_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, temperature=temperature,
-            greedy=greedy, suppress_token_ids=suppress)
+            greedy=greedy)
         prompts = [_prompt_text(ex, tokenizer) for ex in chunk]
         texts = [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(r.response_ids, r.mask, strict=True)]
         out.prompts += prompts

@@ -90,7 +90,8 @@ def generate_responses(
         pad_token_id: filler after the stop token.
         temperature, top_p, top_k: sampling settings (top_p = 1 and top_k = 0 are off).
         greedy: argmax decoding instead of sampling.
-        suppress_token_ids: ids never to sample (e.g. a pad token distinct from EOS, which is not text).
+        suppress_token_ids: further ids never to sample. The pad token is always suppressed unless it is a
+            stop token: a pad distinct from EOS is not text (an added ``<|pad|>`` row is untrained).
     Returns:
         :class:`Responses` with exactly R response columns.
     """
@@ -111,8 +112,9 @@ def generate_responses(
         )
         if not greedy:
             kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None)
-        if suppress_token_ids:
-            kwargs["suppress_tokens"] = list(suppress_token_ids)
+        suppress = [*suppress_token_ids, *([] if pad_token_id in stop_token_ids else [pad_token_id])]
+        if suppress:
+            kwargs["suppress_tokens"] = suppress
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)  # (B, P + r), r <= R
     finally:
         model.train(was_training)

@@ -83,7 +83,6 @@ def sample_response_pairs(
     device = next(model.parameters()).device
     per_call = max(1, batch_size // 2)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    suppress = [pad] if pad is not None and pad != eos else []
     out: list[SampledPair] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
@@ -93,7 +92,7 @@ def sample_response_pairs(
             ids, mask = pad_sequences(rows, pad, "left")
             responses = generate_responses(
                 model, ids.to(device), mask.to(device), max_new_tokens=max_new_tokens, stop_token_ids=[eos],
-                pad_token_id=pad, temperature=temperature, suppress_token_ids=suppress)
+                pad_token_id=pad, temperature=temperature)
             texts = [tokenizer.decode(r[m].tolist(), skip_special_tokens=True)
                      for r, m in zip(responses.response_ids.cpu(), responses.mask.cpu(), strict=True)]
             ended = responses.ended.cpu().tolist()

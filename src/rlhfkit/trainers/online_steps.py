@@ -205,13 +205,12 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     n = batch["query_ids"].shape[0]
     size = o.rollout_batch_size or n
     pad = ctx.tokenizer.pad_token_id
-    suppress = [pad] if pad not in ctx.stop_token_ids else []
     clock = clock or StageClock()
     with clock("generate"):
         pieces = [generate_responses(
         roles.actor, batch["query_ids"][i : i + size], batch["query_mask"][i : i + size],
             max_new_tokens=o.response_length, stop_token_ids=ctx.stop_token_ids, pad_token_id=pad,
-            temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, suppress_token_ids=suppress)
+            temperature=o.temperature, top_p=o.top_p, top_k=o.top_k)
             for i in range(0, n, size)]
     response_mask = torch.cat([p.mask for p in pieces])  # (B, R)
     width = max(int(response_mask.sum(1).max()), 1)  # T: the longest response
