@@ -38,8 +38,8 @@ def option(default: Any, help: str, *, gt: float | None = None, ge: float | None
     A list default, or a section's dataclass, becomes a ``default_factory`` so instances never share it.
     """
     metadata = {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
     if isinstance(default, type) and dataclasses.is_dataclass(default):  # a section
         return field(default_factory=default, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -74,6 +74,16 @@ class DataConfig:
         "error", "A prompt longer than max_prompt_length: stop with an error naming the row, or drop tokens "
                  "from its left (keeps the end of the prompt) or right.")
     shuffle: bool = option(True, "Shuffle the training data every epoch (seeded by the run's seed).")
+    columns: dict[str, str] = option(
+        {}, "Your dataset's column for each standard name (prompt, chosen, rejected, completion, messages, text, "
+            "steps, labels), e.g. {prompt: question, chosen: good}; applies to train and eval data.")
+    train_split: str = option("train", "The split of a DatasetDict folder or hub dataset to train on.")
+    eval_split: str | None = option(
+        None, "The split to evaluate on: of data.eval_file, or, with eval_file unset, of the training dataset; "
+              "none = eval_file's only split (an error names them when it has several).")
+    num_proc: int | None = option(
+        None, "Worker processes that tokenise the data (datasets.map); the tokens are cached on disk either way.",
+        gt=0)
 
 
 @dataclass
@@ -189,8 +199,9 @@ class RewardConfig:
         2048, "Fit the normalisation on at most this many training pairs (both responses), drawn with the seed.",
         gt=0)
     keep_best: bool = option(
-        True, "final/ is the model of the evaluation with the best held-out accuracy (ties: lower held-out "
-              "loss), not the last step's (needs data.eval_file).")
+        True, "final/ is the model of the trained evaluation with the best held-out accuracy (ties: lower held-out "
+              "loss), not the last step's; never the untrained step-0 model, and a warning when the best is the "
+              "first evaluation (needs held-out data: data.eval_file or data.eval_split).")
     early_stopping_patience: int | None = option(
         None, "Stop after this many evaluations in a row without a better held-out accuracy (needs "
               "data.eval_file); none = train for max_steps.", gt=0)
@@ -205,6 +216,9 @@ class LoggingConfig:
     wandb_project: str = option("rlhfkit", "W&B project name.")
     wandb_run_name: str | None = option(None, "W&B run name; none = the output folder's name.")
     progress_bar: bool = option(True, "Show a progress bar (only ever on a terminal).")
+    samples_per_step: int = option(
+        8, "Online runs: responses per rollout written to samples.jsonl (prompt, response, score and its parts, "
+           "KL, length, ended with a stop token); 0 = none.", ge=0)
 
 
 @dataclass
@@ -231,6 +245,29 @@ KIND_FORCED: dict[str, dict[str, Any]] = {
     "grpo": {"online.advantage_estimator": "grpo"},
     "rloo": {"online.advantage_estimator": "rloo"},
 }
+
+
+# The names `data.columns` maps from: every field a shape of the module docstring reads.
+STANDARD_COLUMNS = ("prompt", "chosen", "rejected", "completion", "messages", "text", "steps", "labels")
+
+
+def check_columns(columns: dict | None, key: str = "data.columns") -> dict[str, str]:
+    """``columns`` as a plain dict, or a ConfigError for a name that is not standard or a non-string column."""
+    out = dict(columns or {})
+    for name, column in out.items():
+        if name not in STANDARD_COLUMNS:
+            close = difflib.get_close_matches(str(name), STANDARD_COLUMNS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"one of {', '.join(STANDARD_COLUMNS)}"
+            raise ConfigError(f"{key}: '{name}' is not a standard column name ({hint}); the mapping goes from the "
+                              "standard name to your column, e.g. {prompt: question}")
+        if not isinstance(column, str) or not column:
+            raise ConfigError(f"{key}.{name}: expected the name of a column, got {column!r}")
+    targets = list(out.values())
+    twice = sorted({c for c in targets if targets.count(c) > 1})
+    if twice:
+        raise ConfigError(f"{key}: column(s) {', '.join(twice)} mapped to more than one standard name")
+    return out
+
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -387,6 +424,7 @@ def _validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
             fail(key, f"`train {kind}` always uses {value}; for another choice run "
                       f"`train ppo {key}={_get(run, key)}`")
     _check_bounds(run, "", fail)
+    check_columns(run.data.columns)
     for key in ("output_dir", "model.name_or_path", "data.train_file"):
         if not _get(run, key):
             fail(key, f"required; set it in the config file or on the command line ({key}=...)")

@@ -20,11 +20,10 @@ Conventions (one place for all trainers):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhfkit.data.records import FieldError, Kind, Records, load_dataset_records
+from rlhfkit.data.records import FieldError, Records
 
 Truncation = Literal["error", "left", "right"]
 TRUNCATIONS = ("error", "left", "right")
@@ -147,7 +146,19 @@ def tokenize_prompt(record: dict, tokenizer, limits: TokenLimits = TokenLimits()
 
 
 def tokenize_sft(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -> dict:
-    """``{"prompt_ids", "completion_ids"}``; the completion ends with EOS unless cut by ``max_length``."""
+    """``{"prompt_ids", "completion_ids"}``; the completion ends with EOS unless cut by ``max_length``.
+
+    A ``text`` record is trained on whole: its first token (BOS when the tokenizer adds one) is the
+    "prompt", as nothing before it could predict it, and the rest, with EOS, the completion.
+    """
+    if "text" in record and "prompt" not in record:
+        ids = _ids(tokenizer, record["text"], special=True)
+        if not ids or ids[-1] != tokenizer.eos_token_id:
+            ids.append(tokenizer.eos_token_id)
+        if len(ids) < 2:
+            raise FieldError("text", "tokenizes to no tokens besides EOS")
+        room = None if limits.max_length is None else limits.max_length - 1
+        return {"prompt_ids": ids[:1], "completion_ids": ids[1:][:room]}
     prompt_ids = _prompt_ids(record, tokenizer, limits)
     room = _room(prompt_ids, limits.max_length)
     completion = encode_response(tokenizer, record["prompt"], record["completion"], "completion")
@@ -222,14 +233,3 @@ def tokenize_records(records: Records, tokenizer, limits: TokenLimits = TokenLim
         except FieldError as error:
             raise records.error(index, error.message, field=error.field) from None
     return examples
-
-
-def prepare_examples(
-    source: str | os.PathLike,
-    kind: Kind,
-    tokenizer,
-    limits: TokenLimits = TokenLimits(),
-    split: str = "train",
-) -> list[dict]:
-    """Read, validate and tokenise a whole dataset up front, so that bad data stops a run before training."""
-    return tokenize_records(load_dataset_records(source, kind, split), tokenizer, limits)
