@@ -4,8 +4,10 @@ Each field is declared with :func:`option`, which stores its help text (and opti
 dataclass field's ``metadata``; ``rlhfkit train --help`` lists them from there (:func:`config_help`), so
 there is no second schema anywhere. A YAML file only sets values; the command line overrides any key with
 ``dotted.key=value`` (the value is parsed as a YAML scalar or flow list). Parsing and type conversion are
-omegaconf structured configs (which also check ``Literal`` choices); this module adds the error messages
-that name the key and the file, the bounds and the cross-field checks.
+omegaconf structured configs, on a copy of the dataclasses with every ``Literal`` field typed ``str``
+(:func:`_omegaconf_schema`: omegaconf 2.3, which hydra-core 1.3 needs, has no ``Literal``); this module checks
+the ``Literal`` choices itself, and adds the error messages that name the key and the file, the bounds and
+the cross-field checks.
 
 To add a field for a trainer: add one ``name: type = option(default, "help")`` line to the section's
 dataclass below. Nothing else needs to change (loading, overrides, validation, ``--help`` and the saved
@@ -293,7 +295,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     for item in overrides:
         layers.append((f"command-line override '{item}'", _parse_override(item)))
 
-    cfg = OmegaConf.structured(RunConfig)
+    cfg = OmegaConf.structured(_omegaconf_schema(RunConfig))
     set_by: dict[str, str] = {}  # dotted key -> where its value was last set
     for source, values in layers:
         for key in _check_keys(values, RunConfig, "", source):
@@ -303,7 +305,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         except Exception as e:  # omegaconf's ValidationError / ConfigKeyError and friends
             raise _translate(e, source) from None
     try:
-        run: RunConfig = OmegaConf.to_object(cfg)
+        run: RunConfig = _from_plain(RunConfig, OmegaConf.to_container(cfg, resolve=True))
     except Exception as e:  # an interpolation ${...} that does not resolve
         raise _translate(e, "the configuration") from None
     _validate(run, kind, set_by)
@@ -424,6 +426,7 @@ def _validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
             fail(key, f"`train {kind}` always uses {value}; for another choice run "
                       f"`train ppo {key}={_get(run, key)}`")
     _check_bounds(run, "", fail)
+    _check_choices(run, "", fail)
     check_columns(run.data.columns)
     for key in ("output_dir", "model.name_or_path", "data.train_file"):
         if not _get(run, key):
@@ -463,6 +466,67 @@ def _check_bounds(obj: Any, prefix: str, fail) -> None:
             if limit is not None and not holds(limit):
                 symbol = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}[bound]
                 fail(prefix + f.name, f"must be {symbol} {limit}, got {value}")
+
+
+def _choices(tp: Any) -> tuple | None:
+    """The values of a ``Literal[...]`` type (also inside ``Optional``), else None."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return args
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            if typing.get_origin(arg) is Literal:
+                return typing.get_args(arg)
+    return None
+
+
+def _check_choices(obj: Any, prefix: str, fail) -> None:
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, prefix + f.name + ".", fail)
+            continue
+        choices = _choices(hints[f.name])
+        if choices is not None and value is not None and value not in choices:
+            fail(prefix + f.name, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+_SCHEMAS: dict[type, type] = {}
+
+
+def _omegaconf_schema(cls: type) -> type:
+    """A copy of the dataclass ``cls`` (and of its sections) with ``Literal[...]`` fields typed ``str``, which
+    every omegaconf version takes; :func:`_check_choices` checks the choices afterwards."""
+    import typing
+
+    if cls in _SCHEMAS:
+        return _SCHEMAS[cls]
+    hints, fields = _hints(cls), []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _is_section(tp):
+            section = _omegaconf_schema(tp)
+            fields.append((f.name, section, field(default_factory=section)))
+            continue
+        choices = _choices(tp)
+        if choices is not None:
+            tp = str if typing.get_origin(tp) is Literal else str | None
+        default = (field(default_factory=f.default_factory) if f.default is dataclasses.MISSING
+                   else field(default=f.default))
+        fields.append((f.name, tp, default))
+    _SCHEMAS[cls] = dataclasses.make_dataclass(cls.__name__, fields)
+    return _SCHEMAS[cls]
+
+
+def _from_plain(cls: type, values: dict) -> Any:
+    """``cls`` (a section dataclass) built from the plain nested dict omegaconf gives back."""
+    hints = _hints(cls)
+    return cls(**{name: _from_plain(hints[name], value) if _is_section(hints[name]) else value
+                  for name, value in values.items()})
 
 
 def _get(obj: Any, dotted: str) -> Any:

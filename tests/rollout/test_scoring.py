@@ -87,7 +87,7 @@ def trl_style(prompts, completions, completion_ids, answer, **kwargs):
     """Written as for TRL's GRPOTrainer: keywords, conversational completions, a dataset column, **kwargs."""
     calls.append({"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
                   "answer": answer, **kwargs})
-    return [None if a is None else float(c[0]["content"] == a) for c, a in zip(completions, answer)]
+    return [None if a is None else float(c[0]["content"] == a) for c, a in zip(completions, answer, strict=True)]
 
 
 calls = []

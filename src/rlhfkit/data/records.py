@@ -177,7 +177,7 @@ def _shared_turns(conversations: dict[str, list]) -> int:
 ASSISTANT_MARKER = re.compile(r"(?:^|\n)Assistant:")
 
 
-def _shared_text_prompt(texts: dict[str, str]) -> int:
+def _shared_text_prompt(texts: dict[str, str], record: dict) -> int:
     """Where the prompt ends in plain-text conversations: after the last ``Assistant:`` at the start of a
     line within the text they share (the reply keeps its leading space, as a tokenizer expects)."""
     for name, text in texts.items():
@@ -191,7 +191,8 @@ def _shared_text_prompt(texts: dict[str, str]) -> int:
     if not ends:
         raise FieldError(next(iter(texts)), f"{names} are plain text with no 'prompt' column, and the text they "
                                             "share has no line starting with 'Assistant:' to end a prompt; give a "
-                                            "'prompt' column (or name yours with data.columns)")
+                                            f"'prompt' column, or name yours with data.columns (the row's columns: "
+                                            f"{', '.join(map(str, record))})")
     return ends[-1]
 
 
@@ -205,7 +206,7 @@ def _split_responses(record: dict, names: tuple[str, ...], prompt: str | list[di
     repeats = {name: v for name, v in values.items()
                if isinstance(v, list) and any(isinstance(m, dict) and m.get("role") != "assistant" for m in v)}
     if prompt is None and all(isinstance(v, str) for v in values.values()):  # HH-RLHF plain text
-        end = _shared_text_prompt(values)
+        end = _shared_text_prompt(values, record)
         prompt = _text(values[names[0]][:end], "prompt")
         return prompt, [_response(v[end:], name, False) for name, v in values.items()]
     if prompt is None or repeats:
