@@ -140,6 +140,18 @@ def test_columns_and_splits_on_a_dataset_dict_folder(tmp_path):
         prepare_run_data(cfg, "preferences", tok, TokenLimits())
     with pytest.raises(DataError, match="no split 'train' \\(splits: train_prefs, test_prefs\\); set data.train_split"):
         prepare_run_data(data_config(f"data.train_file={folder}"), "preferences", tok, TokenLimits())
+    import datasets
+
+    both = str(tmp_path / "train_test")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}]),
+                          "test": datasets.Dataset.from_list([{"prompt": "d", "chosen": "e", "rejected": "f"}])}
+                         ).save_to_disk(both)
+    with pytest.raises(DataError, match="has splits train, test: set data.eval_split"):  # not a silent 'train'
+        prepare_run_data(data_config(f"data.train_file={both}", f"data.eval_file={both}"), "preferences", tok,
+                         TokenLimits())
+    _, held = prepare_run_data(data_config(f"data.train_file={both}", f"data.eval_file={both}", "data.eval_split=test"),
+                               "preferences", tok, TokenLimits())
+    assert [r["prompt"] for r in held.records] == ["d"]
 
 
 # (what is wrong, the settings or rows, the message's words)

@@ -216,6 +216,24 @@ def test_best_keeper_prefers_accuracy_then_loss(tmp_path):
     assert not (tmp_path / "best" / "best.json").exists()
 
 
+def test_keep_best_never_keeps_the_untrained_model_and_says_when_the_best_is_the_first(tmp_path):
+    from rlhfkit.trainers.reward import keep_best_warnings
+
+    model = tiny_llama("scalar", seed=0)
+    keeper = BestKeeper(tmp_path / "best", keep_existing=False)
+    assert not keeper.update(model, 0, {"accuracy": 0.9, "loss": 0.3})  # step 0: the untrained model
+    assert keeper.best is None and keeper.untrained == {"accuracy": 0.9, "loss": 0.3}
+    assert keeper.update(model, 4, {"accuracy": 0.7, "loss": 0.6})
+    assert not keeper.update(model, 8, {"accuracy": 0.6, "loss": 0.7})
+    assert keeper.step == 4
+    first, untrained = keep_best_warnings(keeper, eval_steps=4, last_step=8)
+    assert "came at the first evaluation (step 4)" in first and "up to step 8" in first
+    assert "untrained model's held-out accuracy (0.9)" in untrained and "(0.7, step 4)" in untrained
+    assert keep_best_warnings(keeper, eval_steps=4, last_step=4)[:1] != [first]  # one evaluation: nothing to say
+    assert keeper.update(model, 12, {"accuracy": 0.95, "loss": 0.2})
+    assert keep_best_warnings(keeper, eval_steps=4, last_step=12) == []
+
+
 # ----------------------------------------------------------------------------------------------------------
 # End to end on a tiny synthetic problem
 
