@@ -383,16 +383,19 @@ def test_resume_reproduces_the_run_and_its_best_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_early_stopping_ends_the_run_and_keeps_the_best(tmp_path):
+def test_early_stopping_ends_the_run_and_keeps_the_best(tmp_path, capsys):
     paths = write_reward_problem(tmp_path, gold=False)
     out = tmp_path / "run"
-    # A learning rate this small changes no float32 score, so no evaluation beats step 0's.
+    # A learning rate this small changes no float32 score, so no evaluation beats the first trained one (step 2;
+    # the untrained step 0 never counts as the best).
     assert main(reward_args(paths, out, "train.max_steps=40", "train.eval_steps=2", "train.learning_rate=1e-20",
                             "reward.early_stopping_patience=2")) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["early_stopped"] and summary["final_step"] == 0
-    assert [r["step"] for r in _rows(out / "metrics.jsonl")][-1] == 4
-    assert (out / "checkpoints" / "step-4").is_dir()  # the stopping step is checkpointed
+    assert summary["steps"] == 6 and summary["early_stopped"] and summary["final_step"] == 2
+    assert "rlhfkit: warning: reward.keep_best: the best held-out accuracy came at the first evaluation (step 2)" \
+        in capsys.readouterr().err
+    assert [r["step"] for r in _rows(out / "metrics.jsonl")][-1] == 6
+    assert (out / "checkpoints" / "step-6").is_dir()  # the stopping step is checkpointed
     assert "heldout_gold_accuracy" not in summary and "bayes_ceiling" in summary
 
 

@@ -21,7 +21,6 @@ from rlhfkit.data import TokenLimits, prepare_examples
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.rollout.evaluate import sample_and_score
-from rlhfkit.trainers.online_roles import check_same_vocabulary
 
 
 def generate(model_dir: str, prompts_file: str, *, out: str | None = None, temperature: float = 0.7,
@@ -35,6 +34,9 @@ def generate(model_dir: str, prompts_file: str, *, out: str | None = None, tempe
     device = "cuda" if torch.cuda.is_available() else "cpu"
     scorer = None
     if reward_model is not None:
+        # The same check as online training's (it lives with the roles; this command is a front end, like the CLI).
+        from rlhfkit.trainers.online_roles import check_same_vocabulary
+
         check_same_vocabulary(tokenizer, reward_model, "--reward-model", trust_remote_code)
         scorer = load_scalar_model(reward_model, trust_remote_code=trust_remote_code, tokenizer=tokenizer).to(device)
         scorer.eval()

@@ -12,7 +12,10 @@ of them) runs five stages, numbered in :func:`train_online`:
    pad token is EOS. The log-probs of the actor and of the frozen reference, and the critic's values, are
    recomputed at the sampling temperature (never taken from ``generate``: OpenRLHF PR #853, trl#2358).
 2. **score**: the frozen reward model (normalised by the reward trainer) and/or reward functions
-   (:mod:`rlhfkit.rollout.scoring`). A response that hits ``online.response_length`` without a stop token
+   (:mod:`rlhfkit.rollout.scoring`, TRL's keyword convention). A response that nothing scores (every function
+   returned None) is left out of every loss and counted (``score/unscored``). A reward function that raises or
+   returns a wrong count stops the run after a checkpoint of the last completed rollout (:func:`score_or_stop`),
+   so that ``--resume`` continues once it is fixed. A response that hits ``online.response_length`` without a stop token
    is scored ``online.missing_eos_score`` (``missing_eos=penalty``, the N+ "EOS trick"), or left out of
    every loss (``mask``: its tokens are masked and, for grpo/rloo, it leaves its group), or scored as it is
    (``none``). Optional clipping to ``[-score_clip, score_clip]``.
@@ -36,7 +39,8 @@ statistics are summed over all processes.
 Files: ``metrics.jsonl`` (one line per rollout: ``score/mean``, ``kl/mean``, ``kl/per_token``, ``kl_coef``,
 ``loss/policy``, ``loss/value``, ``entropy/mean``, ``clipfrac``, ``approx_kl``, ``ratio/mean``,
 ``response_length/mean``, ``advantages/mean``, ``time/*``, ``tokens_per_second``, ...),
-``checkpoints/step-N/`` (actor, critic, both optimizers and schedules, the KL controller, RNG states; the
+``samples.jsonl`` (``logging.samples_per_step`` responses of each rollout with their scores:
+:mod:`rlhfkit.rollout.samples`), ``checkpoints/step-N/`` (actor, critic, both optimizers and schedules, the KL controller, RNG states; the
 data position is the step), ``final/`` (the policy as a Hugging Face folder) and ``final_critic/`` beside it
 (the critic, an ``AutoModelForSequenceClassification`` folder; gae only), ``summary.json``.
 
@@ -402,7 +406,7 @@ def evaluate(ctx: OnlineContext, hooks: OnlineHooks, eval_examples: list[dict] |
 
 def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, float]:
     """One response per held-out prompt at the training temperature: ``eval/score/mean`` (the scorer's raw
-    score), ``eval/kl/mean`` (nats per response, the trained estimator over each response's trained
+    score, over the responses something scored), ``eval/kl/mean`` (nats per response, the trained estimator over each response's trained
     tokens), ``eval/response_length/mean``, ``eval/response/ended_frac``."""
     acc, o = ctx.accelerator, ctx.cfg.online
     s = StatSums(ctx.device)
@@ -414,10 +418,10 @@ def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, floa
         batch = {"query_ids": b["input_ids"].to(ctx.device), "query_mask": b["attention_mask"].to(ctx.device),
                  "records": b["records"], "group_ids": torch.arange(len(chunk), device=ctx.device)}
         rollout, response_mask, _ = sample_rollout(ctx, batch)
-        _, raw_scores, _, _, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
+        _, raw_scores, _, scored, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
         _, kl = shape_rewards(torch.zeros_like(raw_scores), rollout.logprobs, rollout.ref_logprobs,
                               rollout.mask, 0.0, o.kl_estimator)
-        s.add_sum("eval/score/mean", raw_scores.sum(), len(chunk))
+        s.add_sum("eval/score/mean", raw_scores[scored].sum(), scored.sum())
         s.add_sum("eval/kl/mean", kl.sum(), len(chunk))
         s.add_sum("eval/response_length/mean", response_mask.sum(), len(chunk))
         s.add_sum("eval/response/ended_frac", rollout.ended.sum(), len(chunk))
