@@ -27,13 +27,14 @@ def cat_or_nothing(prompts, completions, completion_ids, answer, **kwargs):
 def never(prompts, completions, **kwargs):
     return [None] * len(completions)
 
-def flaky(prompts, completions, **kwargs):
-    """Raises at its second call once RLHFKIT_TEST_BROKEN=1 (the module stays imported between runs)."""
+def flaky(prompts, completions, completion_ids, answer, **kwargs):
+    """cat_or_nothing, but it raises at its second call once RLHFKIT_TEST_BROKEN=1 (the module stays imported
+    between runs)."""
     if os.environ.get("RLHFKIT_TEST_BROKEN") == "1":
         BROKEN_CALLS.append(1)
         if len(BROKEN_CALLS) >= 2:
             raise ValueError("boom")
-    return [float(c.split().count("cat")) for c in completions]
+    return cat_or_nothing(prompts, completions, completion_ids, answer)
 '''
 
 
@@ -45,30 +46,6 @@ def with_answers(paths):
             row["answer"] = "cat"
     paths["prompts"].write_text("".join(json.dumps(r) + "\n" for r in rows))
     paths["rewards"].write_text(TRL_REWARDS)
-
-
-@pytest.mark.slow
-def test_trl_reward_function_trains_grpo_and_samples_are_written(tmp_path):
-    paths = write_online_problem(tmp_path, reward_model=False)
-    with_answers(paths)
-    out = tmp_path / "grpo"
-    args = online_cli_args(paths, out, "train.max_steps=2", "logging.samples_per_step=3", kind="grpo",
-                           reward="cat_or_nothing")
-    assert main(args) == 0
-    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]
-    for r in rows:
-        assert set(r) == {"step", "prompt", "response", "score", "parts", "kl", "length", "ended"}
-        assert isinstance(r["prompt"], str) and isinstance(r["response"], str) and isinstance(r["ended"], bool)
-        assert r["score"] is None or r["score"] == (r["parts"]["cat_or_nothing"] if r["ended"] else -1.0)
-    metrics = read_metrics(out / "metrics.jsonl")
-    assert all("score/unscored" in m and "score/cat_or_nothing" in m for m in metrics)
-    report = (out / "report.md").read_text()
-    assert "## Samples" in report and "### Newest (rollout 2)" in report and "### Best-scored" in report
-    from transformers import AutoModelForCausalLM
-
-    before, after = AutoModelForCausalLM.from_pretrained(paths["policy"]), AutoModelForCausalLM.from_pretrained(out / "final")
-    assert any(not torch.equal(a, b) for a, b in zip(state(before).values(), state(after).values(), strict=True))
 
 
 @pytest.mark.slow
@@ -96,13 +73,30 @@ def _comparable(path):
 
 
 @pytest.mark.slow
-def test_a_raising_reward_function_stops_the_run_and_resume_continues_after_the_fix(tmp_path, monkeypatch, capsys):
+def test_trl_function_trains_grpo_writes_samples_and_a_failure_resumes_after_the_fix(tmp_path, monkeypatch, capsys):
     paths = write_online_problem(tmp_path, reward_model=False)
-    paths["rewards"].write_text(TRL_REWARDS)
-    extra = ("train.max_steps=3", "train.save_steps=10")
+    with_answers(paths)
+    extra = ("train.max_steps=3", "train.save_steps=10", "logging.samples_per_step=3")
     full = tmp_path / "full"
     assert main(online_cli_args(paths, full, *extra, kind="grpo", reward="flaky")) == 0
+    # A TRL-convention function (keywords, a data column, None) trains GRPO ...
+    from transformers import AutoModelForCausalLM
 
+    before, after = (AutoModelForCausalLM.from_pretrained(path) for path in (paths["policy"], full / "final"))
+    assert any(not torch.equal(a, b) for a, b in zip(state(before).values(), state(after).values(), strict=True))
+    metrics = read_metrics(full / "metrics.jsonl")
+    assert all("score/unscored" in m and "score/flaky" in m for m in metrics)
+    # ... and samples.jsonl shows what the policy wrote, with the report's samples section.
+    rows = [json.loads(line) for line in (full / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    for r in rows:
+        assert set(r) == {"step", "prompt", "response", "score", "parts", "kl", "length", "ended"}
+        assert isinstance(r["prompt"], str) and isinstance(r["response"], str) and isinstance(r["ended"], bool)
+        assert r["score"] is None or r["score"] == (r["parts"]["flaky"] if r["ended"] else -1.0)
+    report = (full / "report.md").read_text()
+    assert "## Samples" in report and "### Newest (rollout 3)" in report and "### Best-scored" in report
+
+    # The same run with the function failing at rollout 2: exit 2 naming it, a checkpoint of rollout 1 ...
     monkeypatch.setenv("RLHFKIT_TEST_BROKEN", "1")
     broken = tmp_path / "broken"
     assert main(online_cli_args(paths, broken, *extra, kind="grpo", reward="flaky")) == 2
@@ -110,8 +104,8 @@ def test_a_raising_reward_function_stops_the_run_and_resume_continues_after_the_
     assert "rollout 2: reward function 'flaky' raised ValueError: boom at " in err and "rewards.py:" in err
     assert "the newest checkpoint is rollout 1" in err and "--resume" in err and "Traceback" not in err
     assert sorted(p.name for p in (broken / "checkpoints").iterdir()) == ["step-1"]
-
-    monkeypatch.setenv("RLHFKIT_TEST_BROKEN", "0")  # "fixed"
+    # ... from which --resume, once the function is fixed, gives the uninterrupted run.
+    monkeypatch.setenv("RLHFKIT_TEST_BROKEN", "0")
     assert main([*online_cli_args(paths, broken, *extra, kind="grpo", reward="flaky"), "--resume"]) == 0
     assert _comparable(broken / "metrics.jsonl") == _comparable(full / "metrics.jsonl")
     assert (broken / "samples.jsonl").read_text() == (full / "samples.jsonl").read_text()
