@@ -158,6 +158,8 @@ def _shared_turns(conversations: dict[str, list]) -> int:
         shared -= 1
     if shared == 0:
         what = "share no first turns" if len(lists) > 1 else "has no turn before its assistant reply"
+        if all(m["role"] == "assistant" for c in lists for m in c):
+            what = "hold only assistant messages" if len(lists) > 1 else "holds only assistant messages"
         raise FieldError(names[0], f"{' and '.join(names)} {what}, so there is no prompt to take from them; "
                                    "give a 'prompt' column")
     for name, conversation in conversations.items():
