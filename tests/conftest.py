@@ -9,8 +9,11 @@ test's figures spread over machines-like variation, ``benchmarks/learning_spread
 
 import json
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The tokenisation cache (rlhfkit.data.prepare) goes under the datasets cache: one fresh folder per test session.
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="rlhfkit-tests-datasets-"))
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -20,18 +20,18 @@ PROMPTS = ["hello", "the cat sat on", "one two", "dog ran fast .", "yes", "five 
 REWARDS_PY = '''
 import time
 
-def cat_count(prompts, responses, records):
+def cat_count(prompts, completions, **kwargs):
     """+1 for every 'cat' in the response (a toy objective a tiny model can learn fast)."""
-    return [float(r.split().count("cat")) for r in responses]
+    return [float(c.split().count("cat")) for c in completions]
 
-def words(prompts, responses, records):
+def words(prompts, completions, **kwargs):
     """The number of words of the response."""
-    return [float(len(r.split())) for r in responses]
+    return [float(len(c.split())) for c in completions]
 
-def slow_cat_count(prompts, responses, records):
+def slow_cat_count(prompts, completions, **kwargs):
     """cat_count, slowly: a run long enough to be killed in the middle."""
     time.sleep(0.25)
-    return cat_count(prompts, responses, records)
+    return cat_count(prompts, completions)
 '''
 
 

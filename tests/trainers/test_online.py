@@ -31,7 +31,7 @@ def rollout_for_update(ctx, step=1):
     examples = prepare_examples(ctx.cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
     batch = prompt_batch(ctx, examples, step)
     rollout, response_mask, _ = sample_rollout(ctx, batch)
-    rollout.scores, _, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
+    rollout.scores, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
     rollout.rewards, rollout.kl = shape_rewards(rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask,
                                                 ctx.kl_ctl.value, ctx.cfg.online.kl_estimator)
     rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
@@ -92,7 +92,7 @@ def test_hand_built_rollout_puts_score_on_last_real_token_and_rewards_sum_to_sco
         assert torch.allclose(rollout.logprobs[i, :n], expected, atol=1e-5)
         assert (rollout.logprobs[i, n:] == 0).all() and (rollout.ref_logprobs[i, n:] == 0).all()
 
-    scores, raw_scores, _ = score_rollout(ctx, rollout, response_mask, records)
+    scores, raw_scores, *_ = score_rollout(ctx, rollout, response_mask, records)
     assert raw_scores.tolist() == [2.0, 6.0, 0.0]  # "cat sat", "on a mat good bad yes", ""
     assert scores.tolist() == [2.0, -7.0, 0.0]  # the truncated response gets missing_eos_score
     rewards, kl = shape_rewards(scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask, kl_coef, "k1")
@@ -122,7 +122,7 @@ def test_critic_starts_as_the_reward_models_normalised_score(tmp_path, monkeypat
              "query_mask": torch.tensor([[1, 1, 1], [0, 1, 1]]), "records": [{"prompt": "x"}] * 2,
              "group_ids": torch.arange(2)}
     rollout, response_mask, _ = sample_rollout(ctx, batch)
-    _, _, parts = score_rollout(ctx, rollout, response_mask, batch["records"])
+    _, _, parts, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
     for i, (p, n) in enumerate(zip(prompts, [3, 2], strict=True)):
         ids = torch.tensor([p + raw[i][:n]])
         with torch.no_grad():
@@ -144,7 +144,7 @@ def test_missing_eos_mask_leaves_truncated_responses_out(tmp_path, monkeypatch):
     rollout, response_mask, _ = sample_rollout(ctx, batch)
     assert rollout.mask.tolist() == [[True, True, False, False], [False] * 4]
     assert response_mask[1].all()  # the reward model still reads the truncated response
-    rollout.scores, raw_scores, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
+    rollout.scores, raw_scores, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
     assert raw_scores.tolist() == [1.0, 4.0]
     rollout.rewards, rollout.kl = shape_rewards(rollout.scores, rollout.logprobs, rollout.ref_logprobs,
                                                 rollout.mask, 0.1)
