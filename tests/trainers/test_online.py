@@ -190,26 +190,53 @@ def test_ratio_check_detects_dropout_when_it_is_left_on(tmp_path):
     assert result.first_minibatch_logprob_diff[0] > 1e-3
 
 
-def test_micro_batch_size_does_not_change_the_update(tmp_path):
-    """Whole-minibatch normaliser: one pass of 4 responses and four of 1 give the same gradient (SGD, lr 1)."""
+def _ragged_generation(tok, lengths):
+    """A stand-in for generate_responses whose i-th response ends with EOS after ``lengths[i % len]`` tokens
+    (0 = no EOS: truncated), so that a minibatch holds responses of different lengths."""
+    w = tok.convert_tokens_to_ids
+    words = [w(x) for x in ("cat", "dog", "mat", "one", "two", "yes", "good", "bad")]
+
+    def fake(model, prompt_ids, prompt_mask, *, stop_token_ids, pad_token_id, max_new_tokens, **_):
+        rows = []
+        for i in range(prompt_ids.shape[0]):
+            n = lengths[i % len(lengths)]
+            row = [words[(i + j) % len(words)] for j in range(max_new_tokens)]
+            if n:
+                row[n - 1] = tok.eos_token_id
+            rows.append(row)
+        return _hand_built_generation(tok, rows)(model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids,
+                                                 pad_token_id=pad_token_id)
+    return fake
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_size_does_not_change_the_update(tmp_path, monkeypatch, mode):
+    """Whole-minibatch normaliser in every aggregation mode: one pass of 8 responses of different lengths,
+    micro-batches of 4, 2 and 1 give the same gradient (SGD, lr 1) to actor and critic. A mean of per-micro-batch means
+    (or per-micro-batch token counts) differs as soon as the lengths differ."""
     paths = write_online_problem(tmp_path)
     deltas = []
     rollout = None
-    for micro in (4, 1):
+    for micro in (4, 2, 1):
         cfg = online_config(paths, tmp_path / f"run{micro}", f"online.reward_model={paths['reward']}",
-                            f"train.micro_batch_size={micro}", "online.ppo_epochs=1",
-                            "online.loss_agg_mode=seq-mean-token-mean", "train.max_grad_norm=null")
+                            f"train.micro_batch_size={micro}", "online.ppo_epochs=1", "online.num_minibatches=1",
+                            f"online.loss_agg_mode={mode}", "train.max_grad_norm=null")
         ctx = make_context(cfg)
+        monkeypatch.setattr(online_steps, "generate_responses", _ragged_generation(ctx.tokenizer, [1, 6, 3, 0]))
         for name, model in ctx.trained.items():
             ctx.optimizers[name] = torch.optim.SGD(model.parameters(), lr=1.0)
         rollout = rollout if rollout is not None else rollout_for_update(ctx)
+        assert sorted(rollout.mask.sum(1).tolist()) == [1, 1, 3, 3, 6, 6, 6, 6]  # ragged: 1, 6, 3 and 6 (no EOS)
         before = {name: state(model) for name, model in ctx.trained.items()}
         ppo_update(ctx, rollout, step=1)
         deltas.append({f"{name}.{k}": v - before[name][k] for name, model in ctx.trained.items()
                        for k, v in state(model).items()})
-    assert any(d.abs().max() > 1e-4 for d in deltas[0].values())
-    for key, delta in deltas[0].items():
-        assert torch.allclose(delta, deltas[1][key], atol=1e-6), key
+    assert {k.split(".")[0] for k in deltas[0]} == {"actor", "critic"}
+    assert any(d.abs().max() > 1e-4 for k, d in deltas[0].items() if k.startswith("actor."))
+    assert any(d.abs().max() > 1e-4 for k, d in deltas[0].items() if k.startswith("critic."))
+    for other in deltas[1:]:
+        for key, delta in deltas[0].items():
+            assert torch.allclose(delta, other[key], atol=1e-6), key
 
 
 # ---------------------------------------------------------------------------------------------------------
