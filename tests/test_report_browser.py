@@ -10,10 +10,10 @@ import os
 from pathlib import Path
 
 import pytest
-from browser import Chromium, find_chromium
-from test_report import SAMPLES, online_rows, write_run
 
+from browser import Chromium, find_chromium
 from rlhfkit.report import write_quickstart_page, write_report, write_reports
+from test_report import SAMPLES, online_rows, write_run
 
 BINARY = find_chromium()
 pytestmark = pytest.mark.skipif(BINARY is None, reason="no Chromium found: install Debian's chromium package "

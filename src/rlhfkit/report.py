@@ -24,7 +24,14 @@ from typing import Any
 
 from rlhfkit.errors import UserError
 from rlhfkit.reporting import health, page
-from rlhfkit.reporting.panels import Plot, gold_vs_kl_plot, gold_vs_kl_points, line_plots, reward_model_plots, run_warnings
+from rlhfkit.reporting.panels import (
+    Plot,
+    gold_vs_kl_plot,
+    gold_vs_kl_points,
+    line_plots,
+    reward_model_plots,
+    run_warnings,
+)
 from rlhfkit.reporting.runs import Run, fmt, label, load_run
 from rlhfkit.reporting.samples import printable
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from rlhfkit.reporting import health, plots
 from rlhfkit.reporting.runs import Run
 
-
 STYLES = ("-", ":", "-.")
 
 

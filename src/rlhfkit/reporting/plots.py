@@ -131,10 +131,10 @@ def calibration_figure(bins: list[dict]) -> bytes:
         ax.plot([b["confidence"] for b in full], [b["observed"] for b in full], color=COLORS[0], linewidth=1,
                 label="reward model")
         ax.scatter([b["confidence"] for b in full], [b["observed"] for b in full],
-                   s=[20 + 400 * b["count"] / total for b in full], color=COLORS[0], zorder=3, alpha=0.8)
+                   s=[20 + 250 * b["count"] / total for b in full], color=COLORS[0], zorder=3, alpha=0.8)
         for b in full:
             ax.annotate(str(b["count"]), (b["confidence"], b["observed"]), textcoords="offset points",
-                        xytext=(0, 8), ha="center", fontsize=7)
+                        xytext=(0, 11), ha="center", fontsize=7)
     ax.set_xlim(0.48, 1.02)
     ax.set_ylim(min([0.0] + [b["observed"] - 0.05 for b in full]), 1.05)
     ax.set_title("Reward-model calibration (held out)", fontsize=11)
