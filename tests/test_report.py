@@ -95,9 +95,10 @@ def test_plots_mark_short_series_and_use_integer_step_ticks(tmp_path, monkeypatc
     plots.line_figure(plots.Figure("t", "y", "rollout", [plots.Line("few", [1, 2, 3], [1.0, 2.0, 0.5]),
                                                           plots.Line("many", list(range(12)), [0.0] * 12)]))
     assert [m for _, m in drawn] == ["o", None]
-    ax = drawn[0][0]
+    plots.line_figure(plots.Figure("t", "y", "rollout", [plots.Line("three steps", [1, 2, 3], [1.0, 2.0, 0.5])]))
+    ax = drawn[-1][0]
     ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
-    assert ticks and all(float(t).is_integer() for t in ticks)
+    assert ticks == [1.0, 2.0, 3.0]  # not 1.0, 1.25, 1.5, ...
     assert ax.get_xlabel() == "rollout"
 
 
@@ -152,8 +153,9 @@ def test_warning_rules_fire_on_a_run_away_run_and_stay_quiet_on_a_calm_one(tmp_p
     gold = {"eval/gold/mean": [0.1, 0.4, 0.3, 0.2], "eval/score/mean": [0.0, 0.5, 0.8, 1.0]}
     hacked = health.check_health(lambda k: ([0, 5, 10, 15], gold[k]) if k in gold else ([], []))
     assert [(w.rule, w.first_step, w.last_step) for w in hacked] == [("overoptimization", 5, 15)]
-    gold["eval/gold/mean"] = [0.1, 0.4, 0.3, 0.35]  # recovered on the last evaluation: no flag
-    assert health.check_health(lambda k: ([0, 5, 10, 15], gold[k]) if k in gold else ([], [])) == []
+    for recovered in ([0.1, 0.4, 0.3, 0.35], [0.5, 0.1, 0.4, 0.3]):  # one fall is not two in a row: no flag
+        gold["eval/gold/mean"] = recovered
+        assert health.check_health(lambda k: ([0, 5, 10, 15], gold[k]) if k in gold else ([], [])) == []
 
 
 def test_warning_marks_reach_the_page(tmp_path):

@@ -183,7 +183,7 @@ def _quickstart_note(name: str, value: str) -> str:
 
 
 def _markdown(run: Run, figs: list[Plot], warnings: list[health.HealthWarning]) -> str:
-    estimator = (run.config.get("online") or {}).get("kl_estimator") if isinstance(run.config.get("online"), dict) else None
+    estimator = run.kl_estimator
     lines = [f"# rlhfkit report: {run.name}", "", "The same figures, with the samples, in `report.html`.", ""]
     flat = {k: v for k, v in run.flat_summary().items() if not isinstance(v, list | dict)}
     if flat:

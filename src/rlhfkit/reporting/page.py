@@ -111,7 +111,7 @@ def heading(level: int, text: str, anchor_id: str | None = None) -> str:
 def summary_table(run: Run) -> str:
     """The run's ``summary.json`` as figure | value, with readable names; lists (calibration bins,
     examples) are drawn or shown elsewhere."""
-    estimator = (run.config.get("online") or {}).get("kl_estimator") if isinstance(run.config.get("online"), dict) else None
+    estimator = run.kl_estimator
     rows = []
     for key, value in run.flat_summary().items():
         if isinstance(value, list | dict):

@@ -115,6 +115,12 @@ class Run:
             return "optimizer step"
         return "step"
 
+    @property
+    def kl_estimator(self) -> str | None:
+        """The KL estimator the run trained with (``online.kl_estimator``), None when unknown."""
+        online = self.config.get("online")
+        return online.get("kl_estimator") if isinstance(online, dict) else None
+
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of ``key`` over the rows that logged it as a finite number."""
         xs, ys = [], []
