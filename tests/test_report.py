@@ -10,7 +10,7 @@ import pytest
 
 from rlhfkit.cli import main
 from rlhfkit.errors import UserError
-from rlhfkit.report import gold_vs_kl_points, write_report, write_reports
+from rlhfkit.report import compare_path, gold_vs_kl_points, write_report, write_reports
 from rlhfkit.reporting import health, plots
 from rlhfkit.reporting.runs import fmt, label, load_run
 from rlhfkit.reporting.samples import printable, read_samples
@@ -200,8 +200,10 @@ def test_two_runs_side_by_side(tmp_path, capsys):
     assert "<th>kl01</th><th>kl02</th>" in table and re.search(r"ppo: gold score</th><td class=num>0.1</td>"
                                                               r"<td class=num>0.3</td>", table)
     assert 'id="sample-run"' in page and (tmp_path / "runs" / "kl02" / "report.html").is_file()
-    assert main(["report", str(tmp_path / "runs" / "kl01"), str(tmp_path / "runs" / "kl02"), "--out",
-                 str(tmp_path / "cmp.html")]) == 0 and (tmp_path / "cmp.html").is_file()
+    runs = [tmp_path / "runs" / "kl01", tmp_path / "b" / "kl02"]
+    assert compare_path(runs) == tmp_path / "compare.html"
+    assert compare_path(runs, tmp_path / "c.html") == tmp_path / "c.html"
+    assert compare_path(runs, tmp_path / "runs") == tmp_path / "runs" / "compare.html"
 
 
 def test_runs_overlay_in_one_figure_per_metric(tmp_path):

@@ -112,12 +112,17 @@ def write_reports(run_dirs: list[str | Path], out: str | Path | None = None) -> 
     if len(run_dirs) == 1:
         return written
     runs = [load_run(d, name=_unique(names, i)) for i, d in enumerate(run_dirs)]
-    target = Path(out) if out is not None else Path(os.path.commonpath([str(Path(d).resolve().parent)
-                                                                          for d in run_dirs])) / "compare.html"
-    if target.is_dir():
-        target = target / "compare.html"
+    target = compare_path(run_dirs, out)
     target.write_text(compare_page(runs), encoding="utf-8")
     return [*written, target]
+
+
+def compare_path(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+    """Where the side-by-side page goes: ``out`` (a folder: ``compare.html`` in it), else ``compare.html`` in
+    the folder that holds all the runs."""
+    if out is None:
+        return Path(os.path.commonpath([str(Path(d).resolve().parent) for d in run_dirs])) / "compare.html"
+    return Path(out) / "compare.html" if Path(out).is_dir() else Path(out)
 
 
 def _unique(names: list[str], i: int) -> str:
