@@ -58,6 +58,7 @@ Launch:
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -384,8 +385,9 @@ def rollout_metrics(ctx: OnlineContext, rollout: Rollout, response_mask: torch.T
         s.add_sum("values/mean", rollout.values.sum(), tokens)
     metrics = s.means(ctx)
     if rollout.values is not None:  # of the values the advantages were computed from, before the update
-        metrics["value/explained_variance"] = float(explained_variance(rollout.values, rollout.returns, mask,
-                                                                       ctx.all_sum))
+        ev = float(explained_variance(rollout.values, rollout.returns, mask, ctx.all_sum))
+        if math.isfinite(ev):  # undefined (not logged) when the returns are constant or nothing is valid
+            metrics["value/explained_variance"] = ev
     return metrics
 
 
