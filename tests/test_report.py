@@ -190,7 +190,7 @@ def test_sample_reader_is_tolerant_and_printable_escapes_control_characters(tmp_
 
 def test_two_runs_side_by_side(tmp_path, capsys):
     write_run(tmp_path / "runs" / "kl01", online_rows(), summary={"ppo": {"gold_mean": 0.1}}, samples=SAMPLES)
-    write_run(tmp_path / "runs" / "kl02", online_rows(n=6, kl_speed=1.0), summary={"ppo": {"gold_mean": 0.3}})
+    write_run(tmp_path / "runs" / "kl02", online_rows(runaway=True), summary={"ppo": {"gold_mean": 0.3}})
     assert main(["report", str(tmp_path / "runs" / "kl01"), str(tmp_path / "runs" / "kl02")]) == 0
     out = capsys.readouterr().out.split()
     assert out[-1] == str(tmp_path / "runs" / "compare.html")
@@ -199,6 +199,7 @@ def test_two_runs_side_by_side(tmp_path, capsys):
     table = re.search(r'<table class="comparison">(.*?)</table>', page, re.S).group(1)
     assert "<th>kl01</th><th>kl02</th>" in table and re.search(r"ppo: gold score</th><td class=num>0.1</td>"
                                                               r"<td class=num>0.3</td>", table)
+    assert "shaded red" not in page  # overlaid curves carry no per-run marks
     assert 'id="sample-run"' in page and (tmp_path / "runs" / "kl02" / "report.html").is_file()
     runs = [tmp_path / "runs" / "kl01", tmp_path / "b" / "kl02"]
     assert compare_path(runs) == tmp_path / "compare.html"

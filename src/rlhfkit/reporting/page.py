@@ -157,7 +157,8 @@ def warnings_block(warnings: list[health.HealthWarning], plot_anchor: str = "", 
         return f'<div class="ok">No warning sign fired.{rules_html}</div>'
     items = "".join(f'<li><b>{e(health.RULES[w.rule][0].split(":")[0])}</b> ({e(label(w.metric))}, steps '
                     f"{w.first_step}-{w.last_step}): {e(w.message)}</li>" for w in warnings)
-    return (f'<div class="warnings" id="{e(plot_anchor)}warning-signs"><b>Warning signs</b> (shaded red on the plots)'
+    where = " (shaded red on the plots)" if shaded else ""
+    return (f'<div class="warnings" id="{e(plot_anchor)}warning-signs"><b>Warning signs</b>{where}'
             f"<ul>{items}</ul>{rules_html}</div>")
 
 
