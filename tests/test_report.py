@@ -66,6 +66,8 @@ def test_report_writes_every_plot_markdown_and_a_self_contained_page(tmp_path, c
     md = (tmp_path / "run" / "report.md").read_text()
     assert "ppo: gold score" in md and "report/gold_vs_sqrt_kl.png" in md and "report/scores.png" in md
     assert "eval.eval/" not in md and "## Warning signs" in md
+    # report.md's samples: newest / best / worst, one line each, control characters escaped
+    assert "### Newest (rollout 2)" in md and "bell\\x07 </script><b>x</b>" in md and "\x07" not in md
 
     page = (tmp_path / "run" / "report.html").read_text()
     # self-contained: no address outside the page (plots are data: URIs), nothing fetched

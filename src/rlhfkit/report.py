@@ -33,7 +33,7 @@ from rlhfkit.reporting.panels import (
     run_warnings,
 )
 from rlhfkit.reporting.runs import Run, fmt, label, load_run
-from rlhfkit.reporting.samples import printable
+from rlhfkit.reporting.samples import as_text, printable
 
 __all__ = ["gold_vs_kl_points", "write_report", "write_reports", "write_quickstart_page"]
 
@@ -208,7 +208,43 @@ def _markdown(run: Run, figs: list[Plot], warnings: list[health.HealthWarning]) 
     lines.append("")
     for p in figs:
         lines += [f"## {p.title}", "", f"![{p.title}](report/{p.name}.png)", ""]
+    lines += samples_section(run.path)
     return "\n".join(lines)
+
+
+def samples_section(run: Path, count: int = 3) -> list[str]:
+    """Markdown for ``samples.jsonl`` (online runs): the newest rollout's responses, and the best- and
+    worst-scored of the run, each with its score, parts, KL, length and whether it ended with a stop token
+    (every sample, filtered and sorted, is in ``report.html``)."""
+    from rlhfkit.rollout.samples import SAMPLES_FILE, pick_samples, read_samples
+
+    path = run / SAMPLES_FILE
+    picked = pick_samples(read_samples(path), count) if path.is_file() else {}
+    if not picked:
+        return []
+    lines = ["## Samples", "", f"From `{SAMPLES_FILE}` (every line is one response; `score` is what entered the "
+                                "rewards, null when nothing scored it).", ""]
+    titles = {"newest": f"Newest (rollout {picked['newest'][0]['step']})", "best": "Best-scored",
+              "worst": "Worst-scored"}
+    for key, title in titles.items():
+        if not picked[key]:
+            continue
+        lines += [f"### {title}", "", "| step | score | parts | KL | length | ended | prompt | response |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in picked[key]:
+            parts = ", ".join(f"{k} {fmt(v)}" for k, v in (row.get("parts") or {}).items())
+            cells = [row["step"], fmt(row.get("score")), _md(parts), fmt(row.get("kl")), row.get("length"),
+                     row.get("ended"), _cell(row.get("prompt")), _cell(row.get("response"))]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _cell(value: Any, limit: int = 200) -> str:
+    """Text for a Markdown table cell: messages as 'role: content', one line, control characters escaped,
+    pipes escaped, cut at ``limit``."""
+    text = _md(as_text(value).replace("\n", " / "))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _md(text: str) -> str:
