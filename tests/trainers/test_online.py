@@ -288,6 +288,7 @@ def test_critic_free_estimators_run_without_a_critic(tmp_path, monkeypatch, kind
     assert any(not torch.equal(initial[k], final[k]) for k in initial)
     for row in read_metrics(out / "metrics.jsonl"):
         assert "loss/value" not in row and "values/mean" not in row and "loss/policy" in row
+        assert "value/explained_variance" not in row
         # stage 3 as logged: per-response reward = score - kl_coef * KL (nothing masked here)
         assert row["reward/mean"] == pytest.approx(row["score/mean"] - 0.2 * row["kl/mean"], abs=1e-6)
         assert row["kl/mean"] >= 0 or "online.kl_estimator=k3" not in extra  # k3 is never negative
@@ -320,6 +321,8 @@ def test_evaluate_hook_is_logged_and_leaves_training_unchanged_and_critic_warms_
     assert [("eval/score/mean" in r) for r in rows] == [True, False, True, True]
     assert rows[0]["eval/kl/mean"] == 0.0 and rows[3]["eval/kl/mean"] != 0.0  # the policy has moved by then
     assert 0 < rows[3]["eval/response_length/mean"] <= 6
+    # the critic's explained variance and the gradient norms, for the report's health panel
+    assert all(r["value/explained_variance"] <= 1.0 and r["grad_norm/critic"] > 0 for r in rows[1:])
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
     # Critic warm-up: after rollout 1 only the critic has moved.
     step1 = tmp_path / "with" / "checkpoints" / "step-1"

@@ -38,6 +38,7 @@ statistics are summed over all processes.
 
 Files: ``metrics.jsonl`` (one line per rollout: ``score/mean``, ``kl/mean``, ``kl/per_token``, ``kl_coef``,
 ``loss/policy``, ``loss/value``, ``entropy/mean``, ``clipfrac``, ``approx_kl``, ``ratio/mean``,
+``value/explained_variance``, ``grad_norm/<role>``, ``learning_rate/<role>``,
 ``response_length/mean``, ``advantages/mean``, ``time/*``, ``tokens_per_second``, ...),
 ``samples.jsonl`` (``logging.samples_per_step`` responses of each rollout with their scores:
 :mod:`rlhfkit.rollout.samples`), ``checkpoints/step-N/`` (actor, critic, both optimizers and schedules, the KL controller, RNG states; the
@@ -57,6 +58,7 @@ Launch:
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -65,7 +67,13 @@ from typing import Any
 
 import torch
 
-from rlhfkit.algos import ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController, shape_rewards
+from rlhfkit.algos import (
+    ADVANTAGE_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    explained_variance,
+    shape_rewards,
+)
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
@@ -375,7 +383,12 @@ def rollout_metrics(ctx: OnlineContext, rollout: Rollout, response_mask: torch.T
     s.add_sum("returns/mean", rollout.returns.sum(), tokens)
     if rollout.values is not None:
         s.add_sum("values/mean", rollout.values.sum(), tokens)
-    return s.means(ctx)
+    metrics = s.means(ctx)
+    if rollout.values is not None:  # of the values the advantages were computed from, before the update
+        ev = float(explained_variance(rollout.values, rollout.returns, mask, ctx.all_sum))
+        if math.isfinite(ev):  # undefined (not logged) when the returns are constant or nothing is valid
+            metrics["value/explained_variance"] = ev
+    return metrics
 
 
 def evaluate(ctx: OnlineContext, hooks: OnlineHooks, eval_examples: list[dict] | None, step: int) -> dict[str, float]:

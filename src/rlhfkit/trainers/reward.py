@@ -38,7 +38,8 @@ so micro-batching and data parallelism do not change the gradient). Details:
   whenever it scores with the model (:mod:`rlhfkit.rollout.scoring`, :func:`normalized_scores`). (Llama's
   score head has no bias, so the bias could not be folded into the weights.)
 
-``summary.json`` holds the held-out figures of the final model; ``metrics.jsonl`` the training and
+``summary.json`` holds the held-out figures of the final model (with its calibration bins);
+``heldout_scores.jsonl`` that model's raw score of each held-out pair; ``metrics.jsonl`` the training and
 ``eval/`` lines.
 
 The process reward model (``rlhfkit train prm``, :func:`train_prm`) shares the loop, the best model and
@@ -71,6 +72,7 @@ from rlhfkit.engine.seed import seed_everything
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import load_scalar_model, load_tokenizer, save_hf_folder, sequence_scores, token_scores
 from rlhfkit.report import write_report
+from rlhfkit.reporting.runs import HELDOUT_SCORES
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, reward_normalization
 from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
 
@@ -600,8 +602,27 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
                         "calibration_bins": bins})
     summary["normalization"] = {"gain": gain, "bias": bias, "fit_responses": fitted,
                                 "config_keys": [GAIN_KEY, BIAS_KEY]}
+    if heldout is not None and accelerator.is_main_process:
+        write_heldout_scores(run.path / HELDOUT_SCORES, model, collate, heldout, scoring_batch_size(cfg),
+                             accelerator.device)
     _finish(session, model, summary)
     return summary
+
+
+def write_heldout_scores(path: Path, model, collate: PairCollator, heldout: HeldOut, batch_size: int, device) -> None:
+    """The final model's raw scores of each held-out pair, one JSON object per line (``chosen``, ``rejected``,
+    and ``gold_chosen`` / ``gold_rejected`` when known), for the report's score histograms."""
+    chosen, rejected = score_examples(model, collate, heldout.examples, batch_size, device)
+    gold = [g.tolist() for g in heldout.gold] if heldout.gold is not None else None
+    lines = []
+    for i, (c, r) in enumerate(zip(chosen.tolist(), rejected.tolist(), strict=True)):
+        row = {"chosen": c, "rejected": r}
+        if gold is not None:
+            row.update(gold_chosen=gold[0][i], gold_rejected=gold[1][i])
+        lines.append(json.dumps(row, allow_nan=False) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(lines), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def final_figures(cfg, model, collate, heldout: HeldOut, keeper: BestKeeper, latest: dict[str, Any], step: int,
