@@ -1,17 +1,20 @@
 """Tiny random-initialised configurations of the architectures people bring, built offline.
 
-Each entry is a transformers config class name and the fields that make it tiny (hidden size 16, one or two
-layers, two heads). :func:`write_tiny_model` saves a causal LM of one of them, with the tests' word-level
-tokenizer, to a folder as a user would bring it.
+Each entry is a transformers config class name and the fields that make it tiny (hidden size 16, two layers,
+two heads). :func:`write_tiny_model` saves a causal LM of one of them, with a small byte-level BPE tokenizer
+(:func:`bpe_tokenizer`), to a folder as a user would bring it. (transformers 5 loads some model types' folders
+with their own tokenizer class, e.g. Qwen2Tokenizer, which rebuilds a byte-level BPE from the saved vocabulary
+and merges: the tests' word-level tokenizer does not survive that, a byte-level BPE does.)
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
-from tests.helpers import tiny_tokenizer
+from tests.helpers import SPECIALS, WORDS
 
 _DECODER = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=64)
@@ -38,6 +41,36 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
 }
 
 
+@functools.lru_cache(maxsize=1)
+def _bpe_backend():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(special_tokens=[*SPECIALS, "<pad>"], vocab_size=400, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([" ".join(WORDS)] * 20 + [" " + w for w in WORDS] * 20, trainer)
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))])
+    return backend.to_str()
+
+
+def bpe_tokenizer(pad: str | None = "<pad>"):
+    """A byte-level BPE tokenizer trained on the tests' words (about 350 tokens) that prepends BOS.
+
+    Args:
+        pad: ``"<pad>"`` (a distinct pad token), ``"eos"`` (pad == EOS) or None (no pad token).
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    kwargs = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if pad is not None:
+        kwargs["pad_token"] = "</s>" if pad == "eos" else pad
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_bpe_backend()), **kwargs)
+
+
 def tiny_config(name: str, tokenizer, **overrides):
     """The tiny config of architecture ``name`` for ``tokenizer``'s vocabulary and special tokens."""
     import transformers
@@ -52,7 +85,7 @@ def write_tiny_model(name: str, folder: Path, pad: str | None = "<pad>", seed: i
     """Save a random tiny causal LM of architecture ``name`` and its tokenizer to ``folder``."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = tiny_tokenizer(pad=pad)
+    tokenizer = bpe_tokenizer(pad=pad)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(name, tokenizer, **overrides))
     model.save_pretrained(folder)
