@@ -42,7 +42,7 @@ def _jsonl(path, rows):
 
 def _run(kind, module, tmp_path, name, *extra):
     cfg = load_config(None, [f"output_dir={tmp_path / name}", *FAST, *extra], kind)
-    getattr(module, "train")(cfg)
+    module.train(cfg)
     return tmp_path / name
 
 
