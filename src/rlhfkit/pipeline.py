@@ -181,8 +181,9 @@ class HackingMeter:
 
         self.task, self.preset, self.seed, self.temperature = task, preset, seed, temperature
         self.tokenizer = load_tokenizer(str(sft_dir))
-        self.reference = load_causal_lm(str(sft_dir), tokenizer=self.tokenizer).eval().requires_grad_(False)
-        self.reward_model = load_scalar_model(str(rm_dir), tokenizer=self.tokenizer).eval().requires_grad_(False)
+        self.reference = load_causal_lm(str(sft_dir), tokenizer=self.tokenizer, frozen=True).eval().requires_grad_(False)
+        self.reward_model = load_scalar_model(str(rm_dir), tokenizer=self.tokenizer,
+                                              frozen=True).eval().requires_grad_(False)
         examples = prepare_examples(str(prompts_file), "prompts", self.tokenizer, TokenLimits(32, None, "left"))
         self.examples = examples[: preset.num_eval_prompts]
         self.meter_examples = examples[:meter_prompts]
@@ -208,7 +209,7 @@ class HackingMeter:
         from rlhfkit.models import load_causal_lm
         from rlhfkit.rollout.evaluate import win_rate
 
-        ppo = load_causal_lm(str(ppo_dir), tokenizer=self.tokenizer).eval()
+        ppo = load_causal_lm(str(ppo_dir), tokenizer=self.tokenizer, frozen=True).eval()
         out: dict[str, Any] = {}
         samples = {}
         for name, policy in (("sft", self.reference), ("ppo", ppo)):

@@ -1,6 +1,7 @@
 """Online RL trainer (PPO / GRPO / RLOO / REINFORCE++): the rollout to the token, the ratio before the first
 update, missing-EOS masking, critic-free runs, hooks, micro-batch invariance, and a learning signal."""
 
+import dataclasses
 import json
 
 import pytest
@@ -83,11 +84,14 @@ def test_hand_built_rollout_puts_score_on_last_real_token_and_rewards_sum_to_sco
     assert torch.equal(rollout.mask, expected_mask) and torch.equal(response_mask, expected_mask)
     assert rollout.ended.tolist() == [True, False, True]
     assert rollout.response_ids[0, 2] == eos and rollout.response_ids[2, 0] == eos  # EOS inside the mask
-    # Log-probs at the sampling temperature, equal to the unpadded sequence's, read before each token.
+    # Log-probs at the sampling temperature, equal to the unpadded sequence's, read before each token, of the
+    # distribution that was sampled: a pad distinct from EOS is suppressed there, so in the softmax too.
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         ids = torch.tensor([p + raw[i][:n]])
         with torch.no_grad():
             logits = ctx.roles.actor(ids).logits[0] / 0.7
+        if tok.pad_token_id != eos:
+            logits[:, tok.pad_token_id] = float("-inf")
         expected = torch.log_softmax(logits, -1)[len(p) - 1 : len(p) - 1 + n].gather(1, ids[0, len(p):, None])[:, 0]
         assert torch.allclose(rollout.logprobs[i, :n], expected, atol=1e-5)
         assert (rollout.logprobs[i, n:] == 0).all() and (rollout.ref_logprobs[i, n:] == 0).all()
@@ -247,9 +251,9 @@ def test_all_truncated_batch_under_mask_changes_nothing_and_logs_no_nan(tmp_path
     paths = write_online_problem(tmp_path)
     real = online_steps.generate_responses
 
-    def never_eos(model, prompt_ids, prompt_mask, *, suppress_token_ids=(), stop_token_ids, **kwargs):
-        return real(model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids,
-                    suppress_token_ids=[*suppress_token_ids, *stop_token_ids], **kwargs)
+    def never_eos(model, prompt_ids, prompt_mask, *, sampling, stop_token_ids, **kwargs):
+        never = dataclasses.replace(sampling, suppress_ids=(*sampling.suppress_ids, *stop_token_ids))
+        return real(model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids, sampling=never, **kwargs)
 
     monkeypatch.setattr(online_steps, "generate_responses", never_eos)
     out = tmp_path / "run"

@@ -81,7 +81,7 @@ from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
 from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import load_tokenizer, save_hf_folder, unwrap_model
+from rlhfkit.models import sampling_for, save_hf_folder, unwrap_model
 from rlhfkit.report import write_report
 from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
 from rlhfkit.rollout.scoring import (
@@ -93,7 +93,7 @@ from rlhfkit.rollout.scoring import (
     data_columns,
     reward_normalization,
 )
-from rlhfkit.trainers.loop import micro_batches
+from rlhfkit.trainers.loop import micro_batches, router_aux_coef, run_tokenizer
 from rlhfkit.trainers.online_roles import build_optimizers, build_roles, check_online_config
 from rlhfkit.trainers.online_steps import (
     OnlineContext,
@@ -154,7 +154,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
 
     # All data is read and validated, and the reward functions imported and checked against its columns,
     # before any model is loaded or the run folder written: bad input stops here and leaves nothing behind.
-    tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, None, cfg.data.truncation)
     examples, eval_examples = prepare_run_data(cfg.data, "prompts", tokenizer, limits, accelerator)
     functions = Scorer.load_functions(cfg.online.reward_functions)
@@ -162,7 +162,8 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
     for i, (name, fn) in enumerate(functions):
         check_signature(name, fn, columns, f"online.reward_functions[{i}]")
     run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
-    ctx = build_context(cfg, accelerator, tokenizer, functions)
+    ctx = build_context(cfg, accelerator, tokenizer, functions,
+                        train_reward_model=hooks.refresh_reward_model is not None)
     if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
         raise ConfigError("a reward-model refresh needs online.reward_model")
 
@@ -171,9 +172,9 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
                "wall_seconds": result["wall_seconds"], "seconds_per_rollout": result["seconds_per_rollout"],
                "train_prompts": len(examples)}
     if accelerator.is_main_process:
-        save_hf_folder(ctx.roles.actor, tokenizer, run.final_dir)
+        save_hf_folder(ctx.roles.actor, tokenizer, run.final_dir, dtype=cfg.model.save_dtype)
         if ctx.roles.critic is not None:
-            save_hf_folder(ctx.roles.critic, tokenizer, run.path / CRITIC_DIR)
+            save_hf_folder(ctx.roles.critic, tokenizer, run.path / CRITIC_DIR, dtype=cfg.model.save_dtype)
         run.write_summary(summary)
     run.close()
     if accelerator.is_main_process:
@@ -181,12 +182,15 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
     return summary
 
 
-def build_context(cfg, accelerator, tokenizer, functions: list | None = None) -> OnlineContext:
-    """Load the roles, build the optimizers, the scorer and the KL controller, and prepare for accelerate.
+def build_context(cfg, accelerator, tokenizer, functions: list | None = None,
+                  train_reward_model: bool = False) -> OnlineContext:
+    """Load the roles, build the optimizers, the scorer, the KL controller and the sampling, and prepare for
+    accelerate.
 
     ``functions``: the reward functions as ``Scorer.load_functions`` gives them (default: loaded from
-    ``online.reward_functions``)."""
-    roles = build_roles(cfg, tokenizer, accelerator.device)
+    ``online.reward_functions``); ``train_reward_model``: a refresh hook trains the reward model, which then
+    keeps float32 weights."""
+    roles = build_roles(cfg, tokenizer, accelerator.device, train_reward_model)
     optimizers, schedulers = build_optimizers(cfg, roles)
     names = list(optimizers)
     prepared = accelerator.prepare(*[getattr(roles, n) for n in names], *[optimizers[n] for n in names])
@@ -198,8 +202,10 @@ def build_context(cfg, accelerator, tokenizer, functions: list | None = None) ->
     if functions is None:
         functions = Scorer.load_functions(o.reward_functions)
     scorer = Scorer(roles.reward_model, functions, o.rollout_batch_size)
+    stops = stop_token_ids(cfg, tokenizer)
+    sampling = sampling_for(tokenizer.pad_token_id, stops, o.temperature, o.top_k, o.top_p)
     return OnlineContext(cfg, accelerator, tokenizer, roles, trained, optimizers, schedulers, scorer, kl_ctl,
-                         stop_token_ids(cfg, tokenizer))
+                         stops, sampling, router_aux_coef(roles.actor, cfg.model.router_aux_loss_coef))
 
 
 def stop_token_ids(cfg, tokenizer) -> list[int]:

@@ -13,8 +13,11 @@
 
 Dropout is off in all four (``model.disable_dropout``, on by default) so that the PPO ratio is exactly 1
 before the first update (huggingface/trl#454). The frozen roles are in eval mode with
-``requires_grad=False``; every role loads in the same dtype. The actor and the critic each get their own
-AdamW and learning-rate schedule (the critic's rate is ``online.critic_learning_rate``).
+``requires_grad=False``. The trained roles (actor, critic) keep float32 weights and run under bf16 autocast
+when ``model.dtype`` is bfloat16; only the frozen ones hold bf16 weights then (:mod:`rlhfkit.models.precision`).
+A tokenizer without a pad token gives every role that grows an embedding row for it the same row. The actor
+and the critic each get their own AdamW and learning-rate schedule (the critic's rate is
+``online.critic_learning_rate``).
 """
 
 from __future__ import annotations
@@ -46,8 +49,11 @@ def critic_source(cfg) -> str | None:
     return o.critic_model or o.reward_model or cfg.model.name_or_path
 
 
-def build_roles(cfg, tokenizer, device: torch.device | str = "cpu") -> Roles:
+def build_roles(cfg, tokenizer, device: torch.device | str = "cpu", train_reward_model: bool = False) -> Roles:
     """Load the actor, the reference, the reward model and the critic as ``cfg`` says, on ``device``.
+
+    ``train_reward_model``: the reward model is trained in place between rollouts (a refresh hook), so it
+    keeps float32 weights like the trained roles.
 
     Raises:
         ConfigError: a reward or critic model whose tokenizer numbers tokens differently from the policy's.
@@ -56,11 +62,12 @@ def build_roles(cfg, tokenizer, device: torch.device | str = "cpu") -> Roles:
     common = dict(trust_remote_code=m.trust_remote_code, dtype=m.dtype, tokenizer=tokenizer)
     dropout = not m.disable_dropout
     actor = load_causal_lm(m.name_or_path, dropout=dropout, **common).to(device)
-    reference = _frozen(load_causal_lm(m.name_or_path, **common).to(device))
+    reference = _frozen(load_causal_lm(m.name_or_path, frozen=True, **common).to(device))
     reward_model = None
     if cfg.online.reward_model:
         check_same_vocabulary(tokenizer, cfg.online.reward_model, "online.reward_model", m.trust_remote_code)
-        reward_model = _frozen(load_scalar_model(cfg.online.reward_model, **common).to(device))
+        reward_model = _frozen(load_scalar_model(cfg.online.reward_model, frozen=not train_reward_model,
+                                                 **common).to(device))
     critic = None
     source = critic_source(cfg)
     if source is not None:
@@ -84,7 +91,7 @@ def check_same_vocabulary(tokenizer, other_path: str, key: str, trust_remote_cod
     when the tokenizer pads with EOS).
     """
     try:
-        other = load_tokenizer(other_path, trust_remote_code=trust_remote_code)
+        other = load_tokenizer(other_path, trust_remote_code=trust_remote_code, missing_pad="eos")
     except Exception:  # a folder without tokenizer files: nothing to compare
         return
     mine, theirs = tokenizer.get_vocab(), other.get_vocab()

@@ -70,11 +70,11 @@ from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import load_scalar_model, load_tokenizer, save_hf_folder, sequence_scores, token_scores
+from rlhfkit.models import load_scalar_model, save_hf_folder, sequence_scores, token_scores
 from rlhfkit.report import write_report
 from rlhfkit.reporting.runs import HELDOUT_SCORES
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, reward_normalization
-from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
+from rlhfkit.trainers.loop import Objective, micro_batches, run_tokenizer, train_offline
 
 GOLD_FIELDS = ("gold_chosen", "gold_rejected")
 GOLD_TIE = 1e-9  # gold scores closer than this are a tie (as rlhfkit.tasks.annotators)
@@ -500,6 +500,7 @@ class _Session:
     run: RunDir | None
     tokenizer: Any
     limits: TokenLimits
+    save_dtype: str = "float32"
 
 
 def _open(cfg, kind: str) -> tuple[_Session, Examples, Examples | None]:
@@ -507,10 +508,10 @@ def _open(cfg, kind: str) -> tuple[_Session, Examples, Examples | None]:
     _check(cfg)
     seed_everything(cfg.seed)
     accelerator = make_accelerator()
-    tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
     examples, heldout = prepare_run_data(cfg.data, kind, tokenizer, limits, accelerator)
-    return _Session(accelerator, None, tokenizer, limits), examples, heldout
+    return _Session(accelerator, None, tokenizer, limits, cfg.model.save_dtype), examples, heldout
 
 
 def _start_run(cfg, session: _Session, resume: bool, overwrite: bool) -> RunDir:
@@ -673,7 +674,7 @@ def _summary(cfg, kind: str, unit: str, result, num_train: int, num_eval: int, k
 
 def _finish(session: _Session, model, summary: dict[str, Any]) -> None:
     if session.accelerator.is_main_process:
-        save_hf_folder(model, session.tokenizer, session.run.final_dir)
+        save_hf_folder(model, session.tokenizer, session.run.final_dir, dtype=session.save_dtype)
         session.run.write_summary(summary)
     session.run.close()
     if session.accelerator.is_main_process:
