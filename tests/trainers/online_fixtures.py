@@ -28,6 +28,13 @@ def words(prompts, completions, **kwargs):
     """The number of words of the response."""
     return [float(len(c.split())) for c in completions]
 
+def noisy_cat_count(prompts, completions, **kwargs):
+    """cat_count plus noise drawn from Python's and NumPy's global generators (as a user's function might)."""
+    import random
+
+    import numpy
+    return [float(c.split().count("cat")) + random.random() + float(numpy.random.rand()) for c in completions]
+
 def slow_cat_count(prompts, completions, **kwargs):
     """cat_count, slowly: a run long enough to be killed in the middle."""
     time.sleep(0.25)

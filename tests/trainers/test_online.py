@@ -301,6 +301,47 @@ def test_critic_free_estimators_run_without_a_critic(tmp_path, monkeypatch, kind
         assert ("loss/entropy" in row) == ("online.ent_coef=0.01" in extra)
 
 
+def test_resume_restores_the_random_streams_a_reward_function_draws_from(tmp_path):
+    """The trainer's own draws are functions of (seed, step), but a reward function may draw from ``random``
+    and ``numpy``: a run stopped after its step-2 checkpoint and resumed must give the uninterrupted run's
+    scores and weights, so the checkpoint must carry (and resume restore) those generators' states."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = ("train.save_steps=2",)
+    online.train(online_config(paths, full, "train.max_steps=4", *args, reward="noisy_cat_count"))
+    online.train(online_config(paths, part, "train.max_steps=2", *args, reward="noisy_cat_count"))
+    import random
+
+    import numpy
+    random.seed(12345), numpy.random.seed(12345)  # what a new process would hold: anything but the saved state
+    online.train(online_config(paths, part, "train.max_steps=4", *args, reward="noisy_cat_count"), resume=True)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"}  # noqa: E731
+                          for r in rows]
+    rows_full, rows_part = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
+    assert [r["step"] for r in rows_part] == [1, 2, 3, 4]
+    assert len({r["score/mean"] for r in rows_full}) == 4  # the noise is in the scores
+    assert strip(rows_full) == strip(rows_part)
+    a, b = load_file(str(full / "final" / "model.safetensors")), load_file(str(part / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_actor_and_critic_step_at_their_own_learning_rates(tmp_path):
+    """One AdamW step moves every parameter with a gradient by about its learning rate (m / sqrt(v) = sign(g) on
+    the first step; no weight decay, constant schedule): the actor's largest move is train.learning_rate and
+    the critic's online.critic_learning_rate, ten times larger here."""
+    paths = write_online_problem(tmp_path)
+    cfg = online_config(paths, tmp_path / "run", f"online.reward_model={paths['reward']}", "online.ppo_epochs=1",
+                        "online.num_minibatches=1", "train.learning_rate=1e-3", "online.critic_learning_rate=1e-2",
+                        "train.weight_decay=0.0", "train.warmup_steps=0")
+    ctx = make_context(cfg)
+    rollout = rollout_for_update(ctx)
+    before = {name: state(model) for name, model in ctx.trained.items()}
+    ppo_update(ctx, rollout, step=1)
+    for name, lr in (("actor", 1e-3), ("critic", 1e-2)):
+        moved = max(float((v - before[name][k]).abs().max()) for k, v in state(ctx.trained[name]).items())
+        assert moved == pytest.approx(lr, rel=0.02), (name, moved)
+
+
 def test_evaluate_hook_is_logged_and_leaves_training_unchanged_and_critic_warms_up_first(tmp_path):
     paths = write_online_problem(tmp_path)
     calls = []
