@@ -214,3 +214,77 @@ def test_encoder_round_trips_plain_data_and_tensors():
     assert math.isnan(nan)
     with pytest.raises(TypeError, match=r"cannot store function at state\.fn"):
         _encode({"fn": lambda: 1}, "state", {}, set())
+
+
+class _Interrupted(Exception):
+    """Stands for a kill at one point of a save."""
+
+
+def _interrupt_after(monkeypatch, k: int) -> list[str]:
+    """Make the k-th file-system write of a save (a safetensors file, a text/bytes file, a rename) raise right
+    after it has happened; returns the log of writes seen."""
+    import os
+    import pathlib
+
+    import rlhfkit.engine.checkpoint as engine
+
+    seen: list[str] = []
+    depth = [0]  # Path.rename calls os.rename: count the outer call only
+
+    def wrap(owner, name, label):
+        real = getattr(owner, name)
+
+        def write(*args, **kwargs):
+            depth[0] += 1
+            try:
+                result = real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if depth[0]:
+                return result
+            seen.append(f"{label}:{args[1] if label in ('save', 'file') else args[0]}")
+            if len(seen) == k:
+                raise _Interrupted(seen[-1])
+            return result
+        monkeypatch.setattr(owner, name, write)
+
+    for name in ("save_model", "save_file"):
+        if hasattr(engine, name):
+            wrap(engine, name, "save" if name == "save_model" else "file")
+    for name in ("write_text", "write_bytes", "rename", "replace"):
+        wrap(pathlib.Path, name, name)
+    for name in ("rename", "replace"):
+        wrap(os, name, name)
+    return seen
+
+
+def test_a_save_interrupted_at_each_write_leaves_the_previous_checkpoint_the_newest(tmp_path, monkeypatch):
+    """Kill a save after each of its writes in turn (every file, the marker, the final rename): the newest
+    complete checkpoint is still the previous one and loads; a checkpoint written straight into step-N, or
+    whose marker lands before its last file, fails here. Then an uninterrupted save of the same step works."""
+    root = tmp_path / "checkpoints"
+    model, opt, sched = build(0)
+    train(model, opt, sched, 1)
+    save_checkpoint(root, 1, {"policy": model}, {"policy": opt}, {"policy": sched}, {"data_position": 4})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, opt, sched, 1)
+
+    # How many writes a whole save makes (into a scratch folder, same objects).
+    with monkeypatch.context() as m:
+        writes = _interrupt_after(m, 0)
+        save_checkpoint(tmp_path / "scratch", 2, {"policy": model}, {"policy": opt}, {"policy": sched},
+                        {"data_position": 8})
+    assert len(writes) >= 7, writes  # model, optimizer (json + tensors), scheduler, rng, trainer state, marker...
+    for k in range(1, len(writes)):  # the last write is the one that publishes step-2
+        with monkeypatch.context() as m:
+            seen = _interrupt_after(m, k)
+            with pytest.raises(_Interrupted):
+                save_checkpoint(root, 2, {"policy": model}, {"policy": opt}, {"policy": sched}, {"data_position": 8})
+        assert latest_checkpoint(root).name == "step-1", (k, seen[-1])
+        fresh, fresh_opt, fresh_sched = build(5)
+        state = load_checkpoint(latest_checkpoint(root), {"policy": fresh}, {"policy": fresh_opt},
+                                {"policy": fresh_sched})
+        assert state["data_position"] == 4
+        assert all(torch.equal(v, saved[key]) for key, v in fresh.state_dict().items())
+    save_checkpoint(root, 2, {"policy": model}, {"policy": opt}, {"policy": sched}, {"data_position": 8})
+    assert latest_checkpoint(root).name == "step-2" and checkpoint_step(root / "step-2") == 2
