@@ -71,7 +71,7 @@ from rlhfkit.data import (
     tokenize_records,
 )
 from rlhfkit.engine.accel import make_accelerator
-from rlhfkit.engine.run import RunDir
+from rlhfkit.engine.run import RunDir, open_run
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import load_scalar_model, load_tokenizer, save_hf_folder, sequence_scores, token_scores
@@ -499,7 +499,7 @@ def _open(cfg, resume: bool, overwrite: bool) -> _Session:
     _check(cfg)
     seed_everything(cfg.seed)
     accelerator = make_accelerator()
-    run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
+    run = open_run(cfg, accelerator, resume, overwrite)
     tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
     return _Session(accelerator, run, tokenizer, limits)

@@ -21,7 +21,7 @@ import torch
 from rlhfkit.algos import aggregate_loss
 from rlhfkit.data import SFTCollator, TokenLimits, prepare_examples
 from rlhfkit.engine.accel import make_accelerator
-from rlhfkit.engine.run import RunDir
+from rlhfkit.engine.run import open_run
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import (
     causal_lm_logits,
@@ -81,7 +81,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run SFT as configured; write ``final/`` and ``summary.json``; return the summary."""
     seed_everything(cfg.seed)
     accelerator = make_accelerator()
-    run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
+    run = open_run(cfg, accelerator, resume, overwrite)
 
     # Load and validate all data before any model is built: bad input stops here, with file/line/field.
     tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
