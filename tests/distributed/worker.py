@@ -30,7 +30,13 @@ from rlhfkit.data import PRMCollator, SFTCollator, TokenLimits, prepare_examples
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import seed_everything
-from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer, logprobs_from_logits, response_logits
+from rlhfkit.models import (
+    load_causal_lm,
+    load_scalar_model,
+    load_tokenizer,
+    logprobs_from_logits,
+    response_logits,
+)
 from rlhfkit.trainers import online, online_steps
 from rlhfkit.trainers.loop import train_offline
 from rlhfkit.trainers.reward import BestKeeper, PairCollator, prm_objective, reward_objective

@@ -14,8 +14,8 @@ Launching several processes (each one a full copy of every model: data parallel,
 
 (``accelerate launch --cpu --num_processes 2`` starts ONE process; on CPU use torchrun.) Every run says
 at start how many processes it has (:func:`world_info`, also in ``config.yaml``'s run line). Sharded
-training (FSDP, DeepSpeed) is refused at start-up (:func:`check_supported`); the accelerate configs for it
-are in ``examples/accelerate/``.
+training (FSDP, DeepSpeed) is refused at start-up (:func:`check_supported`); the accelerate presets for it
+in ``examples/accelerate/`` wait for the engine's sharded checkpoints.
 """
 
 from __future__ import annotations
@@ -28,12 +28,18 @@ import torch
 
 from rlhfkit.errors import ConfigError
 
+SHARDED_LAUNCH_ENV = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+                      "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
+"""What ``accelerate launch`` sets for a sharded configuration (accelerate ignores it on CPU and falls back to
+plain data parallelism without a word; rlhfkit refuses it everywhere, so a launch trains as it says)."""
+
 
 def make_accelerator(cpu: bool | None = None):
     """An Accelerator with no mixed-precision wrapping (the dtype is chosen when the weights are loaded:
     :func:`rlhfkit.models.resolve_dtype`); refuses a launch rlhfkit cannot train under."""
     from accelerate import Accelerator
 
+    check_supported()
     if cpu is None:
         cpu = not torch.cuda.is_available()
     accelerator = Accelerator(cpu=cpu, mixed_precision="no", step_scheduler_with_optimizer=False)
@@ -41,18 +47,25 @@ def make_accelerator(cpu: bool | None = None):
     return accelerator
 
 
-def check_supported(accelerator) -> None:
+def check_supported(accelerator=None) -> None:
     """ConfigError for a launch whose model wrapping rlhfkit's checkpoints and losses do not handle yet.
 
     Under FSDP or DeepSpeed every process holds a shard of each model; rlhfkit's checkpoints, ``final/``
     and the online loop's unwrapped forwards need whole models, so such a launch would fail late or save a
-    shard. It is refused before any model is loaded, naming what works instead.
+    shard. It is refused before any model is loaded (from the launcher's environment, and from what
+    ``accelerator`` ended up with), naming what works instead.
     """
-    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
-        raise ConfigError(f"this launch asks for sharded training ({kind}), which rlhfkit does not support yet; "
-                          "launch plain data parallelism instead (torchrun --nproc_per_node N -m rlhfkit.cli ..., "
-                          "or accelerate launch --multi_gpu --num_processes N -m rlhfkit.cli ...), or use LoRA "
+    asked = [name for var, name in SHARDED_LAUNCH_ENV.items()
+             if os.environ.get(var, "").strip().lower() in ("1", "true", "yes")]
+    if accelerator is not None:
+        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+        if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+            asked.append(kind)
+    if asked:
+        raise ConfigError(f"this launch asks for sharded training ({asked[0]}), which rlhfkit does not support yet "
+                          "(its checkpoints and final/ need whole models); launch plain data parallelism instead: "
+                          "torchrun --nproc_per_node N -m rlhfkit.cli ..., or accelerate launch --multi_gpu "
+                          "--num_processes N -m rlhfkit.cli ... (each process holds the whole model), or use LoRA "
                           "(model.lora_rank) to fit a larger model")
 
 
