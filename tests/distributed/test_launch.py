@@ -75,3 +75,24 @@ def test_threads_per_process_are_the_cores_shared_by_local_processes(monkeypatch
         monkeypatch.setenv(var, value)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
     assert default_num_threads() == {"half": 8, "all": 16}.get(expected, expected)
+
+
+def test_a_group_split_between_processes_is_an_error():
+    """grpo / rloo statistics are per group where the group is: a group on two processes would get two
+    baselines. Two processes simulated: the other holds prompt 1's second half and prompt 2."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlhfkit.trainers.online import check_groups_on_one_process
+
+    other = torch.tensor([0.0, 1.0, 1.0, 0.0])  # the other process holds groups 1 and 2
+
+    def ctx_with(other_held):
+        return SimpleNamespace(accelerator=SimpleNamespace(num_processes=2), device="cpu",
+                               cfg=SimpleNamespace(train=SimpleNamespace(batch_size=4)),
+                               all_sum=lambda held: held.double() + other_held)
+
+    check_groups_on_one_process(ctx_with(torch.tensor([0.0, 0.0, 1.0, 1.0])), torch.tensor([0, 0, 1, 1, -7]))
+    with pytest.raises(RuntimeError, match=r"groups of prompts \[1\] are split between processes"):
+        check_groups_on_one_process(ctx_with(other), torch.tensor([0, 0, 1, 1, -7]))

@@ -47,7 +47,7 @@ early stopping: binary cross-entropy of each step's correctness, read at the ste
 
 Launch (``prm`` for a process reward model):
     rlhfkit train reward --config reward.yaml                          # one process
-    accelerate launch -m rlhfkit.cli train reward --config reward.yaml   # several processes (data parallel)
+    torchrun --standalone --nproc_per_node 2 -m rlhfkit.cli train reward --config reward.yaml   # 2 processes (data parallel)
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ log-likelihood over the completion tokens of the whole batch (prompt and padding
 
 Launch:
     rlhfkit train sft --config sft.yaml                       # one process
-    accelerate launch -m rlhfkit.cli train sft --config sft.yaml   # several processes (data parallel)
+    torchrun --standalone --nproc_per_node 2 -m rlhfkit.cli train sft --config sft.yaml   # 2 processes (data parallel)
 """
 
 from __future__ import annotations
