@@ -6,7 +6,7 @@ loop with the SFT, reward and PRM objectives; stages 3-5 of the online loop on a
 process writes, per case, ``OUT/<case>.safetensors`` (``grad.<param>``: the gradient each optimizer sees at
 its first step, after the all-reduce, unclipped: clipping would hide a gradient's scale; ``weight.<param>``:
 the weights after that step) and
-``OUT/<case>.json`` (metrics). A ``control-*`` case plants a known data-parallel bug, so that the
+``OUT/<case>.json`` (metrics); an online case adds ``final.<param>``, the weights after the whole update. A ``control-*`` case plants a known data-parallel bug, so that the
 comparison can be shown to fail.
 
 The online cases build one global rollout of ``train.batch_size x group_size`` responses from seeded
@@ -151,10 +151,13 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
     data = root / "online"
     estimator = {"grpo": "grpo", "reinforce_pp": "reinforce_pp"}.get(case, "gae")
     mode = case.removeprefix("ppo-") if case.startswith("ppo-") else "token-mean"
+    # 8 responses, rows 0-3 on the first process: with 2 minibatches the first is rows {2, 5, 6, 7} (1 + 3 rows);
+    # with 4 it is {5, 6}, and the first process joins that step's all-reduce with no row of its own
+    minibatches = 2 if estimator == "gae" else 4
     cfg = load_config(None, [f"output_dir={out / 'runs' / case}", f"model.name_or_path={data / 'policy'}",
                              f"data.train_file={data / 'prompts.jsonl'}", f"online.reward_model={data / 'reward'}",
                              "train.batch_size=4", "train.micro_batch_size=1", "online.group_size=2",
-                             "online.ppo_epochs=1", "online.num_minibatches=2", "train.learning_rate=1e-2",
+                             "online.ppo_epochs=1", f"online.num_minibatches={minibatches}", "train.learning_rate=1e-2",
                              "train.max_grad_norm=null",
                              f"online.advantage_estimator={estimator}", f"online.loss_agg_mode={mode}",
                              "online.response_length=6", "data.max_prompt_length=16"],
@@ -180,7 +183,9 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
     update = online_steps.ppo_update(ctx, rollout, step=1)
     stats = online.rollout_stats(ctx, rollout, rollout.mask, rollout.scores, {}, torch.zeros_like(rollout.logprobs))
     metrics = stats.merge(update.stats).means(ctx)
-    return recorder.close(), metrics
+    last = {f"final.{name}.{k}": p.detach().clone() for name in ctx.trained
+            for k, p in getattr(ctx.roles, name).named_parameters()}  # after every minibatch's step
+    return {**recorder.close(), **last}, metrics
 
 
 def run_cases(root: Path, out: Path, cases: tuple[str, ...] = CASES) -> None:

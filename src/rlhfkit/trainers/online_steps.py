@@ -119,7 +119,7 @@ class StatSums:
     def means(self, ctx: OnlineContext) -> dict[str, float]:
         if not self.sums:
             return {}
-        names = list(self.sums)
+        names = sorted(self.sums)  # one order on every process (they may have met the names in another)
         packed = ctx.all_sum(torch.stack([self.sums[n] for n in names])).cpu()  # (K, 2)
         return {n: float(s / w) if w > 0 else 0.0 for n, (s, w) in zip(names, packed.tolist(), strict=True)}
 
@@ -366,16 +366,20 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
             for j, start in enumerate(starts):
                 with _no_sync(ctx, names, last=j == len(starts) - 1):
                     if start is None:  # the same all-reduce as the others, adding nothing to the gradient
-                        loss, _, _ = micro_batch_loss(ctx, rollout.select(slice(0, 1)), normalizer,
-                                                      StatSums(ctx.device), train_actor)
+                        ignored = StatSums(ctx.device)
+                        loss, parts, _ = micro_batch_loss(ctx, rollout.select(slice(0, 1)), normalizer, ignored,
+                                                          train_actor)
                         ctx.accelerator.backward(loss * 0.0)
-                        continue
-                    loss, parts, diff = micro_batch_loss(ctx, minibatch.select(slice(start, start + micro)),
-                                                         normalizer, result.stats, train_actor)
-                    ctx.accelerator.backward(loss * dp_scale(ctx.accelerator))
+                        parts = {key: value * 0.0 for key, value in parts.items()}  # nothing of the loss either
+                        for key in ignored.sums:  # the same statistics on every process, weighing nothing
+                            result.stats.add_sum(key, 0.0, 0.0)
+                    else:
+                        loss, parts, diff = micro_batch_loss(ctx, minibatch.select(slice(start, start + micro)),
+                                                             normalizer, result.stats, train_actor)
+                        ctx.accelerator.backward(loss * dp_scale(ctx.accelerator))
+                        first_diff = torch.maximum(first_diff, diff.double())
                 for key, value in parts.items():
                     losses[key] = losses.get(key, 0.0) + value.detach()
-                first_diff = torch.maximum(first_diff, diff.double())
             for key, value in losses.items():  # each process holds a part of the minibatch's loss
                 result.stats.add_sum(key, value, 1.0 / ctx.accelerator.num_processes)
             if k == 0 and train_actor:
