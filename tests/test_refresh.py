@@ -21,6 +21,7 @@ from rlhfkit.tasks.base import Task
 from rlhfkit.trainers import online
 from rlhfkit.trainers.online import OnlineHooks
 from rlhfkit.trainers.refresh import RefreshConfig, RewardRefresh
+from tests.helpers import tiny_llama
 from tests.trainers.online_fixtures import PROMPTS, online_config, write_online_problem
 
 WORDS = ["cat", "dog", "mat", "good", "bad", "one", "two", "yes"]
@@ -64,8 +65,14 @@ def problem(tmp_path_factory):
                            policy=load_causal_lm(str(paths["policy"]), tokenizer=tokenizer).eval())
 
 
-def reward_model(problem):
-    return load_scalar_model(str(problem.paths["reward"]), tokenizer=problem.tokenizer).eval().requires_grad_(False)
+def reward_model(problem, seed: int | None = None):
+    """The problem's frozen reward model; with ``seed``, a fresh head and body of the same shape (seed 0 is the
+    problem's own)."""
+    model = load_scalar_model(str(problem.paths["reward"]), tokenizer=problem.tokenizer)
+    if seed:
+        model = tiny_llama("scalar", seed=1 + 1000 * seed, vocab_size=model.config.vocab_size,
+                           pad_token_id=model.config.pad_token_id)
+    return model.eval().requires_grad_(False)
 
 
 def plain_scores(model, tokenizer, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,14 +234,15 @@ def test_the_stale_models_accuracy_on_the_new_pairs_is_reported_with_gold(proble
     assert other.collected != new
 
 
-def test_refreshes_teach_the_labellers_taste(problem):
+@pytest.mark.learning
+def test_refreshes_teach_the_labellers_taste(problem, learning_seed, learning_figures):
     """Pairs labelled 'more cats wins' (and shorter on ties): after a few refreshes the model orders held-out
     pairs of that kind far better than the initial random head."""
     config = RefreshConfig(pairs=8, steps=25, batch_size=16, learning_rate=1e-2, max_new_tokens=6)
-    refresh = RewardRefresh(problem.tokenizer, PROMPTS, label_fn=more_cats, initial_pairs=records(48, seed=5),
-                            config=config)
-    model = reward_model(problem)
-    probe = records(64, seed=99)
+    refresh = RewardRefresh(problem.tokenizer, PROMPTS, label_fn=more_cats, config=config, seed=learning_seed,
+                            initial_pairs=records(48, seed=5 + 1000 * learning_seed))
+    model = reward_model(problem, seed=learning_seed)
+    probe = records(64, seed=99 + 1000 * learning_seed)
 
     def probe_figures():
         chosen, rejected = plain_scores(model, problem.tokenizer, probe)
@@ -244,6 +252,8 @@ def test_refreshes_teach_the_labellers_taste(problem):
     for step in (1, 2, 3):
         metrics = refresh(problem.policy, model, step)
     end = probe_figures()
+    learning_figures(loss_start=start[0], loss_end=end[0], loss_drop=start[0] - end[0],
+                     accuracy_start=start[1], accuracy_end=end[1])
     assert math.isfinite(metrics["refresh/loss"]) and metrics["refresh/pairs"] == len(refresh.collected) > 0
     assert end[0] < start[0] - 0.1 and end[1] > 0.7 > start[1], (start, end)
 

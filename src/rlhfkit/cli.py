@@ -2,7 +2,7 @@
 
     rlhfkit train {sft,reward,prm,ppo,grpo,rloo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
     rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite] [--refresh-steps K]
-    rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE]
+    rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE] [--reward-model DIR]
     rlhfkit label-pairs --policy DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
     rlhfkit report RUN_DIR
 
@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: %(default)s")
     gen.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     gen.add_argument("--out", metavar="FILE", help="write {prompt, response} JSON Lines here (default: stdout)")
+    gen.add_argument("--reward-model", metavar="DIR",
+                     help="add each response's score from this reward model (a `train reward` run's final/)")
     gen.set_defaults(run=_generate)
 
     lab = commands.add_parser(
@@ -207,11 +209,13 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError(f"--temperature must be >= 0, got {temperature}")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.reward_model is not None and not Path(args.reward_model).is_dir():
+        raise UserError(f"--reward-model: folder not found: {args.reward_model}")
     _set_threads()
     generate = resolve(TARGETS["generate"])
     # temperature 0 means greedy decoding.
     generate(args.model, args.prompts, out=args.out, temperature=temperature,
-             max_new_tokens=args.max_new_tokens, seed=args.seed)
+             max_new_tokens=args.max_new_tokens, seed=args.seed, reward_model=args.reward_model)
     return 0
 
 

@@ -4,8 +4,10 @@ Each field is declared with :func:`option`, which stores its help text (and opti
 dataclass field's ``metadata``; ``rlhfkit train --help`` lists them from there (:func:`config_help`), so
 there is no second schema anywhere. A YAML file only sets values; the command line overrides any key with
 ``dotted.key=value`` (the value is parsed as a YAML scalar or flow list). Parsing and type conversion are
-omegaconf structured configs (which also check ``Literal`` choices); this module adds the error messages
-that name the key and the file, the bounds and the cross-field checks.
+omegaconf structured configs, on a copy of the dataclasses with every ``Literal`` field typed ``str``
+(:func:`_omegaconf_schema`: omegaconf 2.3, which hydra-core 1.3 needs, has no ``Literal``); this module checks
+the ``Literal`` choices itself, and adds the error messages that name the key and the file, the bounds and
+the cross-field checks.
 
 To add a field for a trainer: add one ``name: type = option(default, "help")`` line to the section's
 dataclass below. Nothing else needs to change (loading, overrides, validation, ``--help`` and the saved
@@ -38,8 +40,8 @@ def option(default: Any, help: str, *, gt: float | None = None, ge: float | None
     A list default, or a section's dataclass, becomes a ``default_factory`` so instances never share it.
     """
     metadata = {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
     if isinstance(default, type) and dataclasses.is_dataclass(default):  # a section
         return field(default_factory=default, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -74,6 +76,16 @@ class DataConfig:
         "error", "A prompt longer than max_prompt_length: stop with an error naming the row, or drop tokens "
                  "from its left (keeps the end of the prompt) or right.")
     shuffle: bool = option(True, "Shuffle the training data every epoch (seeded by the run's seed).")
+    columns: dict[str, str] = option(
+        {}, "Your dataset's column for each standard name (prompt, chosen, rejected, completion, messages, text, "
+            "steps, labels), e.g. {prompt: question, chosen: good}; applies to train and eval data.")
+    train_split: str = option("train", "The split of a DatasetDict folder or hub dataset to train on.")
+    eval_split: str | None = option(
+        None, "The split to evaluate on: of data.eval_file, or, with eval_file unset, of the training dataset; "
+              "none = eval_file's only split (an error names them when it has several).")
+    num_proc: int | None = option(
+        None, "Worker processes that tokenise the data (datasets.map); the tokens are cached on disk either way.",
+        gt=0)
 
 
 @dataclass
@@ -189,8 +201,9 @@ class RewardConfig:
         2048, "Fit the normalisation on at most this many training pairs (both responses), drawn with the seed.",
         gt=0)
     keep_best: bool = option(
-        True, "final/ is the model of the evaluation with the best held-out accuracy (ties: lower held-out "
-              "loss), not the last step's (needs data.eval_file).")
+        True, "final/ is the model of the trained evaluation with the best held-out accuracy (ties: lower held-out "
+              "loss), not the last step's; never the untrained step-0 model, and a warning when the best is the "
+              "first evaluation (needs held-out data: data.eval_file or data.eval_split).")
     early_stopping_patience: int | None = option(
         None, "Stop after this many evaluations in a row without a better held-out accuracy (needs "
               "data.eval_file); none = train for max_steps.", gt=0)
@@ -205,6 +218,9 @@ class LoggingConfig:
     wandb_project: str = option("rlhfkit", "W&B project name.")
     wandb_run_name: str | None = option(None, "W&B run name; none = the output folder's name.")
     progress_bar: bool = option(True, "Show a progress bar (only ever on a terminal).")
+    samples_per_step: int = option(
+        8, "Online runs: responses per rollout written to samples.jsonl (prompt, response, score and its parts, "
+           "KL, length, ended with a stop token); 0 = none.", ge=0)
 
 
 @dataclass
@@ -233,6 +249,29 @@ KIND_FORCED: dict[str, dict[str, Any]] = {
 }
 
 
+# The names `data.columns` maps from: every field a shape of the module docstring reads.
+STANDARD_COLUMNS = ("prompt", "chosen", "rejected", "completion", "messages", "text", "steps", "labels")
+
+
+def check_columns(columns: dict | None, key: str = "data.columns") -> dict[str, str]:
+    """``columns`` as a plain dict, or a ConfigError for a name that is not standard or a non-string column."""
+    out = dict(columns or {})
+    for name, column in out.items():
+        if name not in STANDARD_COLUMNS:
+            close = difflib.get_close_matches(str(name), STANDARD_COLUMNS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"one of {', '.join(STANDARD_COLUMNS)}"
+            raise ConfigError(f"{key}: '{name}' is not a standard column name ({hint}); the mapping goes from the "
+                              "standard name to your column, e.g. {prompt: question}")
+        if not isinstance(column, str) or not column:
+            raise ConfigError(f"{key}.{name}: expected the name of a column, got {column!r}")
+    targets = list(out.values())
+    twice = sorted({c for c in targets if targets.count(c) > 1})
+    if twice:
+        raise ConfigError(f"{key}: column(s) {', '.join(twice)} mapped to more than one standard name")
+    return out
+
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Loading, validation, saving
 
@@ -256,7 +295,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     for item in overrides:
         layers.append((f"command-line override '{item}'", _parse_override(item)))
 
-    cfg = OmegaConf.structured(RunConfig)
+    cfg = OmegaConf.structured(_omegaconf_schema(RunConfig))
     set_by: dict[str, str] = {}  # dotted key -> where its value was last set
     for source, values in layers:
         for key in _check_keys(values, RunConfig, "", source):
@@ -266,7 +305,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         except Exception as e:  # omegaconf's ValidationError / ConfigKeyError and friends
             raise _translate(e, source) from None
     try:
-        run: RunConfig = OmegaConf.to_object(cfg)
+        run: RunConfig = _from_plain(RunConfig, OmegaConf.to_container(cfg, resolve=True))
     except Exception as e:  # an interpolation ${...} that does not resolve
         raise _translate(e, "the configuration") from None
     _validate(run, kind, set_by)
@@ -408,6 +447,8 @@ def _validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
             fail(key, f"`train {kind}` always uses {value}; for another choice run "
                       f"`train ppo {key}={_get(run, key)}`")
     _check_bounds(run, "", fail)
+    _check_choices(run, "", fail)
+    check_columns(run.data.columns)
     for key in ("output_dir", "model.name_or_path", "data.train_file"):
         if not _get(run, key):
             fail(key, f"required; set it in the config file or on the command line ({key}=...)")
@@ -446,6 +487,67 @@ def _check_bounds(obj: Any, prefix: str, fail) -> None:
             if limit is not None and not holds(limit):
                 symbol = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}[bound]
                 fail(prefix + f.name, f"must be {symbol} {limit}, got {value}")
+
+
+def _choices(tp: Any) -> tuple | None:
+    """The values of a ``Literal[...]`` type (also inside ``Optional``), else None."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return args
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            if typing.get_origin(arg) is Literal:
+                return typing.get_args(arg)
+    return None
+
+
+def _check_choices(obj: Any, prefix: str, fail) -> None:
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, prefix + f.name + ".", fail)
+            continue
+        choices = _choices(hints[f.name])
+        if choices is not None and value is not None and value not in choices:
+            fail(prefix + f.name, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+_SCHEMAS: dict[type, type] = {}
+
+
+def _omegaconf_schema(cls: type) -> type:
+    """A copy of the dataclass ``cls`` (and of its sections) with ``Literal[...]`` fields typed ``str``, which
+    every omegaconf version takes; :func:`_check_choices` checks the choices afterwards."""
+    import typing
+
+    if cls in _SCHEMAS:
+        return _SCHEMAS[cls]
+    hints, fields = _hints(cls), []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _is_section(tp):
+            section = _omegaconf_schema(tp)
+            fields.append((f.name, section, field(default_factory=section)))
+            continue
+        choices = _choices(tp)
+        if choices is not None:
+            tp = str if typing.get_origin(tp) is Literal else str | None
+        default = (field(default_factory=f.default_factory) if f.default is dataclasses.MISSING
+                   else field(default=f.default))
+        fields.append((f.name, tp, default))
+    _SCHEMAS[cls] = dataclasses.make_dataclass(cls.__name__, fields)
+    return _SCHEMAS[cls]
+
+
+def _from_plain(cls: type, values: dict) -> Any:
+    """``cls`` (a section dataclass) built from the plain nested dict omegaconf gives back."""
+    hints = _hints(cls)
+    return cls(**{name: _from_plain(hints[name], value) if _is_section(hints[name]) else value
+                  for name, value in values.items()})
 
 
 def _get(obj: Any, dotted: str) -> Any:

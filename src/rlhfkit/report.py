@@ -119,9 +119,45 @@ def write_report(run_dir: str | Path) -> Path:
     lines.append("")
     for title, rel in images:
         lines += [f"## {title}", "", f"![{title}]({rel})", ""]
+    lines += samples_section(run)
     report = run / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     return report
+
+
+def samples_section(run: Path, count: int = 3) -> list[str]:
+    """Markdown for ``samples.jsonl`` (online runs): the newest rollout's responses, and the best- and
+    worst-scored of the run, each with its score, parts, KL, length and whether it ended with a stop token."""
+    from rlhfkit.rollout.samples import SAMPLES_FILE, pick_samples, read_samples
+
+    path = run / SAMPLES_FILE
+    picked = pick_samples(read_samples(path), count) if path.is_file() else {}
+    if not picked:
+        return []
+    lines = ["## Samples", "", f"From `{SAMPLES_FILE}` (every line is one response; `score` is what entered the "
+                                "rewards, null when nothing scored it).", ""]
+    titles = {"newest": f"Newest (rollout {picked['newest'][0]['step']})", "best": "Best-scored",
+              "worst": "Worst-scored"}
+    for key, title in titles.items():
+        if not picked[key]:
+            continue
+        lines += [f"### {title}", "", "| step | score | parts | KL | length | ended | prompt | response |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in picked[key]:
+            parts = ", ".join(f"{k} {_fmt(v)}" for k, v in (row.get("parts") or {}).items())
+            cells = [row["step"], _fmt(row.get("score")), parts, _fmt(row.get("kl")), row.get("length"),
+                     row.get("ended"), _cell(row.get("prompt")), _cell(row.get("response"))]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _cell(value: Any, limit: int = 200) -> str:
+    """Text for a Markdown table cell: messages as 'role: content', one line, pipes escaped, cut at ``limit``."""
+    if isinstance(value, list):
+        value = " / ".join(f"{m.get('role')}: {m.get('content')}" if isinstance(m, dict) else str(m) for m in value)
+    text = " ".join(str(value).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _fmt(v: Any) -> str:

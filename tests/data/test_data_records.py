@@ -70,20 +70,25 @@ def test_json_parquet_and_datasets_folders_give_the_same_records(tmp_path):
         load_dataset_records(str(tmp_path / "dd"), "preferences", split="valid")
 
 
-def test_hub_name_goes_to_datasets_load_dataset(monkeypatch):
+def test_hub_name_goes_to_datasets_load_dataset_and_its_splits(monkeypatch):
     import datasets
 
     calls = []
 
-    def fake_load_dataset(name, split):
-        calls.append((name, split))
-        return datasets.Dataset.from_list([{"prompt": "hello"}])
+    def fake_load_dataset(name):
+        calls.append(name)
+        return datasets.DatasetDict({"train_prefs": datasets.Dataset.from_list([{"prompt": "a"}]),
+                                     "test_prefs": datasets.Dataset.from_list([{"prompt": "hello"}])})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    assert load_dataset_records("someone/prompts", "prompts", split="test") == [{"prompt": "hello"}]
-    assert calls == [("someone/prompts", "test")]
+    assert load_dataset_records("someone/prompts", "prompts", split="test_prefs") == [{"prompt": "hello"}]
+    assert calls == ["someone/prompts"]
+    with pytest.raises(DataError, match="no split 'train' \\(splits: train_prefs, test_prefs\\); set data.train_split"):
+        load_dataset_records("someone/prompts", "prompts")
+    with pytest.raises(DataError, match="has splits train_prefs, test_prefs: set data.eval_split"):
+        load_dataset_records("someone/prompts", "prompts", split=None, split_key="data.eval_split")
 
-    def offline(name, split):
+    def offline(name):
         raise ConnectionError("offline")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
@@ -108,11 +113,14 @@ BAD_JSONL = [
     ("sft", [{"prompt": "hi", "completion": None}], 1, "completion", "is null"),
     (
         "sft",
-        [{"prompt": "hi", "completion": [{"role": "assistant", "content": "x"}]}],
+        [{"prompt": "hi", "completion": [{"role": "user", "content": "not hi"}, {"role": "assistant", "content": "x"}]}],
         1,
         "completion",
-        "the prompt is plain text",
+        "starts with turns that are not the prompt column's",
     ),
+    ("sft", [{"prompt": "hi", "completion": "x", "text": "y"}], 1, "text", "give one of 'messages'"),
+    ("sft", [{"text": 3}], 1, "text", "expected a string, got int"),
+    ("sft", [{"body": "hello"}], 1, "prompt", "is missing (the row's columns: body; name yours with data.columns"),
     (
         "sft",
         [{"messages": [{"role": "user", "content": "hi"}]}],
@@ -144,7 +152,7 @@ BAD_JSONL = [
         [{"prompt": "a", "chosen": 1, "rejected": "c"}],
         1,
         "chosen",
-        "expected a string, got int",
+        "expected a string or a list of messages, got int",
     ),
     (
         "preferences",
@@ -163,8 +171,8 @@ BAD_JSONL = [
             }
         ],
         1,
-        "chosen[0].role",
-        "expected 'assistant'",
+        "rejected",
+        "expected a list of messages like chosen (conversations that repeat the prompt), got str",
     ),
     ("prm", [{"prompt": "a", "steps": ["b", "c"], "labels": [True]}], 1, "labels", "1 labels for 2 steps"),
     (

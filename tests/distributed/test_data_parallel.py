@@ -95,6 +95,7 @@ def test_two_processes_give_one_processs_gradients_weights_and_metrics(results, 
     assert _max_diff(one, two, "weight.") <= WEIGHT_TOL
     if case not in worker.OFFLINE:  # every minibatch's step, some with a process that holds no row of it
         assert _max_diff(one, two, "final.") <= WEIGHT_TOL
+        assert metrics_one["score/unscored"] == metrics_two["score/unscored"] == 1  # a count over all processes
     assert metrics_one.keys() == metrics_two.keys()
     for key, value in metrics_one.items():
         assert metrics_two[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key

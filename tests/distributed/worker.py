@@ -181,7 +181,12 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
         ctx.all_sum = lambda values: values.detach().double()
     recorder = FirstStep({name: getattr(ctx.roles, name) for name in ctx.trained})  # unwrapped: plain names
     update = online_steps.ppo_update(ctx, rollout, step=1)
-    stats = online.rollout_stats(ctx, rollout, rollout.mask, rollout.scores, {}, torch.zeros_like(rollout.logprobs))
+    first, local, total = ctx.rows()
+    scored = torch.ones(total, dtype=torch.bool)
+    scored[3] = False  # the masked response, as if nothing had scored it: score/unscored counts it once
+    scored = scored[first : first + local]
+    stats = online.rollout_stats(ctx, rollout, rollout.mask, rollout.scores, {}, torch.zeros_like(rollout.logprobs),
+                                 scored)
     metrics = stats.merge(update.stats).means(ctx)
     last = {f"final.{name}.{k}": p.detach().clone() for name in ctx.trained
             for k, p in getattr(ctx.roles, name).named_parameters()}  # after every minibatch's step

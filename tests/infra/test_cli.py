@@ -174,7 +174,7 @@ def test_quickstart_generate_report(tmp_path, fake, capsys):
     prompts.write_text('{"prompt": "hi"}\n')
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--greedy"]) == 0
     assert fake[-1] == ("generate", "m", str(prompts), {"out": None, "temperature": 0.0, "max_new_tokens": 64,
-                                                         "seed": 0})
+                                                         "seed": 0, "reward_model": None})
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--out", "o.jsonl"]) == 0
     assert fake[-1][3]["temperature"] == 0.7 and fake[-1][3]["out"] == "o.jsonl"
     assert cli.main(["generate", "--model", "m", "--prompts", str(tmp_path / "none.jsonl")]) == 2

@@ -20,18 +20,18 @@ PROMPTS = ["hello", "the cat sat on", "one two", "dog ran fast .", "yes", "five 
 REWARDS_PY = '''
 import time
 
-def cat_count(prompts, responses, records):
+def cat_count(prompts, completions, **kwargs):
     """+1 for every 'cat' in the response (a toy objective a tiny model can learn fast)."""
-    return [float(r.split().count("cat")) for r in responses]
+    return [float(c.split().count("cat")) for c in completions]
 
-def words(prompts, responses, records):
+def words(prompts, completions, **kwargs):
     """The number of words of the response."""
-    return [float(len(r.split())) for r in responses]
+    return [float(len(c.split())) for c in completions]
 
-def slow_cat_count(prompts, responses, records):
+def slow_cat_count(prompts, completions, **kwargs):
     """cat_count, slowly: a run long enough to be killed in the middle."""
     time.sleep(0.25)
-    return cat_count(prompts, responses, records)
+    return cat_count(prompts, completions)
 '''
 
 
@@ -66,12 +66,12 @@ def write_online_problem(root: Path, pad: str = "<pad>", policy: str = "llama", 
 
 
 def online_overrides(paths: dict[str, Path], out: Path, *extra: str, reward: str = "cat_count") -> list[str]:
-    """dotted.key=value settings of a small, fast online run (4 prompts x 2 responses, 6 new tokens)."""
+    """dotted.key=value settings of a small, fast online run (2 prompts x 2 responses, 6 new tokens, the default temperature)."""
     settings = [f"output_dir={out}", f"model.name_or_path={paths['policy']}", f"data.train_file={paths['prompts']}",
                 f"online.reward_functions=[{paths['rewards']}:{reward}]", "train.batch_size=4",
                 "train.micro_batch_size=2", "train.learning_rate=1e-3", "train.lr_schedule=constant",
                 "online.group_size=2", "online.response_length=6", "online.ppo_epochs=2",
-                "online.num_minibatches=2", "online.temperature=1.0", "data.max_prompt_length=16"]
+                "online.num_minibatches=2", "data.max_prompt_length=16"]
     return [*settings, *extra]
 
 

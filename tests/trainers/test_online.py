@@ -31,7 +31,7 @@ def rollout_for_update(ctx, step=1):
     examples = prepare_examples(ctx.cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
     batch = prompt_batch(ctx, examples, step)
     rollout, response_mask, _ = sample_rollout(ctx, batch)
-    rollout.scores, _, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
+    rollout.scores, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
     rollout.rewards, rollout.kl = shape_rewards(rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask,
                                                 ctx.kl_ctl.value, ctx.cfg.online.kl_estimator)
     rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
@@ -92,7 +92,7 @@ def test_hand_built_rollout_puts_score_on_last_real_token_and_rewards_sum_to_sco
         assert torch.allclose(rollout.logprobs[i, :n], expected, atol=1e-5)
         assert (rollout.logprobs[i, n:] == 0).all() and (rollout.ref_logprobs[i, n:] == 0).all()
 
-    scores, raw_scores, _ = score_rollout(ctx, rollout, response_mask, records)
+    scores, raw_scores, *_ = score_rollout(ctx, rollout, response_mask, records)
     assert raw_scores.tolist() == [2.0, 6.0, 0.0]  # "cat sat", "on a mat good bad yes", ""
     assert scores.tolist() == [2.0, -7.0, 0.0]  # the truncated response gets missing_eos_score
     rewards, kl = shape_rewards(scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask, kl_coef, "k1")
@@ -122,7 +122,7 @@ def test_critic_starts_as_the_reward_models_normalised_score(tmp_path, monkeypat
              "query_mask": torch.tensor([[1, 1, 1], [0, 1, 1]]), "records": [{"prompt": "x"}] * 2,
              "group_ids": torch.arange(2)}
     rollout, response_mask, _ = sample_rollout(ctx, batch)
-    _, _, parts = score_rollout(ctx, rollout, response_mask, batch["records"])
+    _, _, parts, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
     for i, (p, n) in enumerate(zip(prompts, [3, 2], strict=True)):
         ids = torch.tensor([p + raw[i][:n]])
         with torch.no_grad():
@@ -144,7 +144,7 @@ def test_missing_eos_mask_leaves_truncated_responses_out(tmp_path, monkeypatch):
     rollout, response_mask, _ = sample_rollout(ctx, batch)
     assert rollout.mask.tolist() == [[True, True, False, False], [False] * 4]
     assert response_mask[1].all()  # the reward model still reads the truncated response
-    rollout.scores, raw_scores, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
+    rollout.scores, raw_scores, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
     assert raw_scores.tolist() == [1.0, 4.0]
     rollout.rewards, rollout.kl = shape_rewards(rollout.scores, rollout.logprobs, rollout.ref_logprobs,
                                                 rollout.mask, 0.1)
@@ -191,26 +191,53 @@ def test_ratio_check_detects_dropout_when_it_is_left_on(tmp_path):
     assert result.first_minibatch_logprob_diff[0] > 1e-3
 
 
-def test_micro_batch_size_does_not_change_the_update(tmp_path):
-    """Whole-minibatch normaliser: one pass of 4 responses and four of 1 give the same gradient (SGD, lr 1)."""
+def _ragged_generation(tok, lengths):
+    """A stand-in for generate_responses whose i-th response ends with EOS after ``lengths[i % len]`` tokens
+    (0 = no EOS: truncated), so that a minibatch holds responses of different lengths."""
+    w = tok.convert_tokens_to_ids
+    words = [w(x) for x in ("cat", "dog", "mat", "one", "two", "yes", "good", "bad")]
+
+    def fake(model, prompt_ids, prompt_mask, *, stop_token_ids, pad_token_id, max_new_tokens, **_):
+        rows = []
+        for i in range(prompt_ids.shape[0]):
+            n = lengths[i % len(lengths)]
+            row = [words[(i + j) % len(words)] for j in range(max_new_tokens)]
+            if n:
+                row[n - 1] = tok.eos_token_id
+            rows.append(row)
+        return _hand_built_generation(tok, rows)(model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids,
+                                                 pad_token_id=pad_token_id)
+    return fake
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_size_does_not_change_the_update(tmp_path, monkeypatch, mode):
+    """Whole-minibatch normaliser in every aggregation mode: one pass of 8 responses of different lengths,
+    micro-batches of 4, 2 and 1 give the same gradient (SGD, lr 1) to actor and critic. A mean of per-micro-batch means
+    (or per-micro-batch token counts) differs as soon as the lengths differ."""
     paths = write_online_problem(tmp_path)
     deltas = []
     rollout = None
-    for micro in (4, 1):
+    for micro in (4, 2, 1):
         cfg = online_config(paths, tmp_path / f"run{micro}", f"online.reward_model={paths['reward']}",
-                            f"train.micro_batch_size={micro}", "online.ppo_epochs=1",
-                            "online.loss_agg_mode=seq-mean-token-mean", "train.max_grad_norm=null")
+                            f"train.micro_batch_size={micro}", "online.ppo_epochs=1", "online.num_minibatches=1",
+                            f"online.loss_agg_mode={mode}", "train.max_grad_norm=null")
         ctx = make_context(cfg)
+        monkeypatch.setattr(online_steps, "generate_responses", _ragged_generation(ctx.tokenizer, [1, 6, 3, 0]))
         for name, model in ctx.trained.items():
             ctx.optimizers[name] = torch.optim.SGD(model.parameters(), lr=1.0)
         rollout = rollout if rollout is not None else rollout_for_update(ctx)
+        assert sorted(rollout.mask.sum(1).tolist()) == [1, 1, 3, 3, 6, 6, 6, 6]  # ragged: 1, 6, 3 and 6 (no EOS)
         before = {name: state(model) for name, model in ctx.trained.items()}
         ppo_update(ctx, rollout, step=1)
         deltas.append({f"{name}.{k}": v - before[name][k] for name, model in ctx.trained.items()
                        for k, v in state(model).items()})
-    assert any(d.abs().max() > 1e-4 for d in deltas[0].values())
-    for key, delta in deltas[0].items():
-        assert torch.allclose(delta, deltas[1][key], atol=1e-6), key
+    assert {k.split(".")[0] for k in deltas[0]} == {"actor", "critic"}
+    assert any(d.abs().max() > 1e-4 for k, d in deltas[0].items() if k.startswith("actor."))
+    assert any(d.abs().max() > 1e-4 for k, d in deltas[0].items() if k.startswith("critic."))
+    for other in deltas[1:]:
+        for key, delta in deltas[0].items():
+            assert torch.allclose(delta, other[key], atol=1e-6), key
 
 
 # ---------------------------------------------------------------------------------------------------------

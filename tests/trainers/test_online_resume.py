@@ -38,9 +38,8 @@ def test_killed_then_resumed_run_is_bit_identical(tmp_path, monkeypatch):
     assert main(online_cli_args(paths, full, *extra, reward="slow_cat_count")) == 0
 
     args = online_cli_args(paths, part, *extra, reward="slow_cat_count")
-    # the same rlhfkit as this process (a PYTHONPATH that points at a checkout's src/ is kept)
-    env = {**os.environ, "RLHFKIT_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), os.getcwd()]))}
+    env = {**os.environ, "RLHFKIT_NUM_THREADS": "1",  # the source under test first, as in this process
+           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p)}
     proc = subprocess.Popen([sys.executable, "-m", "rlhfkit.cli", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 180

@@ -216,6 +216,24 @@ def test_best_keeper_prefers_accuracy_then_loss(tmp_path):
     assert not (tmp_path / "best" / "best.json").exists()
 
 
+def test_keep_best_never_keeps_the_untrained_model_and_says_when_the_best_is_the_first(tmp_path):
+    from rlhfkit.trainers.reward import keep_best_warnings
+
+    model = tiny_llama("scalar", seed=0)
+    keeper = BestKeeper(tmp_path / "best", keep_existing=False)
+    assert not keeper.update(model, 0, {"accuracy": 0.9, "loss": 0.3})  # step 0: the untrained model
+    assert keeper.best is None and keeper.untrained == {"accuracy": 0.9, "loss": 0.3}
+    assert keeper.update(model, 4, {"accuracy": 0.7, "loss": 0.6})
+    assert not keeper.update(model, 8, {"accuracy": 0.6, "loss": 0.7})
+    assert keeper.step == 4
+    first, untrained = keep_best_warnings(keeper, eval_steps=4, last_step=8)
+    assert "came at the first evaluation (step 4)" in first and "up to step 8" in first
+    assert "untrained model's held-out accuracy (0.9)" in untrained and "(0.7, step 4)" in untrained
+    assert keep_best_warnings(keeper, eval_steps=4, last_step=4)[:1] != [first]  # one evaluation: nothing to say
+    assert keeper.update(model, 12, {"accuracy": 0.95, "loss": 0.2})
+    assert keep_best_warnings(keeper, eval_steps=4, last_step=12) == []
+
+
 # ----------------------------------------------------------------------------------------------------------
 # End to end on a tiny synthetic problem
 
@@ -365,16 +383,19 @@ def test_resume_reproduces_the_run_and_its_best_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_early_stopping_ends_the_run_and_keeps_the_best(tmp_path):
+def test_early_stopping_ends_the_run_and_keeps_the_best(tmp_path, capsys):
     paths = write_reward_problem(tmp_path, gold=False)
     out = tmp_path / "run"
-    # A learning rate this small changes no float32 score, so no evaluation beats step 0's.
+    # A learning rate this small changes no float32 score, so no evaluation beats the first trained one (step 2;
+    # the untrained step 0 never counts as the best).
     assert main(reward_args(paths, out, "train.max_steps=40", "train.eval_steps=2", "train.learning_rate=1e-20",
                             "reward.early_stopping_patience=2")) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["early_stopped"] and summary["final_step"] == 0
-    assert [r["step"] for r in _rows(out / "metrics.jsonl")][-1] == 4
-    assert (out / "checkpoints" / "step-4").is_dir()  # the stopping step is checkpointed
+    assert summary["steps"] == 6 and summary["early_stopped"] and summary["final_step"] == 2
+    assert "rlhfkit: warning: reward.keep_best: the best held-out accuracy came at the first evaluation (step 2)" \
+        in capsys.readouterr().err
+    assert [r["step"] for r in _rows(out / "metrics.jsonl")][-1] == 6
+    assert (out / "checkpoints" / "step-6").is_dir()  # the stopping step is checkpointed
     assert "heldout_gold_accuracy" not in summary and "bayes_ceiling" in summary
 
 

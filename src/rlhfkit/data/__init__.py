@@ -7,9 +7,12 @@ The usual path, all before training starts::
     examples = tokenize_records(records, tokenizer, TokenLimits(max_prompt_length=256, max_length=512))
     batch = PreferenceCollator(tokenizer.pad_token_id)(examples[:8])
 
-or ``prepare_examples(source, kind, tokenizer, limits)`` for the first two steps at once.
+or ``prepare_examples(source, kind, tokenizer, limits)`` for the first two steps at once, with the
+tokens cached on disk through ``datasets.map`` (:mod:`rlhfkit.data.prepare`); trainers call
+``prepare_run_data(cfg.data, kind, tokenizer, limits)`` for the training and held-out examples.
 """
 
+from rlhfkit.config import STANDARD_COLUMNS, check_columns
 from rlhfkit.data.collators import (
     IGNORE_INDEX,
     PreferenceCollator,
@@ -18,13 +21,13 @@ from rlhfkit.data.collators import (
     SFTCollator,
     pad_sequences,
 )
+from rlhfkit.data.prepare import Examples, prepare_examples, prepare_run_data, tokenize_cached
 from rlhfkit.data.readers import RawRows, read_rows
 from rlhfkit.data.records import KINDS, Records, load_dataset_records, validate_rows
 from rlhfkit.data.tokenize import (
     TokenLimits,
     encode_prompt,
     encode_response,
-    prepare_examples,
     render_chat,
     tokenize_preference,
     tokenize_prm,
@@ -36,6 +39,8 @@ from rlhfkit.data.tokenize import (
 __all__ = [
     "IGNORE_INDEX",
     "KINDS",
+    "STANDARD_COLUMNS",
+    "Examples",
     "PRMCollator",
     "PreferenceCollator",
     "PromptCollator",
@@ -43,16 +48,19 @@ __all__ = [
     "Records",
     "SFTCollator",
     "TokenLimits",
+    "check_columns",
     "encode_prompt",
     "encode_response",
     "load_dataset_records",
     "pad_sequences",
     "prepare_examples",
+    "prepare_run_data",
     "read_rows",
     "render_chat",
     "tokenize_preference",
     "tokenize_prm",
     "tokenize_prompt",
+    "tokenize_cached",
     "tokenize_records",
     "tokenize_sft",
     "validate_rows",

@@ -42,28 +42,40 @@ class RawRows:
         )
 
 
-def read_rows(source: str | os.PathLike, split: str = "train") -> RawRows:
+def read_rows(source: str | os.PathLike, split: str | None = "train", split_key: str = "data.train_split"
+              ) -> RawRows:
     """Read every row of ``source``.
 
     Args:
         source: a ``.jsonl``/``.ndjson``, ``.json`` (a list of objects, or JSON Lines), ``.parquet``
             file; a folder written by ``datasets.save_to_disk``; or a hub dataset name.
-        split: the split to take from a ``DatasetDict`` folder or a hub dataset.
+        split: the split to take from a ``DatasetDict`` folder or a hub dataset; None = its only split
+            (a DataError names the splits when there are several). A single file or ``Dataset`` has no
+            splits: it is read for ``"train"`` (the default) and None, and any other name is a DataError.
+        split_key: the configuration key that set ``split``, named in those errors.
     """
     source = os.fspath(source)
     path = os.path.expanduser(source)
     if os.path.isdir(path):
-        return _read_datasets_folder(source, path, split)
+        return _read_datasets_folder(source, path, split, split_key)
     lower = path.lower()
     if os.path.exists(path) or lower.endswith(FILE_SUFFIXES) or path.startswith((".", "/", "~")):
         if not os.path.exists(path):
             raise DataError(source, "file not found")
+        if not lower.endswith(FILE_SUFFIXES):
+            raise DataError(source, "unsupported file type: use .jsonl, .json, .parquet or a datasets folder")
+        _no_splits(source, split, split_key)
         if lower.endswith(PARQUET_SUFFIXES):
             return _read_parquet(source, path)
-        if lower.endswith(JSONL_SUFFIXES + JSON_SUFFIXES):
-            return _read_json(source, path, lines=lower.endswith(JSONL_SUFFIXES))
-        raise DataError(source, "unsupported file type: use .jsonl, .json, .parquet or a datasets folder")
-    return _read_hub(source, split)
+        return _read_json(source, path, lines=lower.endswith(JSONL_SUFFIXES))
+    return _read_hub(source, split, split_key)
+
+
+def _no_splits(source: str, split: str | None, split_key: str) -> None:
+    if split not in (None, "train"):
+        raise DataError(source, f"is one table with no splits, so {split_key}='{split}' cannot be taken from it; "
+                                "splits come with a DatasetDict folder or a hub dataset (or give the held-out "
+                                "rows as their own file in data.eval_file)")
 
 
 def _read_text(source: str, path: str) -> str:
@@ -127,7 +139,7 @@ def _read_parquet(source: str, path: str) -> RawRows:
     return RawRows(source, rows, list(range(len(rows))), "row")
 
 
-def _read_datasets_folder(source: str, path: str, split: str) -> RawRows:
+def _read_datasets_folder(source: str, path: str, split: str | None, split_key: str) -> RawRows:
     if not any(
         os.path.exists(os.path.join(path, name)) for name in ("dataset_info.json", "dataset_dict.json")
     ):
@@ -142,25 +154,33 @@ def _read_datasets_folder(source: str, path: str, split: str) -> RawRows:
         loaded = datasets.load_from_disk(path)
     except (OSError, ValueError, FileNotFoundError) as error:
         raise DataError(source, f"cannot load the datasets folder: {error}") from error
-    return _dataset_rows(source, loaded, split)
+    return _dataset_rows(source, loaded, split, split_key)
 
 
-def _read_hub(source: str, split: str) -> RawRows:
+def _read_hub(source: str, split: str | None, split_key: str) -> RawRows:
     import datasets
 
-    try:
-        loaded = datasets.load_dataset(source, split=split)
+    try:  # every split, so that a missing one can be named beside those that exist
+        loaded = datasets.load_dataset(source)
     except Exception as error:  # the hub client raises many types (network, auth, missing repo)
         raise DataError(
             source, f"not a local file or folder, and loading it from the hub failed: {error}"
         ) from error
-    return _dataset_rows(source, loaded, split)
+    return _dataset_rows(source, loaded, split, split_key)
 
 
-def _dataset_rows(source: str, loaded, split: str) -> RawRows:
+def _dataset_rows(source: str, loaded, split: str | None, split_key: str) -> RawRows:
     if hasattr(loaded, "keys") and not hasattr(loaded, "features"):  # a DatasetDict
+        names = list(loaded.keys())
+        if split is None:
+            if len(names) != 1:
+                raise DataError(source, f"has splits {', '.join(names)}: set {split_key} to the one to use")
+            split = names[0]
         if split not in loaded:
-            raise DataError(source, f"no split '{split}' (splits: {', '.join(loaded.keys())})")
+            raise DataError(source, f"no split '{split}' (splits: {', '.join(names)}); set {split_key} to one "
+                                    "of them")
         loaded = loaded[split]
+    else:
+        _no_splits(source, split, split_key)
     rows = loaded.to_list()
     return RawRows(source, rows, list(range(len(rows))), "row")

@@ -1,26 +1,40 @@
 """Validating records of the four kinds of DESIGN.md "Data formats", with errors that name the
 file, the line (or row) and the field.
 
-Kinds and fields (extra fields are kept, e.g. an ``answer`` for a reward function):
-- ``prompts``: ``prompt``;
-- ``sft``: ``prompt`` + ``completion``, or ``messages`` (the final message, an assistant reply, is
-  the completion and everything before it the prompt);
-- ``preferences``: ``prompt`` + ``chosen`` + ``rejected``, optional numeric ``margin``;
+Kinds and the shapes each accepts (detected from each row; extra fields are kept, e.g. an ``answer``
+for a reward function):
+- ``prompts``: ``prompt``; or, without one, the prompt of an SFT ``messages`` row (the turns before
+  its final assistant reply) or of a preference row (the turns ``chosen`` and ``rejected`` share);
+- ``sft``: ``prompt`` + ``completion``; ``messages`` (the final message, an assistant reply, is the
+  completion and everything before it the prompt); or ``text`` (plain text, all of it trained on);
+- ``preferences``: ``prompt`` + ``chosen`` + ``rejected`` (optional numeric ``margin``); or, with no
+  ``prompt`` (an *implicit prompt*, the shape of HH-RLHF and trl-lib's UltraFeedback), ``chosen`` and
+  ``rejected`` as whole conversations whose shared first turns are the prompt, or as plain strings whose
+  shared text up to the last ``Assistant:`` at the start of a line (HH-RLHF's ``\n\nHuman:`` /
+  ``\n\nAssistant:``) is the prompt;
 - ``prm`` (process supervision): ``prompt`` + ``steps`` (list of strings) + ``labels`` (list of
   booleans, one per step).
 
 A prompt is a non-empty string (plain) or a non-empty list of ``{"role", "content"}`` messages
-(conversational). With a conversational prompt, a response (``completion``, ``chosen``,
-``rejected``) is a string or a list of assistant messages; with a plain prompt it is a string.
-After validation every conversational response is a list of messages, so tokenisation sees one
-shape per case. A missing field and a null one (a hole in a Parquet column) are reported alike.
+(conversational). A response (``completion``, ``chosen``, ``rejected``) is a string or a list of
+assistant messages. A response list that starts with the prompt's turns (the H4 UltraFeedback shape:
+``prompt`` a string, ``chosen`` / ``rejected`` repeating it as a user message) has them taken off, after
+a check that they are the prompt. With a plain-text prompt and assistant messages as the response, the
+prompt becomes one user message. After validation every conversational response is a list of
+assistant messages, so tokenisation sees one shape per case. A missing field and a null one (a hole in
+a Parquet column) are reported alike.
+
+``columns`` maps the standard names (:data:`STANDARD_COLUMNS`) to a dataset's own column names (the
+``data.columns`` key), e.g. ``{"prompt": "question"}``; the columns are renamed before validation.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
+from rlhfkit.config import check_columns
 from rlhfkit.data.readers import RawRows, read_rows
 from rlhfkit.errors import DataError
 
@@ -106,35 +120,157 @@ def _prompt(record: dict) -> str | list[dict]:
     return _text(value, "prompt")
 
 
-def _response(record: dict, name: str, conversational: bool) -> str | list[dict]:
-    value = _get(record, name)
+def _missing_prompt(record: dict) -> FieldError:
+    columns = ", ".join(map(str, record)) or "none"
+    return FieldError("prompt", f"is missing (the row's columns: {columns}; name yours with data.columns, "
+                                "e.g. data.columns={prompt: question})")
+
+
+def _response(value, name: str, conversational: bool) -> str | list[dict]:
+    """A validated response: a string, or (``conversational``) a list of assistant messages."""
+    if value is None:
+        raise FieldError(name, "is null")
     if isinstance(value, list):
-        if not conversational:
-            raise FieldError(
-                name, "is a list of messages but the prompt is plain text; make both conversational"
-            )
         messages = _messages(value, name, require_role="assistant")
         _text(messages[-1]["content"], f"{name}[{len(messages) - 1}].content")
         return messages
     text = _text(value, name) if isinstance(value, str) else None
     if text is None:
-        expected = "a string or a list of messages" if conversational else "a string"
-        raise FieldError(name, f"expected {expected}, got {_type_name(value)}")
+        raise FieldError(name, f"expected a string or a list of messages, got {_type_name(value)}")
     return [{"role": "assistant", "content": text}] if conversational else text
 
 
+def _shared_turns(conversations: dict[str, list]) -> int:
+    """How many first messages every conversation shares, backed off so that each remainder starts with an
+    assistant message (the longest common prefix of messages; with one conversation, the turns before its
+    final run of assistant replies)."""
+    names = list(conversations)
+    for name in names:
+        _messages(conversations[name], name)
+    lists = list(conversations.values())
+    if len(lists) == 1:
+        shared = len(lists[0])
+    else:
+        shared = 0
+        while all(len(c) > shared for c in lists) and all(c[shared] == lists[0][shared] for c in lists):
+            shared += 1
+    while shared > 0 and lists[0][shared - 1]["role"] == "assistant":
+        shared -= 1
+    if shared == 0:
+        what = "share no first turns" if len(lists) > 1 else "has no turn before its assistant reply"
+        if all(m["role"] == "assistant" for c in lists for m in c):
+            what = "hold only assistant messages" if len(lists) > 1 else "holds only assistant messages"
+        raise FieldError(names[0], f"{' and '.join(names)} {what}, so there is no prompt to take from them; "
+                                   "give a 'prompt' column")
+    for name, conversation in conversations.items():
+        for i in range(shared, len(conversation)):
+            if conversation[i]["role"] != "assistant":
+                raise FieldError(
+                    f"{name}[{i}].role",
+                    f"is '{conversation[i]['role']}' after the {shared} turn(s) that make the prompt; the reply "
+                    "after the prompt must be assistant messages")
+        if len(conversation) == shared:
+            raise FieldError(name, f"has no assistant reply after the {shared} turn(s) that make the prompt")
+    return shared
+
+
+# The last line that starts with this marks where the reply begins in plain-text conversations
+# (HH-RLHF: "\n\nHuman: ...\n\nAssistant: ...").
+ASSISTANT_MARKER = re.compile(r"(?:^|\n)Assistant:")
+
+
+def _shared_text_prompt(texts: dict[str, str], record: dict) -> int:
+    """Where the prompt ends in plain-text conversations: after the last ``Assistant:`` at the start of a
+    line within the text they share (the reply keeps its leading space, as a tokenizer expects)."""
+    for name, text in texts.items():
+        _text(text, name)
+    values = list(texts.values())
+    common = 0
+    while all(len(t) > common for t in values) and all(t[common] == values[0][common] for t in values):
+        common += 1
+    ends = [match.end() for match in ASSISTANT_MARKER.finditer(values[0][:common])]
+    names = " and ".join(texts)
+    if not ends:
+        raise FieldError(next(iter(texts)), f"{names} are plain text with no 'prompt' column, and the text they "
+                                            "share has no line starting with 'Assistant:' to end a prompt; give a "
+                                            f"'prompt' column, or name yours with data.columns (the row's columns: "
+                                            f"{', '.join(map(str, record))})")
+    return ends[-1]
+
+
+def _split_responses(record: dict, names: tuple[str, ...], prompt: str | list[dict] | None
+                     ) -> tuple[str | list[dict], list[str | list[dict]]]:
+    """The prompt and the responses ``names`` of ``record``, in one of the shapes of the module docstring.
+
+    ``prompt`` is the validated ``prompt`` column, or None for an implicit prompt.
+    """
+    values = {name: _get(record, name) for name in names}
+    repeats = {name: v for name, v in values.items()
+               if isinstance(v, list) and any(isinstance(m, dict) and m.get("role") != "assistant" for m in v)}
+    if prompt is None and all(isinstance(v, str) for v in values.values()):  # HH-RLHF plain text
+        end = _shared_text_prompt(values, record)
+        prompt = _text(values[names[0]][:end], "prompt")
+        return prompt, [_response(v[end:], name, False) for name, v in values.items()]
+    if prompt is None or repeats:
+        lists = {name: v for name, v in values.items() if isinstance(v, list)}
+        if len(lists) < len(values):
+            other = next(name for name in values if name not in lists)
+            what = "whole conversations" if prompt is None else "conversations that repeat the prompt"
+            raise FieldError(other, f"expected a list of messages like {', '.join(lists)} ({what}), "
+                                    f"got {_type_name(values[other])}")
+        shared = _shared_turns(lists)
+        turns = next(iter(lists.values()))[:shared]
+        if prompt is not None:
+            _check_repeated_prompt(prompt, turns, next(iter(lists)))
+        return turns, [_response(v[shared:], name, True) for name, v in values.items()]
+    conversational = isinstance(prompt, list) or any(isinstance(v, list) for v in values.values())
+    if conversational and isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    return prompt, [_response(v, name, conversational) for name, v in values.items()]
+
+
+def _check_repeated_prompt(prompt: str | list[dict], turns: list[dict], name: str) -> None:
+    if isinstance(prompt, list):
+        same = [(m["role"], m["content"].strip()) for m in prompt] == [(m["role"], m["content"].strip())
+                                                                      for m in turns]
+    else:
+        same = turns[-1]["content"].strip() == prompt.strip()
+    if not same:
+        raise FieldError(name, "starts with turns that are not the prompt column's (a response that repeats the "
+                               "prompt must repeat it exactly)")
+
+
 def _validate_prompts(record: dict) -> dict:
-    return {**record, "prompt": _prompt(record)}
+    if record.get("prompt") is not None:
+        return {**record, "prompt": _prompt(record)}
+    if record.get("messages") is not None:
+        messages = _messages(_list(record, "messages"), "messages")
+        shared = len(messages)
+        while shared > 0 and messages[shared - 1]["role"] == "assistant":
+            shared -= 1
+        if shared == 0:
+            raise FieldError("messages", "has no turn before its assistant reply, so there is no prompt")
+        return {**record, "prompt": messages[:shared]}
+    if record.get("chosen") is not None and record.get("rejected") is not None:
+        prompt, _ = _split_responses(record, ("chosen", "rejected"), None)
+        return {**record, "prompt": prompt}
+    raise _missing_prompt(record)
+
+
+def _list(record: dict, name: str) -> list:
+    value = record[name]
+    if not isinstance(value, list):
+        raise FieldError(name, f"expected a list of messages, got {_type_name(value)}")
+    return value
 
 
 def _validate_sft(record: dict) -> dict:
-    if record.get("messages") is not None:
-        if record.get("prompt") is not None:
-            raise FieldError("messages", "give either 'messages' or 'prompt' + 'completion', not both")
-        value = record["messages"]
-        if not isinstance(value, list):
-            raise FieldError("messages", f"expected a list of messages, got {_type_name(value)}")
-        messages = _messages(value, "messages")
+    given = [name for name in ("messages", "prompt", "text") if record.get(name) is not None]
+    if len(given) > 1:
+        raise FieldError(given[1], f"give one of 'messages', 'prompt' + 'completion' or 'text', not "
+                                   f"{' and '.join(repr(g) for g in given)}")
+    if given == ["messages"]:
+        messages = _messages(_list(record, "messages"), "messages")
         last = len(messages) - 1
         if messages[last]["role"] != "assistant":
             raise FieldError(
@@ -145,20 +281,23 @@ def _validate_sft(record: dict) -> dict:
             raise FieldError("messages", "needs at least one message before the assistant reply (the prompt)")
         out = {key: value for key, value in record.items() if key != "messages"}
         return {**out, "prompt": messages[:last], "completion": messages[last:]}
-    prompt = _prompt(record)
-    return {
-        **record,
-        "prompt": prompt,
-        "completion": _response(record, "completion", isinstance(prompt, list)),
-    }
+    if given == ["text"]:
+        value = record["text"]
+        if not isinstance(value, str):
+            raise FieldError("text", f"expected a string, got {_type_name(value)}")
+        return {**record, "text": _text(value, "text")}
+    if not given:
+        raise _missing_prompt(record)
+    prompt, (completion,) = _split_responses(record, ("completion",), _prompt(record))
+    return {**record, "prompt": prompt, "completion": completion}
 
 
 def _validate_preferences(record: dict) -> dict:
-    prompt = _prompt(record)
-    conversational = isinstance(prompt, list)
-    out = {**record, "prompt": prompt}
-    for name in ("chosen", "rejected"):
-        out[name] = _response(record, name, conversational)
+    prompt = _prompt(record) if record.get("prompt") is not None else None
+    if prompt is None and (record.get("chosen") is None or record.get("rejected") is None):
+        raise _missing_prompt(record) if "prompt" not in record else FieldError("prompt", "is null")
+    prompt, (chosen, rejected) = _split_responses(record, ("chosen", "rejected"), prompt)
+    out = {**record, "prompt": prompt, "chosen": chosen, "rejected": rejected}
     margin = record.get("margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)):
         raise FieldError("margin", f"expected a number, got {_type_name(margin)}")
@@ -192,12 +331,39 @@ VALIDATORS = {
 }
 
 
-def validate_rows(raw: RawRows, kind: Kind) -> Records:
-    """Validate every row of ``raw`` as ``kind``; raise a DataError at the first bad one."""
+def rename_columns(raw: RawRows, columns: dict | None) -> RawRows:
+    """``raw`` with its columns renamed to the standard names of ``columns`` (standard name -> column).
+
+    A mapped column that no row has, or a standard name that is also a column of its own (which the
+    mapping would hide), is a DataError naming the columns there are.
+    """
+    columns = {name: column for name, column in check_columns(columns).items() if name != column}
+    if not columns or not raw.rows:
+        return raw
+    present = {key for row in raw.rows for key in row}
+    for name, column in columns.items():
+        if column not in present:
+            raise DataError(raw.source, f"data.columns maps '{name}' to '{column}', which is not a column here "
+                                        f"(columns: {', '.join(sorted(map(str, present)))})")
+        if name in present and name not in columns.values():
+            raise DataError(raw.source, f"data.columns maps '{name}' to '{column}', but the data also has a "
+                                        f"'{name}' column, which that would hide; map it too, or drop it")
+    rows = []
+    for row in raw.rows:
+        renamed = {key: value for key, value in row.items() if key not in columns.values()}
+        renamed.update({name: row[column] for name, column in columns.items() if column in row})
+        rows.append(renamed)
+    return RawRows(raw.source, rows, raw.locations, raw.row_kind)
+
+
+def validate_rows(raw: RawRows, kind: Kind, columns: dict | None = None) -> Records:
+    """Validate every row of ``raw`` as ``kind`` (after renaming ``columns``, standard name -> column);
+    raise a DataError at the first bad one."""
     if kind not in VALIDATORS:
         raise ValueError(f"unknown data kind '{kind}': one of {', '.join(KINDS)}")
     if not raw.rows:
         raise DataError(raw.source, "the dataset has no records")
+    raw = rename_columns(raw, columns)
     records = []
     for index, row in enumerate(raw.rows):
         try:
@@ -207,16 +373,20 @@ def validate_rows(raw: RawRows, kind: Kind) -> Records:
     return Records(records, raw, kind)
 
 
-def load_dataset_records(source: str | os.PathLike, kind: Kind, split: str = "train") -> Records:
+def load_dataset_records(source: str | os.PathLike, kind: Kind, split: str | None = "train",
+                         columns: dict | None = None, split_key: str = "data.train_split") -> Records:
     """Read and validate a whole dataset before any training starts.
 
     Args:
         source: a .jsonl / .json / .parquet file, a ``datasets`` folder, or a hub dataset name.
         kind: ``"prompts"``, ``"sft"``, ``"preferences"`` or ``"prm"``.
-        split: the split of a ``DatasetDict`` folder or a hub dataset.
+        split: the split of a ``DatasetDict`` folder or a hub dataset (None: its only split); see
+            :func:`rlhfkit.data.read_rows`.
+        columns: standard name -> the dataset's column (``data.columns``).
+        split_key: the configuration key that chose ``split``, for error messages.
     Returns:
         the validated records, a list of dicts in the normalised shapes of this module's docstring.
     Raises:
         DataError: naming the file, the line (1-based, JSON Lines) or row (0-based), and the field.
     """
-    return validate_rows(read_rows(source, split), kind)
+    return validate_rows(read_rows(source, split, split_key), kind, columns)

@@ -20,11 +20,10 @@ Conventions (one place for all trainers):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhfkit.data.records import FieldError, Kind, Records, load_dataset_records
+from rlhfkit.data.records import FieldError, Records
 
 Truncation = Literal["error", "left", "right"]
 TRUNCATIONS = ("error", "left", "right")
@@ -73,10 +72,13 @@ def encode_prompt(
     prompt: str | list[dict],
     max_prompt_length: int | None = None,
     truncation: Truncation = "error",
+    rendered: str | None = None,
 ) -> list[int]:
-    """Token ids of a plain or conversational prompt, truncated as the module docstring says."""
+    """Token ids of a plain or conversational prompt, truncated as the module docstring says (``rendered``: the
+    conversational prompt's chat-template text, when the caller has it already)."""
     if isinstance(prompt, list):
-        ids = _ids(tokenizer, render_chat(tokenizer, prompt, add_generation_prompt=True), special=False)
+        text = rendered if rendered is not None else render_chat(tokenizer, prompt, add_generation_prompt=True)
+        ids = _ids(tokenizer, text, special=False)
     else:
         ids = _ids(tokenizer, prompt, special=True)
     if not ids:
@@ -99,11 +101,14 @@ def encode_prompt(
     return ids[len(ids) - max_prompt_length :]
 
 
-def encode_response(tokenizer, prompt: str | list[dict], response: str | list[dict], field: str) -> list[int]:
-    """Token ids of a response that ends with EOS (see the module docstring)."""
+def encode_response(tokenizer, prompt: str | list[dict], response: str | list[dict], field: str,
+                    rendered: str | None = None) -> list[int]:
+    """Token ids of a response that ends with EOS (see the module docstring; ``rendered`` as in
+    :func:`encode_prompt`)."""
     eos = tokenizer.eos_token_id
     if isinstance(prompt, list):
-        prompt_text = render_chat(tokenizer, prompt, add_generation_prompt=True, field=field)
+        prompt_text = rendered if rendered is not None else render_chat(
+            tokenizer, prompt, add_generation_prompt=True, field=field)
         full = render_chat(tokenizer, prompt + response, add_generation_prompt=False, field=field)
         if not full.startswith(prompt_text):
             raise FieldError(
@@ -137,8 +142,14 @@ def _room(prompt_ids: list[int], max_length: int | None) -> int | None:
     return room
 
 
-def _prompt_ids(record: dict, tokenizer, limits: TokenLimits) -> list[int]:
-    return encode_prompt(tokenizer, record["prompt"], limits.max_prompt_length, limits.truncation)
+def _rendered(record: dict, tokenizer) -> str | None:
+    """A conversational prompt's chat-template text, rendered once for the prompt and every response."""
+    prompt = record["prompt"]
+    return render_chat(tokenizer, prompt, add_generation_prompt=True) if isinstance(prompt, list) else None
+
+
+def _prompt_ids(record: dict, tokenizer, limits: TokenLimits, rendered: str | None = None) -> list[int]:
+    return encode_prompt(tokenizer, record["prompt"], limits.max_prompt_length, limits.truncation, rendered)
 
 
 def tokenize_prompt(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -> dict:
@@ -147,20 +158,34 @@ def tokenize_prompt(record: dict, tokenizer, limits: TokenLimits = TokenLimits()
 
 
 def tokenize_sft(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -> dict:
-    """``{"prompt_ids", "completion_ids"}``; the completion ends with EOS unless cut by ``max_length``."""
-    prompt_ids = _prompt_ids(record, tokenizer, limits)
+    """``{"prompt_ids", "completion_ids"}``; the completion ends with EOS unless cut by ``max_length``.
+
+    A ``text`` record is trained on whole: its first token (BOS when the tokenizer adds one) is the
+    "prompt", as nothing before it could predict it, and the rest, with EOS, the completion.
+    """
+    if "text" in record and "prompt" not in record:
+        ids = _ids(tokenizer, record["text"], special=True)
+        if not ids or ids[-1] != tokenizer.eos_token_id:
+            ids.append(tokenizer.eos_token_id)
+        if len(ids) < 2:
+            raise FieldError("text", "tokenizes to no tokens besides EOS")
+        room = None if limits.max_length is None else limits.max_length - 1
+        return {"prompt_ids": ids[:1], "completion_ids": ids[1:][:room]}
+    rendered = _rendered(record, tokenizer)
+    prompt_ids = _prompt_ids(record, tokenizer, limits, rendered)
     room = _room(prompt_ids, limits.max_length)
-    completion = encode_response(tokenizer, record["prompt"], record["completion"], "completion")
+    completion = encode_response(tokenizer, record["prompt"], record["completion"], "completion", rendered)
     return {"prompt_ids": prompt_ids, "completion_ids": completion[:room]}
 
 
 def tokenize_preference(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -> dict:
     """``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (+ ``"margin"`` when the record has one)."""
-    prompt_ids = _prompt_ids(record, tokenizer, limits)
+    rendered = _rendered(record, tokenizer)
+    prompt_ids = _prompt_ids(record, tokenizer, limits, rendered)
     room = _room(prompt_ids, limits.max_length)
     out = {"prompt_ids": prompt_ids}
     for name in ("chosen", "rejected"):
-        out[f"{name}_ids"] = encode_response(tokenizer, record["prompt"], record[name], name)[:room]
+        out[f"{name}_ids"] = encode_response(tokenizer, record["prompt"], record[name], name, rendered)[:room]
     if record.get("margin") is not None:
         out["margin"] = float(record["margin"])
     return out
@@ -222,14 +247,3 @@ def tokenize_records(records: Records, tokenizer, limits: TokenLimits = TokenLim
         except FieldError as error:
             raise records.error(index, error.message, field=error.field) from None
     return examples
-
-
-def prepare_examples(
-    source: str | os.PathLike,
-    kind: Kind,
-    tokenizer,
-    limits: TokenLimits = TokenLimits(),
-    split: str = "train",
-) -> list[dict]:
-    """Read, validate and tokenise a whole dataset up front, so that bad data stops a run before training."""
-    return tokenize_records(load_dataset_records(source, kind, split), tokenizer, limits)

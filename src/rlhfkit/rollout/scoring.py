@@ -5,21 +5,31 @@ function. The reward model's raw score is read at the response's last real token
 :func:`rlhfkit.models.sequence_scores` (whatever the padding side or pad id); the reward trainer stores a
 gain and a bias in the model's ``config.json`` (``rlhfkit_reward_gain``, ``rlhfkit_reward_bias``) that map
 its scores on training responses to mean 0 and std 1 (Huang et al. 2024, reward normalisation), and the
-score used here is ``gain * raw + bias`` (gain 1 and bias 0 for a model without them). A reward function is named in ``online.reward_functions`` as ``"pkg.module:fn"`` (an
-importable module) or ``"path/to/file.py:fn"`` (a Python file, relative to the working folder), and is
-called once per rollout with the whole batch::
+score used here is ``gain * raw + bias`` (gain 1 and bias 0 for a model without them).
 
-    def fn(prompts: list, responses: list[str], records: list[dict]) -> Sequence[float]:
+Reward functions follow TRL's convention, so a function written for TRL's GRPOTrainer runs unchanged. One
+is named in ``online.reward_functions`` as ``"pkg.module:fn"`` (an importable module) or
+``"path/to/file.py:fn"`` (a Python file, relative to the working folder); loading it imports that module,
+i.e. runs its code with your permissions, as ``python file.py`` would. It is called once per rollout with
+keywords, one list entry per response::
+
+    def fn(prompts, completions, **kwargs) -> list[float | None]:
         ...
 
-- ``prompts``: the prompt of each response as it is in the data (a string, or a list of chat messages);
-  with ``online.group_size`` > 1 each prompt appears once per response;
-- ``responses``: the text of each response, decoded without special tokens (no EOS, no pad) and cut at
-  the stop token;
-- ``records``: the data row of each prompt (extra fields, such as a reference answer, are there).
+- ``prompts``: each response's prompt as it is in the data (a string, or a list of chat messages); with
+  ``online.group_size`` > 1 each prompt appears once per response;
+- ``completions``: the text of each response, decoded without special tokens and cut at the stop token;
+  for a conversational prompt, as TRL gives it: ``[{"role": "assistant", "content": text}]``;
+- ``completion_ids``: the response's token ids (up to and including the stop token);
+- every other column of the prompt dataset (e.g. ``answer``), under its own name (``None`` for a row
+  that lacks it). TRL's ``trainer_state`` is not passed.
 
-It returns one finite number per response (a list, tuple, numpy array or 1-D tensor). A wrong count,
-``None``, NaN, inf or a non-number stops the run with a :class:`RewardFunctionError` that names the
+A function without ``**kwargs`` gets only the keywords it names; one that needs a keyword that is not
+there (a column the data lacks) is refused before training. It returns one value per response (a list,
+tuple, numpy array or 1-D tensor): a finite number, or ``None`` for "no opinion" (e.g. a maths checker
+asked about a poem). A response that no part scores (every function said None and there is no reward
+model) is left out of the loss and counted (``score/unscored``). A function that raises, or returns a
+wrong count, NaN, inf or a non-number, stops the run with a :class:`RewardFunctionError` that names the
 function and the response (REFERENCES.md, bug 9: NaN rewards must never train silently).
 
 Shapes: ``B`` responses, ``L`` prompt + response length.
@@ -30,9 +40,11 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +54,7 @@ import torch
 from rlhfkit.errors import ConfigError, UserError
 from rlhfkit.models import sequence_scores, unwrap_model
 
-RewardFunction = Callable[[list, list[str], list[dict]], Sequence[float]]
+RewardFunction = Callable[..., Sequence[float | None]]
 
 # Keys of a reward model's config.json written by the reward trainer: normalised = gain * raw + bias.
 GAIN_KEY, BIAS_KEY = "rlhfkit_reward_gain", "rlhfkit_reward_bias"
@@ -106,25 +118,63 @@ def _import_file(path: str, spec: str, where: str):
     return module
 
 
+def accepted_keywords(fn: Callable) -> tuple[set[str] | None, set[str]]:
+    """(the keywords ``fn`` takes, None when it has ``**kwargs``; the ones it requires)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: give it everything
+        return None, set()
+    accepted, required, open_ended = set(), set(), False
+    for param in signature.parameters.values():
+        if param.kind is param.VAR_KEYWORD:
+            open_ended = True
+        elif param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            accepted.add(param.name)
+            if param.default is param.empty:
+                required.add(param.name)
+        elif param.kind is param.POSITIONAL_ONLY and param.default is param.empty:
+            required.add(param.name)  # never passed (keywords only), so always missing
+    return (None if open_ended else accepted), required
+
+
+# Keywords every call has; the prompt dataset's columns are passed besides them.
+CALL_KEYWORDS = ("prompts", "completions", "completion_ids")
+
+
+def check_signature(name: str, fn: Callable, columns: Sequence[str], where: str = "online.reward_functions") -> None:
+    """A ConfigError, before any model loads, when ``fn`` requires a keyword that no call will have."""
+    _, required = accepted_keywords(fn)
+    missing = sorted(required - set(CALL_KEYWORDS) - set(columns))
+    if missing:
+        shown = ", ".join(columns) or "none"
+        raise ConfigError(
+            f"{where}: reward function '{name}' requires {', '.join(repr(m) for m in missing)}, but it is called with "
+            f"keywords prompts=, completions=, completion_ids= and the prompt data's other columns ({shown}), "
+            "TRL's convention: def fn(prompts, completions, **kwargs) -> list[float | None]")
+
+
 def check_function_scores(values: Any, count: int, name: str, prompts: list, responses: list[str]) -> torch.Tensor:
-    """``values`` returned by reward function ``name`` as a ``(B,)`` float32 tensor, or a RewardFunctionError."""
+    """``values`` returned by reward function ``name`` as a ``(B,)`` float32 tensor with NaN where it returned
+    None (no opinion), or a RewardFunctionError."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().reshape(-1).tolist() if values.dim() <= 1 else values
     elif hasattr(values, "tolist") and getattr(values, "ndim", 1) <= 1:  # numpy
         values = values.tolist()
     if not isinstance(values, list | tuple):
         raise RewardFunctionError(f"reward function '{name}' returned {type(values).__name__}; expected one number "
-                                  f"per response (a list of {count} floats)")
+                                  f"(or None) per response: a list of {count}")
     if len(values) != count:
         raise RewardFunctionError(f"reward function '{name}' returned {len(values)} values for {count} responses")
     out = []
     for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+            continue
         ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
         if not ok:
-            shown = "None" if v is None else repr(v)
             raise RewardFunctionError(
-                f"reward function '{name}' returned {shown} for response {i} (prompt {_short(prompts[i])}, "
-                f"response {_short(responses[i])}); every value must be a finite number")
+                f"reward function '{name}' returned {v!r} for response {i} (prompt {_short(prompts[i])}, "
+                f"response {_short(responses[i])}); every value must be a finite number, or None for no opinion")
         out.append(float(v))
     return torch.tensor(out, dtype=torch.float32)
 
@@ -132,6 +182,12 @@ def check_function_scores(values: Any, count: int, name: str, prompts: list, res
 def _short(text: Any, limit: int = 60) -> str:
     text = str(text)
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def _raised_at(error: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``error``'s traceback (where the user's code raised)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 @dataclass
@@ -153,35 +209,49 @@ class Scorer:
         if self.reward_model is None and not self.functions:
             raise ConfigError("nothing scores the responses: set online.reward_model and/or online.reward_functions")
 
+    @staticmethod
+    def load_functions(specs: Sequence[str]) -> list[tuple[str, RewardFunction]]:
+        """The functions named in ``specs`` (``online.reward_functions``), each named after its function
+        (``fn`` of ``"pkg.module:fn"``), with ``_<index>`` when two share a name."""
+        short = [spec.rpartition(":")[2] for spec in specs]
+        return [(name if short.count(name) == 1 else f"{name}_{i}",
+                 load_reward_function(spec, f"online.reward_functions[{i}]"))
+                for i, (spec, name) in enumerate(zip(specs, short, strict=True))]
+
     @classmethod
     def from_specs(cls, reward_model: torch.nn.Module | None, specs: Sequence[str],
                    batch_size: int | None = None) -> Scorer:
-        """A scorer with the functions named in ``specs`` (``online.reward_functions``); each part is named
-        after its function (``fn`` of ``"pkg.module:fn"``), with ``_<index>`` when two share a name."""
-        short = [spec.rpartition(":")[2] for spec in specs]
-        functions = [(name if short.count(name) == 1 else f"{name}_{i}",
-                      load_reward_function(spec, f"online.reward_functions[{i}]"))
-                     for i, (spec, name) in enumerate(zip(specs, short, strict=True))]
-        return cls(reward_model, functions, batch_size)
+        """A scorer with the functions named in ``specs`` (see :meth:`load_functions`)."""
+        return cls(reward_model, cls.load_functions(specs), batch_size)
 
     @property
     def needs_text(self) -> bool:
         """Whether :meth:`__call__` needs the prompts, response texts and records."""
         return bool(self.functions)
 
+    def check_columns(self, columns: Sequence[str]) -> None:
+        """Refuse, before training, a function that requires a keyword no call will have
+        (:func:`check_signature`)."""
+        for i, (name, fn) in enumerate(self.functions):
+            check_signature(name, fn, columns, f"online.reward_functions[{i}]")
+
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompts: list | None = None,
-                 responses: list[str] | None = None, records: list[dict] | None = None
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 responses: list[str] | None = None, records: list[dict] | None = None,
+                 completion_ids: list[list[int]] | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """Score B responses.
 
         Args:
             input_ids, attention_mask: (B, L) prompt followed by response (any padding; the reward model's
                 score is read at each row's last real token).
-            prompts, responses, records: B each, for the reward functions (see the module docstring).
+            prompts, responses, records: B each, for the reward functions: the prompt, the response text and
+                the data row (its columns become keywords); see the module docstring.
+            completion_ids: B token-id lists (default: none passed, an empty list each).
         Returns:
-            (scores (B,) float32 on ``input_ids``' device: the sum of all parts; parts: name -> (B,), with
-            ``"reward_model"`` for the model and each function's configured name).
+            (scores (B,) float32 on ``input_ids``' device: the sum of the parts that have an opinion, 0 where
+            none has; parts: name -> (B,), ``"reward_model"`` for the model and each function's configured name,
+            NaN where a function returned None; scored (B,) bool: some part has an opinion).
         """
         batch = input_ids.shape[0]
         parts: dict[str, torch.Tensor] = {}
@@ -194,8 +264,40 @@ class Scorer:
         if self.functions:
             if prompts is None or responses is None or records is None:
                 raise ValueError("reward functions need prompts, responses and records")
+            keywords = self.keywords(prompts, responses, records, completion_ids)
             for name, fn in self.functions:
-                values = fn(list(prompts), list(responses), list(records))
+                accepted, _ = accepted_keywords(fn)
+                given = keywords if accepted is None else {k: v for k, v in keywords.items() if k in accepted}
+                try:
+                    values = fn(**{k: list(v) for k, v in given.items()})
+                except Exception as e:  # the user's code: any error stops the run, named
+                    raise RewardFunctionError(f"reward function '{name}' raised {type(e).__name__}: {e}"
+                                              f"{_raised_at(e)}") from e
                 parts[name] = check_function_scores(values, batch, name, prompts, responses).to(input_ids.device)
-        scores = torch.stack(list(parts.values())).sum(0)  # (B,)
-        return scores, parts
+        stacked = torch.stack(list(parts.values()))  # (K, B)
+        scored = ~stacked.isnan().all(0)  # (B,)
+        scores = stacked.nan_to_num(0.0).sum(0)  # (B,): NaN (no opinion) adds nothing
+        return scores, parts, scored
+
+    @staticmethod
+    def keywords(prompts: list, responses: list[str], records: list[dict],
+                 completion_ids: list[list[int]] | None = None) -> dict[str, list]:
+        """The keyword arguments of a reward-function call (TRL's convention; module docstring)."""
+        completions = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+                       for prompt, text in zip(prompts, responses, strict=True)]
+        out = {"prompts": list(prompts), "completions": completions,
+               "completion_ids": completion_ids if completion_ids is not None else [[] for _ in responses]}
+        for column in data_columns(records):
+            out[column] = [record.get(column) for record in records]
+        return out
+
+
+def data_columns(records: Sequence[dict]) -> list[str]:
+    """The columns of prompt records passed to reward functions as keywords: all but the prompt (which is
+    ``prompts``) and the names the call uses itself, in first-seen order."""
+    seen: dict[str, None] = {}
+    for record in records:
+        for key in record:
+            if key not in ("prompt", "completion", *CALL_KEYWORDS):
+                seen.setdefault(key, None)
+    return list(seen)

@@ -12,7 +12,10 @@ of them) runs five stages, numbered in :func:`train_online`:
    pad token is EOS. The log-probs of the actor and of the frozen reference, and the critic's values, are
    recomputed at the sampling temperature (never taken from ``generate``: OpenRLHF PR #853, trl#2358).
 2. **score**: the frozen reward model (normalised by the reward trainer) and/or reward functions
-   (:mod:`rlhfkit.rollout.scoring`). A response that hits ``online.response_length`` without a stop token
+   (:mod:`rlhfkit.rollout.scoring`, TRL's keyword convention). A response that nothing scores (every function
+   returned None) is left out of every loss and counted (``score/unscored``). A reward function that raises or
+   returns a wrong count stops the run after a checkpoint of the last completed rollout (:func:`score_or_stop`),
+   so that ``--resume`` continues once it is fixed. A response that hits ``online.response_length`` without a stop token
    is scored ``online.missing_eos_score`` (``missing_eos=penalty``, the N+ "EOS trick"), or left out of
    every loss (``mask``: its tokens are masked and, for grpo/rloo, it leaves its group), or scored as it is
    (``none``). Optional clipping to ``[-score_clip, score_clip]``.
@@ -43,7 +46,8 @@ processes once per rollout. Only the sampling noise depends on N (each process s
 Files: ``metrics.jsonl`` (one line per rollout: ``score/mean``, ``kl/mean``, ``kl/per_token``, ``kl_coef``,
 ``loss/policy``, ``loss/value``, ``entropy/mean``, ``clipfrac``, ``approx_kl``, ``ratio/mean``,
 ``response_length/mean``, ``advantages/mean``, ``time/*``, ``tokens_per_second``, ...),
-``checkpoints/step-N/`` (actor, critic, both optimizers and schedules, the KL controller, RNG states; the
+``samples.jsonl`` (``logging.samples_per_step`` responses of each rollout with their scores:
+:mod:`rlhfkit.rollout.samples`), ``checkpoints/step-N/`` (actor, critic, both optimizers and schedules, the KL controller, RNG states; the
 data position is the step), ``final/`` (the policy as a Hugging Face folder) and ``final_critic/`` beside it
 (the critic, an ``AutoModelForSequenceClassification`` folder; gae only), ``summary.json``.
 
@@ -69,7 +73,8 @@ from typing import Any
 import torch
 
 from rlhfkit.algos import ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController, shape_rewards
-from rlhfkit.data import PromptCollator, TokenLimits, prepare_examples
+from rlhfkit.algos.masked import fill_masked
+from rlhfkit.data import PromptCollator, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
 from rlhfkit.engine.run import RunDir, open_run
@@ -77,7 +82,16 @@ from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import load_tokenizer, save_hf_folder, unwrap_model
 from rlhfkit.report import write_report
-from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, Scorer, reward_normalization
+from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
+from rlhfkit.rollout.scoring import (
+    BIAS_KEY,
+    GAIN_KEY,
+    RewardFunctionError,
+    Scorer,
+    check_signature,
+    data_columns,
+    reward_normalization,
+)
 from rlhfkit.trainers.loop import micro_batches
 from rlhfkit.trainers.online_roles import build_optimizers, build_roles, check_online_config
 from rlhfkit.trainers.online_steps import (
@@ -136,14 +150,18 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
     seed_everything(cfg.seed)
     accelerator = make_accelerator()
     check_online_config(cfg, accelerator.num_processes)
-    run = open_run(cfg, accelerator, resume, overwrite)
 
-    # All data is read and validated before any model is loaded: bad input stops here.
+    # All data is read and validated, and the reward functions imported and checked against its columns,
+    # before any model is loaded or the run folder written: bad input stops here and leaves nothing behind.
     tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
     limits = TokenLimits(cfg.data.max_prompt_length, None, cfg.data.truncation)
-    examples = prepare_examples(cfg.data.train_file, "prompts", tokenizer, limits)
-    eval_examples = prepare_examples(cfg.data.eval_file, "prompts", tokenizer, limits) if cfg.data.eval_file else None
-    ctx = build_context(cfg, accelerator, tokenizer)
+    examples, eval_examples = prepare_run_data(cfg.data, "prompts", tokenizer, limits, accelerator)
+    functions = Scorer.load_functions(cfg.online.reward_functions)
+    columns = data_columns([*examples.records, *(eval_examples.records if eval_examples else [])])
+    for i, (name, fn) in enumerate(functions):
+        check_signature(name, fn, columns, f"online.reward_functions[{i}]")
+    run = open_run(cfg, accelerator, resume, overwrite)
+    ctx = build_context(cfg, accelerator, tokenizer, functions)
     if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
         raise ConfigError("a reward-model refresh needs online.reward_model")
 
@@ -162,8 +180,11 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
     return summary
 
 
-def build_context(cfg, accelerator, tokenizer) -> OnlineContext:
-    """Load the roles, build the optimizers, the scorer and the KL controller, and prepare for accelerate."""
+def build_context(cfg, accelerator, tokenizer, functions: list | None = None) -> OnlineContext:
+    """Load the roles, build the optimizers, the scorer and the KL controller, and prepare for accelerate.
+
+    ``functions``: the reward functions as ``Scorer.load_functions`` gives them (default: loaded from
+    ``online.reward_functions``)."""
     roles = build_roles(cfg, tokenizer, accelerator.device)
     optimizers, schedulers = build_optimizers(cfg, roles)
     names = list(optimizers)
@@ -173,7 +194,9 @@ def build_context(cfg, accelerator, tokenizer) -> OnlineContext:
     o = cfg.online
     kl_ctl = (AdaptiveKLController(o.kl_coef, o.kl_target, o.kl_horizon) if o.kl_target is not None
               else FixedKLController(o.kl_coef))
-    scorer = Scorer.from_specs(roles.reward_model, o.reward_functions, o.rollout_batch_size)
+    if functions is None:
+        functions = Scorer.load_functions(o.reward_functions)
+    scorer = Scorer(roles.reward_model, functions, o.rollout_batch_size)
     return OnlineContext(cfg, accelerator, tokenizer, roles, trained, optimizers, schedulers, scorer, kl_ctl,
                          stop_token_ids(cfg, tokenizer))
 
@@ -205,17 +228,25 @@ def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: O
     if state["step"] == 0 and hooks.evaluate_at_start and (hooks.evaluate or eval_examples):
         last_eval = evaluate(ctx, hooks, eval_examples, 0)
         run.metrics.log(0, last_eval)
+    samples = SamplesWriter(run.path / "samples.jsonl", keep_until=run.resume_step if run.resume_checkpoint else -1,
+                            enabled=acc.is_main_process and cfg.logging.samples_per_step > 0)
     start_time, step_seconds, last = time.perf_counter(), [], {}
     for step in run.progress(range(state["step"] + 1, t.max_steps + 1), total=t.max_steps, desc=cfg.kind):
-        clock, step_start = StageClock(acc.device), time.perf_counter()
+        clock, step_start, rng_at_start = StageClock(acc.device), time.perf_counter(), get_rng_state()
         # 1. generate: sample responses, cut them at the stop token; old and reference log-probs, values
         torch.manual_seed(derived_seed("sampling", cfg.seed, step, acc.process_index))
         batch = prompt_batch(ctx, examples, step)
         rollout, response_mask, entropy = sample_rollout(ctx, batch, clock)
 
-        # 2. score: reward model and/or reward functions; the missing-EOS rule; clipping
+        # 2. score: reward model and/or reward functions; the missing-EOS rule; clipping. A response that
+        # nothing scored (every function said None) leaves the loss. A failing reward function stops the run
+        # after a checkpoint of the last completed rollout.
         with clock("score"):
-            rollout.scores, raw_scores, parts = score_rollout(ctx, rollout, response_mask, batch["records"])
+            scored = score_or_stop(ctx, run, hooks, rollout, response_mask, batch["records"], step,
+                                   first_step=state["step"] + 1, last_eval=last_eval, rng_state=rng_at_start)
+        rollout.scores, raw_scores, parts, is_scored, responses = scored
+        rollout.mask = rollout.mask & is_scored[:, None]
+        entropy = fill_masked(entropy, rollout.mask)
 
         # 3. KL-shaped rewards: -kl_coef * kl_t per token, the score on the last real token
         kl_coef = ctx.kl_ctl.value
@@ -230,8 +261,11 @@ def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: O
             update = ppo_update(ctx, rollout, step, train_actor=step > o.critic_warmup_steps)
 
         # the rollout's and the update's statistics, summed over processes in one all-reduce
-        metrics = rollout_stats(ctx, rollout, response_mask, raw_scores, parts, entropy).merge(update.stats).means(ctx)
+        metrics = rollout_stats(ctx, rollout, response_mask, raw_scores, parts, entropy,
+                                is_scored).merge(update.stats).means(ctx)
         metrics["kl_coef"] = kl_coef
+        samples.write(rollout_samples(step, batch["records"], rollout, response_mask, parts, ctx.tokenizer,
+                                      cfg.logging.samples_per_step, responses))
         metrics.update(update.metrics())
         ctx.kl_ctl.update(metrics["kl/mean"], t.batch_size * o.group_size)
         step_schedulers(ctx, metrics)
@@ -253,11 +287,39 @@ def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: O
             run.metrics.log(step, metrics)
         if step % t.save_steps == 0 or step == t.max_steps:
             save(ctx, run, hooks, step, last_eval)
+    samples.close()
     wall = time.perf_counter() - start_time
     summary_keys = ("score/mean", "kl/mean", "kl_coef", "response_length/mean", "tokens_per_second")
     return {"step": t.max_steps, "last": {k.replace("/", "_"): last[k] for k in summary_keys if k in last},
             "eval": last_eval, "wall_seconds": wall,
             "seconds_per_rollout": sum(step_seconds) / len(step_seconds) if step_seconds else None}
+
+
+def score_or_stop(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, rollout: Rollout, response_mask: torch.Tensor,
+                  records: list[dict], step: int, *, first_step: int, last_eval: dict[str, float],
+                  rng_state: dict[str, Any]) -> tuple:
+    """:func:`score_rollout`, or, when a reward function fails (on any process), a checkpoint of rollout
+    ``step - 1`` (unless one exists: the resume point, or a ``save_steps`` multiple) with the RNG as it was when
+    that rollout ended, then a RewardFunctionError naming the rollout, so that ``--resume`` continues from there
+    once the function is fixed."""
+    acc = ctx.accelerator
+    try:
+        result, failure = score_rollout(ctx, rollout, response_mask, records), None
+    except RewardFunctionError as e:
+        result, failure = None, e
+    failed = failure is not None
+    if acc.num_processes > 1:  # every process must stop together (the checkpoint is collective)
+        failed = bool(ctx.all_sum(torch.tensor([float(failed)])).item() > 0)
+    if not failed:
+        return result
+    done = step - 1
+    if done >= first_step and done % ctx.cfg.train.save_steps != 0:
+        set_rng_state(rng_state)
+        save(ctx, run, hooks, done, last_eval)
+    where = (f"the newest checkpoint is rollout {done}; fix the function and run the same command with --resume to "
+             f"continue from rollout {step}") if done > 0 else "no rollout was completed; fix the function and run again"
+    reason = str(failure) if failure is not None else "a reward function failed on another process"
+    raise RewardFunctionError(f"rollout {step}: {reason}; {where}") from failure
 
 
 def step_schedulers(ctx: OnlineContext, metrics: dict[str, float]) -> None:
@@ -309,23 +371,28 @@ def check_groups_on_one_process(ctx: OnlineContext, group_ids: torch.Tensor) -> 
 
 
 def rollout_stats(ctx: OnlineContext, rollout: Rollout, response_mask: torch.Tensor, raw_scores: torch.Tensor,
-                  parts: dict[str, torch.Tensor], entropy: torch.Tensor) -> StatSums:
+                  parts: dict[str, torch.Tensor], entropy: torch.Tensor, scored: torch.Tensor) -> StatSums:
     """Per-rollout statistics (names in the module docstring), as sums to be reduced over processes
     (``.means(ctx)``).
 
     ``kl/mean`` is the mean over responses (those with a valid token) of sum_t kl_t, in nats per response,
     the unit of the adaptive controller; ``score/mean`` is the score as it enters the rewards and
-    ``score/raw_mean`` the scorer's before the missing-EOS rule and clipping. Sums are taken in float64:
+    ``score/raw_mean`` the scorer's before the missing-EOS rule and clipping, both over the responses that
+    something scored; ``score/<part>`` is each part's mean where it had an opinion; ``score/unscored`` counts
+    the responses that nothing scored (left out of the loss). Sums are taken in float64:
     a float32 sum of values that nearly cancel (whitened advantages) depends on the order of addition.
     """
     s = StatSums(ctx.device)
     rows, mask = rollout.batch_size, rollout.mask
     kept, tokens = mask.any(1).sum(), mask.sum()
-    s.add_sum("score/mean", rollout.scores.double().sum(), rows)
-    s.add_sum("score/raw_mean", raw_scores.double().sum(), rows)
-    if len(parts) > 1:
+    s.add_sum("score/mean", rollout.scores[scored].double().sum(), scored.sum())
+    s.add_sum("score/raw_mean", raw_scores[scored].double().sum(), scored.sum())
+    # A count, not a mean: the weights of all processes add up to 1.
+    s.add_sum("score/unscored", (~scored).sum(), 1.0 / ctx.accelerator.num_processes)
+    if len(parts) > 1 or ctx.scorer.functions:  # the same names on every process (one all-reduce)
         for name, values in parts.items():
-            s.add_sum(f"score/{name}", values.double().sum(), rows)
+            known = ~values.isnan()
+            s.add_sum(f"score/{name}", values[known].double().sum(), known.sum())
     s.add_sum("kl/mean", rollout.kl.double().sum(), kept)
     s.add_sum("kl/per_token", rollout.kl.double().sum(), tokens)
     s.add_sum("reward/mean", rollout.rewards.double().sum(), kept)
@@ -368,7 +435,7 @@ def evaluate(ctx: OnlineContext, hooks: OnlineHooks, eval_examples: list[dict] |
 
 def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, float]:
     """One response per held-out prompt at the training temperature: ``eval/score/mean`` (the scorer's raw
-    score), ``eval/kl/mean`` (nats per response, the trained estimator over each response's trained
+    score, over the responses something scored), ``eval/kl/mean`` (nats per response, the trained estimator over each response's trained
     tokens), ``eval/response_length/mean``, ``eval/response/ended_frac``."""
     acc, o = ctx.accelerator, ctx.cfg.online
     s = StatSums(ctx.device)
@@ -380,10 +447,10 @@ def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, floa
         batch = {"query_ids": b["input_ids"].to(ctx.device), "query_mask": b["attention_mask"].to(ctx.device),
                  "records": b["records"], "group_ids": torch.arange(len(chunk), device=ctx.device)}
         rollout, response_mask, _ = sample_rollout(ctx, batch)
-        _, raw_scores, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
+        _, raw_scores, _, scored, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
         _, kl = shape_rewards(torch.zeros_like(raw_scores), rollout.logprobs, rollout.ref_logprobs,
                               rollout.mask, 0.0, o.kl_estimator)
-        s.add_sum("eval/score/mean", raw_scores.sum(), len(chunk))
+        s.add_sum("eval/score/mean", raw_scores[scored].sum(), scored.sum())
         s.add_sum("eval/kl/mean", kl.sum(), len(chunk))
         s.add_sum("eval/response_length/mean", response_mask.sum(), len(chunk))
         s.add_sum("eval/response/ended_frac", rollout.ended.sum(), len(chunk))

@@ -256,7 +256,7 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
 
 
 def score_rollout(ctx: OnlineContext, rollout: Rollout, response_mask: torch.Tensor, records: list[dict]
-                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor, list[str] | None]:
     """Stage 2: score each response; apply ``online.missing_eos`` and ``online.score_clip``.
 
     The reward model reads each response up to its stop token (``response_mask``), also one that
@@ -265,22 +265,25 @@ def score_rollout(ctx: OnlineContext, rollout: Rollout, response_mask: torch.Ten
 
     Returns:
         (scores (B,) float32 as they enter the rewards; raw_scores (B,): the sum of the scorer's parts
-        before the EOS rule and clipping; parts: name -> (B,)).
+        before the EOS rule and clipping; parts: name -> (B,), NaN where a function had no opinion;
+        scored (B,) bool: False where no part had an opinion (such a response is left out of the loss);
+        the decoded responses, or None when nothing needed them).
     """
     o = ctx.cfg.online
     ids, attn, _, _ = model_inputs(rollout.query_ids, rollout.query_mask, rollout.response_ids, response_mask)
-    texts = {}
+    texts, responses = {}, None
     if ctx.scorer.needs_text:
         kept = [row[m].tolist() for row, m in zip(rollout.response_ids, response_mask, strict=True)]
-        texts = {"prompts": [r["prompt"] for r in records], "records": records,
-                 "responses": ctx.tokenizer.batch_decode(kept, skip_special_tokens=True)}
-    raw_scores, parts = ctx.scorer(ids, attn, **texts)
+        responses = ctx.tokenizer.batch_decode(kept, skip_special_tokens=True)
+        texts = {"prompts": [r["prompt"] for r in records], "records": records, "responses": responses,
+                 "completion_ids": kept}
+    raw_scores, parts, scored = ctx.scorer(ids, attn, **texts)
     scores = raw_scores
     if o.missing_eos == "penalty":
         scores = torch.where(rollout.ended, scores, torch.full_like(scores, o.missing_eos_score))
     if o.score_clip is not None:
         scores = scores.clamp(-o.score_clip, o.score_clip)
-    return scores, raw_scores, parts
+    return scores, raw_scores, parts, scored, responses
 
 
 def derived_seed(*parts: object) -> int:

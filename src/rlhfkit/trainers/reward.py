@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,13 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhfkit.algos import aggregate_loss, bradley_terry_loss
-from rlhfkit.data import (
-    PreferenceCollator,
-    TokenLimits,
-    load_dataset_records,
-    prepare_examples,
-    tokenize_records,
-)
+from rlhfkit.data import Examples, PreferenceCollator, TokenLimits, prepare_examples, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir, open_run
 from rlhfkit.engine.seed import seed_everything
@@ -320,14 +315,18 @@ def _number(records, index: int, name: str, allow_null: bool = False) -> float |
 
 
 def load_heldout(source: str, tokenizer, limits: TokenLimits) -> HeldOut:
-    """Read, validate and tokenise held-out pairs, with their optional gold fields.
+    """Read, validate and tokenise held-out pairs (:func:`heldout_pairs`)."""
+    return heldout_pairs(prepare_examples(source, "preferences", tokenizer, limits))
+
+
+def heldout_pairs(examples: Examples) -> HeldOut:
+    """Tokenised held-out pairs with their optional gold fields.
 
     ``gold_chosen`` / ``gold_rejected`` must be in every record or in none (a DataError names the first
     record without them); ``gold_agreement`` is a number, or null for a gold tie.
     """
-    records = load_dataset_records(source, "preferences")
-    examples = tokenize_records(records, tokenizer, limits)
-    held = HeldOut(examples)
+    records = examples.records
+    held = HeldOut(list(examples))
     if not any(r.get(f) is not None for r in records for f in GOLD_FIELDS):
         return held
     for i, record in enumerate(records):
@@ -350,7 +349,9 @@ class BestKeeper:
     """Keeps the weights of the best evaluation in ``<run>/best/`` (``model.safetensors``, then ``best.json``
     written last as the marker), so that they survive a resume.
 
-    Best = higher held-out ``accuracy``; equal accuracy: lower ``loss``. A resumed run recomputes the
+    Best = higher held-out ``accuracy``; equal accuracy: lower ``loss``. Only trained models compete: the
+    step-0 evaluation (the untrained model) is kept in ``untrained`` for comparison, never as the best, so
+    that ``final/`` is never silently the model before training. A resumed run recomputes the
     same evaluations as the interrupted one (bit-identical resume), so a ``best.json`` from after the
     resume point is kept: the same evaluation cannot beat it.
     """
@@ -358,6 +359,7 @@ class BestKeeper:
     def __init__(self, folder: Path, keep_existing: bool, main_process: bool = True):
         self.folder, self.main_process = Path(folder), main_process
         self.best: dict[str, Any] | None = None
+        self.untrained: dict[str, float] | None = None
         marker = self.folder / "best.json"
         if keep_existing and marker.is_file():
             self.best = json.loads(marker.read_text())
@@ -372,7 +374,10 @@ class BestKeeper:
 
     def update(self, model: torch.nn.Module, step: int, metrics: dict[str, float], extra: Any = None) -> bool:
         """Record ``metrics`` of ``step``; save the model (and ``extra``, e.g. calibration bins) when they are
-        the best so far."""
+        the best so far (never for step 0, the untrained model)."""
+        if step == 0:
+            self.untrained = dict(metrics)
+            return False
         if not self.better(metrics, None if self.best is None else self.best["eval"]):
             return False
         self.best = {"step": step, "eval": metrics, "extra": extra}
@@ -480,9 +485,9 @@ def scoring_batch_size(cfg) -> int:
 
 
 def _check(cfg) -> None:
-    if cfg.data.eval_file is None and cfg.reward.early_stopping_patience is not None:
+    if not (cfg.data.eval_file or cfg.data.eval_split) and cfg.reward.early_stopping_patience is not None:
         raise ConfigError("reward.early_stopping_patience: early stopping watches the held-out accuracy, so it "
-                          "needs data.eval_file")
+                          "needs data.eval_file (or data.eval_split)")
 
 
 @dataclass
@@ -490,19 +495,25 @@ class _Session:
     """What every scalar-model run opens: processes, the run folder, the tokenizer, the length limits."""
 
     accelerator: Any
-    run: RunDir
+    run: RunDir | None
     tokenizer: Any
     limits: TokenLimits
 
 
-def _open(cfg, resume: bool, overwrite: bool) -> _Session:
+def _open(cfg, kind: str) -> tuple[_Session, Examples, Examples | None]:
+    """Processes, tokenizer and all data of the run (bad data stops here, before the run folder is written)."""
     _check(cfg)
     seed_everything(cfg.seed)
     accelerator = make_accelerator()
-    run = open_run(cfg, accelerator, resume, overwrite)
     tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
-    return _Session(accelerator, run, tokenizer, limits)
+    examples, heldout = prepare_run_data(cfg.data, kind, tokenizer, limits, accelerator)
+    return _Session(accelerator, None, tokenizer, limits), examples, heldout
+
+
+def _start_run(cfg, session: _Session, resume: bool, overwrite: bool) -> RunDir:
+    session.run = open_run(cfg, session.accelerator, resume, overwrite)
+    return session.run
 
 
 def _scalar_model(cfg, session: _Session) -> torch.nn.Module:
@@ -527,19 +538,36 @@ def _fit(cfg, session: _Session, model, examples, objective: Objective, keeper: 
     model.eval()
     accelerator.wait_for_everyone()
     if heldout and cfg.reward.keep_best and keeper.best is not None:
+        if accelerator.is_main_process:
+            for line in keep_best_warnings(keeper, cfg.train.eval_steps, result["step"]):
+                print(f"rlhfkit: warning: {line}", file=sys.stderr)
         keeper.restore(model)
     return result, model
+
+
+def keep_best_warnings(keeper: BestKeeper, eval_steps: int, last_step: int) -> list[str]:
+    """What a user should know about the model ``reward.keep_best`` ships: that the best came at the first
+    trained evaluation (later training only made it worse), or that the untrained model scored better."""
+    out, best = [], keeper.best
+    first = min(eval_steps, last_step)
+    if best["step"] == first and last_step > first:
+        out.append(f"reward.keep_best: the best held-out accuracy came at the first evaluation (step {first}) and "
+                   f"none of the later ones up to step {last_step} beat it, so final/ is step {first}'s model; "
+                   "a lower train.learning_rate, more data or more frequent train.eval_steps may help")
+    if keeper.untrained is not None and BestKeeper.better(keeper.untrained, best["eval"]):
+        out.append(f"reward.keep_best: the untrained model's held-out accuracy ({keeper.untrained['accuracy']:.4g}) "
+                   f"is above the best trained one's ({best['eval']['accuracy']:.4g}, step {best['step']}); "
+                   "final/ is the trained model, but training did not help")
+    return out
 
 
 def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train a Bradley-Terry reward model as configured; write ``final/`` and ``summary.json``; return the
     summary."""
-    session = _open(cfg, resume, overwrite)
-    run, accelerator = session.run, session.accelerator
-
     # 1. data: read, validate and tokenise everything before a model is built (bad input stops here).
-    examples = prepare_examples(cfg.data.train_file, "preferences", session.tokenizer, session.limits)
-    heldout = load_heldout(cfg.data.eval_file, session.tokenizer, session.limits) if cfg.data.eval_file else None
+    session, examples, heldout_examples = _open(cfg, "preferences")
+    heldout = heldout_pairs(heldout_examples) if heldout_examples is not None else None
+    run, accelerator = _start_run(cfg, session, resume, overwrite), session.accelerator
 
     # 2. model, loss, evaluation, best model.
     model = _scalar_model(cfg, session)
@@ -718,11 +746,8 @@ def train_prm(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, A
     token scores are logits of P(step correct); no normalisation is fitted (reward.normalize is ignored)."""
     from rlhfkit.data import PRMCollator
 
-    session = _open(cfg, resume, overwrite)
-    run, accelerator = session.run, session.accelerator
-    examples = prepare_examples(cfg.data.train_file, "prm", session.tokenizer, session.limits)
-    heldout = (prepare_examples(cfg.data.eval_file, "prm", session.tokenizer, session.limits)
-               if cfg.data.eval_file else None)
+    session, examples, heldout = _open(cfg, "prm")
+    run, accelerator = _start_run(cfg, session, resume, overwrite), session.accelerator
     model = _scalar_model(cfg, session)
     collate = PRMCollator(session.tokenizer.pad_token_id)
     keeper = BestKeeper(run.path / "best", keep_existing=run.resume_checkpoint is not None,

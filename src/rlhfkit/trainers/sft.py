@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlhfkit.algos import aggregate_loss
-from rlhfkit.data import SFTCollator, TokenLimits, prepare_examples
+from rlhfkit.data import SFTCollator, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import open_run
 from rlhfkit.engine.seed import seed_everything
@@ -81,13 +81,13 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run SFT as configured; write ``final/`` and ``summary.json``; return the summary."""
     seed_everything(cfg.seed)
     accelerator = make_accelerator()
-    run = open_run(cfg, accelerator, resume, overwrite)
 
-    # Load and validate all data before any model is built: bad input stops here, with file/line/field.
+    # Load and validate all data before any model is built or the run folder written: bad input stops here,
+    # with file/line/field, and leaves nothing to --overwrite.
     tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
-    examples = prepare_examples(cfg.data.train_file, "sft", tokenizer, limits)
-    eval_examples = prepare_examples(cfg.data.eval_file, "sft", tokenizer, limits) if cfg.data.eval_file else None
+    examples, eval_examples = prepare_run_data(cfg.data, "sft", tokenizer, limits, accelerator)
+    run = open_run(cfg, accelerator, resume, overwrite)
 
     model = load_causal_lm(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
                            dtype=cfg.model.dtype, tokenizer=tokenizer, dropout=not cfg.model.disable_dropout)
