@@ -15,8 +15,10 @@ Each command runs a function named in :data:`TARGETS` (``module:function``), imp
 command runs, so a new trainer plugs in with one line here and ``rlhfkit --help`` stays fast. A target
 whose module is not written yet gives "not built yet: ..." and exit code 2.
 
-One process: ``rlhfkit train ppo --config ppo.yaml``. Several (data parallel, through accelerate):
-``accelerate launch -m rlhfkit.cli train ppo --config ppo.yaml``.
+One process: ``rlhfkit train ppo --config ppo.yaml``. Several (data parallel): ``torchrun --standalone
+--nproc_per_node N -m rlhfkit.cli train ppo --config ppo.yaml`` (CPU or GPUs), or on GPUs ``accelerate launch
+--multi_gpu --num_processes N -m rlhfkit.cli train ppo --config ppo.yaml``. Every process leaves the process
+group at the end (:func:`rlhfkit.engine.accel.end_processes`).
 """
 
 from __future__ import annotations
@@ -73,12 +75,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, or a usage error that argparse has already printed
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
+    ok = False
     try:
-        return args.run(args) or 0
+        code = args.run(args) or 0
+        ok = True
+        return code
     except UserError as e:
         message = " ".join(str(e).split("\n"))
         print(f"rlhfkit: error: {message}", file=sys.stderr)
         return 2
+    finally:
+        _leave_process_group(wait=ok)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,10 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, args.kind)
     _set_threads()
+    from rlhfkit.engine.accel import launch_rank
     from rlhfkit.engine.run import prepare_output_dir  # imports torch
 
     train = resolve(TARGETS[args.kind])
-    prepare_output_dir(cfg.output_dir, resume=args.resume, overwrite=args.overwrite)
+    if launch_rank() == 0:  # one process checks (and with --overwrite empties) the folder; the others wait for it
+        prepare_output_dir(cfg.output_dir, resume=args.resume, overwrite=args.overwrite)
     train(cfg, resume=args.resume)
     return 0
 
@@ -262,6 +271,15 @@ def _set_threads() -> None:
     # Its load reports (e.g. "score.weight MISSING" when a reward model is built on a causal LM) are
     # expected here; rlhfkit's own checks raise clear errors for what is really wrong.
     hf_logging.set_verbosity_error()
+
+
+def _leave_process_group(wait: bool) -> None:
+    """Every command ends by leaving the process group of a multi-process launch (none: nothing to do);
+    only when torch is already imported, so that ``--help`` and argument errors stay fast."""
+    if "torch" in sys.modules:
+        from rlhfkit.engine.accel import end_processes
+
+        end_processes(wait)
 
 
 def resolve(target: str) -> Callable:

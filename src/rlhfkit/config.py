@@ -335,16 +335,37 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def save_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write ``cfg`` as YAML that :func:`load_config` reads back to an equal :class:`RunConfig`."""
+RUN_INFO_PREFIX = "# run: "
+
+
+def save_config(cfg: RunConfig, path: str | Path, run_info: dict[str, Any] | None = None) -> None:
+    """Write ``cfg`` as YAML that :func:`load_config` reads back to an equal :class:`RunConfig`.
+
+    ``run_info`` (how the run was launched: processes, launcher, threads) goes into a comment line
+    ``# run: {json}`` (:func:`read_run_info`), so that the file stays a loadable configuration.
+    """
+    import json
+
     import yaml
 
     path = Path(path)
     header = f"# rlhfkit resolved configuration; rerun with: rlhfkit train {cfg.kind} --config {path.name}\n"
+    if run_info:
+        header += RUN_INFO_PREFIX + json.dumps(run_info, sort_keys=True) + "\n"
     text = header + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
+
+
+def read_run_info(path: str | Path) -> dict[str, Any] | None:
+    """The run line of a ``config.yaml`` that :func:`save_config` wrote, or None."""
+    import json
+
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.startswith(RUN_INFO_PREFIX):
+            return json.loads(line[len(RUN_INFO_PREFIX):])
+    return None
 
 
 def config_help(cls: type = RunConfig, prefix: str = "") -> str:

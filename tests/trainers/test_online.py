@@ -180,8 +180,9 @@ def test_new_and_old_logprobs_agree_on_first_minibatch_of_every_epoch_with_lr_ze
     result = ppo_update(ctx, rollout, step=1)
     assert len(result.first_minibatch_logprob_diff) == 3
     assert max(result.first_minibatch_logprob_diff) < 1e-5
-    assert result.metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-6)
-    assert result.metrics["clipfrac"] == 0.0
+    means = result.stats.means(ctx)
+    assert means["ratio/mean"] == pytest.approx(1.0, abs=1e-6)
+    assert means["clipfrac"] == 0.0
 
 
 def test_ratio_check_detects_dropout_when_it_is_left_on(tmp_path):

@@ -23,7 +23,15 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.algos.masked import _bool_mask, fill_masked, float_mask, masked_mean, masked_sum, masked_whiten
+from rlhfkit.algos.masked import (
+    AllSum,
+    _bool_mask,
+    fill_masked,
+    float_mask,
+    masked_moments,
+    masked_sum,
+    masked_whiten,
+)
 
 _CHUNK = 32  # steps per chunk of the scan; 16-64 are equally fast on CPU at B=512, T=1024
 
@@ -285,36 +293,41 @@ class AdvantageFn(Protocol):
         lam: float = 0.95,
         norm_by_std: bool = True,
         eps: float = 1e-6,
+        all_sum: AllSum | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def gae_advantages(
-    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6
+    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6,
+    all_sum=None
 ):
     """PPO's estimator: :func:`compute_gae` with the critic's ``values`` ``(B, T)`` (required).
 
     With ``norm_by_std`` the advantages are whitened over the valid tokens of the batch (mean 0, std 1;
-    lm-human-preferences does this, Huang et al. 2024); the returns are GAE's, unwhitened. ``group_ids``
-    is not used.
+    lm-human-preferences does this, Huang et al. 2024); the returns are GAE's, unwhitened. With ``all_sum``
+    (the batch split over processes, :data:`rlhfkit.algos.masked.AllSum`) the whitening statistics are the
+    whole batch's. ``group_ids`` is not used.
     """
     if values is None:
         raise ValueError("the 'gae' advantage estimator needs the critic's values; the critic-free ones are "
                          "'grpo', 'rloo' and 'reinforce_pp'")  # fmt: skip
     advantages, returns = compute_gae(rewards, values, mask, gamma, lam)
     if norm_by_std:
-        advantages = masked_whiten(advantages, mask, eps=eps)
+        advantages = masked_whiten(advantages, mask, eps=eps, all_sum=all_sum)
     return advantages, returns
 
 
 def grpo_advantages(
-    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6
+    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6,
+    all_sum=None
 ):
     """GRPO (Shao et al. 2024, DeepSeekMath section 4.1.2, outcome supervision): ``(s - mean_g) / (std_g + eps)``.
 
     s_i is the sum of row i's valid rewards; mean and std (Bessel's correction) are over the rows that
     share its group id; a group of one gets 0. With ``norm_by_std=False`` there is no division (Dr. GRPO,
     Liu et al. 2025). The returns are s_i, broadcast like the advantages. ``values``, ``gamma`` and
-    ``lam`` are not used.
+    ``lam`` are not used, nor ``all_sum``: a group's statistics are its own, so a group must not be split
+    between processes.
     """
     s, members = _sequence_returns(rewards, mask), _Groups(group_ids, len(rewards), "grpo")
     centred = s - members.mean(s)  # (B,)
@@ -323,13 +336,15 @@ def grpo_advantages(
 
 
 def rloo_advantages(
-    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6
+    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6,
+    all_sum=None
 ):
     """RLOO (Ahmadian et al. 2024, eq. 4; Kool et al. 2019): ``s_i - (sum_g s - s_i) / (k - 1)``.
 
     The baseline is the mean of the other k - 1 responses to the same prompt (same group id); a group of
     one gets 0. The returns are s_i, broadcast like the advantages. ``values``, ``gamma``, ``lam``,
-    ``norm_by_std`` and ``eps`` are not used (the leave-one-out baseline is not normalised).
+    ``norm_by_std`` and ``eps`` are not used (the leave-one-out baseline is not normalised), nor
+    ``all_sum`` (a group must not be split between processes).
     """
     s, members = _sequence_returns(rewards, mask), _Groups(group_ids, len(rewards), "rloo")
     k = members.size()  # (B,)
@@ -338,18 +353,20 @@ def rloo_advantages(
 
 
 def reinforce_pp_advantages(
-    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6
+    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6,
+    all_sum=None
 ):
     """REINFORCE++ (Hu 2025): the reward-to-go ``G_t = sum_{k>=t} gamma**(k-t) r_k``, whitened over all
     valid tokens of the batch (k runs over valid positions, as n(t) does in GAE).
 
-    With ``norm_by_std=False`` it is only centred. The returns are G, unwhitened. ``values``,
-    ``group_ids`` and ``lam`` are not used.
+    With ``norm_by_std=False`` it is only centred. The returns are G, unwhitened. With ``all_sum`` the
+    statistics are the whole batch's (split over processes). ``values``, ``group_ids`` and ``lam`` are not
+    used.
     """
     returns, _ = compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, lam=1.0)  # A = G when V = 0
     if norm_by_std:
-        return masked_whiten(returns, mask, eps=eps), returns
-    return fill_masked(returns - masked_mean(returns, mask), mask), returns
+        return masked_whiten(returns, mask, eps=eps, all_sum=all_sum), returns
+    return fill_masked(returns - masked_moments(returns, mask, all_sum)[0], mask), returns
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
@@ -359,7 +376,8 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
     "reinforce_pp": reinforce_pp_advantages,
 }
 """Name -> estimator, one signature: ``f(rewards (B, T), mask (B, T), values=None, group_ids=None, *,
-gamma, lam, norm_by_std, eps) -> (advantages (B, T), returns (B, T))``, both 0 at masked positions.
+gamma, lam, norm_by_std, eps, all_sum=None) -> (advantages (B, T), returns (B, T))``, both 0 at masked
+positions; ``all_sum`` makes batch-wide statistics span the processes that hold the batch in parts.
 NaN/inf rewards at valid positions raise ValueError."""
 
 

@@ -7,6 +7,7 @@ entries are selected away with ``torch.where`` before any arithmetic, and masked
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
@@ -98,8 +99,39 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return torch.where(var_r > 1e-12, 1 - var_d / var_r.clamp(min=1e-12), torch.full_like(var_r, float("nan")))
 
 
+AllSum = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over the processes that each hold a part of the batch (one all-reduce): the way a
+statistic "over the whole batch" reaches across data-parallel processes without this module knowing of
+them. ``None`` means the batch is all here."""
+
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor, all_sum: AllSum | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, unbiased variance) of ``x`` over all valid positions, scalars in ``x``'s dtype.
+
+    Without ``all_sum``: :func:`masked_mean` and :func:`masked_var` of this batch. With it, of the whole
+    batch that several processes hold in parts: the count, sum and sum of squares are summed by ONE call
+    of ``all_sum`` (in float64, where the one-pass variance loses nothing that matters: the squares of
+    float32 values are exact there), so every process gets the same two numbers. One valid value (or
+    none) gives variance 0.
+
+    Args:
+        x: ``(B, T)`` (any shape).
+        mask: same shape as ``x``.
+        all_sum: see :data:`AllSum`.
+    """
+    if all_sum is None:
+        return masked_mean(x, mask), masked_var(x, mask)
+    values = fill_masked(x, mask).double()
+    n, total, squares = all_sum(torch.stack([_count(mask).double(), values.sum(), values.square().sum()]))
+    mean = total / n.clamp(min=1)
+    deviations = (squares - n * mean * mean).clamp(min=0)
+    var = torch.where(n > 1, deviations / (n - 1).clamp(min=1), torch.zeros_like(deviations))
+    return mean.to(x.dtype), var.to(x.dtype)
+
+
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, all_sum: AllSum | None = None
 ) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps)`` over all valid positions of the batch; masked outputs are 0.
 
@@ -109,8 +141,10 @@ def masked_whiten(
     Args:
         x: ``(B, T)``.
         mask: ``(B, T)``.
+        all_sum: the batch is split over processes: mean and variance of the whole of it
+            (:func:`masked_moments`), so that N processes whiten as one process would.
     """
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    mean, var = masked_moments(x, mask, all_sum)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

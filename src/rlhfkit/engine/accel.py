@@ -1,29 +1,133 @@
-"""Devices and processes through accelerate.
+"""Devices and processes through accelerate: one :class:`accelerate.Accelerator` per run.
 
-One :class:`accelerate.Accelerator` per run. rlhfkit does its own loss normalisation (``aggregate_loss``
-with the whole minibatch as normaliser), so gradient accumulation here is plain: every micro-batch's
-loss is already divided by the global token (or sequence) count and the gradients are summed; under data
-parallelism DDP *averages* gradients over processes, so each process multiplies its loss by the number of
-processes (:func:`dp_scale`) to keep the sum.
+rlhfkit does its own loss normalisation (``aggregate_loss`` with the whole minibatch as normaliser), so
+gradient accumulation here is plain: every micro-batch's loss is already divided by the global token (or
+sequence) count and the gradients are summed; under data parallelism DDP *averages* gradients over
+processes, so each process multiplies its loss by the number of processes (:func:`dp_scale`) to keep the
+sum. Statistics that the math needs over the whole batch (loss normalisers, advantage whitening) and the
+logged metrics are summed over processes with :func:`all_sum`, one all-reduce each.
 
-Launch on one process with ``rlhfkit ...``; on many with ``accelerate launch -m rlhfkit.cli ...``.
+Launching several processes (each one a full copy of every model: data parallel, DDP):
+
+    torchrun --standalone --nproc_per_node 2 -m rlhfkit.cli train sft --config sft.yaml     # CPU (gloo) or GPUs
+    accelerate launch --multi_gpu --num_processes 4 -m rlhfkit.cli train ppo --config ppo.yaml   # GPUs
+
+(``accelerate launch --cpu --num_processes 2`` starts ONE process; on CPU use torchrun.) Every run says
+at start how many processes it has (:func:`world_info`, also in ``config.yaml``'s run line). Sharded
+training (FSDP, DeepSpeed) is refused at start-up (:func:`check_supported`); the accelerate presets for it
+in ``examples/accelerate/`` wait for the engine's sharded checkpoints.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import Any
+
 import torch
+
+from rlhfkit.errors import ConfigError
+
+SHARDED_LAUNCH_ENV = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+                      "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
+"""What ``accelerate launch`` sets for a sharded configuration (accelerate ignores it on CPU and falls back to
+plain data parallelism without a word; rlhfkit refuses it everywhere, so a launch trains as it says)."""
 
 
 def make_accelerator(cpu: bool | None = None):
     """An Accelerator with no mixed-precision wrapping (the dtype is chosen when the weights are loaded:
-    :func:`rlhfkit.models.resolve_dtype`)."""
+    :func:`rlhfkit.models.resolve_dtype`); refuses a launch rlhfkit cannot train under."""
     from accelerate import Accelerator
 
+    check_supported()
     if cpu is None:
         cpu = not torch.cuda.is_available()
-    return Accelerator(cpu=cpu, mixed_precision="no", step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=cpu, mixed_precision="no", step_scheduler_with_optimizer=False)
+    check_supported(accelerator)
+    return accelerator
+
+
+def check_supported(accelerator=None) -> None:
+    """ConfigError for a launch whose model wrapping rlhfkit's checkpoints and losses do not handle yet.
+
+    Under FSDP or DeepSpeed every process holds a shard of each model; rlhfkit's checkpoints, ``final/``
+    and the online loop's unwrapped forwards need whole models, so such a launch would fail late or save a
+    shard. It is refused before any model is loaded (from the launcher's environment, and from what
+    ``accelerator`` ended up with), naming what works instead.
+    """
+    asked = [name for var, name in SHARDED_LAUNCH_ENV.items()
+             if os.environ.get(var, "").strip().lower() in ("1", "true", "yes")]
+    if accelerator is not None:
+        kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+        if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+            asked.append(kind)
+    if asked:
+        raise ConfigError(f"this launch asks for sharded training ({asked[0]}), which rlhfkit does not support yet "
+                          "(its checkpoints and final/ need whole models); launch plain data parallelism instead: "
+                          "torchrun --nproc_per_node N -m rlhfkit.cli ..., or accelerate launch --multi_gpu "
+                          "--num_processes N -m rlhfkit.cli ... (each process holds the whole model), or use LoRA "
+                          "(model.lora_rank) to fit a larger model")
 
 
 def dp_scale(accelerator) -> float:
     """Multiply a globally normalised loss by this before backward, so DDP's gradient mean becomes a sum."""
     return float(accelerator.num_processes)
+
+
+def all_sum(accelerator, values: torch.Tensor | float) -> torch.Tensor:
+    """``values`` summed over processes: one all-reduce, in float64 (a float64 copy on one process).
+
+    Pack everything that is summed at one point into one tensor: each call is a round trip between
+    processes.
+    """
+    values = torch.as_tensor(values).detach().to(accelerator.device, torch.float64)
+    if accelerator.num_processes == 1:
+        return values.clone()
+    return accelerator.reduce(values, reduction="sum")
+
+
+def world_info(accelerator) -> dict[str, Any]:
+    """How this run is spread: processes, launcher, backend, device, torch threads per process."""
+    backend = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        backend = torch.distributed.get_backend()
+    launcher = ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else
+                "accelerate" if "ACCELERATE_MIXED_PRECISION" in os.environ else "python")
+    return {"world_size": accelerator.num_processes,
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)),
+            "launcher": launcher, "backend": backend, "device": accelerator.device.type,
+            "distributed_type": str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)),
+            "threads_per_process": torch.get_num_threads()}
+
+
+def announce(info: dict[str, Any], kind: str) -> None:
+    """One line on stderr at the start of a run (main process): how many processes train, and where."""
+    n = info["world_size"]
+    print(f"rlhfkit: {kind} on {n} process{'es' if n > 1 else ''} ({info['launcher']}"
+          f"{', ' + info['backend'] if info['backend'] else ''}, {info['device']}), "
+          f"{info['threads_per_process']} torch thread{'s' if info['threads_per_process'] > 1 else ''} each",
+          file=sys.stderr, flush=True)
+
+
+def launch_rank() -> int:
+    """This process's global rank as the launcher set it (0 without a launcher); readable before any
+    Accelerator exists."""
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def end_processes(wait: bool = True) -> None:
+    """Leave the process group: every process waits for the others (``wait``), then destroys its group.
+
+    Without it a process can exit while gloo's threads still run, and abort in C++
+    ("terminate called without an active exception", SIGABRT) after training has finished. Safe to call
+    when no group exists; called once at the end of every command (not between the stages of one
+    process, which share the group). After an error pass ``wait=False``: the other processes may never
+    arrive.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    try:
+        if wait:
+            torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()

@@ -91,6 +91,8 @@ class RunDir:
             chooses the extra sinks (TensorBoard, W&B) and the progress bar.
         main_process: False on the other processes of a multi-process run: they find the resume point
             but write nothing.
+        run_info: how the run is launched (:func:`rlhfkit.engine.accel.world_info`), written into
+            ``config.yaml``'s run line.
 
     Attributes:
         resume_checkpoint: the checkpoint folder to load, or None (a fresh start).
@@ -98,9 +100,11 @@ class RunDir:
     """
 
     def __init__(self, output_dir: str | Path, resume: bool = False, overwrite: bool = False, *,
-                 config: RunConfig | None = None, main_process: bool = True):
+                 config: RunConfig | None = None, main_process: bool = True,
+                 run_info: Mapping[str, Any] | None = None):
         self.path = Path(output_dir)
         self.main_process = main_process
+        self.run_info = dict(run_info) if run_info else None
         if main_process:
             prepare_output_dir(self.path, resume, overwrite)
         self.checkpoints_dir = self.path / "checkpoints"
@@ -133,7 +137,7 @@ class RunDir:
                 raise ConfigError(f"{self.config_path}: resuming with other settings would not continue the same "
                                   f"run ({'; '.join(changed)}); undo the change, or start a new run with "
                                   "--overwrite or another output_dir")
-        save_config(cfg, self.config_path)
+        save_config(cfg, self.config_path, self.run_info)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         """Write ``summary.json`` (replacing it whole; non-finite numbers become null)."""
@@ -153,6 +157,24 @@ class RunDir:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def open_run(cfg: RunConfig, accelerator, resume: bool = False, overwrite: bool = False) -> RunDir:
+    """Open the run folder for a trainer: the main process prepares it and writes ``config.yaml`` (with the
+    run line: processes, launcher, threads) and says on stderr how many processes train; every other
+    process waits for that before it looks at the folder."""
+    from rlhfkit.engine.accel import announce, world_info
+
+    info = world_info(accelerator)
+    main = accelerator.is_main_process
+    if main:
+        announce(info, cfg.kind)
+    run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=main, run_info=info)
+    accelerator.wait_for_everyone()
+    if not main and resume:  # found again now that the main process has finished with the folder
+        run.resume_checkpoint = latest_checkpoint(run.checkpoints_dir)
+        run.resume_step = checkpoint_step(run.resume_checkpoint) if run.resume_checkpoint else 0
+    return run
 
 
 class MetricsWriter:

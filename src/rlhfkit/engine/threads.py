@@ -2,7 +2,10 @@
 
 Two processes with two threads each on a two-core machine run small tensors 25-40x slower than one
 thread each, so the count is max(1, cores // local processes), unless the user set
-``OMP_NUM_THREADS`` or ``RLHFKIT_NUM_THREADS`` explicitly.
+``RLHFKIT_NUM_THREADS`` (or, in a process that no launcher started, ``OMP_NUM_THREADS``). Under a launcher
+(``LOCAL_WORLD_SIZE`` set: torchrun, accelerate launch) ``OMP_NUM_THREADS`` is not read: torchrun sets it
+to 1 for every process whether or not the user asked, which would leave 15 of 16 cores idle with two
+processes.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import os
 
 
 def default_num_threads(local_processes: int | None = None) -> int:
-    """max(1, usable cores // local processes); honours RLHFKIT_NUM_THREADS and OMP_NUM_THREADS."""
-    for var in ("RLHFKIT_NUM_THREADS", "OMP_NUM_THREADS"):
+    """max(1, usable cores // local processes); honours RLHFKIT_NUM_THREADS, and OMP_NUM_THREADS
+    outside a launcher."""
+    launched = "LOCAL_WORLD_SIZE" in os.environ
+    for var in ("RLHFKIT_NUM_THREADS",) if launched else ("RLHFKIT_NUM_THREADS", "OMP_NUM_THREADS"):
         value = os.environ.get(var)
         if value and value.strip().isdigit() and int(value) > 0:
             return int(value)

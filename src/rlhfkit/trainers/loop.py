@@ -11,7 +11,10 @@ computed and what evaluation reports. This module owns the rest, once:
 - gradient clipping, the optimizer and schedule, metrics, evaluation, checkpoints, resume, ``final/``.
 
 A trainer passes a :class:`Objective`. Launch: one process with ``rlhfkit train ...``; several with
-``accelerate launch -m rlhfkit.cli train ...`` (each process takes a slice of every batch).
+``torchrun --nproc_per_node N -m rlhfkit.cli train ...`` (:mod:`rlhfkit.engine.accel`). Process r of W takes
+the examples at positions r, r + W, r + 2W, ... of every batch (the batch itself does not depend on W), and
+the normaliser counts the whole batch, so W processes compute the gradient that one process computes on the
+same global batch, up to float rounding; a checkpoint resumes under another W from the same step.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rlhfkit.engine.accel import dp_scale
+from rlhfkit.engine.accel import all_sum, dp_scale
 from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
 from rlhfkit.engine.optim import optimizer_and_scheduler
 from rlhfkit.engine.run import RunDir
@@ -179,10 +182,14 @@ def train_offline(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         seen += len(batch)
-        loss_value = _all_sum(accelerator, loss_sum)
+        # The step's loss and statistics, summed over processes in one all-reduce (each process's parts are
+        # already divided by the whole batch's normaliser). Every process sees the same numbers.
+        names = sorted(totals)  # the same order on every process
+        summed = all_sum(accelerator, [loss_sum, *(totals[n] for n in names)]).tolist()
+        loss_value = summed[0]
 
         metrics: dict[str, Any] = {"loss": loss_value, "learning_rate": lr, "time/step_seconds": time.perf_counter() - step_start}
-        metrics.update({name: _all_sum(accelerator, v) for name, v in totals.items()})
+        metrics.update(zip(names, summed[1:], strict=True))
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         stop = False
@@ -210,10 +217,4 @@ def train_offline(
     return {"step": last_step, "loss": loss_value, "eval": last_eval, "wall_seconds": elapsed,
             "examples_per_second": seen / elapsed if elapsed > 0 else None}
 
-
-def _all_sum(accelerator, value: float) -> float:
-    if accelerator.num_processes == 1:
-        return value
-    tensor = torch.tensor([value], device=accelerator.device, dtype=torch.float64)
-    return float(accelerator.reduce(tensor, reduction="sum"))
 

@@ -32,9 +32,16 @@ of them) runs five stages, numbered in :func:`train_online`:
    ``ent_coef``, each aggregated by ``aggregate_loss`` with the whole minibatch as normaliser.
 
 Before the first ``online.critic_warmup_steps`` rollouts end, only the critic is trained (Zheng et al. 2023).
-Learning-rate schedules count rollouts (one scheduler step per rollout). Under data parallelism advantages
-are whitened over each process's share of the rollout (as TRL does); loss normalisers and logged
-statistics are summed over all processes.
+Learning-rate schedules count rollouts (one scheduler step per rollout).
+
+Under data parallelism (N processes, :mod:`rlhfkit.engine.accel`) each process generates for a contiguous
+slice of the rollout's prompts, whole groups included, and N processes compute what one process computes on
+the same rollout: advantages are whitened with the whole rollout's mean and variance (one all-reduce; TRL
+whitens each process's share, which makes the result depend on N), a prompt's group is never split between
+processes (checked), the minibatches are cut from the whole rollout, loss normalisers count the whole
+minibatch, the KL controller reads the whole rollout's KL, and the logged statistics are summed over
+processes once per rollout. Only the sampling noise depends on N (each process seeds its own from
+(seed, rollout, process)).
 
 Files: ``metrics.jsonl`` (one line per rollout: ``score/mean``, ``kl/mean``, ``kl/per_token``, ``kl_coef``,
 ``loss/policy``, ``loss/value``, ``entropy/mean``, ``clipfrac``, ``approx_kl``, ``ratio/mean``,
@@ -53,7 +60,7 @@ Launch:
     rlhfkit train ppo --config ppo.yaml                  # one process
     rlhfkit train grpo --config grpo.yaml                # group_size 4 by default, no critic
     rlhfkit train ppo --config ppo.yaml --resume         # continue from the newest complete checkpoint
-    accelerate launch -m rlhfkit.cli train ppo --config ppo.yaml   # several processes (data parallel)
+    torchrun --standalone --nproc_per_node 2 -m rlhfkit.cli train ppo --config ppo.yaml   # 2 processes
 """
 
 from __future__ import annotations
@@ -78,7 +85,7 @@ from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
-from rlhfkit.engine.run import RunDir
+from rlhfkit.engine.run import RunDir, open_run
 from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import sampling_for, save_hf_folder, unwrap_model
@@ -161,7 +168,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
     columns = data_columns([*examples.records, *(eval_examples.records if eval_examples else [])])
     for i, (name, fn) in enumerate(functions):
         check_signature(name, fn, columns, f"online.reward_functions[{i}]")
-    run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
+    run = open_run(cfg, accelerator, resume, overwrite)
     ctx = build_context(cfg, accelerator, tokenizer, functions,
                         train_reward_model=hooks.refresh_reward_model is not None)
     if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
@@ -267,11 +274,17 @@ def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: O
         with clock("update"):
             update = ppo_update(ctx, rollout, step, train_actor=step > o.critic_warmup_steps)
 
-        metrics = rollout_metrics(ctx, rollout, response_mask, raw_scores, parts, entropy, is_scored)
+        # the rollout's and the update's statistics, summed over processes in one all-reduce
+        metrics = rollout_stats(ctx, rollout, response_mask, raw_scores, parts, entropy,
+                                is_scored).merge(update.stats).means(ctx)
+        if rollout.values is not None:  # of the values the advantages were computed from, before the update
+            explained = float(explained_variance(rollout.values, rollout.returns, rollout.mask, ctx.all_sum))
+            if math.isfinite(explained):  # undefined (not logged) when the returns are constant
+                metrics["value/explained_variance"] = explained
         metrics["kl_coef"] = kl_coef
         samples.write(rollout_samples(step, batch["records"], rollout, response_mask, parts, ctx.tokenizer,
                                       cfg.logging.samples_per_step, responses))
-        metrics.update(update.metrics)
+        metrics.update(update.metrics())
         ctx.kl_ctl.update(metrics["kl/mean"], t.batch_size * o.group_size)
         step_schedulers(ctx, metrics)
 
@@ -347,54 +360,69 @@ def estimate_advantages(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Ten
     advantage nor shifts its group's baseline (grpo / rloo).
     """
     o = ctx.cfg.online
-    alone = -1 - torch.arange(rollout.batch_size, device=rollout.group_ids.device)  # (B,) distinct, negative
-    group_ids = torch.where(rollout.mask.any(1), rollout.group_ids, alone)  # (B,)
+    first, _, _ = ctx.rows()
+    rows = first + torch.arange(rollout.batch_size, device=rollout.group_ids.device)  # (B,) global row numbers
+    group_ids = torch.where(rollout.mask.any(1), rollout.group_ids, -1 - rows)  # (B,); -1 - row: distinct, alone
+    if o.advantage_estimator in ("grpo", "rloo"):
+        check_groups_on_one_process(ctx, group_ids)
     # grpo's division by the group std is its own switch (off = Dr. GRPO); for gae and reinforce_pp the
-    # estimator's normalisation is whitening over the batch; rloo has none.
+    # estimator's normalisation is whitening over the batch (all processes: all_sum); rloo has none.
     norm_by_std = o.norm_by_std if o.advantage_estimator == "grpo" else o.whiten_advantages
     return ADVANTAGE_ESTIMATORS[o.advantage_estimator](
         rollout.rewards, rollout.mask, rollout.values, group_ids,
-        gamma=o.gamma, lam=o.lam, norm_by_std=norm_by_std, eps=o.advantage_eps)
+        gamma=o.gamma, lam=o.lam, norm_by_std=norm_by_std, eps=o.advantage_eps, all_sum=ctx.all_sum)
 
 
-def rollout_metrics(ctx: OnlineContext, rollout: Rollout, response_mask: torch.Tensor, raw_scores: torch.Tensor,
-                    parts: dict[str, torch.Tensor], entropy: torch.Tensor, scored: torch.Tensor) -> dict[str, float]:
-    """Per-rollout statistics over all processes (names in the module docstring).
+def check_groups_on_one_process(ctx: OnlineContext, group_ids: torch.Tensor) -> None:
+    """RuntimeError if a group id (a prompt's position in the rollout) is held by two processes: grpo and rloo
+    compute each group's statistics where it is, so a split group would get two baselines. One all-reduce
+    of a (batch_size,) count; nothing to check on one process."""
+    if ctx.accelerator.num_processes == 1:
+        return
+    ids = group_ids[group_ids >= 0].unique()
+    held = torch.zeros(ctx.cfg.train.batch_size, device=ctx.device)
+    held[ids.to(ctx.device)] = 1.0
+    split = (ctx.all_sum(held) > 1).nonzero().flatten().tolist()
+    if split:
+        raise RuntimeError(f"the groups of prompts {split[:5]} are split between processes; each group's "
+                           "responses must be on one process (rlhfkit.trainers.online_steps.prompt_batch)")
+
+
+def rollout_stats(ctx: OnlineContext, rollout: Rollout, response_mask: torch.Tensor, raw_scores: torch.Tensor,
+                  parts: dict[str, torch.Tensor], entropy: torch.Tensor, scored: torch.Tensor) -> StatSums:
+    """Per-rollout statistics (names in the module docstring), as sums to be reduced over processes
+    (``.means(ctx)``).
 
     ``kl/mean`` is the mean over responses (those with a valid token) of sum_t kl_t, in nats per response,
     the unit of the adaptive controller; ``score/mean`` is the score as it enters the rewards and
     ``score/raw_mean`` the scorer's before the missing-EOS rule and clipping, both over the responses that
     something scored; ``score/<part>`` is each part's mean where it had an opinion; ``score/unscored`` counts
-    the responses that nothing scored (left out of the loss).
+    the responses that nothing scored (left out of the loss). Sums are taken in float64:
+    a float32 sum of values that nearly cancel (whitened advantages) depends on the order of addition.
     """
     s = StatSums(ctx.device)
     rows, mask = rollout.batch_size, rollout.mask
     kept, tokens = mask.any(1).sum(), mask.sum()
-    s.add_sum("score/mean", rollout.scores[scored].sum(), scored.sum())
-    s.add_sum("score/raw_mean", raw_scores[scored].sum(), scored.sum())
+    s.add_sum("score/mean", rollout.scores[scored].double().sum(), scored.sum())
+    s.add_sum("score/raw_mean", raw_scores[scored].double().sum(), scored.sum())
     # A count, not a mean: the weights of all processes add up to 1.
     s.add_sum("score/unscored", (~scored).sum(), 1.0 / ctx.accelerator.num_processes)
     if len(parts) > 1 or ctx.scorer.functions:  # the same names on every process (one all-reduce)
         for name, values in parts.items():
             known = ~values.isnan()
-            s.add_sum(f"score/{name}", values[known].sum(), known.sum())
-    s.add_sum("kl/mean", rollout.kl.sum(), kept)
-    s.add_sum("kl/per_token", rollout.kl.sum(), tokens)
-    s.add_sum("reward/mean", rollout.rewards.sum(), kept)
-    s.add_sum("entropy/mean", entropy.sum(), tokens)
+            s.add_sum(f"score/{name}", values[known].double().sum(), known.sum())
+    s.add_sum("kl/mean", rollout.kl.double().sum(), kept)
+    s.add_sum("kl/per_token", rollout.kl.double().sum(), tokens)
+    s.add_sum("reward/mean", rollout.rewards.double().sum(), kept)
+    s.add_sum("entropy/mean", entropy.double().sum(), tokens)
     s.add_sum("response_length/mean", response_mask.sum(), rows)
     s.add_sum("response/ended_frac", rollout.ended.sum(), rows)
     s.add_sum("response/trained_frac", kept, rows)
-    s.add_sum("advantages/mean", rollout.advantages.sum(), tokens)
-    s.add_sum("returns/mean", rollout.returns.sum(), tokens)
+    s.add_sum("advantages/mean", rollout.advantages.double().sum(), tokens)
+    s.add_sum("returns/mean", rollout.returns.double().sum(), tokens)
     if rollout.values is not None:
-        s.add_sum("values/mean", rollout.values.sum(), tokens)
-    metrics = s.means(ctx)
-    if rollout.values is not None:  # of the values the advantages were computed from, before the update
-        ev = float(explained_variance(rollout.values, rollout.returns, mask, ctx.all_sum))
-        if math.isfinite(ev):  # undefined (not logged) when the returns are constant or nothing is valid
-            metrics["value/explained_variance"] = ev
-    return metrics
+        s.add_sum("values/mean", rollout.values.double().sum(), tokens)
+    return s
 
 
 def evaluate(ctx: OnlineContext, hooks: OnlineHooks, eval_examples: list[dict] | None, step: int) -> dict[str, float]:

@@ -128,7 +128,7 @@ def check_online_config(cfg, num_processes: int = 1) -> None:
     if t.batch_size % num_processes:
         raise ConfigError(f"train.batch_size ({t.batch_size}) must be a multiple of the number of processes "
                           f"({num_processes}): each process samples whole prompt groups")
-    local = t.batch_size // num_processes * o.group_size
-    if local % o.num_minibatches:
-        raise ConfigError(f"online.num_minibatches ({o.num_minibatches}) must divide each process's responses per "
-                          f"rollout ({local})")
+    responses = t.batch_size * o.group_size
+    if responses % o.num_minibatches:
+        raise ConfigError(f"online.num_minibatches ({o.num_minibatches}) must divide the responses per rollout "
+                          f"(train.batch_size x online.group_size = {responses})")

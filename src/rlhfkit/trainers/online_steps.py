@@ -36,7 +36,7 @@ from rlhfkit.algos import (
 )
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator
-from rlhfkit.engine.accel import dp_scale
+from rlhfkit.engine.accel import all_sum, dp_scale
 from rlhfkit.models import (
     Sampling,
     processed_logits,
@@ -90,11 +90,15 @@ class OnlineContext:
         return self.accelerator.device
 
     def all_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` summed over processes (a float64 copy; the same tensor's values on one process)."""
-        values = values.detach().to(self.device, torch.float64)
-        if self.accelerator.num_processes == 1:
-            return values
-        return self.accelerator.reduce(values, reduction="sum")
+        """``values`` summed over processes in one all-reduce (a float64 copy on one process)."""
+        return all_sum(self.accelerator, values)
+
+    def rows(self) -> tuple[int, int, int]:
+        """(first, local, total): this process holds rows [first, first + local) of every rollout's ``total``
+        responses (:func:`prompt_batch` gives each process a contiguous slice)."""
+        total = self.cfg.train.batch_size * self.cfg.online.group_size
+        local = total // self.accelerator.num_processes
+        return self.accelerator.process_index * local, local, total
 
 
 class StatSums:
@@ -119,10 +123,16 @@ class StatSums:
                             for x in (total, count)])  # (2,)
         self.sums[name] = self.sums[name] + pair if name in self.sums else pair
 
+    def merge(self, other: StatSums) -> StatSums:
+        """Add ``other``'s sums to these (so that two sets of statistics cost one all-reduce)."""
+        for name, pair in other.sums.items():
+            self.sums[name] = self.sums[name] + pair if name in self.sums else pair
+        return self
+
     def means(self, ctx: OnlineContext) -> dict[str, float]:
         if not self.sums:
             return {}
-        names = list(self.sums)
+        names = sorted(self.sums)  # one order on every process (they may have met the names in another)
         packed = ctx.all_sum(torch.stack([self.sums[n] for n in names])).cpu()  # (K, 2)
         return {n: float(s / w) if w > 0 else 0.0 for n, (s, w) in zip(names, packed.tolist(), strict=True)}
 
@@ -302,13 +312,40 @@ def minibatch_order(n: int, seed: int, step: int, epoch: int, device: torch.devi
     return torch.randperm(n, generator=g).to(device)
 
 
+def local_minibatches(ctx: OnlineContext, step: int, epoch: int) -> list[torch.Tensor]:
+    """This process's rows (local indices) of each of the epoch's ``online.num_minibatches`` minibatches.
+
+    The minibatches are cut from ONE permutation of the whole rollout's rows (all processes), so that N
+    processes train on the minibatches one process would; each takes the rows it holds, in that order. A
+    process may hold more rows of one minibatch than of another, or none (see :func:`ppo_update`).
+    """
+    first, local, total = ctx.rows()
+    order = minibatch_order(total, ctx.cfg.seed, step, epoch, ctx.device)
+    size = total // ctx.cfg.online.num_minibatches
+    out = []
+    for k in range(ctx.cfg.online.num_minibatches):
+        rows = order[k * size : (k + 1) * size]
+        out.append(rows[(rows >= first) & (rows < first + local)] - first)
+    return out
+
+
 @dataclass
 class UpdateResult:
-    """What :func:`ppo_update` reports: metrics for ``metrics.jsonl`` and, per epoch, the largest
-    |logprobs - old_logprobs| on that epoch's first minibatch (0 before any update: REFERENCES.md, bug 6)."""
+    """What :func:`ppo_update` reports: its statistics, not yet summed over processes (the loop sums them
+    together with the rollout's, in one all-reduce), the count of skipped minibatches and, per epoch, the
+    largest |logprobs - old_logprobs| on that epoch's first minibatch over all processes (0 before any
+    update: REFERENCES.md, bug 6)."""
 
-    metrics: dict[str, float]
+    stats: StatSums
+    skipped_minibatches: int = 0
     first_minibatch_logprob_diff: list[float] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        """What goes into ``metrics.jsonl`` beside the summed statistics."""
+        out: dict[str, float] = {"update/skipped_minibatches": self.skipped_minibatches}
+        if self.first_minibatch_logprob_diff:
+            out["ratio/first_minibatch_max_logprob_diff"] = self.first_minibatch_logprob_diff[0]
+        return out
 
 
 def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: bool = True) -> UpdateResult:
@@ -317,51 +354,58 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
     Each minibatch is one optimizer step of the actor and of the critic, accumulated over micro-batches
     of ``train.micro_batch_size`` responses; every loss is ``aggregate_loss`` with the WHOLE minibatch's
     normaliser (summed over processes), so neither the micro-batch size nor the process count changes
-    the gradient (REFERENCES.md, bug 10). A minibatch without a valid token (every response masked out)
-    is skipped: no optimizer step, so the parameters do not move. ``train_actor=False`` (critic warm-up)
-    trains the critic alone.
+    the gradient (REFERENCES.md, bug 10). The minibatches are those of the whole rollout
+    (:func:`local_minibatches`): N processes take the optimizer steps one process takes. A process that holds
+    no row of a minibatch still joins the gradient all-reduce, with a zero-weighted backward pass. A
+    minibatch without a valid token (every response masked out) is skipped: no optimizer step, so the
+    parameters do not move. ``train_actor=False`` (critic warm-up) trains the critic alone.
 
     Args:
-        rollout: with ``advantages``, ``returns`` and (critic) ``values`` filled in; B rows on this process.
+        rollout: with ``advantages``, ``returns`` and (critic) ``values`` filled in; this process's rows.
         step: the rollout's number (seeds the minibatch order).
     """
     o, t = ctx.cfg.online, ctx.cfg.train
-    n = rollout.batch_size
-    size = n // o.num_minibatches
-    micro = min(t.micro_batch_size or size, size)
+    micro = t.micro_batch_size or rollout.batch_size // o.num_minibatches
     names = [name for name in ("actor", "critic") if name in ctx.trained and (name != "actor" or train_actor)]
     for name in names:  # the forwards of the rollout, whose outputs are the old log-probs and values
         set_update_mode(ctx.trained[name], dropout=not ctx.cfg.model.disable_dropout)
-    stats, result, skipped = StatSums(ctx.device), UpdateResult({}), 0
+    result, diffs = UpdateResult(StatSums(ctx.device)), []
     for epoch in range(o.ppo_epochs):
-        order = minibatch_order(n, ctx.cfg.seed, step, epoch, ctx.device)
-        for k in range(o.num_minibatches):
-            minibatch = rollout.select(order[k * size : (k + 1) * size])
+        for k, rows in enumerate(local_minibatches(ctx, step, epoch)):
+            minibatch = rollout.select(rows)
             normalizer = float(ctx.all_sum(loss_normalizer(minibatch.mask, o.loss_agg_mode)))
             if normalizer == 0:
-                skipped += 1
+                result.skipped_minibatches += 1
                 continue
             tokens = float(ctx.all_sum(minibatch.mask.sum())) if ctx.router_aux_coef else 0.0
             losses: dict[str, torch.Tensor] = {}
             first_diff = torch.zeros((), dtype=torch.float64, device=ctx.device)
-            starts = range(0, size, micro)
+            starts = list(range(0, len(rows), micro)) or [None]  # None: this process holds no row of it
             for j, start in enumerate(starts):
                 with _no_sync(ctx, names, last=j == len(starts) - 1):
-                    loss, parts, diff = micro_batch_loss(ctx, minibatch.select(slice(start, start + micro)),
-                                                         normalizer, stats, train_actor, tokens)
-                    ctx.accelerator.backward(loss * dp_scale(ctx.accelerator))
+                    if start is None:  # the same all-reduce as the others, adding nothing to the gradient
+                        ignored = StatSums(ctx.device)
+                        loss, parts, _ = micro_batch_loss(ctx, rollout.select(slice(0, 1)), normalizer, ignored,
+                                                          train_actor, tokens)
+                        ctx.accelerator.backward(loss * 0.0)
+                        parts = {key: value * 0.0 for key, value in parts.items()}  # nothing of the loss either
+                        for key in ignored.sums:  # the same statistics on every process, weighing nothing
+                            result.stats.add_sum(key, 0.0, 0.0)
+                    else:
+                        loss, parts, diff = micro_batch_loss(ctx, minibatch.select(slice(start, start + micro)),
+                                                             normalizer, result.stats, train_actor, tokens)
+                        ctx.accelerator.backward(loss * dp_scale(ctx.accelerator))
+                        first_diff = torch.maximum(first_diff, diff.double())
                 for key, value in parts.items():
                     losses[key] = losses.get(key, 0.0) + value.detach()
-                first_diff = torch.maximum(first_diff, diff.double())
-            for key, value in losses.items():
-                stats.add(key, value)
+            for key, value in losses.items():  # each process holds a part of the minibatch's loss
+                result.stats.add_sum(key, value, 1.0 / ctx.accelerator.num_processes)
             if k == 0 and train_actor:
-                result.first_minibatch_logprob_diff.append(_all_max(ctx, first_diff))
+                diffs.append(first_diff)
             for name in names:
-                _optimizer_step(ctx, name, stats)
-    result.metrics = {**stats.means(ctx), "update/skipped_minibatches": skipped}
-    if result.first_minibatch_logprob_diff:
-        result.metrics["ratio/first_minibatch_max_logprob_diff"] = result.first_minibatch_logprob_diff[0]
+                _optimizer_step(ctx, name, result.stats)
+    if diffs:
+        result.first_minibatch_logprob_diff = _all_max(ctx, torch.stack(diffs)).tolist()
     return result
 
 
@@ -421,7 +465,7 @@ def _optimizer_step(ctx: OnlineContext, name: str, stats: StatSums) -> None:
     model, optimizer = ctx.trained[name], ctx.optimizers[name]
     if ctx.cfg.train.max_grad_norm is not None:
         norm = ctx.accelerator.clip_grad_norm_(model.parameters(), ctx.cfg.train.max_grad_norm)
-        stats.add(f"grad_norm/{name}", norm / ctx.accelerator.num_processes)  # same value on every process
+        stats.add(f"grad_norm/{name}", norm, 1.0 / ctx.accelerator.num_processes)  # the same on every process
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -435,11 +479,9 @@ def _no_sync(ctx: OnlineContext, names: list[str], last: bool):
     return stack
 
 
-def _all_max(ctx: OnlineContext, value: torch.Tensor) -> float:
-    if ctx.accelerator.num_processes == 1:
-        return float(value)
-    import torch.distributed as dist
-
-    value = value.to(ctx.device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value)
+def _all_max(ctx: OnlineContext, values: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum over processes (one all-reduce)."""
+    values = values.detach().to(ctx.device).clone()
+    if ctx.accelerator.num_processes > 1:
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    return values

@@ -48,7 +48,7 @@ early stopping: binary cross-entropy of each step's correctness, read at the ste
 
 Launch (``prm`` for a process reward model):
     rlhfkit train reward --config reward.yaml                          # one process
-    accelerate launch -m rlhfkit.cli train reward --config reward.yaml   # several processes (data parallel)
+    torchrun --standalone --nproc_per_node 2 -m rlhfkit.cli train reward --config reward.yaml   # 2 processes (data parallel)
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from rlhfkit.algos import aggregate_loss, bradley_terry_loss
 from rlhfkit.data import Examples, PreferenceCollator, TokenLimits, prepare_examples, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
-from rlhfkit.engine.run import RunDir
+from rlhfkit.engine.run import RunDir, open_run
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import load_scalar_model, save_hf_folder, sequence_scores, token_scores
@@ -515,8 +515,7 @@ def _open(cfg, kind: str) -> tuple[_Session, Examples, Examples | None]:
 
 
 def _start_run(cfg, session: _Session, resume: bool, overwrite: bool) -> RunDir:
-    session.run = RunDir(cfg.output_dir, resume, overwrite, config=cfg,
-                         main_process=session.accelerator.is_main_process)
+    session.run = open_run(cfg, session.accelerator, resume, overwrite)
     return session.run
 
 

@@ -9,7 +9,7 @@ load-balancing loss (each micro-batch's weighted by its share of the batch's com
 
 Launch:
     rlhfkit train sft --config sft.yaml                       # one process
-    accelerate launch -m rlhfkit.cli train sft --config sft.yaml   # several processes (data parallel)
+    torchrun --standalone --nproc_per_node 2 -m rlhfkit.cli train sft --config sft.yaml   # 2 processes (data parallel)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from rlhfkit.algos import aggregate_loss
 from rlhfkit.data import SFTCollator, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
-from rlhfkit.engine.run import RunDir
+from rlhfkit.engine.run import open_run
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import (
     causal_lm_output,
@@ -95,7 +95,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
     examples, eval_examples = prepare_run_data(cfg.data, "sft", tokenizer, limits, accelerator)
-    run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
+    run = open_run(cfg, accelerator, resume, overwrite)
 
     model = load_causal_lm(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
                            dtype=cfg.model.dtype, tokenizer=tokenizer, dropout=not cfg.model.disable_dropout)
