@@ -173,8 +173,9 @@ def _mean_new_rows(model: torch.nn.Module, old_rows: int) -> None:
 
 def weight_dtype(dtype: str | torch.dtype, frozen: bool) -> torch.dtype:
     """The dtype a model's weights are loaded in: the compute dtype for a frozen model, float32 for a
-    trained one (its optimizer needs float32 master weights)."""
-    return resolve_dtype(dtype) if frozen else torch.float32
+    trained one (its optimizer needs float32 master weights; float64, asked for exactness, stays float64)."""
+    resolved = resolve_dtype(dtype)
+    return resolved if frozen or resolved == torch.float64 else torch.float32
 
 
 def _finish(model, dtype, tokenizer, dropout: bool):
@@ -183,7 +184,7 @@ def _finish(model, dtype, tokenizer, dropout: bool):
     if not dropout:
         disable_dropout(model)
     compute = resolve_dtype(dtype)
-    if compute != torch.float32:
+    if compute in (torch.bfloat16, torch.float16):  # half precision: float32 weights, half-precision forwards
         autocast_forward(model, compute)
         if not torch.cuda.is_available():
             warn_slow_bf16("cpu")
