@@ -5,7 +5,9 @@
 - read-outs (padding independent, position ids from the attention mask):
   :func:`logprobs_from_logits`, :func:`response_logprobs`, :func:`response_values`,
   :func:`token_scores`, :func:`sequence_scores`;
-- saving: :func:`save_hf_folder` (a folder plain transformers loads).
+- saving: :func:`save_hf_folder` (a folder plain transformers loads);
+- LoRA and gradient checkpointing: :func:`prepare_trained`, :class:`AdapterDisabled`
+  (:mod:`rlhfkit.models.lora`).
 
 transformers is imported lazily inside the loaders, so importing this package stays cheap.
 """
@@ -20,6 +22,7 @@ from rlhfkit.models.loading import (
     match_tokenizer,
     resolve_dtype,
 )
+from rlhfkit.models.lora import AdapterDisabled, is_peft_model, prepare_trained
 from rlhfkit.models.readout import (
     causal_lm_logits,
     last_token_index,
@@ -35,10 +38,12 @@ from rlhfkit.models.readout import (
 from rlhfkit.models.saving import is_scalar_model, save_hf_folder
 
 __all__ = [
+    "AdapterDisabled",
     "PAD_TOKEN",
     "causal_lm_logits",
     "disable_dropout",
     "init_score_head",
+    "is_peft_model",
     "is_scalar_model",
     "last_token_index",
     "load_causal_lm",
@@ -47,6 +52,7 @@ __all__ = [
     "logprobs_from_logits",
     "match_tokenizer",
     "position_ids_from_mask",
+    "prepare_trained",
     "resolve_dtype",
     "response_logits",
     "response_logprobs",

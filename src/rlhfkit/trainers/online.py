@@ -154,7 +154,8 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
     for i, (name, fn) in enumerate(functions):
         check_signature(name, fn, columns, f"online.reward_functions[{i}]")
     run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
-    ctx = build_context(cfg, accelerator, tokenizer, functions)
+    ctx = build_context(cfg, accelerator, tokenizer, functions,
+                        share_reward_base=hooks.refresh_reward_model is None)
     if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
         raise ConfigError("a reward-model refresh needs online.reward_model")
 
@@ -173,12 +174,13 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
     return summary
 
 
-def build_context(cfg, accelerator, tokenizer, functions: list | None = None) -> OnlineContext:
+def build_context(cfg, accelerator, tokenizer, functions: list | None = None, share_reward_base: bool = True
+                  ) -> OnlineContext:
     """Load the roles, build the optimizers, the scorer and the KL controller, and prepare for accelerate.
 
     ``functions``: the reward functions as ``Scorer.load_functions`` gives them (default: loaded from
-    ``online.reward_functions``)."""
-    roles = build_roles(cfg, tokenizer, accelerator.device)
+    ``online.reward_functions``); ``share_reward_base``: see :func:`rlhfkit.trainers.online_roles.build_roles`."""
+    roles = build_roles(cfg, tokenizer, accelerator.device, share_reward_base)
     optimizers, schedulers = build_optimizers(cfg, roles)
     names = list(optimizers)
     prepared = accelerator.prepare(*[getattr(roles, n) for n in names], *[optimizers[n] for n in names])

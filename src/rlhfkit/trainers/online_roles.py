@@ -11,6 +11,13 @@
   ``final_critic/`` keeps the same read-out.
   Only the ``gae`` estimator has one; GRPO / RLOO / REINFORCE++ are critic-free.
 
+LoRA (``model.lora_rank`` > 0, :mod:`rlhfkit.models.lora`): the reference is the actor with its adapter
+disabled, and the critic (from the reward model) is a second adapter with its own value head on the reward
+model's weights, the reward model being those weights with that adapter disabled. Two copies of base weights
+(policy, reward model) instead of four, and gradients and AdamW state for the adapters and the head only.
+A critic from elsewhere (``online.critic_model``, or the policy when there is no reward model), or any
+critic when the reward model is refreshed during the run, gets its own frozen base (weights only).
+
 Dropout is off in all four (``model.disable_dropout``, on by default) so that the PPO ratio is exactly 1
 before the first update (huggingface/trl#454). The frozen roles are in eval mode with
 ``requires_grad=False``; every role loads in the same dtype. The actor and the critic each get their own
@@ -25,7 +32,7 @@ import torch
 
 from rlhfkit.engine.optim import optimizer_and_scheduler
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhfkit.models import AdapterDisabled, load_causal_lm, load_scalar_model, load_tokenizer, prepare_trained
 
 
 @dataclass
@@ -46,8 +53,14 @@ def critic_source(cfg) -> str | None:
     return o.critic_model or o.reward_model or cfg.model.name_or_path
 
 
-def build_roles(cfg, tokenizer, device: torch.device | str = "cpu") -> Roles:
+def build_roles(cfg, tokenizer, device: torch.device | str = "cpu", share_reward_base: bool = True) -> Roles:
     """Load the actor, the reference, the reward model and the critic as ``cfg`` says, on ``device``.
+
+    With ``model.lora_rank`` > 0 the reference is the actor with its adapter disabled
+    (:class:`rlhfkit.models.AdapterDisabled`: no second copy of the policy), and a critic loaded from the
+    reward model is an adapter (and a trained copy of the head) on the reward model's own weights, the reward
+    model being that same model with the adapter disabled; ``share_reward_base=False`` (the reward model is
+    trained between rollouts, by a refresh) gives the critic its own frozen copy instead.
 
     Raises:
         ConfigError: a reward or critic model whose tokenizer numbers tokens differently from the policy's.
@@ -55,8 +68,9 @@ def build_roles(cfg, tokenizer, device: torch.device | str = "cpu") -> Roles:
     m = cfg.model
     common = dict(trust_remote_code=m.trust_remote_code, dtype=m.dtype, tokenizer=tokenizer)
     dropout = not m.disable_dropout
-    actor = load_causal_lm(m.name_or_path, dropout=dropout, **common).to(device)
-    reference = _frozen(load_causal_lm(m.name_or_path, **common).to(device))
+    lora = m.lora_rank > 0
+    actor = prepare_trained(load_causal_lm(m.name_or_path, dropout=dropout, **common), m).to(device)
+    reference = AdapterDisabled(actor) if lora else _frozen(load_causal_lm(m.name_or_path, **common).to(device))
     reward_model = None
     if cfg.online.reward_model:
         check_same_vocabulary(tokenizer, cfg.online.reward_model, "online.reward_model", m.trust_remote_code)
@@ -66,7 +80,11 @@ def build_roles(cfg, tokenizer, device: torch.device | str = "cpu") -> Roles:
     if source is not None:
         if source != m.name_or_path:
             check_same_vocabulary(tokenizer, source, "online.critic_model", m.trust_remote_code)
-        critic = load_scalar_model(source, dropout=dropout, **common).to(device)
+        if lora and share_reward_base and reward_model is not None and source == cfg.online.reward_model:
+            critic = prepare_trained(reward_model, m)  # adapters injected into the reward model's modules
+            reward_model = AdapterDisabled(critic)
+        else:
+            critic = prepare_trained(load_scalar_model(source, dropout=dropout, **common), m).to(device)
     return Roles(actor, reference, critic, reward_model)
 
 

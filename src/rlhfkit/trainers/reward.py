@@ -69,7 +69,14 @@ from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import load_scalar_model, load_tokenizer, save_hf_folder, sequence_scores, token_scores
+from rlhfkit.models import (
+    load_scalar_model,
+    load_tokenizer,
+    prepare_trained,
+    save_hf_folder,
+    sequence_scores,
+    token_scores,
+)
 from rlhfkit.report import write_report
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, reward_normalization
 from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
@@ -522,7 +529,7 @@ def _scalar_model(cfg, session: _Session) -> torch.nn.Module:
     model = load_scalar_model(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
                               dtype=cfg.model.dtype, tokenizer=session.tokenizer,
                               dropout=not cfg.model.disable_dropout)
-    return model.to(session.accelerator.device)
+    return prepare_trained(model, cfg.model).to(session.accelerator.device)  # LoRA / gradient checkpointing
 
 
 def _fit(cfg, session: _Session, model, examples, objective: Objective, keeper: BestKeeper, heldout: bool,

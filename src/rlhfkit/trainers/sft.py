@@ -6,6 +6,9 @@ log-likelihood over the completion tokens of the whole batch (prompt and padding
 -100); the completion ends with EOS, which is inside the loss also when the tokenizer pads with EOS
 (huggingface/trl#1623).
 
+With ``model.lora_rank`` > 0 only LoRA adapters train; ``final/`` is then the merged model and
+``final/adapter/`` the adapter alone (:mod:`rlhfkit.models.lora`).
+
 Launch:
     rlhfkit train sft --config sft.yaml                       # one process
     accelerate launch -m rlhfkit.cli train sft --config sft.yaml   # several processes (data parallel)
@@ -28,6 +31,7 @@ from rlhfkit.models import (
     load_causal_lm,
     load_tokenizer,
     logprobs_from_logits,
+    prepare_trained,
     save_hf_folder,
 )
 from rlhfkit.report import write_report
@@ -91,7 +95,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
 
     model = load_causal_lm(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
                            dtype=cfg.model.dtype, tokenizer=tokenizer, dropout=not cfg.model.disable_dropout)
-    model.to(accelerator.device)
+    model = prepare_trained(model, cfg.model).to(accelerator.device)  # LoRA / gradient checkpointing
     collate = SFTCollator(tokenizer.pad_token_id)
     eval_batch = cfg.train.micro_batch_size or cfg.train.batch_size
     objective = sft_objective(collate, eval_examples, eval_batch, accelerator.device)
