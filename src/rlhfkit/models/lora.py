@@ -71,7 +71,11 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise UserError(f"model.gradient_checkpointing: {type(model).__name__} does not support gradient "
                         "checkpointing; set it to false")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def add_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
@@ -149,6 +153,7 @@ def save_adapter(model: torch.nn.Module, tokenizer, path: str | os.PathLike) -> 
     """Write the adapter alone in peft's format (safetensors) and the tokenizer into the folder ``path``."""
     with warnings.catch_warnings():  # peft warns when it cannot reach a hub base to compare vocabularies
         warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
         model.save_pretrained(str(path), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
