@@ -38,6 +38,10 @@ so micro-batching and data parallelism do not change the gradient). Details:
   whenever it scores with the model (:mod:`rlhfkit.rollout.scoring`, :func:`normalized_scores`). (Llama's
   score head has no bias, so the bias could not be folded into the weights.)
 
+With ``model.lora_rank`` > 0 (reward and PRM alike) LoRA adapters and the score head train;
+``final/`` is the merged model and ``final/adapter/`` the adapter alone, with the normalisation keys in its
+``rlhfkit_config.json`` (:mod:`rlhfkit.models.lora`).
+
 ``summary.json`` holds the held-out figures of the final model; ``metrics.jsonl`` the training and
 ``eval/`` lines.
 
