@@ -9,7 +9,8 @@ does, samples one rollout, scores it, shapes the rewards, estimates advantages a
 reports:
 
 - on a CPU: the process's peak resident set size (``getrusage`` ``ru_maxrss``), before the models are loaded
-  (the interpreter, torch and transformers) and at the end;
+  (the interpreter, torch and transformers) and at the end, with glibc's mmap threshold fixed at 64 KiB
+  (:func:`child_env`; set ``MALLOC_MMAP_THRESHOLD_`` yourself to measure otherwise);
 - on a CUDA GPU: ``torch.cuda.max_memory_allocated``.
 
 Weights are random: memory does not depend on what a model has learned. The configurations:
@@ -47,6 +48,16 @@ def peak_rss_bytes() -> int:
     """This process's peak resident set size (Linux reports kilobytes, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a measuring process. glibc adapts its mmap threshold upwards as large blocks are
+    freed, after which big tensors come from the heap, whose freed space is reused or not depending on the
+    order of allocations: the same run then peaks up to ~1.5 GB apart (measured here on the small preset).
+    A fixed threshold returns every large block when it is freed, so the peak follows the live tensors."""
+    env = dict(os.environ)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    return env
 
 
 def prepare(folder: Path, preset: str) -> dict[str, str]:
@@ -147,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             command = [sys.executable, __file__, "--child", name, "--paths", json.dumps(paths), "--preset", args.preset,
                        "--batch-size", str(batch), "--response-length", str(length), "--ppo-epochs",
                        str(args.ppo_epochs), "--rank", str(args.rank), "--threads", str(args.threads)]
-            done = subprocess.run(command, capture_output=True, text=True)
+            done = subprocess.run(command, capture_output=True, text=True, env=child_env())
             if done.returncode != 0:
                 print(f"{name}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
                 return 1
