@@ -14,3 +14,10 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     fi
 fi
 "$PY" -m pip install --quiet -e ".[dev]"
+# Headless Chromium for the report page's browser test (tests/test_report_browser.py), from Debian's
+# packages: only where apt-get exists and we are root, quietly, and never failing the set-up (without it
+# that test is skipped with its reason).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
+        >/dev/null 2>&1 || echo "setup.sh: could not install chromium; the browser test will be skipped" >&2
+fi

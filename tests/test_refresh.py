@@ -42,12 +42,19 @@ class CatTask(Task):
         return float(response.split().count("cat"))
 
 
-def records(n: int, seed: int = 0) -> list[dict]:
-    """``n`` preference records over the tiny vocabulary, labelled by :func:`more_cats`."""
+def records(n: int, seed: int = 0, cats: bool = False) -> list[dict]:
+    """``n`` preference records over the tiny vocabulary, labelled by :func:`more_cats`; with ``cats``, one side
+    of each pair gets one or two more 'cat' than the other, so that the label is the cat count's."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         a, b = (" ".join(WORDS[j] for j in torch.randint(len(WORDS), (1 + i % 4,), generator=g).tolist()) for _ in "ab")
+        if cats:
+            extra = 1 + int(torch.randint(2, (), generator=g)) + b.split().count("cat") - a.split().count("cat")
+            words = a.split()
+            for _ in range(max(extra, 0)):
+                words.insert(int(torch.randint(len(words) + 1, (), generator=g)), "cat")
+            a = " ".join(words)
         if a == b:
             b = b + " dog"
         prompt = PROMPTS[i % len(PROMPTS)]
@@ -236,13 +243,18 @@ def test_the_stale_models_accuracy_on_the_new_pairs_is_reported_with_gold(proble
 
 @pytest.mark.learning
 def test_refreshes_teach_the_labellers_taste(problem, learning_seed, learning_figures):
-    """Pairs labelled 'more cats wins' (and shorter on ties): after a few refreshes the model orders held-out
-    pairs of that kind far better than the initial random head."""
-    config = RefreshConfig(pairs=8, steps=25, batch_size=16, learning_rate=1e-2, max_new_tokens=6)
+    """Pairs labelled 'more cats wins' (one side has one or two more 'cat'): after a few refreshes the model
+    orders held-out pairs of that kind and its loss on them has fallen far.
+
+    Spread over seeds 0-4 x 1, 2 threads (benchmarks/learning_spread.py -k taste): probe loss 0.68-0.72 ->
+    0.04-0.21 (fall 0.50-0.67), accuracy -> 0.94-1.00. Thresholds: a fall of 0.25 (half the smallest seen)
+    and accuracy 0.85. Without the refresh's training the loss does not move; with the labels reversed it
+    rises."""
+    config = RefreshConfig(pairs=8, steps=25, batch_size=16, learning_rate=3e-3, max_new_tokens=6)
     refresh = RewardRefresh(problem.tokenizer, PROMPTS, label_fn=more_cats, config=config, seed=learning_seed,
-                            initial_pairs=records(48, seed=5 + 1000 * learning_seed))
+                            initial_pairs=records(48, seed=5 + 1000 * learning_seed, cats=True))
     model = reward_model(problem, seed=learning_seed)
-    probe = records(64, seed=99 + 1000 * learning_seed)
+    probe = records(64, seed=99 + 1000 * learning_seed, cats=True)
 
     def probe_figures():
         chosen, rejected = plain_scores(model, problem.tokenizer, probe)
@@ -255,7 +267,7 @@ def test_refreshes_teach_the_labellers_taste(problem, learning_seed, learning_fi
     learning_figures(loss_start=start[0], loss_end=end[0], loss_drop=start[0] - end[0],
                      accuracy_start=start[1], accuracy_end=end[1])
     assert math.isfinite(metrics["refresh/loss"]) and metrics["refresh/pairs"] == len(refresh.collected) > 0
-    assert end[0] < start[0] - 0.1 and end[1] > 0.7 > start[1], (start, end)
+    assert end[0] < start[0] - 0.25 and end[1] > 0.85, (start, end)
 
 
 # ----------------------------------------------------------------------------------------------------------

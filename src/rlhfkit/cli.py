@@ -4,7 +4,7 @@
     rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite] [--refresh-steps K]
     rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE] [--reward-model DIR]
     rlhfkit label-pairs --policy DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
-    rlhfkit report RUN_DIR
+    rlhfkit report RUN_DIR [RUN_DIR ...] [--out FILE]
 
 A user's mistake (a :class:`rlhfkit.errors.UserError`: bad configuration, bad data, an occupied output
 folder) prints one line ``rlhfkit: error: <message>`` on stderr and exits with code 2; any other exception is
@@ -42,7 +42,7 @@ TARGETS: dict[str, str] = {
     "rloo": "rlhfkit.trainers.online:train",
     "quickstart": "rlhfkit.pipeline:quickstart",  # quickstart(out_dir, preset, overwrite)
     "generate": "rlhfkit.rollout.generate_cli:generate",  # see _generate
-    "report": "rlhfkit.report:write_report",  # write_report(run_dir)
+    "report": "rlhfkit.report:write_reports",  # write_reports(run_dirs, out)
     "label-pairs": "rlhfkit.rollout.pairs:label_pairs",  # see _label_pairs
 }
 # What `quickstart` runs, for the message that says which stages are still missing.
@@ -158,9 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--overwrite", action="store_true", help="replace the files already in --out")
     lab.set_defaults(run=_label_pairs)
 
-    rep = commands.add_parser("report", help="plots and a report from a run's metrics.jsonl",
-                              description="Write plots (PNG) and a report into RUN_DIR.")
-    rep.add_argument("run_dir", metavar="RUN_DIR")
+    rep = commands.add_parser(
+        "report", help="a run's report page (report.html) and plots; several runs side by side",
+        description="Write report.html (one self-contained page: summary, PPO health with warning signs, "
+                    "reward-model calibration, a sample browser), report.md and report/*.png into each RUN_DIR. "
+                    "With several run folders, also one page with their curves overlaid and their summaries in "
+                    "one table.")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("--out", metavar="FILE",
+                     help="the side-by-side page of several runs (default: compare.html in their parent folder)")
     rep.set_defaults(run=_report)
     return parser
 
@@ -232,10 +238,14 @@ def _label_pairs(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    if not Path(args.run_dir).is_dir():
-        raise UserError(f"run folder not found: {args.run_dir}")
+    for run_dir in args.run_dirs:
+        if not Path(run_dir).is_dir():
+            raise UserError(f"run folder not found: {run_dir}")
+    if args.out is not None and len(args.run_dirs) == 1:
+        raise UserError("--out names the side-by-side page of several runs; one run's page is RUN_DIR/report.html")
     _set_threads()
-    resolve(TARGETS["report"])(args.run_dir)
+    for path in resolve(TARGETS["report"])(args.run_dirs, args.out):
+        print(f"wrote {path}")
     return 0
 
 

@@ -56,7 +56,20 @@ class ModelConfig:
     trust_remote_code: bool = option(
         False, "Run code shipped with a hub model. Off unless you trust its author.")
     dtype: Literal["auto", "float32", "bfloat16"] = option(
-        "auto", "Weights dtype; auto = float32 on CPU, bfloat16 on a GPU that supports it.")
+        "auto", "Compute precision; auto = float32 on CPU, bfloat16 on a GPU that supports it. Trained roles "
+                "(policy, critic, SFT and reward models) always keep float32 weights and optimizer state; bfloat16 "
+                "runs their forwards under autocast and gives only the frozen roles (PPO reference and reward "
+                "model) bfloat16 weights. On a CPU without bf16 instructions bfloat16 is much slower.")
+    save_dtype: Literal["float32", "bfloat16"] = option(
+        "float32", "Dtype of the weights written to final/ (the trained weights are float32; bfloat16 halves the "
+                   "files).")
+    missing_pad: Literal["add", "eos"] = option(
+        "add", "A tokenizer without a pad token: add a distinct <|pad|> token (every role that gets the new "
+               "embedding row gets the same one: the mean of the existing rows), or pad with EOS. The pad token "
+               "is never sampled and never scored.")
+    router_aux_loss_coef: float | None = option(
+        None, "Weight of a mixture-of-experts router's load-balancing loss in SFT and the online update; none = "
+              "the model config's own router_aux_loss_coef (0 for a dense model).", ge=0)
     disable_dropout: bool = option(
         True, "Set every dropout probability to 0, so that the PPO ratio is exactly 1 before the first "
               "update (Huang et al. 2024; huggingface/trl#454).")
@@ -100,6 +113,9 @@ class DataConfig:
     num_proc: int | None = option(
         None, "Worker processes that tokenise the data (datasets.map); the tokens are cached on disk either way.",
         gt=0)
+    chat_template: str | None = option(
+        None, "A Jinja chat template, or the path of a file holding one, that replaces the tokenizer's (used for "
+              "conversational data and saved with final/); none = the tokenizer's own.")
 
 
 @dataclass
@@ -114,7 +130,9 @@ class TrainConfig:
     micro_batch_size: int | None = option(
         None, "Sequences per forward/backward pass per process; batch_size / (micro_batch_size * processes) "
               "is the number of gradient-accumulation steps. None = batch_size / processes.", gt=0)
-    learning_rate: float = option(1.0e-5, "Peak learning rate (AdamW).", gt=0)
+    learning_rate: float = option(
+        1.0e-5, "Peak learning rate (AdamW); 0 runs every stage without changing a weight (a check that the PPO "
+                "ratio is exactly 1).", ge=0)
     weight_decay: float = option(0.0, "AdamW decoupled weight decay.", ge=0)
     adam_beta1: float = option(0.9, "AdamW beta1.", ge=0, lt=1)
     adam_beta2: float = option(0.999, "AdamW beta2.", ge=0, lt=1)

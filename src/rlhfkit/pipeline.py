@@ -13,13 +13,15 @@ Stages (Ouyang et al. 2022, figure 2), each in its own run folder under ``DIR``:
                 held-out prompts beside the proxy as it goes (the reward-hacking meter);
 6. evaluation   SFT and PPO policies on held-out prompts: gold and proxy scores, KL, the gold win rate
                 of PPO over SFT (at the training temperature, and greedy);
-7. report       ``summary.json``, ``report.md`` with plots, and a table in the terminal.
+7. report       ``summary.json``, ``report.html`` (every stage on one page), ``report.md`` with plots, and a
+                table in the terminal.
 
 This module holds no training code: only configurations, the order of the stages, and the evaluation.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,8 +181,9 @@ class HackingMeter:
 
         self.task, self.preset, self.seed, self.temperature = task, preset, seed, temperature
         self.tokenizer = load_tokenizer(str(sft_dir))
-        self.reference = load_causal_lm(str(sft_dir), tokenizer=self.tokenizer).eval().requires_grad_(False)
-        self.reward_model = load_scalar_model(str(rm_dir), tokenizer=self.tokenizer).eval().requires_grad_(False)
+        self.reference = load_causal_lm(str(sft_dir), tokenizer=self.tokenizer, frozen=True).eval().requires_grad_(False)
+        self.reward_model = load_scalar_model(str(rm_dir), tokenizer=self.tokenizer,
+                                              frozen=True).eval().requires_grad_(False)
         examples = prepare_examples(str(prompts_file), "prompts", self.tokenizer, TokenLimits(32, None, "left"))
         self.examples = examples[: preset.num_eval_prompts]
         self.meter_examples = examples[:meter_prompts]
@@ -206,7 +209,7 @@ class HackingMeter:
         from rlhfkit.models import load_causal_lm
         from rlhfkit.rollout.evaluate import win_rate
 
-        ppo = load_causal_lm(str(ppo_dir), tokenizer=self.tokenizer).eval()
+        ppo = load_causal_lm(str(ppo_dir), tokenizer=self.tokenizer, frozen=True).eval()
         out: dict[str, Any] = {}
         samples = {}
         for name, policy in (("sft", self.reference), ("ppo", ppo)):
@@ -241,14 +244,14 @@ def task_refresh(task, meter: HackingMeter, pairs_file: str | Path, preset: Pres
                          seed=seed, on_refresh=lambda reward_model: setattr(meter, "reward_model", reward_model))
 
 
-def format_table(summary: dict[str, Any]) -> str:
-    """The few figures a person asks first, as a small table for the terminal."""
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The few figures a person asks first, as (name, value) with ``n/a`` for a missing or undefined one."""
     sft, ppo, rm = summary["sft"], summary["ppo"], summary["reward_model"]
 
     def f(x, fmt=".3f"):
-        return "n/a" if x is None else format(x, fmt)
+        return "n/a" if x is None or not math.isfinite(x) else format(x, fmt)
 
-    rows = [
+    return [
         ("SFT gold score (held out)", f(sft.get("gold_mean"))),
         ("PPO gold score (held out)", f(ppo.get("gold_mean"))),
         ("PPO proxy score (reward model)", f(ppo.get("proxy_mean"))),
@@ -259,13 +262,29 @@ def format_table(summary: dict[str, Any]) -> str:
         ("   annotators' Bayes ceiling", f(rm.get("bayes_ceiling"))),
         ("Wall time (s)", f(summary.get("wall_seconds"), ".0f")),
     ]
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """:func:`summary_rows` as a small table for the terminal; a note under a negative KL (k1 can be)."""
+    rows = summary_rows(summary)
     width = max(len(r[0]) for r in rows)
-    return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in rows)
+    lines = [f"  {name.ljust(width)}  {value}" for name, value in rows]
+    kl = summary["ppo"].get("kl_mean")
+    if kl is not None and kl < 0:
+        lines.append("  (a negative KL: the k1 estimate is a sample mean of log pi - log pi_ref, unbiased but not "
+                     "always positive; the policy is still close to SFT)")
+    return "\n".join(lines)
 
 
 def write_quickstart_report(out: Path, summary: dict[str, Any]) -> Path:
-    """``report.md`` at the top of the quickstart folder: the summary and the plots of each stage's run."""
-    lines = ["# rlhfkit quickstart", "", "```", format_table(summary), "```", ""]
+    """``report.html`` and ``report.md`` at the top of the quickstart folder: the summary, then each stage's
+    run (the HTML page shows each as that run's own page does); returns the path of ``report.md``."""
+    from rlhfkit.report import write_quickstart_page
+    from rlhfkit.reporting.samples import printable
+
+    write_quickstart_page(out, summary_rows(summary), summary)
+    lines = ["# rlhfkit quickstart", "", "Every stage on one page, with the PPO samples: `report.html`.", "",
+             "```", format_table(summary), "```", ""]
     for name, title in (("sft", "SFT"), ("reward", "Reward model"), ("ppo", "PPO")):
         lines += [f"## {title} (`{name}/`, full report: [{name}/report.md]({name}/report.md))", ""]
         for png in sorted((out / name / "report").glob("*.png")):
@@ -274,7 +293,8 @@ def write_quickstart_report(out: Path, summary: dict[str, Any]) -> Path:
     if summary.get("examples"):
         lines += ["## What the policies write (held-out prompts, sampled)", ""]
         for ex in summary["examples"]:
-            lines += [f"- **{ex['prompt']}**", f"  - SFT: {ex['sft']}", f"  - PPO: {ex['ppo']}"]
+            prompt, sft, ppo = (printable(str(ex[k]), keep_newlines=False) for k in ("prompt", "sft", "ppo"))
+            lines += [f"- **{prompt}**", f"  - SFT: {sft}", f"  - PPO: {ppo}"]
     path = out / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path

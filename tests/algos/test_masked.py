@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from rlhfkit.algos import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
+    explained_variance,
     loss_normalizer,
     masked_mean,
     masked_var,
@@ -146,3 +148,43 @@ def test_per_micro_batch_normalizer_would_change_the_gradient():
     for rows in ([0], [1]):
         (aggregate_loss(_per_token_loss(weight, features[rows]), mask[rows], "token-mean") / 2).backward()
     assert not torch.allclose(weight.grad, whole)
+
+
+# --- explained variance ----------------------------------------------------------------------------------
+def test_explained_variance_by_hand_and_against_numpy_on_the_valid_tokens():
+    values = torch.tensor([[1.0, 2.0, 9.0], [0.0, 4.0, -3.0]])
+    returns = torch.tensor([[1.0, 3.0, 0.0], [2.0, 4.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    # valid returns 1, 3, 2, 4: var 1.25; residuals 0, 1, 2, 0: mean 0.75, var 0.6875
+    assert explained_variance(values, returns, mask).item() == pytest.approx(1 - 0.6875 / 1.25)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        v, r = torch.randn(4, 7, generator=gen), torch.randn(4, 7, generator=gen)
+        m = torch.rand(4, 7, generator=gen) > 0.3
+        rv, vv = r[m].double().numpy(), v[m].double().numpy()
+        expected = 1 - np.var(rv - vv) / np.var(rv)
+        got = explained_variance(add_junk(gen, v, m), add_junk(gen, r, m), m)
+        assert got.item() == pytest.approx(expected, rel=1e-9)
+    # A perfect critic explains everything; the returns' mean explains nothing; constant returns: undefined.
+    assert explained_variance(returns, returns, mask).item() == 1.0
+    mean = torch.full_like(returns, 2.5)
+    assert explained_variance(mean, returns, mask).item() == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(explained_variance(values, torch.ones_like(returns), mask).item())
+
+
+def test_explained_variance_of_two_shards_with_all_sum_is_that_of_the_whole_batch():
+    gen = torch.Generator().manual_seed(4)
+    v, r = torch.randn(6, 5, generator=gen), torch.randn(6, 5, generator=gen)
+    m = torch.rand(6, 5, generator=gen) > 0.2
+    shards = [(v[:3], r[:3], m[:3]), (v[3:], r[3:], m[3:])]
+    captured = []
+
+    def all_sum(moments):  # stands in for the all-reduce: the other shard's moments are added
+        captured.append(moments)
+        return moments + other
+
+    other = torch.zeros(5, dtype=torch.float64)
+    explained_variance(*shards[1], all_sum=all_sum)
+    other = captured[-1]
+    assert explained_variance(*shards[0], all_sum=all_sum).item() == pytest.approx(
+        explained_variance(v, r, m).item(), rel=1e-12)

@@ -33,10 +33,10 @@ def fake(monkeypatch):
     module.train = train
     module.quickstart = lambda out_dir, preset, overwrite, **kw: calls.append(("quickstart", out_dir, preset, overwrite))
     module.generate = lambda model, prompts, **kw: calls.append(("generate", model, prompts, kw))
-    module.write_report = lambda run_dir: calls.append(("report", run_dir))
+    module.write_reports = lambda run_dirs, out: calls.append(("report", run_dirs, out)) or []
     monkeypatch.setitem(sys.modules, "fake_targets", module)
     for name in cli.TARGETS:
-        attr = "train" if name in KINDS else {"report": "write_report"}.get(name, name)
+        attr = "train" if name in KINDS else {"report": "write_reports"}.get(name, name)
         monkeypatch.setitem(cli.TARGETS, name, f"fake_targets:{attr}")
     return calls
 
@@ -74,7 +74,7 @@ def test_help(capsys):
 @pytest.mark.parametrize("argv", [[], ["train"], ["train", "dpo", "--config", "x"], ["train", "sft"],
                                   ["train", "sft", "--config", "c", "--resume", "--overwrite"], ["fly"],
                                   ["generate", "--model", "m", "--prompts", "p", "--greedy", "--temperature", "1"],
-                                  ["report", "a", "b"], ["train", "sft", "--config", "c", "notakey"]])
+                                  ["report"], ["train", "sft", "--config", "c", "notakey"]])
 def test_usage_errors_exit_2(argv, capsys):
     assert cli.main(argv) == 2
     assert "usage: rlhfkit" in capsys.readouterr().err
@@ -183,8 +183,10 @@ def test_quickstart_generate_report(tmp_path, fake, capsys):
     assert "--temperature must be >= 0" in error_line(capsys)
 
     assert cli.main(["report", str(tmp_path / "q")]) == 0
-    assert fake[-1] == ("report", str(tmp_path / "q"))
-    assert cli.main(["report", str(tmp_path / "nowhere")]) == 2
+    assert fake[-1] == ("report", [str(tmp_path / "q")], None)
+    assert cli.main(["report", str(tmp_path / "q"), str(tmp_path), "--out", "c.html"]) == 0
+    assert fake[-1] == ("report", [str(tmp_path / "q"), str(tmp_path)], "c.html")
+    assert cli.main(["report", str(tmp_path / "q"), str(tmp_path / "nowhere")]) == 2
     assert "run folder not found" in error_line(capsys)
 
 

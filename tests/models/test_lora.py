@@ -90,6 +90,31 @@ def test_lora_ppo_roles_hold_no_copy_and_disabled_adapter_is_the_base(tmp_path):
     assert _unique_elements(full.actor, full.reference, full.critic, full.reward_model) == 2 * (base_policy + base_reward)
 
 
+@pytest.mark.parametrize("train_reward_model", [False, True])
+def test_lora_bf16_roles_keep_what_trains_and_the_shared_reward_base_in_float32(tmp_path, train_reward_model):
+    """bf16 with LoRA: the actor's base is trained-role float32 (its reference is the same weights); the reward
+    model that carries the critic's adapters and head copy stays float32 too. When a refresh trains the reward
+    model, the critic gets its own base, and the reward model is float32 as a trained role."""
+    from rlhfkit.engine.accel import make_accelerator
+    from rlhfkit.trainers.online_roles import build_roles
+
+    paths = write_online_problem(tmp_path)
+    cfg = online_config(paths, tmp_path / "run", f"online.reward_model={paths['reward']}", "model.lora_rank=4",
+                        "model.dtype=bfloat16")
+    tokenizer = load_tokenizer(str(paths["policy"]))
+    roles = build_roles(cfg, tokenizer, make_accelerator(cpu=True).device, train_reward_model)
+    for role in (roles.actor, roles.reference, roles.critic, roles.reward_model):
+        assert {p.dtype for p in role.parameters()} == {torch.float32}
+    ptrs = lambda m: {p.data_ptr() for p in m.parameters()}  # noqa: E731
+    assert ptrs(roles.reference) <= ptrs(roles.actor)
+    assert (ptrs(roles.reward_model) <= ptrs(roles.critic)) is not train_reward_model
+    assert isinstance(roles.reward_model, AdapterDisabled) is not train_reward_model
+    ids, attn = _batch(tokenizer.pad_token_id)
+    with torch.no_grad():  # forwards run under bf16 autocast: the scores come out finite
+        assert torch.isfinite(sequence_scores(roles.critic, ids, attn)).all()
+        assert torch.isfinite(sequence_scores(roles.reward_model, ids, attn)).all()
+
+
 def test_lora_sft_final_is_merged_adapter_loads_and_resume_is_bit_identical(tmp_path):
     paths = write_sft_problem(tmp_path)
     out = tmp_path / "run"

@@ -7,6 +7,7 @@ import torch
 
 from helpers import TEXTS_FOR_SCORES, pad_batch, tiny_gpt2, tiny_llama
 from rlhfkit.models import (
+    Sampling,
     last_token_index,
     logprobs_from_logits,
     position_ids_from_mask,
@@ -154,16 +155,16 @@ def test_response_logprobs_and_values_padding_independent(pad_id):
     ids, mask, p0 = prompt_response_batch(pad_id)
     junk = ids.masked_fill(mask == 0, 7)  # whatever sits in padded columns must not matter
     with torch.no_grad():
-        logprobs = response_logprobs(policy, ids, mask, p0, temperature=0.7)
+        logprobs = response_logprobs(policy, ids, mask, p0, Sampling(0.7))
         values = response_values(critic, ids, mask, p0)
         valid = mask[:, p0:].bool()
-        torch.testing.assert_close(response_logprobs(policy, junk, mask, p0, 0.7)[valid], logprobs[valid])
+        torch.testing.assert_close(response_logprobs(policy, junk, mask, p0, Sampling(0.7))[valid], logprobs[valid])
         torch.testing.assert_close(response_values(critic, junk, mask, p0)[valid], values[valid])
         for i, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
             alone = torch.tensor([prompt + response])
             ones = torch.ones_like(alone)
             n = len(response)
-            lp = response_logprobs(policy, alone, ones, len(prompt), temperature=0.7)[0]
+            lp = response_logprobs(policy, alone, ones, len(prompt), Sampling(0.7))[0]
             v = response_values(critic, alone, ones, len(prompt))[0]
             torch.testing.assert_close(logprobs[i, :n], lp, atol=1e-5, rtol=0)
             torch.testing.assert_close(values[i, :n], v, atol=1e-5, rtol=0)

@@ -2,6 +2,7 @@
 
 import torch
 
+from rlhfkit.models import sampling_for
 from rlhfkit.rollout import generate_responses, truncate_at_stop
 from tests.helpers import tiny_llama
 
@@ -45,13 +46,16 @@ def test_generate_from_left_padded_prompts_matches_unpadded_greedy():
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         am[i, width - len(p):] = 1
-    batch = generate_responses(model, ids, am, max_new_tokens=6, stop_token_ids=[eos], pad_token_id=pad, greedy=True)
+    sampling = sampling_for(pad, [eos])
+    batch = generate_responses(model, ids, am, max_new_tokens=6, stop_token_ids=[eos], pad_token_id=pad,
+                               sampling=sampling, greedy=True)
     assert batch.response_ids.shape == (2, 6) and batch.mask.shape == (2, 6)
     assert batch.response_start == width
     assert torch.equal(batch.input_ids[:, width:], batch.response_ids)
     # The same prompt alone (no padding) gives the same greedy continuation: padding changes nothing.
     alone = generate_responses(model, torch.tensor([prompts[1]]), torch.ones(1, 2, dtype=torch.long),
-                               max_new_tokens=6, stop_token_ids=[eos], pad_token_id=pad, greedy=True)
+                               max_new_tokens=6, stop_token_ids=[eos], pad_token_id=pad, sampling=sampling,
+                               greedy=True)
     assert torch.equal(alone.response_ids[0][alone.mask[0]], batch.response_ids[1][batch.mask[1]])
 
 
@@ -63,7 +67,8 @@ def test_generate_pads_short_outputs_and_marks_ended():
         torch.tensor(eos), o.shape[-1]).to(o.dtype))
     try:
         batch = generate_responses(model, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long),
-                                   max_new_tokens=5, stop_token_ids=[eos], pad_token_id=pad, temperature=0.7)
+                                   max_new_tokens=5, stop_token_ids=[eos], pad_token_id=pad,
+                                   sampling=sampling_for(pad, [eos], 0.7))
     finally:
         handle.remove()
     assert batch.response_ids.shape == (1, 5)
@@ -86,10 +91,12 @@ def test_a_pad_distinct_from_the_stop_tokens_is_never_sampled():
     handle = _biased_toward(model, pad)
     try:
         batch = generate_responses(model, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long),
-                                   max_new_tokens=5, stop_token_ids=[eos], pad_token_id=pad, temperature=0.7)
+                                   max_new_tokens=5, stop_token_ids=[eos], pad_token_id=pad,
+                                   sampling=sampling_for(pad, [eos], 0.7))
         # When pad is a stop token (pad == EOS) it is not suppressed: it ends the response.
         as_stop = generate_responses(model, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long),
-                                     max_new_tokens=5, stop_token_ids=[pad], pad_token_id=pad, temperature=0.7)
+                                     max_new_tokens=5, stop_token_ids=[pad], pad_token_id=pad,
+                                     sampling=sampling_for(pad, [pad], 0.7))
     finally:
         handle.remove()
     assert pad not in batch.response_ids[0][batch.mask[0]].tolist()

@@ -66,12 +66,12 @@ def write_online_problem(root: Path, pad: str = "<pad>", policy: str = "llama", 
 
 
 def online_overrides(paths: dict[str, Path], out: Path, *extra: str, reward: str = "cat_count") -> list[str]:
-    """dotted.key=value settings of a small, fast online run (4 prompts x 2 responses, 6 new tokens)."""
+    """dotted.key=value settings of a small, fast online run (2 prompts x 2 responses, 6 new tokens, the default temperature)."""
     settings = [f"output_dir={out}", f"model.name_or_path={paths['policy']}", f"data.train_file={paths['prompts']}",
                 f"online.reward_functions=[{paths['rewards']}:{reward}]", "train.batch_size=4",
                 "train.micro_batch_size=2", "train.learning_rate=1e-3", "train.lr_schedule=constant",
                 "online.group_size=2", "online.response_length=6", "online.ppo_epochs=2",
-                "online.num_minibatches=2", "online.temperature=1.0", "data.max_prompt_length=16"]
+                "online.num_minibatches=2", "data.max_prompt_length=16"]
     return [*settings, *extra]
 
 

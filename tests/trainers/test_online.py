@@ -1,6 +1,7 @@
 """Online RL trainer (PPO / GRPO / RLOO / REINFORCE++): the rollout to the token, the ratio before the first
 update, missing-EOS masking, critic-free runs, hooks, micro-batch invariance, and a learning signal."""
 
+import dataclasses
 import json
 
 import pytest
@@ -83,11 +84,14 @@ def test_hand_built_rollout_puts_score_on_last_real_token_and_rewards_sum_to_sco
     assert torch.equal(rollout.mask, expected_mask) and torch.equal(response_mask, expected_mask)
     assert rollout.ended.tolist() == [True, False, True]
     assert rollout.response_ids[0, 2] == eos and rollout.response_ids[2, 0] == eos  # EOS inside the mask
-    # Log-probs at the sampling temperature, equal to the unpadded sequence's, read before each token.
+    # Log-probs at the sampling temperature, equal to the unpadded sequence's, read before each token, of the
+    # distribution that was sampled: a pad distinct from EOS is suppressed there, so in the softmax too.
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         ids = torch.tensor([p + raw[i][:n]])
         with torch.no_grad():
             logits = ctx.roles.actor(ids).logits[0] / 0.7
+        if tok.pad_token_id != eos:
+            logits[:, tok.pad_token_id] = float("-inf")
         expected = torch.log_softmax(logits, -1)[len(p) - 1 : len(p) - 1 + n].gather(1, ids[0, len(p):, None])[:, 0]
         assert torch.allclose(rollout.logprobs[i, :n], expected, atol=1e-5)
         assert (rollout.logprobs[i, n:] == 0).all() and (rollout.ref_logprobs[i, n:] == 0).all()
@@ -190,26 +194,53 @@ def test_ratio_check_detects_dropout_when_it_is_left_on(tmp_path):
     assert result.first_minibatch_logprob_diff[0] > 1e-3
 
 
-def test_micro_batch_size_does_not_change_the_update(tmp_path):
-    """Whole-minibatch normaliser: one pass of 4 responses and four of 1 give the same gradient (SGD, lr 1)."""
+def _ragged_generation(tok, lengths):
+    """A stand-in for generate_responses whose i-th response ends with EOS after ``lengths[i % len]`` tokens
+    (0 = no EOS: truncated), so that a minibatch holds responses of different lengths."""
+    w = tok.convert_tokens_to_ids
+    words = [w(x) for x in ("cat", "dog", "mat", "one", "two", "yes", "good", "bad")]
+
+    def fake(model, prompt_ids, prompt_mask, *, stop_token_ids, pad_token_id, max_new_tokens, **_):
+        rows = []
+        for i in range(prompt_ids.shape[0]):
+            n = lengths[i % len(lengths)]
+            row = [words[(i + j) % len(words)] for j in range(max_new_tokens)]
+            if n:
+                row[n - 1] = tok.eos_token_id
+            rows.append(row)
+        return _hand_built_generation(tok, rows)(model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids,
+                                                 pad_token_id=pad_token_id)
+    return fake
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_size_does_not_change_the_update(tmp_path, monkeypatch, mode):
+    """Whole-minibatch normaliser in every aggregation mode: one pass of 8 responses of different lengths,
+    micro-batches of 4, 2 and 1 give the same gradient (SGD, lr 1) to actor and critic. A mean of per-micro-batch means
+    (or per-micro-batch token counts) differs as soon as the lengths differ."""
     paths = write_online_problem(tmp_path)
     deltas = []
     rollout = None
-    for micro in (4, 1):
+    for micro in (4, 2, 1):
         cfg = online_config(paths, tmp_path / f"run{micro}", f"online.reward_model={paths['reward']}",
-                            f"train.micro_batch_size={micro}", "online.ppo_epochs=1",
-                            "online.loss_agg_mode=seq-mean-token-mean", "train.max_grad_norm=null")
+                            f"train.micro_batch_size={micro}", "online.ppo_epochs=1", "online.num_minibatches=1",
+                            f"online.loss_agg_mode={mode}", "train.max_grad_norm=null")
         ctx = make_context(cfg)
+        monkeypatch.setattr(online_steps, "generate_responses", _ragged_generation(ctx.tokenizer, [1, 6, 3, 0]))
         for name, model in ctx.trained.items():
             ctx.optimizers[name] = torch.optim.SGD(model.parameters(), lr=1.0)
         rollout = rollout if rollout is not None else rollout_for_update(ctx)
+        assert sorted(rollout.mask.sum(1).tolist()) == [1, 1, 3, 3, 6, 6, 6, 6]  # ragged: 1, 6, 3 and 6 (no EOS)
         before = {name: state(model) for name, model in ctx.trained.items()}
         ppo_update(ctx, rollout, step=1)
         deltas.append({f"{name}.{k}": v - before[name][k] for name, model in ctx.trained.items()
                        for k, v in state(model).items()})
-    assert any(d.abs().max() > 1e-4 for d in deltas[0].values())
-    for key, delta in deltas[0].items():
-        assert torch.allclose(delta, deltas[1][key], atol=1e-6), key
+    assert {k.split(".")[0] for k in deltas[0]} == {"actor", "critic"}
+    assert any(d.abs().max() > 1e-4 for k, d in deltas[0].items() if k.startswith("actor."))
+    assert any(d.abs().max() > 1e-4 for k, d in deltas[0].items() if k.startswith("critic."))
+    for other in deltas[1:]:
+        for key, delta in deltas[0].items():
+            assert torch.allclose(delta, other[key], atol=1e-6), key
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -220,9 +251,9 @@ def test_all_truncated_batch_under_mask_changes_nothing_and_logs_no_nan(tmp_path
     paths = write_online_problem(tmp_path)
     real = online_steps.generate_responses
 
-    def never_eos(model, prompt_ids, prompt_mask, *, suppress_token_ids=(), stop_token_ids, **kwargs):
-        return real(model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids,
-                    suppress_token_ids=[*suppress_token_ids, *stop_token_ids], **kwargs)
+    def never_eos(model, prompt_ids, prompt_mask, *, sampling, stop_token_ids, **kwargs):
+        never = dataclasses.replace(sampling, suppress_ids=(*sampling.suppress_ids, *stop_token_ids))
+        return real(model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids, sampling=never, **kwargs)
 
     monkeypatch.setattr(online_steps, "generate_responses", never_eos)
     out = tmp_path / "run"
@@ -261,6 +292,7 @@ def test_critic_free_estimators_run_without_a_critic(tmp_path, monkeypatch, kind
     assert any(not torch.equal(initial[k], final[k]) for k in initial)
     for row in read_metrics(out / "metrics.jsonl"):
         assert "loss/value" not in row and "values/mean" not in row and "loss/policy" in row
+        assert "value/explained_variance" not in row
         # stage 3 as logged: per-response reward = score - kl_coef * KL (nothing masked here)
         assert row["reward/mean"] == pytest.approx(row["score/mean"] - 0.2 * row["kl/mean"], abs=1e-6)
         assert row["kl/mean"] >= 0 or "online.kl_estimator=k3" not in extra  # k3 is never negative
@@ -293,6 +325,8 @@ def test_evaluate_hook_is_logged_and_leaves_training_unchanged_and_critic_warms_
     assert [("eval/score/mean" in r) for r in rows] == [True, False, True, True]
     assert rows[0]["eval/kl/mean"] == 0.0 and rows[3]["eval/kl/mean"] != 0.0  # the policy has moved by then
     assert 0 < rows[3]["eval/response_length/mean"] <= 6
+    # the critic's explained variance and the gradient norms, for the report's health panel
+    assert all(r["value/explained_variance"] <= 1.0 and r["grad_norm/critic"] > 0 for r in rows[1:])
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
     # Critic warm-up: after rollout 1 only the critic has moved.
     step1 = tmp_path / "with" / "checkpoints" / "step-1"

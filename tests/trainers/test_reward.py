@@ -318,6 +318,11 @@ def test_train_reward_learns_keeps_the_best_normalises_and_loads_in_plain_transf
     assert summary["bayes_ceiling"] == pytest.approx(0.9)
     assert summary["pairs_per_second"] > 0 and summary["tokens_per_second"] > 0
     assert sum(b["count"] for b in summary["calibration_bins"]) == 48
+    # The final model's held-out scores, for the report's histograms: they give the summary's accuracy.
+    scored = _rows(out / "heldout_scores.jsonl")
+    assert len(scored) == 48 and {"gold_chosen", "gold_rejected"} <= scored[0].keys()
+    assert sum((r["chosen"] > r["rejected"]) + 0.5 * (r["chosen"] == r["rejected"]) for r in scored) / 48 == \
+        pytest.approx(summary["heldout_accuracy"])
 
     # final/ = the best evaluation's weights (raw), with the normalisation in config.json
     best_weights = load_file(str(out / "best" / "model.safetensors"))

@@ -94,8 +94,9 @@ def test_two_samples_per_prompt_at_temperature_1_with_the_pad_token_suppressed(t
     assert [ids.shape[0] for ids, _ in calls] == [4, 2]  # two rows per prompt, 4 rows per call
     ids, kwargs = calls[0]
     assert torch.equal(ids[0], ids[1]) and not torch.equal(ids[1], ids[2])
-    # The pad id is passed and is not a stop token, so generate_responses suppresses it (tested there).
-    assert kwargs["pad_token_id"] == tokenizer.pad_token_id and kwargs["temperature"] == 1.0
+    # The pad id is not a stop token, so the sampling suppresses it (generate_responses applies it: tested there).
+    assert kwargs["pad_token_id"] == tokenizer.pad_token_id and kwargs["sampling"].temperature == 1.0
+    assert tokenizer.pad_token_id in kwargs["sampling"].suppress_ids
     assert kwargs["stop_token_ids"] == [tokenizer.eos_token_id] != [tokenizer.pad_token_id]
     again = sample_response_pairs(model, tokenizer, prompts, max_new_tokens=6, batch_size=4, seed=1)
     assert [(p.a, p.b) for p in again] == [(p.a, p.b) for p in pairs]  # seeded

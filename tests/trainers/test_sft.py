@@ -19,7 +19,7 @@ def test_completion_nll_is_computed_on_completion_tokens_only_by_hand():
     ex = {"prompt_ids": [1, 10, 11], "completion_ids": [12, 13, 2]}
     short = {"prompt_ids": [1, 10], "completion_ids": [2]}
     batch = SFTCollator(tok.pad_token_id)([ex, short])
-    nll, mask = completion_nll(model, batch)
+    nll, mask, _ = completion_nll(model, batch)
     with torch.no_grad():
         logits = model(torch.tensor([[1, 10, 11, 12, 13, 2]])).logits[0]
     logp = torch.log_softmax(logits, -1)

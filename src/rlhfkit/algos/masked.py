@@ -72,6 +72,32 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq))
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, all_sum=None) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over the valid tokens: how much of the returns' variance the
+    critic predicts (1 = all, 0 = no better than their mean, < 0 = worse). Population variances, as CleanRL's
+    ``ppo.py`` logs it; NaN when the returns are constant (nothing to explain).
+
+    Args:
+        values, returns: ``(B, T)``.
+        mask: ``(B, T)``.
+        all_sum: under data parallelism, a function that sums a tensor over processes, so that the figure is
+            that of the whole rollout (the moments are summed, then combined).
+    Returns:
+        a float64 scalar.
+    """
+    m = float_mask(mask, torch.float64)
+    r = fill_masked(returns.double(), mask)  # (B, T)
+    d = fill_masked(returns.double() - values.double(), mask)  # (B, T)
+    moments = torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()])  # (5,)
+    if all_sum is not None:
+        moments = all_sum(moments)
+    n, sr, srr, sd, sdd = moments.unbind()
+    n = n.clamp(min=1)
+    var_r = srr / n - (sr / n) ** 2
+    var_d = sdd / n - (sd / n) ** 2
+    return torch.where(var_r > 1e-12, 1 - var_d / var_r.clamp(min=1e-12), torch.full_like(var_r, float("nan")))
+
+
 def masked_whiten(
     x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
 ) -> torch.Tensor:

@@ -5,6 +5,8 @@
 - read-outs (padding independent, position ids from the attention mask):
   :func:`logprobs_from_logits`, :func:`response_logprobs`, :func:`response_values`,
   :func:`token_scores`, :func:`sequence_scores`;
+- sampling = scoring: :class:`Sampling`, :func:`sampling_for`, :func:`sampled_logprobs`;
+- precision and update mode: :func:`autocast_forward`, :func:`set_update_mode`;
 - saving: :func:`save_hf_folder` (a folder plain transformers loads);
 - LoRA and gradient checkpointing: :func:`prepare_trained`, :class:`AdapterDisabled`
   (:mod:`rlhfkit.models.lora`).
@@ -20,26 +22,41 @@ from rlhfkit.models.loading import (
     load_scalar_model,
     load_tokenizer,
     match_tokenizer,
+    read_chat_template,
     resolve_dtype,
 )
 from rlhfkit.models.lora import AdapterDisabled, is_peft_model, prepare_trained
+from rlhfkit.models.precision import autocast_forward, set_update_mode
 from rlhfkit.models.readout import (
     causal_lm_logits,
+    causal_lm_output,
     last_token_index,
     logprobs_from_logits,
     position_ids_from_mask,
+    response_forward,
     response_logits,
     response_logprobs,
     response_values,
+    sampled_logprobs,
     sequence_scores,
     token_scores,
     unwrap_model,
 )
+from rlhfkit.models.sampling import Sampling, processed_logits, sampling_for
 from rlhfkit.models.saving import is_scalar_model, save_hf_folder
 
 __all__ = [
     "AdapterDisabled",
     "PAD_TOKEN",
+    "Sampling",
+    "autocast_forward",
+    "causal_lm_output",
+    "processed_logits",
+    "read_chat_template",
+    "response_forward",
+    "sampled_logprobs",
+    "sampling_for",
+    "set_update_mode",
     "causal_lm_logits",
     "disable_dropout",
     "init_score_head",

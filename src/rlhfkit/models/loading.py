@@ -5,11 +5,15 @@ Rules (DESIGN.md, "Models"):
   by default;
 - weights come from safetensors only (``use_safetensors=True``): a folder with nothing but
   pickled ``pytorch_model.bin`` weights is refused with a message that says so;
-- ``dtype="auto"`` means float32 on CPU (bf16 there is ~18x slower, REFERENCES.md) and bfloat16
-  when a CUDA GPU that supports it is present (the ``model.dtype`` help in config.py); all roles
-  load in the same dtype, so the actor and the frozen reference agree bit for bit at step 0;
+- ``dtype`` is the *compute* precision: ``"auto"`` means float32 on CPU and bfloat16 when a CUDA GPU
+  that supports it is present (the ``model.dtype`` help in config.py). A model loaded to be trained
+  keeps float32 weights and runs under bf16 autocast; only a ``frozen=True`` model holds bf16 weights
+  (:mod:`rlhfkit.models.precision`);
 - a tokenizer without a pad token is resolved explicitly by :func:`load_tokenizer`'s
-  ``missing_pad`` argument, never silently;
+  ``missing_pad`` argument, never silently; the embedding rows a model grows for it are the mean of
+  its existing rows, so every role loaded from one checkpoint gets the same ones (a random row per
+  role made the step-0 KL between actor and reference non-zero);
+- ``chat_template`` (a Jinja string or a file) replaces the tokenizer's own;
 - a LoRA adapter folder (peft's ``adapter_config.json``) loads as its base with the adapter merged in
   (:mod:`rlhfkit.models.lora`), wherever a model folder is expected.
 
@@ -29,6 +33,7 @@ import torch
 
 from rlhfkit.errors import UserError
 from rlhfkit.models.lora import adapter_base, merge_adapter_folder
+from rlhfkit.models.precision import autocast_forward, warn_slow_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PAD_TOKEN = "<|pad|>"
@@ -72,6 +77,7 @@ def load_tokenizer(
     *,
     trust_remote_code: bool = False,
     missing_pad: Literal["add", "eos"] = "add",
+    chat_template: str | None = None,
 ):
     """Load a tokenizer and make sure it has a pad token and an EOS token.
 
@@ -85,6 +91,8 @@ def load_tokenizer(
             ``"eos"`` reuses EOS as pad, which is safe inside rlhfkit (masks come from lengths and
             attention masks, never from comparing ids with the pad id); a reward model saved with
             :func:`save_hf_folder` still gets a distinct pad token for plain transformers.
+        chat_template: a Jinja template or the path of a file holding one (:func:`read_chat_template`);
+            it replaces the tokenizer's own.
     Returns:
         a ``transformers`` tokenizer with ``pad_token_id`` and ``eos_token_id`` set.
     """
@@ -105,7 +113,31 @@ def load_tokenizer(
             tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
         else:
             tokenizer.pad_token = tokenizer.eos_token
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a Jinja string or as the path of a file holding one, checked to compile.
+
+    A value with ``{{`` or ``{%`` in it is a template; anything else must be an existing file.
+    """
+    import jinja2
+
+    text, source = value, "data.chat_template"
+    if "{{" not in value and "{%" not in value:
+        path = os.path.expanduser(value)
+        if not os.path.isfile(path):
+            raise UserError(f"data.chat_template: '{value}' is neither a Jinja template (no '{{{{' or '{{%') nor "
+                            "an existing file")
+        with open(path, encoding="utf-8") as f:
+            text, source = f.read(), f"data.chat_template file {value}"
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as error:
+        raise UserError(f"{source}: not a valid Jinja template (line {error.lineno}: {error.message})") from None
+    return text
 
 
 def match_tokenizer(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
@@ -117,12 +149,50 @@ def match_tokenizer(model: torch.nn.Module, tokenizer) -> torch.nn.Module:
     """
     if tokenizer is None:
         return model
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+    old_rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > old_rows:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        _mean_new_rows(model, old_rows)
     model.config.pad_token_id = tokenizer.pad_token_id
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _mean_new_rows(model: torch.nn.Module, old_rows: int) -> None:
+    """Set the embedding rows past ``old_rows`` (input, and output when untied) to the mean of the old ones.
+
+    Deterministic, so the actor, the reference, the critic and the reward model loaded from one checkpoint
+    all get the same rows (transformers draws them at random, differently for each role).
+    """
+    with torch.no_grad():
+        for embedding in (model.get_input_embeddings(), model.get_output_embeddings()):
+            weight = getattr(embedding, "weight", None)
+            if weight is None or weight.shape[0] <= old_rows:
+                continue
+            weight[old_rows:] = weight[:old_rows].float().mean(0).to(weight.dtype)
+            bias = getattr(embedding, "bias", None)
+            if bias is not None and bias.shape[0] > old_rows:
+                bias[old_rows:] = bias[:old_rows].float().mean().to(bias.dtype)
+
+
+def weight_dtype(dtype: str | torch.dtype, frozen: bool) -> torch.dtype:
+    """The dtype a model's weights are loaded in: the compute dtype for a frozen model, float32 for a
+    trained one (its optimizer needs float32 master weights)."""
+    return resolve_dtype(dtype) if frozen else torch.float32
+
+
+def _finish(model, dtype, tokenizer, dropout: bool):
+    """Shared tail of the loaders: the tokenizer's rows and pad id, dropout off, autocast when bf16."""
+    match_tokenizer(model, tokenizer)
+    if not dropout:
+        disable_dropout(model)
+    compute = resolve_dtype(dtype)
+    if compute != torch.float32:
+        autocast_forward(model, compute)
+        if not torch.cuda.is_available():
+            warn_slow_bf16("cpu")
     return model
 
 
@@ -133,15 +203,19 @@ def load_causal_lm(
     dtype: str | torch.dtype = "auto",
     tokenizer=None,
     dropout: bool = False,
+    frozen: bool = False,
 ):
     """Load a causal LM (``AutoModelForCausalLM``) from safetensors.
 
     Args:
         name_or_path: local folder or hub id.
         trust_remote_code: allow custom model code from the folder (off by default).
-        dtype: ``"auto"`` (see :func:`resolve_dtype`), ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype.
+        dtype: the compute precision: ``"auto"`` (see :func:`resolve_dtype`), ``"float32"``, ``"bfloat16"``
+            or a torch dtype. Below float32, every forward runs under autocast.
         tokenizer: when given, embeddings are resized to it and its pad id is recorded.
         dropout: keep the model's dropout; RLHF turns it off in all four roles (trl#454), the default.
+        frozen: the model is never trained (a reference, a sampler): its weights are loaded in ``dtype``;
+            otherwise they stay float32 (:func:`weight_dtype`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -149,19 +223,16 @@ def load_causal_lm(
     if base is not None:  # a LoRA adapter folder: its base with the adapter merged in
         model = load_causal_lm(base, trust_remote_code=trust_remote_code, dtype=dtype, tokenizer=tokenizer,
                                dropout=dropout)
-        return merge_adapter_folder(model, name_or_path)
+        return merge_adapter_folder(model, name_or_path).to(weight_dtype(dtype, frozen))  # merged in float32
     model = _load(
         "causal LM",
         name_or_path,
         AutoModelForCausalLM.from_pretrained,
         trust_remote_code=trust_remote_code,
-        dtype=resolve_dtype(dtype),
+        dtype=weight_dtype(dtype, frozen),
         use_safetensors=True,
     )
-    match_tokenizer(model, tokenizer)
-    if not dropout:
-        disable_dropout(model)
-    return model
+    return _finish(model, dtype, tokenizer, dropout)
 
 
 def init_score_head(model: torch.nn.Module) -> None:
@@ -184,6 +255,7 @@ def load_scalar_model(
     dtype: str | torch.dtype = "auto",
     tokenizer=None,
     dropout: bool = False,
+    frozen: bool = False,
 ):
     """Load a reward / value model: ``AutoModelForSequenceClassification`` with one label.
 
@@ -193,7 +265,7 @@ def load_scalar_model(
 
     Args:
         name_or_path: local folder or hub id.
-        trust_remote_code, dtype, tokenizer, dropout: as in :func:`load_causal_lm`.
+        trust_remote_code, dtype, tokenizer, dropout, frozen: as in :func:`load_causal_lm`.
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -201,7 +273,7 @@ def load_scalar_model(
     if base is not None:  # a LoRA adapter folder: its base with the adapter (and a trained head) merged in
         model = load_scalar_model(base, trust_remote_code=trust_remote_code, dtype=dtype, tokenizer=tokenizer,
                                   dropout=dropout)
-        return merge_adapter_folder(model, name_or_path)
+        return merge_adapter_folder(model, name_or_path).to(weight_dtype(dtype, frozen))  # merged in float32
     config = _load(
         "model config", name_or_path, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code
     )
@@ -217,7 +289,7 @@ def load_scalar_model(
         name_or_path,
         AutoModelForSequenceClassification.from_pretrained,
         trust_remote_code=trust_remote_code,
-        dtype=resolve_dtype(dtype),
+        dtype=weight_dtype(dtype, frozen),
         use_safetensors=True,
         num_labels=1,
         output_loading_info=True,
@@ -228,10 +300,7 @@ def load_scalar_model(
         init_score_head(model)
     if tokenizer is None and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
-    match_tokenizer(model, tokenizer)
-    if not dropout:
-        disable_dropout(model)
-    return model
+    return _finish(model, dtype, tokenizer, dropout)
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -26,6 +26,8 @@ import inspect
 
 import torch
 
+from rlhfkit.models.sampling import Sampling, truncation_mask
+
 # Upper bound on the elements of one temporary (rows, T, V) block in logprobs_from_logits: 2**24
 # float32 values are 64 MiB, so a large vocabulary never needs a second full-size copy.
 _CHUNK_ELEMENTS = 1 << 24
@@ -67,52 +69,67 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class _LabelLogprob(torch.autograd.Function):
-    """log softmax(logits / temperature)[label], computed as the label logit minus a logsumexp.
+    """log softmax(processed logits)[label], computed as the label's logit minus a logsumexp.
 
-    Forward keeps only the (B, T) logsumexp and a reference to the logits; backward rebuilds the
-    softmax block by block. Besides the gradient itself, neither pass holds more than one
-    (rows, T, V) float32 block, where a plain ``log_softmax(logits / temperature).gather(...)``
-    keeps a scaled copy and the full log-softmax.
+    The processing is ``logits / temperature`` with the ``suppress`` ids and the tokens outside ``keep``
+    at -inf, the label itself always kept (:mod:`rlhfkit.models.sampling`). Forward keeps only the (B, T)
+    logsumexp and a reference to the logits; backward rebuilds the softmax block by block. Besides the
+    gradient itself, neither pass holds more than one (rows, T, V) float32 block, where a plain
+    ``log_softmax(logits / temperature).gather(...)`` keeps a scaled copy and the full log-softmax.
     """
 
     @staticmethod
-    def _scaled_block(logits, start, stop, scale):
-        """float32 copy of logits[start:stop] * scale, safe to modify in place: (rows, T, V)."""
+    def _scaled_block(logits, labels, start, stop, scale, suppress, keep):
+        """float32 processed logits[start:stop], safe to modify in place: (rows, T, V)."""
         block = logits[start:stop]
-        return block.float().mul_(scale) if block.dtype != torch.float32 else block * scale
+        block = block.float().mul_(scale) if block.dtype != torch.float32 else block * scale
+        if suppress is not None or keep is not None:
+            index = labels[start:stop, :, None]  # (rows, T, 1)
+            picked = block.gather(-1, index)
+            if suppress is not None:
+                block.masked_fill_(suppress, float("-inf"))
+            if keep is not None:
+                block.masked_fill_(~keep[start:stop], float("-inf"))
+            block.scatter_(-1, index, picked)
+        return block
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature):
+    def forward(ctx, logits, labels, temperature, suppress, keep):
         batch, steps, vocab = logits.shape
         rows = max(1, _CHUNK_ELEMENTS // max(1, steps * vocab))
         scale = 1.0 / temperature
         lse = torch.empty(batch, steps, dtype=torch.float32, device=logits.device)
         for start in range(0, batch, rows):
-            block = _LabelLogprob._scaled_block(logits, start, start + rows, scale)
+            block = _LabelLogprob._scaled_block(logits, labels, start, start + rows, scale, suppress, keep)
             top = block.amax(dim=-1, keepdim=True)  # (rows, T, 1)
             lse[start : start + rows] = block.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))
         picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() * scale  # (B, T)
         ctx.save_for_backward(logits, labels, lse)
-        ctx.scale, ctx.rows = scale, rows
+        ctx.scale, ctx.rows, ctx.suppress, ctx.keep = scale, rows, suppress, keep
         return picked - lse
 
     @staticmethod
     def backward(ctx, grad_out):
-        # d/dz_v [z_y / tau - lse(z / tau)] = ([v == y] - softmax(z / tau)_v) / tau
+        # d/dz_v [z_y / tau - lse(z / tau)] = ([v == y] - softmax(z / tau)_v) / tau; 0 for a removed token
         logits, labels, lse = ctx.saved_tensors
         grad_logits = None
         for start in range(0, logits.shape[0], ctx.rows):
             stop = start + ctx.rows
-            block = _LabelLogprob._scaled_block(logits, start, stop, ctx.scale)
+            block = _LabelLogprob._scaled_block(logits, labels, start, stop, ctx.scale, ctx.suppress, ctx.keep)
             block.sub_(lse[start:stop, :, None]).exp_()  # softmax, (rows, T, V)
             grad = grad_out[start:stop, :, None].float() * ctx.scale  # (rows, T, 1)
             block.mul_(-grad).scatter_add_(-1, labels[start:stop, :, None], grad)
             if stop >= logits.shape[0] and start == 0:
-                return block.to(logits.dtype), None, None  # one block: it is the gradient
+                return block.to(logits.dtype), None, None, None, None  # one block: it is the gradient
             if grad_logits is None:
                 grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             grad_logits[start:stop] = block
-        return grad_logits, None, None
+        return grad_logits, None, None, None, None
+
+
+def _check_shapes(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
 
 
 def logprobs_from_logits(
@@ -122,6 +139,8 @@ def logprobs_from_logits(
 
     Equal to ``log_softmax(logits / temperature, -1).gather(-1, labels)`` but without storing a
     (B, T, V) log-softmax (the sampling temperature must be applied here too: OpenRLHF PR #853).
+    To score sampled responses use :func:`sampled_logprobs`, which also applies the sampler's
+    suppressed ids and truncation.
 
     Args:
         logits: (B, T, V), any float dtype; a non-contiguous slice is fine (it is not copied).
@@ -133,29 +152,58 @@ def logprobs_from_logits(
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
-    return _LabelLogprob.apply(logits, labels.long().clamp(min=0), float(temperature))
+    _check_shapes(logits, labels)
+    return _LabelLogprob.apply(logits, labels.long().clamp(min=0), float(temperature), None, None)
 
 
-def causal_lm_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep_last: int = 0
-) -> torch.Tensor:
-    """Logits of a causal LM with position ids from the attention mask.
+def sampled_logprobs(logits: torch.Tensor, labels: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Log-probability of each label under the distribution ``sampling`` samples from: suppressed ids
+    removed, ``logits / temperature``, top-k / top-p truncation, renormalised (:mod:`rlhfkit.models.sampling`).
+
+    Args:
+        logits: (B, T, V), any float dtype.
+        labels: (B, T) the sampled tokens (a label is always kept in the distribution, so the result is
+            finite; mask padding positions).
+        sampling: the sampler's :class:`rlhfkit.models.sampling.Sampling`.
+    Returns:
+        (B, T) float32, differentiable with respect to ``logits``.
+    """
+    _check_shapes(logits, labels)
+    labels = labels.long().clamp(min=0)
+    suppress = None
+    if sampling.suppress_ids:
+        suppress = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        suppress[list(sampling.suppress_ids)] = True
+    keep = truncation_mask(logits.detach(), labels, sampling)
+    return _LabelLogprob.apply(logits, labels, float(sampling.temperature), suppress, keep)
+
+
+def causal_lm_output(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    keep_last: int = 0,
+    router_aux: bool = False,
+):
+    """A causal LM's forward with position ids from the attention mask.
 
     Args:
         model: a causal LM (possibly wrapped by DDP / accelerate).
         input_ids, attention_mask: (B, L).
         keep_last: when > 0, only the logits of the last ``keep_last`` columns are needed; models
             that accept ``logits_to_keep`` then skip the output projection of the others.
+        router_aux: a mixture of experts also returns its router load-balancing loss (``aux_loss``,
+            over the tokens the attention mask keeps).
     Returns:
-        (B, L, V), or (B, keep_last, V) when ``keep_last`` > 0.
+        the model's output; ``.logits`` is (B, L, V), or (B, keep_last, V) when ``keep_last`` > 0.
     """
     kwargs = {}
     inner = unwrap_model(model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # a LoRA model's own forward
     if keep_last > 0 and "logits_to_keep" in inspect.signature(inner.forward).parameters:
         kwargs["logits_to_keep"] = keep_last
+    if router_aux:
+        kwargs["output_router_logits"] = True
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -163,29 +211,48 @@ def causal_lm_logits(
         use_cache=False,
         **kwargs,
     )
-    logits = out.logits
-    if keep_last > 0 and logits.shape[1] != keep_last:
-        logits = logits[:, -keep_last:]
-    return logits
+    if keep_last > 0 and out.logits.shape[1] != keep_last:
+        out.logits = out.logits[:, -keep_last:]
+    return out
 
 
-def response_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int
+def causal_lm_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep_last: int = 0
 ) -> torch.Tensor:
-    """The logits that predict each response token: column ``response_start + t - 1`` for token t.
+    """The logits of :func:`causal_lm_output`: (B, L, V), or (B, keep_last, V)."""
+    return causal_lm_output(model, input_ids, attention_mask, keep_last).logits
+
+
+def response_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    router_aux: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits that predict each response token (column ``response_start + t - 1`` for token t) and,
+    with ``router_aux``, the router load-balancing loss of the forward.
 
     Args:
         input_ids, attention_mask: (B, L) = left-padded prompts followed by right-padded responses.
         response_start: p0, the column of the first response token (>= 1, same for all rows).
     Returns:
-        (B, R, V) with R = L - p0 (a view; divide by the sampling temperature before use).
+        (logits (B, R, V) with R = L - p0, a view (process it with the sampling before use); the
+        scalar aux loss, or None without ``router_aux``).
     """
     length = input_ids.shape[1]
     if not 1 <= response_start <= length:
         raise ValueError(f"response_start must be in [1, {length}], got {response_start}")
     responses = length - response_start
-    logits = causal_lm_logits(model, input_ids, attention_mask, keep_last=responses + 1)  # (B, R+1, V)
-    return logits[:, :-1]
+    out = causal_lm_output(model, input_ids, attention_mask, responses + 1, router_aux)  # (B, R+1, V)
+    return out.logits[:, :-1], (out.aux_loss if router_aux else None)
+
+
+def response_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int
+) -> torch.Tensor:
+    """The logits of :func:`response_forward`: (B, R, V)."""
+    return response_forward(model, input_ids, attention_mask, response_start)[0]
 
 
 def response_logprobs(
@@ -193,19 +260,20 @@ def response_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     response_start: int,
-    temperature: float = 1.0,
+    sampling: Sampling | None = None,
 ) -> torch.Tensor:
-    """Log-probabilities of the response tokens under the model at ``temperature``.
+    """Log-probabilities of the response tokens under the distribution they were sampled from.
 
     Args:
         input_ids, attention_mask: (B, L) = prompts (left padded) then responses (right padded).
         response_start: p0, the column of the first response token.
-        temperature: the sampling temperature.
+        sampling: the sampler (temperature, suppressed ids, truncation: :func:`sampled_logprobs`); None =
+            the plain softmax of the logits.
     Returns:
         (B, R) float32; ``[:, t]`` is log pi(y_t | x, y_<t) read at column p0 + t - 1.
     """
     logits = response_logits(model, input_ids, attention_mask, response_start)  # (B, R, V)
-    return logprobs_from_logits(logits, input_ids[:, response_start:], temperature)
+    return sampled_logprobs(logits, input_ids[:, response_start:], sampling or Sampling())
 
 
 def token_scores(

@@ -11,7 +11,9 @@ skip the EOS the score belongs to (huggingface/transformers#30004, huggingface/t
 from __future__ import annotations
 
 import copy
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -25,7 +27,7 @@ def is_scalar_model(model: torch.nn.Module) -> bool:
     return type(unwrap_model(model)).__name__.endswith("ForSequenceClassification")
 
 
-def save_hf_folder(model: torch.nn.Module, tokenizer, path: str | os.PathLike) -> None:
+def save_hf_folder(model: torch.nn.Module, tokenizer, path: str | os.PathLike, dtype: str = "float32") -> None:
     """Write ``model`` (safetensors) and ``tokenizer`` into the folder ``path``.
 
     The caller's model and tokenizer are never changed in a way that matters to training: when a
@@ -37,6 +39,8 @@ def save_hf_folder(model: torch.nn.Module, tokenizer, path: str | os.PathLike) -
         model: a causal LM or a scalar model, possibly wrapped (DDP / accelerate).
         tokenizer: its tokenizer.
         path: the output folder (created if missing).
+        dtype: the dtype of the written weights (``model.save_dtype``): ``"float32"`` (what a trained role
+            holds) or ``"bfloat16"`` (half the size; the model itself is not changed).
     """
     model = unwrap_model(model)
     os.makedirs(path, exist_ok=True)
@@ -53,5 +57,14 @@ def save_hf_folder(model: torch.nn.Module, tokenizer, path: str | os.PathLike) -
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     if model.config.pad_token_id != tokenizer.pad_token_id:
         model.config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
+    state_dict = None
+    if dtype != "float32":
+        target = {"bfloat16": torch.bfloat16}[dtype]
+        state_dict = {k: v.to(target) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    model.save_pretrained(path, state_dict=state_dict)
+    if state_dict is not None:  # config.json names the dtype of the files (transformers wrote the model's)
+        config_file = Path(path) / "config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config["dtype"] = dtype
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tokenizer.save_pretrained(path)

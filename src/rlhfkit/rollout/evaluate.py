@@ -2,7 +2,9 @@
 
 This is the reward-hacking meter: the proxy (the reward model, what PPO optimises) beside the gold
 score of a task's annotators (what we actually want), and the KL to the reference, on the same samples.
-Sampling uses the training temperature (the policy that was optimised) or greedy decoding.
+Sampling uses the training temperature (the policy that was optimised) or greedy decoding, with the pad
+token suppressed and nothing of the checkpoint's generation settings (:mod:`rlhfkit.models.sampling`); the KL
+is scored under that same distribution.
 
 Shapes: ``B`` prompts, ``R`` response length.
 """
@@ -16,7 +18,7 @@ import torch
 
 from rlhfkit.algos import kl_k1
 from rlhfkit.data import PromptCollator
-from rlhfkit.models import response_logprobs, sequence_scores
+from rlhfkit.models import response_logprobs, sampling_for, sequence_scores
 from rlhfkit.rollout.generation import generate_responses
 from rlhfkit.rollout.scoring import reward_normalization
 
@@ -84,13 +86,14 @@ def sample_and_score(
     device = next(policy.parameters()).device
     collate = PromptCollator(tokenizer.pad_token_id)
     out = PolicySamples([], [], [], [])
+    stops = [tokenizer.eos_token_id]
+    sampling = sampling_for(tokenizer.pad_token_id, stops, temperature)
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         batch = collate(chunk)
         r = generate_responses(
             policy, batch["input_ids"].to(device), batch["attention_mask"].to(device), max_new_tokens=max_new_tokens,
-            stop_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, temperature=temperature,
-            greedy=greedy)
+            stop_token_ids=stops, pad_token_id=tokenizer.pad_token_id, sampling=sampling, greedy=greedy)
         prompts = [_prompt_text(ex, tokenizer) for ex in chunk]
         texts = [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(r.response_ids, r.mask, strict=True)]
         out.prompts += prompts
@@ -102,8 +105,8 @@ def sample_and_score(
             raw = sequence_scores(reward_model, r.input_ids, r.attention_mask).float()  # (B,)
             out.proxy += (raw * gain + bias).tolist()
         if reference is not None and not greedy:
-            logprobs = response_logprobs(policy, r.input_ids, r.attention_mask, r.response_start, temperature)  # (B, R)
-            ref = response_logprobs(reference, r.input_ids, r.attention_mask, r.response_start, temperature)  # (B, R)
+            logprobs = response_logprobs(policy, r.input_ids, r.attention_mask, r.response_start, sampling)  # (B, R)
+            ref = response_logprobs(reference, r.input_ids, r.attention_mask, r.response_start, sampling)  # (B, R)
             out.kl += (kl_k1(logprobs, ref) * r.mask).sum(1).tolist()
         if gold_score is not None:
             out.gold += [float(gold_score(p, t)) for p, t in zip(prompts, texts, strict=True)]

@@ -38,9 +38,10 @@ def generate(model_dir: str, prompts_file: str, *, out: str | None = None, tempe
         from rlhfkit.trainers.online_roles import check_same_vocabulary
 
         check_same_vocabulary(tokenizer, reward_model, "--reward-model", trust_remote_code)
-        scorer = load_scalar_model(reward_model, trust_remote_code=trust_remote_code, tokenizer=tokenizer).to(device)
+        scorer = load_scalar_model(reward_model, trust_remote_code=trust_remote_code, tokenizer=tokenizer,
+                                   frozen=True).to(device)
         scorer.eval()
-    model = load_causal_lm(model_dir, trust_remote_code=trust_remote_code, tokenizer=tokenizer).to(device)
+    model = load_causal_lm(model_dir, trust_remote_code=trust_remote_code, tokenizer=tokenizer, frozen=True).to(device)
     samples = sample_and_score(model, tokenizer, examples, temperature=max(temperature, 1e-6),
                                max_new_tokens=max_new_tokens, greedy=temperature == 0, reward_model=scorer)
     rows = [{"prompt": ex["record"]["prompt"], "response": response, "ended": bool(ended)}

@@ -6,9 +6,11 @@ the pad id, so EOS stays inside the mask when the tokenizer's pad token equals E
 mask and overwritten with the pad id. A response that reaches the length limit without a stop token is
 marked ``ended = False`` (the trainer decides its fate: the N+ "EOS trick" or masking).
 
-The log-probabilities that ``generate`` returns come after top-k / top-p processing, so they are not the
-policy's (huggingface/trl#2358): the trainer recomputes them at the sampling temperature
-(:func:`rlhfkit.models.response_logprobs`). Only the token ids are taken from here.
+Sampling = scoring: ``generate`` runs with exactly the processing of a :class:`rlhfkit.models.Sampling`
+(temperature, top-k, top-p, suppressed ids) and nothing from the checkpoint's ``generation_config.json``
+(:mod:`rlhfkit.models.sampling`); the trainer recomputes the log-probs under the same processing
+(:func:`rlhfkit.models.sampled_logprobs`). Only the token ids are taken from here; ``return_logprobs``
+also gives the log-probs ``generate`` sampled with, to check that they are the recomputed ones.
 
 Shapes: ``B`` prompts, ``P`` padded prompt length, ``R`` response length (``max_new_tokens``).
 """
@@ -18,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from rlhfkit.models.sampling import Sampling, generation_kwargs, without_checkpoint_defaults
 
 
 @dataclass
@@ -31,6 +35,8 @@ class Responses:
         mask: (B, R) bool, True up to and including the first stop token.
         ended: (B,) bool, True where the response contains a stop token.
         response_start: P, the column of the first response token.
+        sampled_logprobs: (B, R) float32 log-probs of the sampled tokens under ``generate``'s processed scores
+            (0 after the stop token), only with ``return_logprobs=True``.
     """
 
     input_ids: torch.Tensor
@@ -39,6 +45,7 @@ class Responses:
     mask: torch.Tensor
     ended: torch.Tensor
     response_start: int
+    sampled_logprobs: torch.Tensor | None = None
 
 
 def truncate_at_stop(
@@ -73,11 +80,9 @@ def generate_responses(
     max_new_tokens: int,
     stop_token_ids: list[int] | tuple[int, ...],
     pad_token_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
+    sampling: Sampling,
     greedy: bool = False,
-    suppress_token_ids: list[int] | tuple[int, ...] = (),
+    return_logprobs: bool = False,
 ) -> Responses:
     """Sample one response per prompt row (repeat rows for groups) with ``model.generate``.
 
@@ -88,10 +93,11 @@ def generate_responses(
         max_new_tokens: R.
         stop_token_ids: ids that end a response.
         pad_token_id: filler after the stop token.
-        temperature, top_p, top_k: sampling settings (top_p = 1 and top_k = 0 are off).
-        greedy: argmax decoding instead of sampling.
-        suppress_token_ids: further ids never to sample. The pad token is always suppressed unless it is a
-            stop token: a pad distinct from EOS is not text (an added ``<|pad|>`` row is untrained).
+        sampling: the processing of the logits (build it with :func:`rlhfkit.models.sampling_for`, which
+            suppresses the pad token unless it is a stop token); the checkpoint's own generation settings
+            are not used.
+        greedy: argmax decoding (of the suppressed logits) instead of sampling.
+        return_logprobs: also return ``generate``'s log-probs of the sampled tokens.
     Returns:
         :class:`Responses` with exactly R response columns.
     """
@@ -105,25 +111,29 @@ def generate_responses(
         kwargs = dict(
             max_new_tokens=max_new_tokens,
             min_new_tokens=0,
-            do_sample=not greedy,
             pad_token_id=pad_token_id,
             eos_token_id=list(stop_token_ids),
             use_cache=True,
+            output_scores=return_logprobs,
+            return_dict_in_generate=True,
+            **generation_kwargs(sampling, greedy),
         )
-        if not greedy:
-            kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else None)
-        suppress = [*suppress_token_ids, *([] if pad_token_id in stop_token_ids else [pad_token_id])]
-        if suppress:
-            kwargs["suppress_tokens"] = suppress
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)  # (B, P + r), r <= R
+        with without_checkpoint_defaults(model):
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
     finally:
         model.train(was_training)
     start = prompt_ids.shape[1]
-    generated = out[:, start:]
+    generated = out.sequences[:, start:]  # (B, r), r <= R
     if generated.shape[1] < max_new_tokens:  # every row stopped early: pad to the fixed length
         fill = generated.new_full((generated.shape[0], max_new_tokens - generated.shape[1]), pad_token_id)
         generated = torch.cat([generated, fill], dim=1)
     response_ids, mask, ended = truncate_at_stop(generated, stop_token_ids, pad_token_id)
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1)
-    return Responses(input_ids, attention_mask, response_ids, mask, ended, start)
+    sampled = None
+    if return_logprobs:
+        scores = torch.stack(out.scores, dim=1).float()  # (B, r, V), processed as sampled
+        picked = torch.log_softmax(scores, -1).gather(-1, generated[:, : scores.shape[1], None]).squeeze(-1)
+        sampled = torch.zeros(response_ids.shape, device=picked.device)
+        sampled[:, : picked.shape[1]] = torch.where(mask[:, : picked.shape[1]], picked, 0.0)
+    return Responses(input_ids, attention_mask, response_ids, mask, ended, start, sampled)

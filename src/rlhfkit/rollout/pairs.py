@@ -78,6 +78,7 @@ def sample_response_pairs(
         one :class:`SampledPair` per prompt, in order; texts without EOS and special tokens.
     """
     from rlhfkit.data import encode_prompt, pad_sequences
+    from rlhfkit.models import sampling_for
     from rlhfkit.rollout.generation import generate_responses
 
     device = next(model.parameters()).device
@@ -92,7 +93,7 @@ def sample_response_pairs(
             ids, mask = pad_sequences(rows, pad, "left")
             responses = generate_responses(
                 model, ids.to(device), mask.to(device), max_new_tokens=max_new_tokens, stop_token_ids=[eos],
-                pad_token_id=pad, temperature=temperature)
+                pad_token_id=pad, sampling=sampling_for(pad, [eos], temperature))
             texts = [tokenizer.decode(r[m].tolist(), skip_special_tokens=True)
                      for r, m in zip(responses.response_ids.cpu(), responses.mask.cpu(), strict=True)]
             ended = responses.ended.cpu().tolist()
@@ -212,7 +213,7 @@ def label_pairs(
     start = time.perf_counter()
     tokenizer = load_tokenizer(policy)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_causal_lm(policy, tokenizer=tokenizer).to(device)
+    model = load_causal_lm(policy, tokenizer=tokenizer, frozen=True).to(device)
     rng = random.Random(f"label-pairs-{task}-{seed}")
     prompts = {"train": _pick_prompts(the_task.prompts("train"), num_pairs, rng),
                "eval": _pick_prompts(the_task.prompts("eval"), num_eval_pairs, rng) if num_eval_pairs else []}

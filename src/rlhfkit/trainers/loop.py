@@ -53,6 +53,35 @@ class Objective:
     should_stop: Callable[[int], bool] | None = None
 
 
+def run_tokenizer(cfg):
+    """The run's tokenizer: ``model.name_or_path``'s, with ``model.missing_pad`` and ``data.chat_template``."""
+    from rlhfkit.models import load_tokenizer
+
+    return load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
+                          missing_pad=cfg.model.missing_pad, chat_template=cfg.data.chat_template)
+
+
+def router_aux_coef(model: torch.nn.Module, configured: float | None) -> float:
+    """The weight of a mixture-of-experts' router load-balancing loss (Fedus et al. 2022, Switch Transformer
+    eq. 4, as transformers computes it): ``configured``, or when None the model config's own
+    ``router_aux_loss_coef``; 0 for a model without a router.
+
+    Raises:
+        ConfigError: a positive ``configured`` weight for a model that has no router.
+    """
+    from rlhfkit.errors import ConfigError
+    from rlhfkit.models import unwrap_model
+
+    config = unwrap_model(model).config
+    has_router = hasattr(config, "output_router_logits")
+    if configured is None:
+        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if has_router else 0.0
+    if configured > 0 and not has_router:
+        raise ConfigError(f"model.router_aux_loss_coef={configured}, but {type(unwrap_model(model)).__name__} is "
+                          "not a mixture of experts (it has no router); remove the key")
+    return float(configured)
+
+
 def batch_indices(num_examples: int, batch_size: int, step: int, seed: int, shuffle: bool = True) -> list[int]:
     """The example indices of optimizer step ``step`` (1-based): a stateless function of (seed, step).
 

@@ -38,6 +38,7 @@ statistics are summed over all processes.
 
 Files: ``metrics.jsonl`` (one line per rollout: ``score/mean``, ``kl/mean``, ``kl/per_token``, ``kl_coef``,
 ``loss/policy``, ``loss/value``, ``entropy/mean``, ``clipfrac``, ``approx_kl``, ``ratio/mean``,
+``value/explained_variance``, ``grad_norm/<role>``, ``learning_rate/<role>``,
 ``response_length/mean``, ``advantages/mean``, ``time/*``, ``tokens_per_second``, ...),
 ``samples.jsonl`` (``logging.samples_per_step`` responses of each rollout with their scores:
 :mod:`rlhfkit.rollout.samples`), ``checkpoints/step-N/`` (actor, critic, both optimizers and schedules, the KL controller, RNG states; the
@@ -57,6 +58,7 @@ Launch:
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -65,7 +67,13 @@ from typing import Any
 
 import torch
 
-from rlhfkit.algos import ADVANTAGE_ESTIMATORS, AdaptiveKLController, FixedKLController, shape_rewards
+from rlhfkit.algos import (
+    ADVANTAGE_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    explained_variance,
+    shape_rewards,
+)
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
@@ -73,7 +81,7 @@ from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
 from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import load_tokenizer, save_hf_folder, unwrap_model
+from rlhfkit.models import sampling_for, save_hf_folder, unwrap_model
 from rlhfkit.report import write_report
 from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
 from rlhfkit.rollout.scoring import (
@@ -85,7 +93,7 @@ from rlhfkit.rollout.scoring import (
     data_columns,
     reward_normalization,
 )
-from rlhfkit.trainers.loop import micro_batches
+from rlhfkit.trainers.loop import micro_batches, router_aux_coef, run_tokenizer
 from rlhfkit.trainers.online_roles import build_optimizers, build_roles, check_online_config
 from rlhfkit.trainers.online_steps import (
     OnlineContext,
@@ -146,7 +154,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
 
     # All data is read and validated, and the reward functions imported and checked against its columns,
     # before any model is loaded or the run folder written: bad input stops here and leaves nothing behind.
-    tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, None, cfg.data.truncation)
     examples, eval_examples = prepare_run_data(cfg.data, "prompts", tokenizer, limits, accelerator)
     functions = Scorer.load_functions(cfg.online.reward_functions)
@@ -155,7 +163,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
         check_signature(name, fn, columns, f"online.reward_functions[{i}]")
     run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
     ctx = build_context(cfg, accelerator, tokenizer, functions,
-                        share_reward_base=hooks.refresh_reward_model is None)
+                        train_reward_model=hooks.refresh_reward_model is not None)
     if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
         raise ConfigError("a reward-model refresh needs online.reward_model")
 
@@ -164,9 +172,9 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
                "wall_seconds": result["wall_seconds"], "seconds_per_rollout": result["seconds_per_rollout"],
                "train_prompts": len(examples)}
     if accelerator.is_main_process:
-        save_hf_folder(ctx.roles.actor, tokenizer, run.final_dir)
+        save_hf_folder(ctx.roles.actor, tokenizer, run.final_dir, dtype=cfg.model.save_dtype)
         if ctx.roles.critic is not None:
-            save_hf_folder(ctx.roles.critic, tokenizer, run.path / CRITIC_DIR)
+            save_hf_folder(ctx.roles.critic, tokenizer, run.path / CRITIC_DIR, dtype=cfg.model.save_dtype)
         run.write_summary(summary)
     run.close()
     if accelerator.is_main_process:
@@ -174,13 +182,15 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
     return summary
 
 
-def build_context(cfg, accelerator, tokenizer, functions: list | None = None, share_reward_base: bool = True
-                  ) -> OnlineContext:
-    """Load the roles, build the optimizers, the scorer and the KL controller, and prepare for accelerate.
+def build_context(cfg, accelerator, tokenizer, functions: list | None = None,
+                  train_reward_model: bool = False) -> OnlineContext:
+    """Load the roles, build the optimizers, the scorer, the KL controller and the sampling, and prepare for
+    accelerate.
 
     ``functions``: the reward functions as ``Scorer.load_functions`` gives them (default: loaded from
-    ``online.reward_functions``); ``share_reward_base``: see :func:`rlhfkit.trainers.online_roles.build_roles`."""
-    roles = build_roles(cfg, tokenizer, accelerator.device, share_reward_base)
+    ``online.reward_functions``); ``train_reward_model``: a refresh hook trains the reward model (see
+    :func:`rlhfkit.trainers.online_roles.build_roles`)."""
+    roles = build_roles(cfg, tokenizer, accelerator.device, train_reward_model)
     optimizers, schedulers = build_optimizers(cfg, roles)
     names = list(optimizers)
     prepared = accelerator.prepare(*[getattr(roles, n) for n in names], *[optimizers[n] for n in names])
@@ -192,8 +202,10 @@ def build_context(cfg, accelerator, tokenizer, functions: list | None = None, sh
     if functions is None:
         functions = Scorer.load_functions(o.reward_functions)
     scorer = Scorer(roles.reward_model, functions, o.rollout_batch_size)
+    stops = stop_token_ids(cfg, tokenizer)
+    sampling = sampling_for(tokenizer.pad_token_id, stops, o.temperature, o.top_k, o.top_p)
     return OnlineContext(cfg, accelerator, tokenizer, roles, trained, optimizers, schedulers, scorer, kl_ctl,
-                         stop_token_ids(cfg, tokenizer))
+                         stops, sampling, router_aux_coef(roles.actor, cfg.model.router_aux_loss_coef))
 
 
 def stop_token_ids(cfg, tokenizer) -> list[int]:
@@ -377,7 +389,12 @@ def rollout_metrics(ctx: OnlineContext, rollout: Rollout, response_mask: torch.T
     s.add_sum("returns/mean", rollout.returns.sum(), tokens)
     if rollout.values is not None:
         s.add_sum("values/mean", rollout.values.sum(), tokens)
-    return s.means(ctx)
+    metrics = s.means(ctx)
+    if rollout.values is not None:  # of the values the advantages were computed from, before the update
+        ev = float(explained_variance(rollout.values, rollout.returns, mask, ctx.all_sum))
+        if math.isfinite(ev):  # undefined (not logged) when the returns are constant or nothing is valid
+            metrics["value/explained_variance"] = ev
+    return metrics
 
 
 def evaluate(ctx: OnlineContext, hooks: OnlineHooks, eval_examples: list[dict] | None, step: int) -> dict[str, float]:

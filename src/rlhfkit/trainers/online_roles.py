@@ -20,8 +20,11 @@ critic when the reward model is refreshed during the run, gets its own frozen ba
 
 Dropout is off in all four (``model.disable_dropout``, on by default) so that the PPO ratio is exactly 1
 before the first update (huggingface/trl#454). The frozen roles are in eval mode with
-``requires_grad=False``; every role loads in the same dtype. The actor and the critic each get their own
-AdamW and learning-rate schedule (the critic's rate is ``online.critic_learning_rate``).
+``requires_grad=False``. The trained roles (actor, critic) keep float32 weights and run under bf16 autocast
+when ``model.dtype`` is bfloat16; only the frozen ones hold bf16 weights then (:mod:`rlhfkit.models.precision`).
+A tokenizer without a pad token gives every role that grows an embedding row for it the same row. The actor
+and the critic each get their own AdamW and learning-rate schedule (the critic's rate is
+``online.critic_learning_rate``).
 """
 
 from __future__ import annotations
@@ -53,14 +56,18 @@ def critic_source(cfg) -> str | None:
     return o.critic_model or o.reward_model or cfg.model.name_or_path
 
 
-def build_roles(cfg, tokenizer, device: torch.device | str = "cpu", share_reward_base: bool = True) -> Roles:
+def build_roles(cfg, tokenizer, device: torch.device | str = "cpu", train_reward_model: bool = False) -> Roles:
     """Load the actor, the reference, the reward model and the critic as ``cfg`` says, on ``device``.
+
+    ``train_reward_model``: the reward model is trained in place between rollouts (a refresh hook), so it
+    keeps float32 weights like the trained roles.
 
     With ``model.lora_rank`` > 0 the reference is the actor with its adapter disabled
     (:class:`rlhfkit.models.AdapterDisabled`: no second copy of the policy), and a critic loaded from the
     reward model is an adapter (and a trained copy of the head) on the reward model's own weights, the reward
-    model being that same model with the adapter disabled; ``share_reward_base=False`` (the reward model is
-    trained between rollouts, by a refresh) gives the critic its own frozen copy instead.
+    model being that same model with the adapter disabled; that shared reward model then keeps float32 weights,
+    since the critic's trained head and adapters live on it. With ``train_reward_model`` the critic gets its own
+    copy instead (the refresh trains the reward model in place).
 
     Raises:
         ConfigError: a reward or critic model whose tokenizer numbers tokens differently from the policy's.
@@ -70,17 +77,22 @@ def build_roles(cfg, tokenizer, device: torch.device | str = "cpu", share_reward
     dropout = not m.disable_dropout
     lora = m.lora_rank > 0
     actor = prepare_trained(load_causal_lm(m.name_or_path, dropout=dropout, **common), m).to(device)
-    reference = AdapterDisabled(actor) if lora else _frozen(load_causal_lm(m.name_or_path, **common).to(device))
+    reference = (AdapterDisabled(actor) if lora
+                 else _frozen(load_causal_lm(m.name_or_path, frozen=True, **common).to(device)))
+    source = critic_source(cfg)
+    # LoRA: the critic's adapters and trained head copy live on the reward model's own weights (unless a
+    # refresh trains the reward model in place), so that shared base is a trained role's: float32 weights
+    share = lora and not train_reward_model and bool(cfg.online.reward_model) and source == cfg.online.reward_model
     reward_model = None
     if cfg.online.reward_model:
         check_same_vocabulary(tokenizer, cfg.online.reward_model, "online.reward_model", m.trust_remote_code)
-        reward_model = _frozen(load_scalar_model(cfg.online.reward_model, **common).to(device))
+        reward_model = _frozen(load_scalar_model(cfg.online.reward_model, frozen=not (train_reward_model or share),
+                                                 **common).to(device))
     critic = None
-    source = critic_source(cfg)
     if source is not None:
         if source != m.name_or_path:
             check_same_vocabulary(tokenizer, source, "online.critic_model", m.trust_remote_code)
-        if lora and share_reward_base and reward_model is not None and source == cfg.online.reward_model:
+        if share:
             critic = prepare_trained(reward_model, m)  # adapters injected into the reward model's modules
             reward_model = AdapterDisabled(critic)
         else:
@@ -102,7 +114,7 @@ def check_same_vocabulary(tokenizer, other_path: str, key: str, trust_remote_cod
     when the tokenizer pads with EOS).
     """
     try:
-        other = load_tokenizer(other_path, trust_remote_code=trust_remote_code)
+        other = load_tokenizer(other_path, trust_remote_code=trust_remote_code, missing_pad="eos")
     except Exception:  # a folder without tokenizer files: nothing to compare
         return
     mine, theirs = tokenizer.get_vocab(), other.get_vocab()

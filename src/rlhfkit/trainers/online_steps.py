@@ -37,7 +37,15 @@ from rlhfkit.algos import (
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator
 from rlhfkit.engine.accel import dp_scale
-from rlhfkit.models import logprobs_from_logits, response_logits, response_values
+from rlhfkit.models import (
+    Sampling,
+    processed_logits,
+    response_forward,
+    response_logits,
+    response_values,
+    sampled_logprobs,
+    set_update_mode,
+)
 from rlhfkit.rollout import generate_responses
 from rlhfkit.rollout.scoring import Scorer, reward_normalization
 from rlhfkit.trainers.loop import batch_indices
@@ -59,6 +67,9 @@ class OnlineContext:
         scorer: scores responses (reward model and/or reward functions).
         kl_ctl: a Fixed- or AdaptiveKLController (``.value`` is the current coefficient).
         stop_token_ids: the ids that end a response.
+        sampling: how responses are sampled, and scored (temperature, top-k / top-p, the pad token
+            suppressed): :mod:`rlhfkit.models.sampling`.
+        router_aux_coef: weight of the actor's router load-balancing loss in the update (0: none).
     """
 
     cfg: Any
@@ -71,6 +82,8 @@ class OnlineContext:
     scorer: Scorer
     kl_ctl: Any
     stop_token_ids: list[int]
+    sampling: Sampling
+    router_aux_coef: float = 0.0
 
     @property
     def device(self) -> torch.device:
@@ -193,8 +206,9 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     The responses are cut after their first stop token (the token is inside the mask, also when pad ==
     EOS). Under ``online.missing_eos=mask`` a response without a stop token gets an all-False ``mask``
     (it trains nothing). Log-probs of the actor (``logprobs``, the PPO ``old_logprobs``) and of the
-    reference are recomputed at ``online.temperature`` from the models themselves, never taken from
-    ``generate`` (OpenRLHF PR #853; huggingface/trl#2358).
+    reference are recomputed from the models themselves under the sampling's processing (``ctx.sampling``:
+    temperature, suppressed pad, top-k / top-p), never taken from ``generate`` (OpenRLHF PR #853;
+    huggingface/trl#2358).
 
     Returns:
         (rollout with ``logprobs``, ``ref_logprobs``, ``values`` (critic only), ``group_ids``, ``ended``;
@@ -210,7 +224,7 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
         pieces = [generate_responses(
         roles.actor, batch["query_ids"][i : i + size], batch["query_mask"][i : i + size],
             max_new_tokens=o.response_length, stop_token_ids=ctx.stop_token_ids, pad_token_id=pad,
-            temperature=o.temperature, top_p=o.top_p, top_k=o.top_k)
+            sampling=ctx.sampling)
             for i in range(0, n, size)]
     response_mask = torch.cat([p.mask for p in pieces])  # (B, R)
     width = max(int(response_mask.sum(1).max()), 1)  # T: the longest response
@@ -232,10 +246,10 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
                                                response_ids[rows], mask[rows])
             labels = response_ids[rows, :w]
             logits = response_logits(roles.actor, ids, attn, start)  # (b, w, V)
-            logprobs[rows, :w] = logprobs_from_logits(logits, labels, o.temperature)
-            entropy[rows, :w] = entropy_from_logits(logits / o.temperature)
+            logprobs[rows, :w] = sampled_logprobs(logits, labels, ctx.sampling)
+            entropy[rows, :w] = entropy_from_logits(processed_logits(logits, ctx.sampling, labels))
             ref_logits = response_logits(roles.reference, ids, attn, start)  # (b, w, V)
-            ref_logprobs[rows, :w] = logprobs_from_logits(ref_logits, labels, o.temperature)
+            ref_logprobs[rows, :w] = sampled_logprobs(ref_logits, labels, ctx.sampling)
             if values is not None:
                 values[rows, :w] = critic_values(roles.critic, ids, attn, start)
     rollout = Rollout(
@@ -316,8 +330,8 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
     size = n // o.num_minibatches
     micro = min(t.micro_batch_size or size, size)
     names = [name for name in ("actor", "critic") if name in ctx.trained and (name != "actor" or train_actor)]
-    for name in names:
-        ctx.trained[name].train()
+    for name in names:  # the forwards of the rollout, whose outputs are the old log-probs and values
+        set_update_mode(ctx.trained[name], dropout=not ctx.cfg.model.disable_dropout)
     stats, result, skipped = StatSums(ctx.device), UpdateResult({}), 0
     for epoch in range(o.ppo_epochs):
         order = minibatch_order(n, ctx.cfg.seed, step, epoch, ctx.device)
@@ -327,13 +341,14 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
             if normalizer == 0:
                 skipped += 1
                 continue
+            tokens = float(ctx.all_sum(minibatch.mask.sum())) if ctx.router_aux_coef else 0.0
             losses: dict[str, torch.Tensor] = {}
             first_diff = torch.zeros((), dtype=torch.float64, device=ctx.device)
             starts = range(0, size, micro)
             for j, start in enumerate(starts):
                 with _no_sync(ctx, names, last=j == len(starts) - 1):
                     loss, parts, diff = micro_batch_loss(ctx, minibatch.select(slice(start, start + micro)),
-                                                         normalizer, stats, train_actor)
+                                                         normalizer, stats, train_actor, tokens)
                     ctx.accelerator.backward(loss * dp_scale(ctx.accelerator))
                 for key, value in parts.items():
                     losses[key] = losses.get(key, 0.0) + value.detach()
@@ -350,13 +365,15 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
     return result
 
 
-def micro_batch_loss(ctx: OnlineContext, mb: Rollout, normalizer: float, stats: StatSums, train_actor: bool
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+def micro_batch_loss(ctx: OnlineContext, mb: Rollout, normalizer: float, stats: StatSums, train_actor: bool,
+                     minibatch_tokens: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The loss of one micro-batch, already divided by the whole minibatch's ``normalizer``.
 
     ``vf_coef * value loss + policy loss - ent_coef * entropy``, each per-token loss from
-    :mod:`rlhfkit.algos` and aggregated by ``aggregate_loss``. The logits are computed once and serve the
-    log-probs and the entropy. Token-weighted statistics go to ``stats``.
+    :mod:`rlhfkit.algos` and aggregated by ``aggregate_loss``, plus, for a mixture-of-experts actor,
+    ``router_aux_coef`` times its router load-balancing loss weighted by the micro-batch's share of the
+    ``minibatch_tokens`` (all processes). The logits are computed once and serve the log-probs (under
+    ``ctx.sampling``, as at sampling time) and the entropy. Token-weighted statistics go to ``stats``.
 
     Returns:
         (loss: a scalar to backpropagate; parts: ``loss/policy``, ``loss/value``, ``loss/entropy``, each
@@ -374,8 +391,8 @@ def micro_batch_loss(ctx: OnlineContext, mb: Rollout, normalizer: float, stats: 
     parts: dict[str, torch.Tensor] = {}
     diff = torch.zeros((), device=ctx.device)
     if train_actor:
-        logits = response_logits(ctx.trained["actor"], ids, attn, start)  # (b, w, V)
-        logprobs = logprobs_from_logits(logits, mb.response_ids[:, :w], o.temperature)  # (b, w)
+        logits, aux = response_forward(ctx.trained["actor"], ids, attn, start, router_aux=ctx.router_aux_coef > 0)
+        logprobs = sampled_logprobs(logits, mb.response_ids[:, :w], ctx.sampling)  # (b, w)
         old = mb.logprobs[:, :w]
         per_token, pg = ppo_policy_loss(logprobs, old, mb.advantages[:, :w], o.clip_eps, mask=mask)
         parts["loss/policy"] = aggregate(per_token)
@@ -384,8 +401,12 @@ def micro_batch_loss(ctx: OnlineContext, mb: Rollout, normalizer: float, stats: 
         for key, name in (("clip_frac", "clipfrac"), ("approx_kl", "approx_kl"), ("ratio", "ratio/mean")):
             stats.add(name, pg[key], tokens)
         if o.ent_coef > 0:
-            parts["loss/entropy"] = aggregate(entropy_from_logits(logits / o.temperature))
+            parts["loss/entropy"] = aggregate(entropy_from_logits(processed_logits(logits, ctx.sampling,
+                                                                                  mb.response_ids[:, :w])))
             loss = loss - o.ent_coef * parts["loss/entropy"]
+        if aux is not None:
+            parts["loss/router_aux"] = aux * (float(tokens) / max(minibatch_tokens, 1.0))
+            loss = loss + ctx.router_aux_coef * parts["loss/router_aux"]
     if "critic" in ctx.trained:
         values = critic_values(ctx.trained["critic"], ids, attn, start)  # (b, w)
         per_token, vf = value_loss(values, mb.values[:, :w], mb.returns[:, :w], o.value_clip_eps, mask=mask)

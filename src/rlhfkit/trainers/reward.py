@@ -42,7 +42,8 @@ With ``model.lora_rank`` > 0 (reward and PRM alike) LoRA adapters and the score 
 ``final/`` is the merged model and ``final/adapter/`` the adapter alone, with the normalisation keys in its
 ``rlhfkit_config.json`` (:mod:`rlhfkit.models.lora`).
 
-``summary.json`` holds the held-out figures of the final model; ``metrics.jsonl`` the training and
+``summary.json`` holds the held-out figures of the final model (with its calibration bins);
+``heldout_scores.jsonl`` that model's raw score of each held-out pair; ``metrics.jsonl`` the training and
 ``eval/`` lines.
 
 The process reward model (``rlhfkit train prm``, :func:`train_prm`) shares the loop, the best model and
@@ -73,17 +74,11 @@ from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import (
-    load_scalar_model,
-    load_tokenizer,
-    prepare_trained,
-    save_hf_folder,
-    sequence_scores,
-    token_scores,
-)
+from rlhfkit.models import load_scalar_model, prepare_trained, save_hf_folder, sequence_scores, token_scores
 from rlhfkit.report import write_report
+from rlhfkit.reporting.runs import HELDOUT_SCORES
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, reward_normalization
-from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
+from rlhfkit.trainers.loop import Objective, micro_batches, run_tokenizer, train_offline
 
 GOLD_FIELDS = ("gold_chosen", "gold_rejected")
 GOLD_TIE = 1e-9  # gold scores closer than this are a tie (as rlhfkit.tasks.annotators)
@@ -509,6 +504,7 @@ class _Session:
     run: RunDir | None
     tokenizer: Any
     limits: TokenLimits
+    save_dtype: str = "float32"
 
 
 def _open(cfg, kind: str) -> tuple[_Session, Examples, Examples | None]:
@@ -516,10 +512,10 @@ def _open(cfg, kind: str) -> tuple[_Session, Examples, Examples | None]:
     _check(cfg)
     seed_everything(cfg.seed)
     accelerator = make_accelerator()
-    tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
     examples, heldout = prepare_run_data(cfg.data, kind, tokenizer, limits, accelerator)
-    return _Session(accelerator, None, tokenizer, limits), examples, heldout
+    return _Session(accelerator, None, tokenizer, limits, cfg.model.save_dtype), examples, heldout
 
 
 def _start_run(cfg, session: _Session, resume: bool, overwrite: bool) -> RunDir:
@@ -611,8 +607,27 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
                         "calibration_bins": bins})
     summary["normalization"] = {"gain": gain, "bias": bias, "fit_responses": fitted,
                                 "config_keys": [GAIN_KEY, BIAS_KEY]}
+    if heldout is not None and accelerator.is_main_process:
+        write_heldout_scores(run.path / HELDOUT_SCORES, model, collate, heldout, scoring_batch_size(cfg),
+                             accelerator.device)
     _finish(session, model, summary)
     return summary
+
+
+def write_heldout_scores(path: Path, model, collate: PairCollator, heldout: HeldOut, batch_size: int, device) -> None:
+    """The final model's raw scores of each held-out pair, one JSON object per line (``chosen``, ``rejected``,
+    and ``gold_chosen`` / ``gold_rejected`` when known), for the report's score histograms."""
+    chosen, rejected = score_examples(model, collate, heldout.examples, batch_size, device)
+    gold = [g.tolist() for g in heldout.gold] if heldout.gold is not None else None
+    lines = []
+    for i, (c, r) in enumerate(zip(chosen.tolist(), rejected.tolist(), strict=True)):
+        row = {"chosen": c, "rejected": r}
+        if gold is not None:
+            row.update(gold_chosen=gold[0][i], gold_rejected=gold[1][i])
+        lines.append(json.dumps(row, allow_nan=False) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(lines), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def final_figures(cfg, model, collate, heldout: HeldOut, keeper: BestKeeper, latest: dict[str, Any], step: int,
@@ -663,7 +678,7 @@ def _summary(cfg, kind: str, unit: str, result, num_train: int, num_eval: int, k
 
 def _finish(session: _Session, model, summary: dict[str, Any]) -> None:
     if session.accelerator.is_main_process:
-        save_hf_folder(model, session.tokenizer, session.run.final_dir)
+        save_hf_folder(model, session.tokenizer, session.run.final_dir, dtype=session.save_dtype)
         session.run.write_summary(summary)
     session.run.close()
     if session.accelerator.is_main_process:

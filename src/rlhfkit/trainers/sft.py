@@ -4,7 +4,8 @@ The SFT policy is the start of classic RLHF (Ouyang et al. 2022, step 1): the PP
 reference, and the reward model's backbone all begin from it. The loss is the mean negative
 log-likelihood over the completion tokens of the whole batch (prompt and padding tokens carry label
 -100); the completion ends with EOS, which is inside the loss also when the tokenizer pads with EOS
-(huggingface/trl#1623).
+(huggingface/trl#1623). A mixture-of-experts model adds ``model.router_aux_loss_coef`` times its router
+load-balancing loss (each micro-batch's weighted by its share of the batch's completion tokens).
 
 With ``model.lora_rank`` > 0 only LoRA adapters train; ``final/`` is then the merged model and
 ``final/adapter/`` the adapter alone (:mod:`rlhfkit.models.lora`).
@@ -27,39 +28,46 @@ from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import (
-    causal_lm_logits,
+    causal_lm_output,
     load_causal_lm,
-    load_tokenizer,
     logprobs_from_logits,
     prepare_trained,
     save_hf_folder,
 )
 from rlhfkit.report import write_report
-from rlhfkit.trainers.loop import Objective, micro_batches, train_offline
+from rlhfkit.trainers.loop import Objective, micro_batches, router_aux_coef, run_tokenizer, train_offline
 
 
-def completion_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token negative log-likelihood of the labels and its mask.
+def completion_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], router_aux: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-token negative log-likelihood of the labels, its mask, and the router load-balancing loss.
 
     Args:
         batch: ``input_ids``, ``attention_mask``, ``labels`` (B, L); labels are -100 where no loss is taken.
+        router_aux: also return a mixture of experts' router load-balancing loss.
     Returns:
-        (nll (B, L-1), mask (B, L-1) bool): the token at column j+1 predicted from column j.
+        (nll (B, L-1), mask (B, L-1) bool: the token at column j+1 predicted from column j; the aux loss,
+        a scalar, or None without ``router_aux``).
     """
-    logits = causal_lm_logits(model, batch["input_ids"], batch["attention_mask"])  # (B, L, V)
+    out = causal_lm_output(model, batch["input_ids"], batch["attention_mask"], router_aux=router_aux)
     targets = batch["labels"][:, 1:]  # (B, L-1)
     mask = targets != -100
-    logprobs = logprobs_from_logits(logits[:, :-1], targets.clamp(min=0))  # (B, L-1)
-    return -logprobs, mask
+    logprobs = logprobs_from_logits(out.logits[:, :-1], targets.clamp(min=0))  # (B, L-1)
+    return -logprobs, mask, (out.aux_loss if router_aux else None)
 
 
-def sft_objective(collate: SFTCollator, eval_examples: list[dict] | None, eval_batch_size: int, device) -> Objective:
-    """The SFT loss (token-mean over the whole batch) and an evaluation loss on held-out examples."""
+def sft_objective(collate: SFTCollator, eval_examples: list[dict] | None, eval_batch_size: int, device,
+                  aux_coef: float = 0.0) -> Objective:
+    """The SFT loss (token-mean over the whole batch, plus ``aux_coef`` times a mixture of experts' router
+    load-balancing loss) and an evaluation loss on held-out examples."""
 
     def loss(model, batch, normalizer):
-        nll, mask = completion_nll(model, batch)
+        nll, mask, aux = completion_nll(model, batch, router_aux=aux_coef > 0)
         value = aggregate_loss(nll, mask, "token-mean", normalizer=normalizer)
-        return value, {}
+        if aux is None:
+            return value, {}
+        share = float(mask.sum()) / normalizer  # this micro-batch's part of the batch's completion tokens
+        return value + aux_coef * aux * share, {"loss/router_aux": float(aux.detach()) * share}
 
     def evaluate(model, step):
         if not eval_examples:
@@ -67,7 +75,7 @@ def sft_objective(collate: SFTCollator, eval_examples: list[dict] | None, eval_b
         total, count = 0.0, 0
         for chunk in micro_batches(eval_examples, eval_batch_size):
             batch = {k: v.to(device) for k, v in collate(list(chunk)).items()}
-            nll, mask = completion_nll(model, batch)
+            nll, mask, _ = completion_nll(model, batch)
             total += float((nll * mask).sum())
             count += int(mask.sum())
         mean = total / max(count, 1)
@@ -88,7 +96,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
 
     # Load and validate all data before any model is built or the run folder written: bad input stops here,
     # with file/line/field, and leaves nothing to --overwrite.
-    tokenizer = load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
     examples, eval_examples = prepare_run_data(cfg.data, "sft", tokenizer, limits, accelerator)
     run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=accelerator.is_main_process)
@@ -98,7 +106,8 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     model = prepare_trained(model, cfg.model).to(accelerator.device)  # LoRA / gradient checkpointing
     collate = SFTCollator(tokenizer.pad_token_id)
     eval_batch = cfg.train.micro_batch_size or cfg.train.batch_size
-    objective = sft_objective(collate, eval_examples, eval_batch, accelerator.device)
+    objective = sft_objective(collate, eval_examples, eval_batch, accelerator.device,
+                              router_aux_coef(model, cfg.model.router_aux_loss_coef))
     result = train_offline(cfg, run, model, examples, objective, accelerator)
 
     summary = {"kind": "sft", "steps": result["step"], "train_loss": result["loss"],
@@ -106,7 +115,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
                "train_examples": len(examples), "wall_seconds": result["wall_seconds"],
                "examples_per_second": result["examples_per_second"]}
     if accelerator.is_main_process:
-        save_hf_folder(accelerator.unwrap_model(model), tokenizer, run.final_dir)
+        save_hf_folder(accelerator.unwrap_model(model), tokenizer, run.final_dir, dtype=cfg.model.save_dtype)
         run.write_summary(summary)
     run.close()
     if accelerator.is_main_process:

@@ -1,0 +1,162 @@
+"""The distribution responses are sampled from, which is also the one their log-probs are scored under.
+
+PPO's ratio and KL are only right if the log-probs recomputed for the update are those of the distribution
+``generate`` sampled from (OpenRLHF PR #853, huggingface/trl#3169). A :class:`Sampling` names every change
+made to the model's logits, and both sides apply it the same way:
+
+- ``generate`` gets a blank generation configuration plus exactly these settings
+  (:func:`generation_kwargs`): whatever a checkpoint's ``generation_config.json`` carries
+  (``repetition_penalty``, ``no_repeat_ngram_size``, ``min_p``, ``typical_p``, ``bad_words_ids``, a default
+  ``top_k=50``, ...) is neutralised, since rlhfkit does not score under those processors;
+- scoring (:func:`rlhfkit.models.sampled_logprobs`, :func:`processed_logits`) applies, in the order
+  ``generate`` does: suppressed ids (the pad token unless it is a stop token) set to -inf, division by the
+  temperature, top-k, then top-p, with the rules of transformers' ``TopKLogitsWarper`` and
+  ``TopPLogitsWarper``.
+
+Top-k / top-p: the log-probs are those of the *truncated, renormalised* distribution, the one actually
+sampled, so the ratio is exactly 1 before an update and the KL is between the two samplers. The truncation
+set is recomputed from each model's own logits (the actor's old and new, the reference's); the scored token
+is always kept in it, so a log-prob is never -inf (a token the new policy would no longer sample gets its
+probability within the new set plus itself).
+
+Shapes: ``B`` rows, ``T`` positions, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Rows of (rows, T, V) processed at a time when building a truncation mask (bounds the sort's memory).
+_CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The logits processing of sampling, applied again when scoring (module docstring).
+
+    Attributes:
+        temperature: > 0.
+        top_k: keep the k most likely tokens; 0 = off.
+        top_p: keep the smallest set of most likely tokens with probability >= top_p; 1 = off.
+        suppress_ids: ids never sampled (probability 0).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    suppress_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {self.top_k}, {self.top_p}")
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p removes tokens."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def sampling_for(pad_token_id: int | None, stop_token_ids: Sequence[int], temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()) -> Sampling:
+    """The :class:`Sampling` of a tokenizer's responses: the pad token is suppressed unless it is a stop token
+    (a pad distinct from EOS is not text; an added ``<|pad|>`` row is untrained)."""
+    pad = [] if pad_token_id is None or pad_token_id in stop_token_ids else [pad_token_id]
+    ids = tuple(dict.fromkeys(int(i) for i in [*suppress_ids, *pad]))
+    return Sampling(float(temperature), int(top_k), float(top_p), ids)
+
+
+def generation_kwargs(sampling: Sampling, greedy: bool = False) -> dict:
+    """``generate`` keyword arguments for exactly this processing (call ``generate`` inside
+    :func:`without_checkpoint_defaults`, so that nothing of the checkpoint's is added). ``top_k`` is always
+    given: unset, transformers' own default of 50 would apply."""
+    kwargs: dict = {"do_sample": not greedy, "top_k": 0, "top_p": 1.0, "temperature": 1.0}
+    if not greedy:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    if sampling.suppress_ids:
+        kwargs["suppress_tokens"] = list(sampling.suppress_ids)
+    return kwargs
+
+
+@contextlib.contextmanager
+def without_checkpoint_defaults(model: torch.nn.Module):
+    """Within this block the model's ``generation_config`` (its checkpoint's ``generation_config.json``) is
+    blank: ``generate`` fills every field it is not given from that object, so each processor the checkpoint
+    sets (repetition penalty, n-gram blocking, min-p, bad words, forced tokens, ...) would otherwise apply."""
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield model
+    finally:
+        model.generation_config = saved
+
+
+def _keep_mask_block(scaled: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Top-k then top-p on processed logits ``(rows, T, V)``: True where a token may be sampled."""
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if sampling.top_k > 0:
+        k = min(sampling.top_k, scaled.shape[-1])
+        kth = torch.topk(scaled, k, dim=-1).values[..., -1:]  # (rows, T, 1)
+        keep &= scaled >= kth
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    if sampling.top_p < 1.0:
+        ordered, order = torch.sort(scaled, dim=-1, descending=False)
+        remove = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - sampling.top_p  # (rows, T, V), ascending order
+        remove[..., -1:] = False  # the most likely token always stays
+        keep &= ~remove.scatter(-1, order, remove)
+    return keep
+
+
+def _scaled(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """float32 ``logits / temperature`` with the suppressed ids at -inf (a new tensor, differentiable)."""
+    scaled = logits.float() / sampling.temperature
+    if sampling.suppress_ids:
+        suppress = torch.zeros(scaled.shape[-1], dtype=torch.bool, device=scaled.device)
+        suppress[list(sampling.suppress_ids)] = True
+        scaled = scaled.masked_fill(suppress, float("-inf"))
+    return scaled
+
+
+@torch.no_grad()
+def truncation_mask(logits: torch.Tensor, labels: torch.Tensor, sampling: Sampling) -> torch.Tensor | None:
+    """Which tokens top-k / top-p leave in the distribution, with each position's label always kept.
+
+    Args:
+        logits: (B, T, V) raw logits.
+        labels: (B, T) the scored tokens.
+    Returns:
+        (B, T, V) bool, or None when ``sampling`` does not truncate.
+    """
+    if not sampling.truncates:
+        return None
+    batch, steps, vocab = logits.shape
+    rows = max(1, _CHUNK_ELEMENTS // max(1, steps * vocab))
+    keep = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
+    for start in range(0, batch, rows):
+        keep[start : start + rows] = _keep_mask_block(_scaled(logits[start : start + rows], sampling), sampling)
+    keep.scatter_(-1, labels.long().clamp(min=0).unsqueeze(-1), True)
+    return keep
+
+
+def processed_logits(logits: torch.Tensor, sampling: Sampling, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits of the sampling distribution: suppressed ids and truncated tokens at -inf, divided by the
+    temperature (a float32 copy; for the entropy, whose ``entropy_from_logits`` treats -inf as probability 0).
+
+    Args:
+        logits: (B, T, V).
+        labels: (B, T), kept in the truncation set when given.
+    Returns:
+        (B, T, V) float32, differentiable with respect to ``logits``.
+    """
+    scaled = _scaled(logits, sampling)
+    if sampling.truncates:
+        labels = labels if labels is not None else scaled.argmax(-1)
+        scaled = scaled.masked_fill(~truncation_mask(logits, labels, sampling), float("-inf"))
+    return scaled

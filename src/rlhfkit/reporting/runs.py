@@ -1,0 +1,196 @@
+"""A run folder read once for the report, and readable names for the keys of its metrics and summary."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhfkit.engine.run import flatten_dict, read_metrics
+from rlhfkit.errors import UserError
+from rlhfkit.reporting.samples import SampleFile, read_samples
+
+ONLINE_KINDS = ("ppo", "grpo", "rloo")
+HELDOUT_SCORES = "heldout_scores.jsonl"  # written by the reward trainer: the final model's held-out scores
+
+# Metric key -> the words a person reads. Keys not listed are shown as they are, '/' and '_' as spaces.
+LABELS: dict[str, str] = {
+    "score/mean": "proxy score (reward model)",
+    "score/raw_mean": "proxy score before the missing-EOS rule and clipping",
+    "gold/mean": "gold score",
+    "eval/score/mean": "held-out proxy score",
+    "eval/gold/mean": "held-out gold score",
+    "eval/kl/mean": "held-out KL (nats / response)",
+    "eval/valid_rate": "held-out valid responses",
+    "eval/response_length/mean": "held-out response length",
+    "eval/response/ended_frac": "held-out responses that end",
+    "kl/mean": "KL to the reference (nats / response)",
+    "kl/per_token": "KL to the reference (nats / token)",
+    "kl_coef": "KL coefficient",
+    "entropy/mean": "entropy (nats / token)",
+    "response_length/mean": "response length (tokens)",
+    "response/ended_frac": "responses that end with a stop token",
+    "response/trained_frac": "responses trained on",
+    "clipfrac": "policy clip fraction",
+    "approx_kl": "approx. KL between updates",
+    "ratio/mean": "probability ratio",
+    "value/clipfrac": "value clip fraction",
+    "value/explained_variance": "value explained variance",
+    "loss/policy": "policy loss",
+    "loss/value": "value loss",
+    "loss/entropy": "entropy term",
+    "loss": "training loss",
+    "eval/loss": "held-out loss",
+    "accuracy": "accuracy (train)",
+    "eval/accuracy": "held-out accuracy vs labels",
+    "eval/gold_accuracy": "held-out accuracy vs gold",
+    "grad_norm": "gradient norm",
+    "grad_norm/actor": "gradient norm, actor",
+    "grad_norm/critic": "gradient norm, critic",
+    "learning_rate": "learning rate",
+    "learning_rate/actor": "learning rate, actor",
+    "learning_rate/critic": "learning rate, critic",
+    "tokens_per_second": "response tokens / s",
+    "time/step_seconds": "seconds per step",
+    # summary.json keys (flattened with dots)
+    "kl_mean": "KL to the reference (nats / response)",
+    "gold_mean": "gold score",
+    "proxy_mean": "proxy score (reward model)",
+    "heldout_accuracy": "held-out accuracy",
+    "heldout_gold_accuracy": "held-out accuracy vs gold",
+    "win_rate_vs_sft": "win rate vs SFT (gold judge)",
+    "win_rate_vs_sft_greedy": "win rate vs SFT, greedy",
+    "wall_seconds": "wall time (s)",
+}
+
+
+def label(key: str) -> str:
+    """Readable words for a metric or (dotted, flattened) summary key: ``eval.eval/gold/mean`` ->
+    ``held-out gold score``; ``ppo.kl_mean`` -> ``ppo: KL to the reference (nats / response)``."""
+    head, _, tail = key.rpartition(".")
+    if head.endswith(".eval") or head == "eval":  # {"eval": {"eval/x": ..}} flattened repeats the prefix
+        head = head[: -len("eval")].rstrip(".")
+    words = LABELS.get(tail) or LABELS.get(tail.replace("_", "/")) or tail.replace("/", " ").replace("_", " ")
+    if tail.startswith("eval/") and tail not in LABELS:
+        words = "held-out " + tail[len("eval/"):].replace("/", " ").replace("_", " ")
+    return f"{head.replace('.', ' ').replace('_', ' ')}: {words}" if head else words
+
+
+def fmt(value: Any) -> str:
+    """A number as 4 significant digits; None and non-finite as ``n/a``."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+@dataclass
+class Run:
+    """What the report reads from one run folder."""
+
+    path: Path
+    name: str
+    kind: str  # sft, reward, prm, ppo, grpo, rloo, or "run" when unknown
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    samples: SampleFile = field(default_factory=lambda: SampleFile([]))
+    heldout_scores: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def online(self) -> bool:
+        return self.kind in ONLINE_KINDS
+
+    @property
+    def step_label(self) -> str:
+        """The x axis words: what one step of this run is."""
+        if self.online:
+            return "rollout"
+        if self.kind in ("sft", "reward", "prm", "dpo"):
+            return "optimizer step"
+        return "step"
+
+    @property
+    def kl_estimator(self) -> str | None:
+        """The KL estimator the run trained with (``online.kl_estimator``), None when unknown."""
+        online = self.config.get("online")
+        return online.get("kl_estimator") if isinstance(online, dict) else None
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of ``key`` over the rows that logged it as a finite number."""
+        xs, ys = [], []
+        for row in self.rows:
+            value = row.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                xs.append(row["step"])
+                ys.append(float(value))
+        return xs, ys
+
+    def flat_summary(self) -> dict[str, Any]:
+        return flatten_dict(self.summary)
+
+
+def load_run(run_dir: str | Path, name: str | None = None) -> Run:
+    """Read a run folder; a :class:`UserError` when it has no metrics."""
+    path = Path(run_dir)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise UserError(f"{path}: no metrics.jsonl; is this an rlhfkit run folder?")
+    rows = read_metrics(metrics)
+    if not rows:
+        raise UserError(f"{metrics}: no metrics logged yet")
+    summary = _json(path / "summary.json")
+    config = _yaml(path / "config.yaml")
+    kind = str(config.get("kind") or summary.get("kind") or _guess_kind(rows))
+    return Run(path=path, name=name or path.resolve().name, kind=kind, rows=rows, summary=summary, config=config,
+               samples=read_samples(path / "samples.jsonl"), heldout_scores=_jsonl(path / HELDOUT_SCORES))
+
+
+def _guess_kind(rows: list[dict[str, Any]]) -> str:
+    keys = set().union(*rows)
+    if "kl/mean" in keys:
+        return "ppo"
+    if "accuracy" in keys or "eval/accuracy" in keys:
+        return "reward"
+    return "run"
+
+
+def _json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise UserError(f"{path}: not valid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError:
+        return {}  # the configuration only names the run's kind here; the metrics still make a report
+    return data if isinstance(data, dict) else {}
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            out.append(row)
+    return out
