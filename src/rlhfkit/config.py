@@ -73,6 +73,20 @@ class ModelConfig:
     disable_dropout: bool = option(
         True, "Set every dropout probability to 0, so that the PPO ratio is exactly 1 before the first "
               "update (Huang et al. 2024; huggingface/trl#454).")
+    lora_rank: int = option(
+        0, "LoRA rank r (Hu et al. 2021, through peft); 0 = full fine-tuning. With LoRA only the adapters (and "
+           "a scalar model's head) train; the PPO reference is the policy with its adapter disabled.", ge=0)
+    lora_alpha: float = option(16.0, "LoRA scaling numerator: the update B A is scaled by lora_alpha / lora_rank.",
+                               gt=0)
+    lora_dropout: float = option(
+        0.0, "Dropout on the LoRA branch's input (ppo/grpo/rloo need 0 while model.disable_dropout is true, so "
+             "that the ratio is 1 before the first update).", ge=0, lt=1)
+    lora_target_modules: str = option(
+        "all-linear", "The modules that get an adapter: all-linear (every linear layer of the transformer blocks, "
+                      "not the output head) or comma-separated module names, e.g. q_proj,v_proj.")
+    gradient_checkpointing: bool = option(
+        False, "Recompute each block's activations in the backward pass instead of storing them (trained roles: "
+               "the SFT / reward model, the actor and the critic): less memory, about one more forward of time.")
 
 
 @dataclass
@@ -480,6 +494,9 @@ def _validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                                        f"for a response, got {run.data.max_prompt_length}")
     if kind in ONLINE_KINDS:
         o = run.online
+        if run.model.lora_rank and run.model.lora_dropout and run.model.disable_dropout:
+            fail("model.lora_dropout", f"{run.model.lora_dropout} makes the PPO ratio differ from 1 before any "
+                                       "update; set it to 0 (or model.disable_dropout=false to keep every dropout)")
         if not o.reward_model and not o.reward_functions:
             fail("online.reward_model", "set online.reward_model and/or online.reward_functions: nothing scores "
                                         "the responses")

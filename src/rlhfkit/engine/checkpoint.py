@@ -2,7 +2,8 @@
 
 A checkpoint is a folder ``checkpoints/step-N/`` holding
 
-    model.<name>.safetensors                       each model's state_dict (tied weights stored once)
+    model.<name>.safetensors                       each model's state_dict (tied weights stored once; a LoRA
+                                                   model's trained tensors only: adapters and head)
     optimizer.<name>.json / .safetensors           the optimizer's state_dict: structure in JSON, tensors apart
     scheduler.<name>.json (/ .safetensors)         the LR scheduler's state_dict
     rng.json / rng.safetensors                     python, numpy, torch (and CUDA) generator states
@@ -83,7 +84,7 @@ def save_checkpoint(
     tmp.mkdir()
 
     for name, model in models.items():
-        save_model(model, str(tmp / f"model.{name}.safetensors"))  # drops the duplicates of tied weights
+        _save_weights(model, tmp / f"model.{name}.safetensors")
     for name, optimizer in optimizers.items():
         _save_state(optimizer.state_dict(), tmp, f"optimizer.{name}")
     for name, scheduler in schedulers.items():
@@ -139,7 +140,7 @@ def load_checkpoint(
     for name, model in models.items():
         device = next((p.device for p in model.parameters()), "cpu")
         try:
-            load_model(model, str(path / f"model.{name}.safetensors"), strict=True, device=str(device))
+            _load_weights(model, path / f"model.{name}.safetensors", device)
         except RuntimeError as e:
             raise CheckpointError(f"{path}: model '{name}' does not fit the saved weights: "
                                   f"{str(e).splitlines()[0]}") from None
@@ -150,6 +151,40 @@ def load_checkpoint(
     if restore_rng:
         set_rng_state(_load_state(path, "rng"))
     return _load_state(path, "trainer_state")
+
+
+def _trained_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter] | None:
+    """A LoRA (peft) model's trained parameters, by name; None for any other model (saved whole)."""
+    if not hasattr(model, "peft_config"):
+        return None
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _save_weights(model: torch.nn.Module, file: Path) -> None:
+    """A model's weights; of a LoRA model only the trained ones (its base is frozen and reloaded from its
+    folder on resume, so a checkpoint holds the adapters and head, not a copy of the base)."""
+    trained = _trained_weights(model)
+    if trained is None:
+        save_model(model, str(file))  # drops the duplicates of tied weights
+    else:
+        save_file({name: p.detach().to("cpu").contiguous() for name, p in trained.items()}, str(file))
+
+
+def _load_weights(model: torch.nn.Module, file: Path, device) -> None:
+    """Load what :func:`_save_weights` wrote, strictly: every saved tensor, no more, no fewer (RuntimeError)."""
+    trained = _trained_weights(model)
+    if trained is None:
+        load_model(model, str(file), strict=True, device=str(device))
+        return
+    tensors = load_file(str(file))
+    if set(tensors) != set(trained):
+        missing, unexpected = sorted(set(trained) - set(tensors)), sorted(set(tensors) - set(trained))
+        raise RuntimeError(f"LoRA weights differ: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, p in trained.items():
+            if tensors[name].shape != p.shape:
+                raise RuntimeError(f"{name}: saved shape {tuple(tensors[name].shape)}, model {tuple(p.shape)}")
+            p.copy_(tensors[name])
 
 
 def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:

@@ -7,7 +7,9 @@
   :func:`token_scores`, :func:`sequence_scores`;
 - sampling = scoring: :class:`Sampling`, :func:`sampling_for`, :func:`sampled_logprobs`;
 - precision and update mode: :func:`autocast_forward`, :func:`set_update_mode`;
-- saving: :func:`save_hf_folder` (a folder plain transformers loads).
+- saving: :func:`save_hf_folder` (a folder plain transformers loads);
+- LoRA and gradient checkpointing: :func:`prepare_trained`, :class:`AdapterDisabled`
+  (:mod:`rlhfkit.models.lora`).
 
 transformers is imported lazily inside the loaders, so importing this package stays cheap.
 """
@@ -23,6 +25,7 @@ from rlhfkit.models.loading import (
     read_chat_template,
     resolve_dtype,
 )
+from rlhfkit.models.lora import AdapterDisabled, is_peft_model, prepare_trained
 from rlhfkit.models.precision import autocast_forward, set_update_mode
 from rlhfkit.models.readout import (
     causal_lm_logits,
@@ -43,6 +46,7 @@ from rlhfkit.models.sampling import Sampling, processed_logits, sampling_for
 from rlhfkit.models.saving import is_scalar_model, save_hf_folder
 
 __all__ = [
+    "AdapterDisabled",
     "PAD_TOKEN",
     "Sampling",
     "autocast_forward",
@@ -56,6 +60,7 @@ __all__ = [
     "causal_lm_logits",
     "disable_dropout",
     "init_score_head",
+    "is_peft_model",
     "is_scalar_model",
     "last_token_index",
     "load_causal_lm",
@@ -64,6 +69,7 @@ __all__ = [
     "logprobs_from_logits",
     "match_tokenizer",
     "position_ids_from_mask",
+    "prepare_trained",
     "resolve_dtype",
     "response_logits",
     "response_logprobs",

@@ -13,7 +13,9 @@ Rules (DESIGN.md, "Models"):
   ``missing_pad`` argument, never silently; the embedding rows a model grows for it are the mean of
   its existing rows, so every role loaded from one checkpoint gets the same ones (a random row per
   role made the step-0 KL between actor and reference non-zero);
-- ``chat_template`` (a Jinja string or a file) replaces the tokenizer's own.
+- ``chat_template`` (a Jinja string or a file) replaces the tokenizer's own;
+- a LoRA adapter folder (peft's ``adapter_config.json``) loads as its base with the adapter merged in
+  (:mod:`rlhfkit.models.lora`), wherever a model folder is expected.
 
 Scalar models are ``AutoModelForSequenceClassification`` with ``num_labels=1``. Loaded from a
 causal-LM folder (a reward model's backbone), the new ``score`` head is initialised with
@@ -30,6 +32,7 @@ from typing import Literal
 import torch
 
 from rlhfkit.errors import UserError
+from rlhfkit.models.lora import adapter_base, merge_adapter_folder
 from rlhfkit.models.precision import autocast_forward, warn_slow_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,6 +100,9 @@ def load_tokenizer(
 
     if missing_pad not in ("add", "eos"):
         raise UserError(f"missing_pad must be 'add' or 'eos', got '{missing_pad}'")
+    base = adapter_base(name_or_path)
+    if base is not None and not os.path.isfile(os.path.join(os.path.expanduser(name_or_path), "tokenizer_config.json")):
+        name_or_path = base  # an adapter folder saved without its tokenizer: the base model's
     tokenizer = _load(
         "tokenizer", name_or_path, AutoTokenizer.from_pretrained, trust_remote_code=trust_remote_code
     )
@@ -214,6 +220,11 @@ def load_causal_lm(
     """
     from transformers import AutoModelForCausalLM
 
+    base = adapter_base(name_or_path)
+    if base is not None:  # a LoRA adapter folder: its base with the adapter merged in
+        model = load_causal_lm(base, trust_remote_code=trust_remote_code, dtype=dtype, tokenizer=tokenizer,
+                               dropout=dropout)
+        return merge_adapter_folder(model, name_or_path).to(weight_dtype(dtype, frozen))  # merged in float32
     model = _load(
         "causal LM",
         name_or_path,
@@ -259,6 +270,11 @@ def load_scalar_model(
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
+    base = adapter_base(name_or_path)
+    if base is not None:  # a LoRA adapter folder: its base with the adapter (and a trained head) merged in
+        model = load_scalar_model(base, trust_remote_code=trust_remote_code, dtype=dtype, tokenizer=tokenizer,
+                                  dropout=dropout)
+        return merge_adapter_folder(model, name_or_path).to(weight_dtype(dtype, frozen))  # merged in float32
     config = _load(
         "model config", name_or_path, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code
     )

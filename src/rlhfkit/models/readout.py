@@ -198,7 +198,9 @@ def causal_lm_output(
         the model's output; ``.logits`` is (B, L, V), or (B, keep_last, V) when ``keep_last`` > 0.
     """
     kwargs = {}
-    if keep_last > 0 and "logits_to_keep" in inspect.signature(unwrap_model(model).forward).parameters:
+    inner = unwrap_model(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # a LoRA model's own forward
+    if keep_last > 0 and "logits_to_keep" in inspect.signature(inner.forward).parameters:
         kwargs["logits_to_keep"] = keep_last
     if router_aux:
         kwargs["output_router_logits"] = True

@@ -1,7 +1,8 @@
 """Saving a model and its tokenizer as a Hugging Face folder that plain transformers loads.
 
 The folder holds ``config.json``, safetensors weights and the tokenizer files, and nothing
-rlhfkit-specific. A reward model whose tokenizer pads with EOS (or has no pad) is saved with a
+rlhfkit-specific. A LoRA model is saved merged (plain transformers loads it), with its adapter alone in
+``adapter/`` beside the weights (peft's format; rlhfkit accepts that folder wherever a model is expected). A reward model whose tokenizer pads with EOS (or has no pad) is saved with a
 distinct ``<|pad|>`` token and one more embedding row: transformers' own sequence-classification
 pooling reads the score at the last token that is *not* the pad id, so with pad == EOS it would
 skip the EOS the score belongs to (huggingface/transformers#30004, huggingface/trl#2778).
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhfkit.models.loading import PAD_TOKEN
+from rlhfkit.models.lora import ADAPTER_DIR, is_peft_model, merged_copy, save_adapter, save_rlhfkit_keys
 from rlhfkit.models.readout import unwrap_model
 
 
@@ -42,11 +44,16 @@ def save_hf_folder(model: torch.nn.Module, tokenizer, path: str | os.PathLike, d
     """
     model = unwrap_model(model)
     os.makedirs(path, exist_ok=True)
+    owned = False  # whether `model` is already a copy of the caller's
+    if is_peft_model(model):  # LoRA: the adapter alone in adapter/, the merged model here
+        save_adapter(model, tokenizer, os.path.join(path, ADAPTER_DIR))
+        save_rlhfkit_keys(model.config, os.path.join(path, ADAPTER_DIR))
+        model, owned = merged_copy(model), True
     pad_id = tokenizer.pad_token_id
     if is_scalar_model(model) and (pad_id is None or pad_id == tokenizer.eos_token_id):
         tokenizer = copy.deepcopy(tokenizer)
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-        model = copy.deepcopy(model)
+        model = model if owned else copy.deepcopy(model)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     if model.config.pad_token_id != tokenizer.pad_token_id:
         model.config.pad_token_id = tokenizer.pad_token_id

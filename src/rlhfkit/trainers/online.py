@@ -195,8 +195,8 @@ def build_context(cfg, accelerator, tokenizer, functions: list | None = None,
     accelerate.
 
     ``functions``: the reward functions as ``Scorer.load_functions`` gives them (default: loaded from
-    ``online.reward_functions``); ``train_reward_model``: a refresh hook trains the reward model, which then
-    keeps float32 weights."""
+    ``online.reward_functions``); ``train_reward_model``: a refresh hook trains the reward model (see
+    :func:`rlhfkit.trainers.online_roles.build_roles`)."""
     roles = build_roles(cfg, tokenizer, accelerator.device, train_reward_model)
     optimizers, schedulers = build_optimizers(cfg, roles)
     names = list(optimizers)

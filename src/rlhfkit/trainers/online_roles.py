@@ -11,6 +11,13 @@
   ``final_critic/`` keeps the same read-out.
   Only the ``gae`` estimator has one; GRPO / RLOO / REINFORCE++ are critic-free.
 
+LoRA (``model.lora_rank`` > 0, :mod:`rlhfkit.models.lora`): the reference is the actor with its adapter
+disabled, and the critic (from the reward model) is a second adapter with its own value head on the reward
+model's weights, the reward model being those weights with that adapter disabled. Two copies of base weights
+(policy, reward model) instead of four, and gradients and AdamW state for the adapters and the head only.
+A critic from elsewhere (``online.critic_model``, or the policy when there is no reward model), or any
+critic when the reward model is refreshed during the run, gets its own frozen base (weights only).
+
 Dropout is off in all four (``model.disable_dropout``, on by default) so that the PPO ratio is exactly 1
 before the first update (huggingface/trl#454). The frozen roles are in eval mode with
 ``requires_grad=False``. The trained roles (actor, critic) keep float32 weights and run under bf16 autocast
@@ -28,7 +35,7 @@ import torch
 
 from rlhfkit.engine.optim import optimizer_and_scheduler
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhfkit.models import AdapterDisabled, load_causal_lm, load_scalar_model, load_tokenizer, prepare_trained
 
 
 @dataclass
@@ -55,25 +62,41 @@ def build_roles(cfg, tokenizer, device: torch.device | str = "cpu", train_reward
     ``train_reward_model``: the reward model is trained in place between rollouts (a refresh hook), so it
     keeps float32 weights like the trained roles.
 
+    With ``model.lora_rank`` > 0 the reference is the actor with its adapter disabled
+    (:class:`rlhfkit.models.AdapterDisabled`: no second copy of the policy), and a critic loaded from the
+    reward model is an adapter (and a trained copy of the head) on the reward model's own weights, the reward
+    model being that same model with the adapter disabled; that shared reward model then keeps float32 weights,
+    since the critic's trained head and adapters live on it. With ``train_reward_model`` the critic gets its own
+    copy instead (the refresh trains the reward model in place).
+
     Raises:
         ConfigError: a reward or critic model whose tokenizer numbers tokens differently from the policy's.
     """
     m = cfg.model
     common = dict(trust_remote_code=m.trust_remote_code, dtype=m.dtype, tokenizer=tokenizer)
     dropout = not m.disable_dropout
-    actor = load_causal_lm(m.name_or_path, dropout=dropout, **common).to(device)
-    reference = _frozen(load_causal_lm(m.name_or_path, frozen=True, **common).to(device))
+    lora = m.lora_rank > 0
+    actor = prepare_trained(load_causal_lm(m.name_or_path, dropout=dropout, **common), m).to(device)
+    reference = (AdapterDisabled(actor) if lora
+                 else _frozen(load_causal_lm(m.name_or_path, frozen=True, **common).to(device)))
+    source = critic_source(cfg)
+    # LoRA: the critic's adapters and trained head copy live on the reward model's own weights (unless a
+    # refresh trains the reward model in place), so that shared base is a trained role's: float32 weights
+    share = lora and not train_reward_model and bool(cfg.online.reward_model) and source == cfg.online.reward_model
     reward_model = None
     if cfg.online.reward_model:
         check_same_vocabulary(tokenizer, cfg.online.reward_model, "online.reward_model", m.trust_remote_code)
-        reward_model = _frozen(load_scalar_model(cfg.online.reward_model, frozen=not train_reward_model,
+        reward_model = _frozen(load_scalar_model(cfg.online.reward_model, frozen=not (train_reward_model or share),
                                                  **common).to(device))
     critic = None
-    source = critic_source(cfg)
     if source is not None:
         if source != m.name_or_path:
             check_same_vocabulary(tokenizer, source, "online.critic_model", m.trust_remote_code)
-        critic = load_scalar_model(source, dropout=dropout, **common).to(device)
+        if share:
+            critic = prepare_trained(reward_model, m)  # adapters injected into the reward model's modules
+            reward_model = AdapterDisabled(critic)
+        else:
+            critic = prepare_trained(load_scalar_model(source, dropout=dropout, **common), m).to(device)
     return Roles(actor, reference, critic, reward_model)
 
 

@@ -38,6 +38,10 @@ so micro-batching and data parallelism do not change the gradient). Details:
   whenever it scores with the model (:mod:`rlhfkit.rollout.scoring`, :func:`normalized_scores`). (Llama's
   score head has no bias, so the bias could not be folded into the weights.)
 
+With ``model.lora_rank`` > 0 (reward and PRM alike) LoRA adapters and the score head train;
+``final/`` is the merged model and ``final/adapter/`` the adapter alone, with the normalisation keys in its
+``rlhfkit_config.json`` (:mod:`rlhfkit.models.lora`).
+
 ``summary.json`` holds the held-out figures of the final model (with its calibration bins);
 ``heldout_scores.jsonl`` that model's raw score of each held-out pair; ``metrics.jsonl`` the training and
 ``eval/`` lines.
@@ -70,7 +74,7 @@ from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir, open_run
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import load_scalar_model, save_hf_folder, sequence_scores, token_scores
+from rlhfkit.models import load_scalar_model, prepare_trained, save_hf_folder, sequence_scores, token_scores
 from rlhfkit.report import write_report
 from rlhfkit.reporting.runs import HELDOUT_SCORES
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, reward_normalization
@@ -524,7 +528,7 @@ def _scalar_model(cfg, session: _Session) -> torch.nn.Module:
     model = load_scalar_model(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
                               dtype=cfg.model.dtype, tokenizer=session.tokenizer,
                               dropout=not cfg.model.disable_dropout)
-    return model.to(session.accelerator.device)
+    return prepare_trained(model, cfg.model).to(session.accelerator.device)  # LoRA / gradient checkpointing
 
 
 def _fit(cfg, session: _Session, model, examples, objective: Objective, keeper: BestKeeper, heldout: bool,

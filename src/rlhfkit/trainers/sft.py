@@ -7,6 +7,9 @@ log-likelihood over the completion tokens of the whole batch (prompt and padding
 (huggingface/trl#1623). A mixture-of-experts model adds ``model.router_aux_loss_coef`` times its router
 load-balancing loss (each micro-batch's weighted by its share of the batch's completion tokens).
 
+With ``model.lora_rank`` > 0 only LoRA adapters train; ``final/`` is then the merged model and
+``final/adapter/`` the adapter alone (:mod:`rlhfkit.models.lora`).
+
 Launch:
     rlhfkit train sft --config sft.yaml                       # one process
     torchrun --standalone --nproc_per_node 2 -m rlhfkit.cli train sft --config sft.yaml   # 2 processes (data parallel)
@@ -28,6 +31,7 @@ from rlhfkit.models import (
     causal_lm_output,
     load_causal_lm,
     logprobs_from_logits,
+    prepare_trained,
     save_hf_folder,
 )
 from rlhfkit.report import write_report
@@ -99,7 +103,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
 
     model = load_causal_lm(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
                            dtype=cfg.model.dtype, tokenizer=tokenizer, dropout=not cfg.model.disable_dropout)
-    model.to(accelerator.device)
+    model = prepare_trained(model, cfg.model).to(accelerator.device)  # LoRA / gradient checkpointing
     collate = SFTCollator(tokenizer.pad_token_id)
     eval_batch = cfg.train.micro_batch_size or cfg.train.batch_size
     objective = sft_objective(collate, eval_examples, eval_batch, accelerator.device,

@@ -1,0 +1,213 @@
+"""LoRA adapters (through peft) and gradient checkpointing for the trained roles.
+
+LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models") freezes a linear layer's weight
+W and trains a low-rank update: y = W x + (alpha / r) B A x, with A (r, d_in) random and B (d_out, r) zero at
+the start, so an adapted model starts exactly where its base is. Here:
+
+- :func:`prepare_trained` turns a loaded model into the trained role the run config asks for: gradient
+  checkpointing (``model.gradient_checkpointing``), then adapters on ``model.lora_target_modules`` when
+  ``model.lora_rank`` > 0 (a scalar model's ``score`` head is trained too: peft's sequence-classification
+  task keeps a trainable copy of it and the original beside it);
+- :class:`AdapterDisabled` is a frozen role made of a trained one's weights with its adapter switched off:
+  the PPO reference (the policy's base) and, when the critic is an adapter on the reward model, the reward
+  model itself. It holds no copy of any weight;
+- :func:`save_adapter` writes the adapter alone in peft's format (``adapter_config.json`` +
+  ``adapter_model.safetensors``); :func:`merged_copy` gives the plain Hugging Face model with the update
+  merged into W (what ``final/`` holds);
+- :func:`adapter_base` recognises an adapter folder, so that one can be given wherever a model folder is:
+  it is loaded as its base with the adapter merged in (the model it stands for).
+
+Gradient checkpointing recomputes each block's forward in the backward pass (transformers'
+``gradient_checkpointing_enable``, non-reentrant ``torch.utils.checkpoint``): the gradients are the same,
+the stored activations one per block instead of every intermediate.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from rlhfkit.errors import UserError
+
+ADAPTER_DIR = "adapter"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+RLHFKIT_KEYS = "rlhfkit_config.json"
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """True for a peft model (it has adapters and a ``peft_config``)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def prepare_trained(model: torch.nn.Module, model_cfg) -> torch.nn.Module:
+    """Gradient checkpointing and LoRA as ``model_cfg`` (a :class:`rlhfkit.config.ModelConfig`) says.
+
+    Args:
+        model: a freshly loaded causal LM or scalar model (dropout already handled).
+        model_cfg: reads ``gradient_checkpointing``, ``lora_rank``, ``lora_alpha``, ``lora_dropout`` and
+            ``lora_target_modules``.
+    Returns:
+        ``model`` itself (full fine-tuning) or a peft model around it (LoRA): only the adapters and a scalar
+        model's head require gradients then.
+    """
+    if model_cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if model_cfg.lora_rank > 0:
+        targets = model_cfg.lora_target_modules.strip()
+        modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+        model = add_lora(model, rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
+                         dropout=model_cfg.lora_dropout, target_modules=modules)
+    return model
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in the backward pass (non-reentrant checkpointing: no input needs a gradient)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise UserError(f"model.gradient_checkpointing: {type(model).__name__} does not support gradient "
+                        "checkpointing; set it to false")
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def add_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
+             target_modules: str | list[str] = "all-linear", adapter_name: str = "default") -> torch.nn.Module:
+    """Wrap ``model`` in a peft model with one LoRA adapter (its base weights frozen, in place).
+
+    A scalar (sequence-classification) model's ``score`` head is trained as well (peft keeps the original
+    head beside the trained copy: the adapter switched off gives the original model back).
+
+    Raises:
+        UserError: no module of the model matches ``target_modules``.
+    """
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    scalar = type(model).__name__.endswith("ForSequenceClassification")
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                        task_type=TaskType.SEQ_CLS if scalar else TaskType.CAUSAL_LM)
+    source = getattr(model, "name_or_path", "") or ""
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing for a user to do
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        try:
+            peft_model = get_peft_model(model, config, adapter_name=adapter_name)
+        except ValueError as error:
+            raise UserError(f"model.lora_target_modules={target_modules!r}: {error}") from None
+    if os.path.isdir(source):  # so that the adapter folder finds its base from any working folder
+        peft_model.peft_config[adapter_name].base_model_name_or_path = os.path.abspath(source)
+    return peft_model
+
+
+class AdapterDisabled(torch.nn.Module):
+    """A frozen role that is a peft model with its adapters switched off: the base model, no copy.
+
+    Its forward runs the wrapped model under ``disable_adapter()``; attributes it does not have (``config``,
+    ``score``, ...) are the wrapped model's. ``train()`` / ``eval()`` do not reach the wrapped model (it is
+    another role's, trained elsewhere), and gradients never flow (the forward runs under ``no_grad``).
+    """
+
+    def __init__(self, adapted: torch.nn.Module):
+        super().__init__()
+        if not is_peft_model(adapted):
+            raise TypeError(f"AdapterDisabled needs a peft model, got {type(adapted).__name__}")
+        self.adapted = adapted
+        self.training = False
+
+    def forward(self, *args, **kwargs):
+        with torch.no_grad(), self.adapted.disable_adapter():
+            return self.adapted(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> AdapterDisabled:
+        self.training = mode
+        return self
+
+    def get_base_model(self) -> torch.nn.Module:
+        return self.adapted.get_base_model()
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["adapted"], name)
+
+
+def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain Hugging Face model with every adapter merged into its base weights (W + alpha / r * B A).
+
+    The peft model itself is left as it is (it may go on training), so this briefly needs the memory of a
+    second copy of the model.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        return copy.deepcopy(model).merge_and_unload()
+
+
+def save_adapter(model: torch.nn.Module, tokenizer, path: str | os.PathLike) -> None:
+    """Write the adapter alone in peft's format (safetensors) and the tokenizer into the folder ``path``."""
+    with warnings.catch_warnings():  # peft warns when it cannot reach a hub base to compare vocabularies
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        model.save_pretrained(str(path), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+
+
+def save_rlhfkit_keys(config, path: str | os.PathLike) -> None:
+    """Write the ``rlhfkit_*`` fields of a model config (a reward model's normalisation) to
+    ``path/rlhfkit_config.json``, which an adapter folder needs: peft saves no model config."""
+    keys = {k: v for k, v in config.to_dict().items() if k.startswith("rlhfkit_")}
+    if keys:
+        (Path(path) / RLHFKIT_KEYS).write_text(json.dumps(keys, indent=1))
+
+
+def adapter_base(name_or_path: str | os.PathLike) -> str | None:
+    """The base model of a local peft adapter folder (``adapter_config.json``), or None for anything else.
+
+    Raises:
+        UserError: an adapter folder without a base, or whose weights are not safetensors.
+    """
+    folder = Path(os.path.expanduser(os.fspath(name_or_path)))
+    config_file = folder / ADAPTER_CONFIG
+    if not config_file.is_file():
+        return None
+    try:
+        base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except ValueError as error:
+        raise UserError(f"{config_file}: not valid JSON ({error})") from None
+    if not base:
+        raise UserError(f"{config_file}: no base_model_name_or_path; rlhfkit cannot tell which model it adapts")
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        raise UserError(f"{folder}: an adapter folder without {ADAPTER_WEIGHTS} (rlhfkit loads safetensors "
+                        "weights only)")
+    return base
+
+
+def merge_adapter_folder(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
+    """Load the adapter in ``path`` onto ``model`` and merge it: the plain model the adapter stands for.
+
+    Raises:
+        UserError: the adapter's weights do not fit the model (a different architecture or size).
+    """
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        try:
+            adapted = PeftModel.from_pretrained(model, os.fspath(path), is_trainable=False)
+        except (RuntimeError, ValueError, KeyError) as error:
+            raise UserError(f"cannot load the adapter in '{path}' onto its base: {str(error).splitlines()[0]}") \
+                from None
+        model = adapted.merge_and_unload()
+    keys = Path(path) / RLHFKIT_KEYS
+    if keys.is_file():
+        for key, value in json.loads(keys.read_text()).items():
+            setattr(model.config, key, value)
+    return model
