@@ -334,7 +334,7 @@ class UpdateResult:
     """What :func:`ppo_update` reports: its statistics, not yet summed over processes (the loop sums them
     together with the rollout's, in one all-reduce), the count of skipped minibatches and, per epoch, the
     largest |logprobs - old_logprobs| on that epoch's first minibatch over all processes (0 before any
-    update: REFERENCES.md, bug 6)."""
+    update: dropout, padding or chunking would break that — huggingface/trl#454, CarperAI/trlx#107)."""
 
     stats: StatSums
     skipped_minibatches: int = 0
@@ -354,7 +354,7 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
     Each minibatch is one optimizer step of the actor and of the critic, accumulated over micro-batches
     of ``train.micro_batch_size`` responses; every loss is ``aggregate_loss`` with the WHOLE minibatch's
     normaliser (summed over processes), so neither the micro-batch size nor the process count changes
-    the gradient (REFERENCES.md, bug 10). The minibatches are those of the whole rollout
+    the gradient (huggingface/transformers PR #34191; huggingface/trl#3021). The minibatches are those of the whole rollout
     (:func:`local_minibatches`): N processes take the optimizer steps one process takes. A process that holds
     no row of a minibatch still joins the gradient all-reduce, with a zero-weighted backward pass. A
     minibatch without a valid token (every response masked out) is skipped: no optimizer step, so the
