@@ -75,10 +75,11 @@ def problem(tmp_path_factory):
 def reward_model(problem, seed: int | None = None):
     """The problem's frozen reward model; with ``seed``, a fresh head and body of the same shape (seed 0 is the
     problem's own)."""
-    model = load_scalar_model(str(problem.paths["reward"]), tokenizer=problem.tokenizer)
     if seed:
-        model = tiny_llama("scalar", seed=1 + 1000 * seed, vocab_size=model.config.vocab_size,
-                           pad_token_id=model.config.pad_token_id)
+        model = tiny_llama("scalar", seed=1 + 1000 * seed, vocab_size=len(problem.tokenizer),
+                           pad_token_id=problem.tokenizer.pad_token_id)
+    else:
+        model = load_scalar_model(str(problem.paths["reward"]), tokenizer=problem.tokenizer)
     return model.eval().requires_grad_(False)
 
 
