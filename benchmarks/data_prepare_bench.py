@@ -23,10 +23,14 @@ import tempfile
 import time
 from pathlib import Path
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-WORDS = ("the a cat dog model answer question because therefore however people write code data train reward "
-         "policy value good bad better worse explain example first second finally step result number").split()
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = (
+    "the a cat dog model answer question because therefore however people write code data train reward "
+    "policy value good bad better worse explain example first second finally step result number"
+).split()
 
 
 def sentence(rng: random.Random, n: int) -> str:
@@ -41,8 +45,15 @@ def write_pairs(path: Path, n: int, seed: int = 0) -> None:
             turns = [{"role": "user", "content": question}]
             chosen = " ".join(sentence(rng, rng.randint(8, 20)) for _ in range(rng.randint(2, 8)))
             rejected = " ".join(sentence(rng, rng.randint(8, 20)) for _ in range(rng.randint(2, 8)))
-            f.write(json.dumps({"chosen": turns + [{"role": "assistant", "content": chosen}],
-                                "rejected": turns + [{"role": "assistant", "content": rejected}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "chosen": turns + [{"role": "assistant", "content": chosen}],
+                        "rejected": turns + [{"role": "assistant", "content": rejected}],
+                    }
+                )
+                + "\n"
+            )
 
 
 def make_tokenizer(corpus: Path):
@@ -54,7 +65,9 @@ def make_tokenizer(corpus: Path):
     backend.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     backend.train([str(corpus)], trainers.BpeTrainer(vocab_size=8000, special_tokens=specials))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     tokenizer.chat_template = CHATML
     return tokenizer
 
@@ -83,8 +96,10 @@ def main() -> None:
         examples = prepare_examples(str(data), "preferences", tokenizer, limits, num_proc=args.num_proc)
         seconds = time.perf_counter() - start
         tokens = sum(len(e["prompt_ids"]) + len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in examples)
-        print(f"{attempt}: {len(examples)} pairs in {seconds:.1f} s ({len(examples) / seconds:.0f} pairs/s, "
-              f"{tokens / len(examples):.0f} tokens per pair, from cache: {examples.from_cache})")
+        print(
+            f"{attempt}: {len(examples)} pairs in {seconds:.1f} s ({len(examples) / seconds:.0f} pairs/s, "
+            f"{tokens / len(examples):.0f} tokens per pair, from cache: {examples.from_cache})"
+        )
 
 
 if __name__ == "__main__":

@@ -153,8 +153,10 @@ def bench_case(B, T, general, args, gen) -> dict:
     else:
         loop_fn = partial(gae_torch_loop_right_padded, rewards, values, mask, **kw)
     loop = loop_fn()
-    row = {"err_ours": check_agreement(ours, ref, mask, "compute_gae"),
-           "err_loop": check_agreement(loop, ref, mask, "torch loop")}
+    row = {
+        "err_ours": check_agreement(ours, ref, mask, "compute_gae"),
+        "err_loop": check_agreement(loop, ref, mask, "torch loop"),
+    }
     row["ours"] = time_ms(lambda: compute_gae(rewards, values, mask, dones=dones, **kw), args.repeats)
     row["loop"] = time_ms(loop_fn, args.repeats)
     if B * T <= args.numpy_max_elements:
@@ -170,17 +172,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=float, default=1.0, help="discount (RLHF uses 1)")
     parser.add_argument("--lam", type=float, default=0.95, help="GAE lambda")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per cell (median reported)")
-    parser.add_argument("--numpy-max-elements", type=int, default=512 * 1024,
-                        help="time the numpy loop only up to this B*T (it is still run once as the check)")
+    parser.add_argument(
+        "--numpy-max-elements",
+        type=int,
+        default=512 * 1024,
+        help="time the numpy loop only up to this B*T (it is still run once as the check)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
 
-    print(f"compute_gae benchmark: torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-          f"gamma={args.gamma}, lam={args.lam}, float32, median of {args.repeats} calls (ms)")
-    header = (f"{'mask':<12}{'B':>5}{'T':>6} | {'compute_gae':>11}{'torch loop':>11}{'numpy rows':>11} | "
-              f"{'x loop':>7}{'x numpy':>8} | {'err ours':>9}{'err loop':>9}")
+    print(
+        f"compute_gae benchmark: torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+        f"gamma={args.gamma}, lam={args.lam}, float32, median of {args.repeats} calls (ms)"
+    )
+    header = (
+        f"{'mask':<12}{'B':>5}{'T':>6} | {'compute_gae':>11}{'torch loop':>11}{'numpy rows':>11} | "
+        f"{'x loop':>7}{'x numpy':>8} | {'err ours':>9}{'err loop':>9}"
+    )
     print(header)
     print("-" * len(header))
     for general in (False, True):
@@ -188,11 +198,16 @@ def main(argv: list[str] | None = None) -> int:
             row = bench_case(B, T, general, args, gen)
             numpy_ms = f"{row['numpy']:11.2f}" if "numpy" in row else f"{'skipped':>11}"
             x_numpy = f"{row['numpy'] / row['ours']:7.1f}x" if "numpy" in row else f"{'-':>8}"
-            print(f"{'holes+dones' if general else 'contiguous':<12}{B:>5}{T:>6} | {row['ours']:11.3f}"
-                  f"{row['loop']:11.2f}{numpy_ms} | {row['loop'] / row['ours']:6.1f}x{x_numpy} | "
-                  f"{row['err_ours']:9.1e}{row['err_loop']:9.1e}", flush=True)
-    print(f"numpy rows: timed only for B*T <= {args.numpy_max_elements} (fewer repeats above 200k elements). "
-          "err: max over valid tokens of |A - A_ref| / (1 + |A_ref|), A_ref = the float64 numpy loop.")
+            print(
+                f"{'holes+dones' if general else 'contiguous':<12}{B:>5}{T:>6} | {row['ours']:11.3f}"
+                f"{row['loop']:11.2f}{numpy_ms} | {row['loop'] / row['ours']:6.1f}x{x_numpy} | "
+                f"{row['err_ours']:9.1e}{row['err_loop']:9.1e}",
+                flush=True,
+            )
+    print(
+        f"numpy rows: timed only for B*T <= {args.numpy_max_elements} (fewer repeats above 200k elements). "
+        "err: max over valid tokens of |A - A_ref| / (1 + |A_ref|), A_ref = the float64 numpy loop."
+    )
     return 0
 
 

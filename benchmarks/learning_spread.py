@@ -28,8 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(seed: int, threads: int, figures: Path, select: str | None) -> dict[str, str]:
     """Run the learning tests once; return test id -> 'passed' / 'failed'."""
-    env = {**os.environ, "RLHFKIT_TEST_SEED": str(seed), "RLHFKIT_TEST_THREADS": str(threads),
-           "RLHFKIT_TEST_FIGURES": str(figures)}
+    env = {
+        **os.environ,
+        "RLHFKIT_TEST_SEED": str(seed),
+        "RLHFKIT_TEST_THREADS": str(threads),
+        "RLHFKIT_TEST_FIGURES": str(figures),
+    }
     report = figures.with_suffix(f".{seed}.{threads}.txt")
     cmd = [sys.executable, "-m", "pytest", "-m", "learning", "-p", "no:cacheprovider", "-rA", "-q"]
     if select:
@@ -45,7 +49,9 @@ def run(seed: int, threads: int, figures: Path, select: str | None) -> dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("-k", dest="select", default=None, help="pytest -k expression")
@@ -70,8 +76,10 @@ def main() -> None:
         results = outcomes.get(test, [])
         print(f"\n{test}: {results.count('passed')}/{len(results)} passed")
         for key, vs in values[test].items():
-            print(f"    {key:32s} min {min(vs):9.4f}  median {statistics.median(vs):9.4f}  max {max(vs):9.4f}  "
-                  f"(n={len(vs)})")
+            print(
+                f"    {key:32s} min {min(vs):9.4f}  median {statistics.median(vs):9.4f}  max {max(vs):9.4f}  "
+                f"(n={len(vs)})"
+            )
 
 
 if __name__ == "__main__":

@@ -66,12 +66,18 @@ def prepare(folder: Path, preset: str) -> dict[str, str]:
     from rlhfkit.tasks import get_task
     from rlhfkit.tasks.files import prepare_task_files
 
-    files = prepare_task_files(get_task("reviews", seed=0), folder / "task", preset, num_sft=64, num_sft_eval=16)
+    files = prepare_task_files(
+        get_task("reviews", seed=0), folder / "task", preset, num_sft=64, num_sft_eval=16
+    )
     tokenizer = load_tokenizer(str(files["init_model"]))
     reward = load_scalar_model(str(files["init_model"]), tokenizer=tokenizer)
     reward.save_pretrained(folder / "reward")
     tokenizer.save_pretrained(folder / "reward")
-    return {"policy": str(files["init_model"]), "reward": str(folder / "reward"), "prompts": str(files["prompts_train"])}
+    return {
+        "policy": str(files["init_model"]),
+        "reward": str(folder / "reward"),
+        "prompts": str(files["prompts_train"]),
+    }
 
 
 def measure(paths: dict[str, str], overrides: list[str], threads: int) -> dict:
@@ -88,16 +94,27 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int) -> dict:
     from rlhfkit.trainers.online_steps import ppo_update, prompt_batch, sample_rollout, score_rollout
 
     before = peak_rss_bytes()
-    cfg = load_config(None, [f"model.name_or_path={paths['policy']}", f"online.reward_model={paths['reward']}",
-                             f"data.train_file={paths['prompts']}", *overrides], "ppo")
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={paths['policy']}",
+            f"online.reward_model={paths['reward']}",
+            f"data.train_file={paths['prompts']}",
+            *overrides,
+        ],
+        "ppo",
+    )
     accelerator = make_accelerator()
     tokenizer = load_tokenizer(cfg.model.name_or_path)
-    examples = prepare_examples(cfg.data.train_file, "prompts", tokenizer,
-                                TokenLimits(cfg.data.max_prompt_length, None, "left"))
+    examples = prepare_examples(
+        cfg.data.train_file, "prompts", tokenizer, TokenLimits(cfg.data.max_prompt_length, None, "left")
+    )
     ctx = build_context(cfg, accelerator, tokenizer)
     roles = [ctx.roles.actor, ctx.roles.reference, ctx.roles.critic, ctx.roles.reward_model]
     held = {p.data_ptr(): p.numel() for role in roles for p in role.parameters()}
-    trained = sum(p.numel() for m in (ctx.roles.actor, ctx.roles.critic) for p in m.parameters() if p.requires_grad)
+    trained = sum(
+        p.numel() for m in (ctx.roles.actor, ctx.roles.critic) for p in m.parameters() if p.requires_grad
+    )
     cuda = accelerator.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -105,12 +122,22 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int) -> dict:
     batch = prompt_batch(ctx, examples, 1)
     rollout, response_mask, _ = sample_rollout(ctx, batch)
     rollout.scores, _, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
-    rollout.rewards, rollout.kl = shape_rewards(rollout.scores, rollout.logprobs, rollout.ref_logprobs,
-                                                rollout.mask, ctx.kl_ctl.value, cfg.online.kl_estimator)
+    rollout.rewards, rollout.kl = shape_rewards(
+        rollout.scores,
+        rollout.logprobs,
+        rollout.ref_logprobs,
+        rollout.mask,
+        ctx.kl_ctl.value,
+        cfg.online.kl_estimator,
+    )
     rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
     ppo_update(ctx, rollout, 1)
-    out = {"parameters_held": sum(held.values()), "parameters_trained": trained,
-           "response_tokens": int(rollout.mask.sum()), "device": accelerator.device.type}
+    out = {
+        "parameters_held": sum(held.values()),
+        "parameters_trained": trained,
+        "response_tokens": int(rollout.mask.sum()),
+        "device": accelerator.device.type,
+    }
     if cuda:
         out["peak_bytes"] = torch.cuda.max_memory_allocated()
     else:
@@ -122,12 +149,18 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small", help="model preset of the built-in task (tiny, small)")
-    parser.add_argument("--batch-size", type=int, default=None, help="prompts per rollout (default: the preset's)")
-    parser.add_argument("--response-length", type=int, default=None, help="tokens per response (default: the preset's)")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="prompts per rollout (default: the preset's)"
+    )
+    parser.add_argument(
+        "--response-length", type=int, default=None, help="tokens per response (default: the preset's)"
+    )
     parser.add_argument("--ppo-epochs", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
     parser.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, from: " + ", ".join(CONFIGS))
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help="comma-separated, from: " + ", ".join(CONFIGS)
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one configuration, JSON out
     parser.add_argument("--paths", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -139,9 +172,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.child:
         with tempfile.TemporaryDirectory() as out:
-            overrides = [f"output_dir={out}", f"train.batch_size={batch}", f"online.response_length={length}",
-                         f"online.ppo_epochs={args.ppo_epochs}", "data.max_prompt_length=32",
-                         *(o.format(rank=args.rank) for o in CONFIGS[args.child])]
+            overrides = [
+                f"output_dir={out}",
+                f"train.batch_size={batch}",
+                f"online.response_length={length}",
+                f"online.ppo_epochs={args.ppo_epochs}",
+                "data.max_prompt_length=32",
+                *(o.format(rank=args.rank) for o in CONFIGS[args.child]),
+            ]
             print(json.dumps(measure(json.loads(args.paths), overrides, args.threads)))
         return 0
 
@@ -151,21 +189,45 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
     with tempfile.TemporaryDirectory() as tmp:
         paths = prepare(Path(tmp), preset.model)
-        print(f"preset {args.preset}: {batch} prompts x {length} tokens, {args.ppo_epochs} PPO epochs, LoRA rank "
-              f"{args.rank}, {args.threads} threads")
-        print(f"{'configuration':<14} {'params held':>12} {'trained':>12} {'peak (MB)':>10} {'above start (MB)':>17}")
+        print(
+            f"preset {args.preset}: {batch} prompts x {length} tokens, {args.ppo_epochs} PPO epochs, LoRA rank "
+            f"{args.rank}, {args.threads} threads"
+        )
+        print(
+            f"{'configuration':<14} {'params held':>12} {'trained':>12} {'peak (MB)':>10} {'above start (MB)':>17}"
+        )
         for name in names:
-            command = [sys.executable, __file__, "--child", name, "--paths", json.dumps(paths), "--preset", args.preset,
-                       "--batch-size", str(batch), "--response-length", str(length), "--ppo-epochs",
-                       str(args.ppo_epochs), "--rank", str(args.rank), "--threads", str(args.threads)]
+            command = [
+                sys.executable,
+                __file__,
+                "--child",
+                name,
+                "--paths",
+                json.dumps(paths),
+                "--preset",
+                args.preset,
+                "--batch-size",
+                str(batch),
+                "--response-length",
+                str(length),
+                "--ppo-epochs",
+                str(args.ppo_epochs),
+                "--rank",
+                str(args.rank),
+                "--threads",
+                str(args.threads),
+            ]
             done = subprocess.run(command, capture_output=True, text=True, env=child_env())
             if done.returncode != 0:
                 print(f"{name}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
                 return 1
             r = json.loads(done.stdout.strip().splitlines()[-1])
             above = (r["peak_bytes"] - r["baseline_bytes"]) / 2**20 if "baseline_bytes" in r else float("nan")
-            print(f"{name:<14} {r['parameters_held']:>12,} {r['parameters_trained']:>12,} "
-                  f"{r['peak_bytes'] / 2**20:>10.0f} {above:>17.0f}   ({r['device']})", flush=True)
+            print(
+                f"{name:<14} {r['parameters_held']:>12,} {r['parameters_trained']:>12,} "
+                f"{r['peak_bytes'] / 2**20:>10.0f} {above:>17.0f}   ({r['device']})",
+                flush=True,
+            )
     return 0
 
 

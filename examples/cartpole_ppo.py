@@ -64,8 +64,12 @@ class Args:
     """Every option of this script, with CleanRL's CartPole defaults."""
 
     seed: int = field(default=1, metadata={"help": "seed for torch, numpy and the environments"})
-    threads: int = field(default=1, metadata={"help": "torch intra-op threads (1 is fastest for this tiny net)"})
-    total_steps: int = field(default=500_000, metadata={"help": "environment-step budget (all envs together)"})
+    threads: int = field(
+        default=1, metadata={"help": "torch intra-op threads (1 is fastest for this tiny net)"}
+    )
+    total_steps: int = field(
+        default=500_000, metadata={"help": "environment-step budget (all envs together)"}
+    )
     num_envs: int = field(default=8, metadata={"help": "parallel environments: the batch dimension B"})
     num_steps: int = field(default=64, metadata={"help": "steps per env per rollout: the time dimension T"})
     learning_rate: float = field(default=2.5e-4, metadata={"help": "Adam step size, annealed linearly to 0"})
@@ -81,7 +85,9 @@ class Args:
     target_return: float = field(default=475.0, metadata={"help": "stop once the mean return reaches this"})
     window: int = field(default=20, metadata={"help": "episodes in the moving mean of the return"})
     log_every: int = field(default=10, metadata={"help": "print progress every N rollouts (0: never)"})
-    smoke: bool = field(default=False, metadata={"help": "tiny run (4 envs x 64 steps, 4096 steps) for tests"})
+    smoke: bool = field(
+        default=False, metadata={"help": "tiny run (4 envs x 64 steps, 4096 steps) for tests"}
+    )
 
     def __post_init__(self):
         if self.smoke:
@@ -97,8 +103,9 @@ def parse_args(argv: list[str] | None = None) -> Args:
     for f in dataclasses.fields(Args):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"]
+            )
         else:
             kind = {"int": int, "float": float}[f.type] if isinstance(f.type, str) else f.type
             parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
@@ -107,8 +114,9 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 def make_envs(num_envs: int, seed: int) -> SyncVectorEnv:
     """``num_envs`` CartPole-v1 copies that reset in the step that ends an episode."""
-    envs = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(num_envs)],
-                         autoreset_mode=AutoresetMode.SAME_STEP)
+    envs = SyncVectorEnv(
+        [lambda: gym.make("CartPole-v1") for _ in range(num_envs)], autoreset_mode=AutoresetMode.SAME_STEP
+    )
     envs.action_space.seed(seed)
     return envs
 
@@ -127,10 +135,16 @@ class ActorCritic(nn.Module):
     def __init__(self, obs_dim: int, num_actions: int):
         super().__init__()
         root2 = float(np.sqrt(2))
-        self.actor = nn.Sequential(_layer(obs_dim, 64, root2), nn.Tanh(), _layer(64, 64, root2), nn.Tanh(),
-                                   _layer(64, num_actions, 0.01))
-        self.critic = nn.Sequential(_layer(obs_dim, 64, root2), nn.Tanh(), _layer(64, 64, root2), nn.Tanh(),
-                                    _layer(64, 1, 1.0))
+        self.actor = nn.Sequential(
+            _layer(obs_dim, 64, root2),
+            nn.Tanh(),
+            _layer(64, 64, root2),
+            nn.Tanh(),
+            _layer(64, num_actions, 0.01),
+        )
+        self.critic = nn.Sequential(
+            _layer(obs_dim, 64, root2), nn.Tanh(), _layer(64, 64, root2), nn.Tanh(), _layer(64, 1, 1.0)
+        )
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """obs (..., obs_dim) -> logits (..., A), values (...)."""
@@ -173,8 +187,9 @@ class EpisodeTracker:
         return float(np.mean(self.recent)) if len(self.recent) == self.recent.maxlen else float("-inf")
 
 
-def collect_rollout(envs, agent: ActorCritic, obs: np.ndarray, args: Args, tracker: EpisodeTracker,
-                    env_steps: int) -> tuple[dict[str, torch.Tensor], np.ndarray, int]:
+def collect_rollout(
+    envs, agent: ActorCritic, obs: np.ndarray, args: Args, tracker: EpisodeTracker, env_steps: int
+) -> tuple[dict[str, torch.Tensor], np.ndarray, int]:
     """Play ``num_steps`` steps in every env; return the (B, T) batch, the next observation, env steps.
 
     Batch keys: ``obs`` (B, T, 4), ``actions``, ``logprobs``, ``values``, ``rewards``, ``dones`` (B, T).
@@ -209,8 +224,13 @@ def collect_rollout(envs, agent: ActorCritic, obs: np.ndarray, args: Args, track
     return batch, obs, env_steps
 
 
-def ppo_update(agent: ActorCritic, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
-               args: Args, generator: torch.Generator) -> dict[str, float]:
+def ppo_update(
+    agent: ActorCritic,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    args: Args,
+    generator: torch.Generator,
+) -> dict[str, float]:
     """PPO epochs over one rollout; ``batch`` must hold ``advantages`` and ``returns`` (B, T).
 
     Minibatches are random sets of transitions (CleanRL), laid out as one row (1, M) with an all-ones
@@ -224,7 +244,7 @@ def ppo_update(agent: ActorCritic, optimizer: torch.optim.Optimizer, batch: dict
     for _ in range(args.ppo_epochs):
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, size):
-            mb = {k: v[order[start:start + size]].unsqueeze(0) for k, v in flat.items()}  # (1, M, ...)
+            mb = {k: v[order[start : start + size]].unsqueeze(0) for k, v in flat.items()}  # (1, M, ...)
             mask = torch.ones_like(mb["rewards"])  # (1, M)
             logits, values = agent(mb["obs"])  # (1, M, 2), (1, M)
             logprobs = _logprobs(logits, mb["actions"])
@@ -238,11 +258,14 @@ def ppo_update(agent: ActorCritic, optimizer: torch.optim.Optimizer, batch: dict
             loss.backward()
             nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             optimizer.step()
-            stats = {"loss/total": loss, "loss/policy": aggregate_loss(pg, mask, "token-mean"),
-                     "loss/value": aggregate_loss(vf, mask, "token-mean"),
-                     "entropy/mean": aggregate_loss(ent, mask, "token-mean"),
-                     **{f"policy/{k}": v for k, v in pg_stats.items()},
-                     **{f"value/{k}": v for k, v in vf_stats.items()}}
+            stats = {
+                "loss/total": loss,
+                "loss/policy": aggregate_loss(pg, mask, "token-mean"),
+                "loss/value": aggregate_loss(vf, mask, "token-mean"),
+                "entropy/mean": aggregate_loss(ent, mask, "token-mean"),
+                **{f"policy/{k}": v for k, v in pg_stats.items()},
+                **{f"value/{k}": v for k, v in vf_stats.items()},
+            }
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(torch.as_tensor(v).detach())
             count += 1
@@ -285,32 +308,48 @@ def train(args: Args, agent: ActorCritic | None = None) -> Result:
             break
         # 2. advantages: GAE over (B, T) with episode ends inside rows
         batch["advantages"], batch["returns"] = compute_gae(
-            batch["rewards"], batch["values"], mask, gamma=args.gamma, lam=args.lam, dones=batch["dones"])
+            batch["rewards"], batch["values"], mask, gamma=args.gamma, lam=args.lam, dones=batch["dones"]
+        )
         # 3. PPO epochs
         stats = ppo_update(agent, optimizer, batch, args, generator)
         stats.update(env_steps=env_steps, mean_return=tracker.mean(), episodes=len(tracker.returns))
         history.append(stats)
         if args.log_every and (rollout + 1) % args.log_every == 0:
             sps = env_steps / (time.perf_counter() - start)
-            print(f"steps {env_steps:7d}  episodes {len(tracker.returns):5d}  "
-                  f"mean return (last {args.window}) {tracker.mean():6.1f}  "
-                  f"policy {stats['loss/policy']:+.4f}  value {stats['loss/value']:.3f}  "
-                  f"entropy {stats['entropy/mean']:.3f}  clip {stats['policy/clip_frac']:.3f}  "
-                  f"approx-KL {stats['policy/approx_kl']:.4f}  steps/s {sps:.0f}", flush=True)
+            print(
+                f"steps {env_steps:7d}  episodes {len(tracker.returns):5d}  "
+                f"mean return (last {args.window}) {tracker.mean():6.1f}  "
+                f"policy {stats['loss/policy']:+.4f}  value {stats['loss/value']:.3f}  "
+                f"entropy {stats['entropy/mean']:.3f}  clip {stats['policy/clip_frac']:.3f}  "
+                f"approx-KL {stats['policy/approx_kl']:.4f}  steps/s {sps:.0f}",
+                flush=True,
+            )
     envs.close()
-    return Result(agent, env_steps, time.perf_counter() - start, tracker.returns, tracker.mean(),
-                  tracker.reached_at, tracker.reached_mean, history)
+    return Result(
+        agent,
+        env_steps,
+        time.perf_counter() - start,
+        tracker.returns,
+        tracker.mean(),
+        tracker.reached_at,
+        tracker.reached_mean,
+        history,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = train(args)
-    print(f"total env steps {result.env_steps}, wall time {result.wall_seconds:.1f} s, "
-          f"threads {args.threads}, seed {args.seed}")
+    print(
+        f"total env steps {result.env_steps}, wall time {result.wall_seconds:.1f} s, "
+        f"threads {args.threads}, seed {args.seed}"
+    )
     print(f"mean return over the last {args.window} episodes at the end: {result.mean_return:.1f}")
     if result.reached_at is not None:
-        print(f"reached a mean of {result.reached_mean:.1f} (target {args.target_return:g}) "
-              f"at {result.reached_at} env steps")
+        print(
+            f"reached a mean of {result.reached_mean:.1f} (target {args.target_return:g}) "
+            f"at {result.reached_at} env steps"
+        )
         return 0
     print(f"did not reach {args.target_return:g} within {args.total_steps} env steps")
     return 0 if args.smoke else 1

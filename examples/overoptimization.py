@@ -89,8 +89,10 @@ def fit_gao(d, delta) -> dict[str, float]:
 def _quality(y: np.ndarray, fitted: np.ndarray, prefix: str) -> dict[str, float]:
     residual = float(((y - fitted) ** 2).sum())
     total = float(((y - y.mean()) ** 2).sum())
-    return {f"{prefix}r2": 1.0 - residual / total if total > 0 else float("nan"),
-            f"{prefix}rmse": math.sqrt(residual / len(y))}
+    return {
+        f"{prefix}r2": 1.0 - residual / total if total > 0 else float("nan"),
+        f"{prefix}rmse": math.sqrt(residual / len(y)),
+    }
 
 
 def gao_curve(d, alpha: float, beta: float) -> np.ndarray:
@@ -122,8 +124,13 @@ class Trajectory:
         keys = ("eval/kl/mean", "eval/gold/mean", "eval/score/mean")
         picked = [r for r in rows if all(isinstance(r.get(k), int | float) for k in keys)]
         if not picked or picked[0]["step"] != 0:
-            raise ValueError("the run has no held-out evaluation at step 0 (the SFT policy's gold is the baseline)")
-        col = lambda k: np.array([float(r[k]) for r in picked])  # noqa: E731
+            raise ValueError(
+                "the run has no held-out evaluation at step 0 (the SFT policy's gold is the baseline)"
+            )
+
+        def col(k):
+            return np.array([float(r[k]) for r in picked])
+
         return cls(col("step"), col(keys[0]), col(keys[1]), col(keys[2]))
 
     def in_kl_bin(self, low: float, high: float) -> dict | None:
@@ -131,7 +138,11 @@ class Trajectory:
         inside = (self.steps > 0) & (self.kl >= low) & (self.kl < high)
         if not inside.any():
             return None
-        return {"gold": float(self.gold[inside].mean()), "proxy": float(self.proxy[inside].mean()), "n": int(inside.sum())}
+        return {
+            "gold": float(self.gold[inside].mean()),
+            "proxy": float(self.proxy[inside].mean()),
+            "n": int(inside.sum()),
+        }
 
 
 def analyse(t: Trajectory) -> dict:
@@ -140,10 +151,24 @@ def analyse(t: Trajectory) -> dict:
     moved = t.d > 0
     fit = fit_gao(t.d[moved], delta[moved])  # the SFT point (d = 0) is on every curve of the form
     best = int(np.argmax(t.gold))
-    fit.update({"sft_gold": float(t.gold[0]), "observed_peak": {
-        "step": int(t.steps[best]), "kl": float(t.kl[best]), "d": float(t.d[best]), "gold": float(t.gold[best]),
-        "delta": float(delta[best])}, "final": {"step": int(t.steps[-1]), "kl": float(t.kl[-1]),
-                                               "gold": float(t.gold[-1]), "proxy": float(t.proxy[-1])}})
+    fit.update(
+        {
+            "sft_gold": float(t.gold[0]),
+            "observed_peak": {
+                "step": int(t.steps[best]),
+                "kl": float(t.kl[best]),
+                "d": float(t.d[best]),
+                "gold": float(t.gold[best]),
+                "delta": float(delta[best]),
+            },
+            "final": {
+                "step": int(t.steps[-1]),
+                "kl": float(t.kl[-1]),
+                "gold": float(t.gold[-1]),
+                "proxy": float(t.proxy[-1]),
+            },
+        }
+    )
     return fit
 
 
@@ -151,14 +176,20 @@ def compare(plain: Trajectory, refreshed: Trajectory, gold_std: float, bin_width
     """Gold, proxy and the gap (proxy − (gold − gold_SFT) / gold_std) of both runs at the end, and at the same KL:
     the means over each run's evaluations in KL bins of ``bin_width`` nats (a trajectory's KL goes up and
     down, so every evaluation counts, not only the first to reach a level)."""
+
     def gap(gold: float, proxy: float, sft_gold: float) -> float | None:
         return proxy - (gold - sft_gold) / gold_std if gold_std > 0 else None  # SFT samples all scored alike
 
     runs = {"plain": plain, "refresh": refreshed}
     out: dict = {"gold_std_sft": gold_std, "bin_width": bin_width, "end": {}, "same_kl": []}
     for name, t in runs.items():
-        out["end"][name] = {"step": int(t.steps[-1]), "kl": float(t.kl[-1]), "gold": float(t.gold[-1]),
-                            "proxy": float(t.proxy[-1]), "gap": gap(t.gold[-1], t.proxy[-1], t.gold[0])}
+        out["end"][name] = {
+            "step": int(t.steps[-1]),
+            "kl": float(t.kl[-1]),
+            "gold": float(t.gold[-1]),
+            "proxy": float(t.proxy[-1]),
+            "gap": gap(t.gold[-1], t.proxy[-1], t.gold[0]),
+        }
     top = max(float(plain.kl.max()), float(refreshed.kl.max()))
     for low in np.arange(0.0, top + bin_width, bin_width):
         row: dict = {"kl_low": float(low), "kl_high": float(low + bin_width)}
@@ -184,15 +215,36 @@ def plot_fit(path: Path, t: Trajectory, fit: dict, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=110)
     grid = np.linspace(0.0, max(float(t.d.max()), fit["d_peak"] or 0.0) * 1.05, 200)
     ax.plot(t.d, t.gold - t.gold[0], "o", color="C0", label="Δgold (held out)")
-    ax.plot(grid, gao_curve(grid, fit["alpha"], fit["beta"]), "-", color="C0",
-            label=f"d(α − β log d): α={fit['alpha']:.3g}, β={fit['beta']:.3g}, R²={fit['r2']:.2f}")
-    ax.plot(grid, fit["linear_a"] * grid, ":", color="gray", label=f"linear a·d: a={fit['linear_a']:.3g}, "
-                                                                     f"R²={fit['linear_r2']:.2f}")
-    ax.plot(t.d, t.proxy - t.proxy[0], "s", color="C1", markersize=3, alpha=0.7, label="Δproxy (reward model)")
+    ax.plot(
+        grid,
+        gao_curve(grid, fit["alpha"], fit["beta"]),
+        "-",
+        color="C0",
+        label=f"d(α − β log d): α={fit['alpha']:.3g}, β={fit['beta']:.3g}, R²={fit['r2']:.2f}",
+    )
+    ax.plot(
+        grid,
+        fit["linear_a"] * grid,
+        ":",
+        color="gray",
+        label=f"linear a·d: a={fit['linear_a']:.3g}, R²={fit['linear_r2']:.2f}",
+    )
+    ax.plot(
+        t.d, t.proxy - t.proxy[0], "s", color="C1", markersize=3, alpha=0.7, label="Δproxy (reward model)"
+    )
     if fit["d_peak"] is not None:
-        ax.axvline(fit["d_peak"], color="C0", alpha=0.4, linestyle="--", label=f"fitted peak d*={fit['d_peak']:.2f}")
+        ax.axvline(
+            fit["d_peak"], color="C0", alpha=0.4, linestyle="--", label=f"fitted peak d*={fit['d_peak']:.2f}"
+        )
     peak = fit["observed_peak"]
-    ax.plot([peak["d"]], [peak["delta"]], "*", color="C3", markersize=12, label=f"observed peak (step {peak['step']})")
+    ax.plot(
+        [peak["d"]],
+        [peak["delta"]],
+        "*",
+        color="C3",
+        markersize=12,
+        label=f"observed peak (step {peak['step']})",
+    )
     ax.axhline(0.0, color="black", linewidth=0.6)
     ax.set_title(title)
     ax.set_xlabel("d = sqrt(KL to the SFT policy, nats per response)")
@@ -260,18 +312,28 @@ def resolve_inputs(args) -> Inputs:
 
         args.quickstart = args.out / "quickstart"
         if not (args.quickstart / "summary.json").is_file():
-            print(f"no --quickstart or --sft given: running the quickstart into {args.quickstart} first", flush=True)
+            print(
+                f"no --quickstart or --sft given: running the quickstart into {args.quickstart} first",
+                flush=True,
+            )
             quickstart(args.quickstart, args.preset, overwrite=True, seed=args.seed)
     if args.quickstart is not None:
         q = Path(args.quickstart)
-        inputs = Inputs(q / "sft" / "final", q / "reward" / "final", q / "task" / "prompts_train.jsonl",
-                        q / "task" / "prompts_eval.jsonl", q / "pairs" / "pairs_train.jsonl")
+        inputs = Inputs(
+            q / "sft" / "final",
+            q / "reward" / "final",
+            q / "task" / "prompts_train.jsonl",
+            q / "task" / "prompts_eval.jsonl",
+            q / "pairs" / "pairs_train.jsonl",
+        )
     else:
         if None in (args.reward_model, args.prompts_train, args.prompts_eval):
             raise UserError("--sft needs --reward-model, --prompts-train and --prompts-eval too")
         inputs = Inputs(args.sft, args.reward_model, args.prompts_train, args.prompts_eval, args.pairs)
     if args.refresh_steps and inputs.pairs is None:
-        raise UserError("--refresh-steps needs --pairs (the reward model's training pairs, replayed by the refresh)")
+        raise UserError(
+            "--refresh-steps needs --pairs (the reward model's training pairs, replayed by the refresh)"
+        )
     for name, path in vars(inputs).items():
         if path is not None and not Path(path).exists():
             raise UserError(f"{name.replace('_', ' ')} not found: {path}")
@@ -291,23 +353,44 @@ def run_ppo(inputs: Inputs, out: Path, args, refresh_steps: int = 0) -> Path:
         return out
     preset = replace(PRESETS[args.preset], num_eval_prompts=args.eval_prompts)
     task = get_task("reviews", seed=args.task_seed)
-    meter = HackingMeter(task, inputs.sft, inputs.reward_model, inputs.prompts_eval, preset, args.seed,
-                         meter_prompts=args.eval_prompts)
+    meter = HackingMeter(
+        task,
+        inputs.sft,
+        inputs.reward_model,
+        inputs.prompts_eval,
+        preset,
+        args.seed,
+        meter_prompts=args.eval_prompts,
+    )
     hooks = online.OnlineHooks(evaluate=meter.during_training)
     if refresh_steps:
-        hooks.refresh_reward_model = task_refresh(task, meter, inputs.pairs, preset, args.seed,
-                                                  **json.loads(args.refresh_settings))
+        hooks.refresh_reward_model = task_refresh(
+            task, meter, inputs.pairs, preset, args.seed, **json.loads(args.refresh_settings)
+        )
         hooks.refresh_steps = refresh_steps
     overrides = {
-        "output_dir": out, "seed": args.seed, "model.name_or_path": inputs.sft,
-        "data.train_file": inputs.prompts_train, "data.max_prompt_length": 32,
-        "online.reward_model": inputs.reward_model, "online.response_length": preset.response_length,
-        "online.kl_coef": args.kl_coef, "train.max_steps": args.rollouts, "train.batch_size": preset.ppo_batch,
-        "train.learning_rate": args.learning_rate, "train.lr_schedule": "constant",
-        "train.save_steps": args.rollouts, "train.eval_steps": args.eval_every, "train.log_steps": 1}
+        "output_dir": out,
+        "seed": args.seed,
+        "model.name_or_path": inputs.sft,
+        "data.train_file": inputs.prompts_train,
+        "data.max_prompt_length": 32,
+        "online.reward_model": inputs.reward_model,
+        "online.response_length": preset.response_length,
+        "online.kl_coef": args.kl_coef,
+        "train.max_steps": args.rollouts,
+        "train.batch_size": preset.ppo_batch,
+        "train.learning_rate": args.learning_rate,
+        "train.lr_schedule": "constant",
+        "train.save_steps": args.rollouts,
+        "train.eval_steps": args.eval_every,
+        "train.log_steps": 1,
+    }
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()], "ppo")
-    print(f"PPO{' with a reward-model refresh every ' + str(refresh_steps) + ' rollouts' if refresh_steps else ''}: "
-          f"{args.rollouts} rollouts, lr {args.learning_rate}, kl_coef {args.kl_coef} -> {out}", flush=True)
+    print(
+        f"PPO{' with a reward-model refresh every ' + str(refresh_steps) + ' rollouts' if refresh_steps else ''}: "
+        f"{args.rollouts} rollouts, lr {args.learning_rate}, kl_coef {args.kl_coef} -> {out}",
+        flush=True,
+    )
     online.train(cfg, overwrite=True, hooks=hooks)
     return out
 
@@ -326,9 +409,14 @@ def sft_gold_std(inputs: Inputs, args) -> float:
     policy = load_causal_lm(str(inputs.sft), tokenizer=tokenizer).eval()
     examples = prepare_examples(str(inputs.prompts_eval), "prompts", tokenizer, TokenLimits(32, None, "left"))
     torch.manual_seed(args.seed)
-    samples = sample_and_score(policy, tokenizer, examples[: args.eval_prompts], temperature=0.7,
-                               max_new_tokens=PRESETS[args.preset].response_length,
-                               gold_score=get_task("reviews", seed=args.task_seed).gold_score)
+    samples = sample_and_score(
+        policy,
+        tokenizer,
+        examples[: args.eval_prompts],
+        temperature=0.7,
+        max_new_tokens=PRESETS[args.preset].response_length,
+        gold_score=get_task("reviews", seed=args.task_seed).gold_score,
+    )
     return samples.summary()["gold_std"]
 
 
@@ -338,64 +426,99 @@ def sft_gold_std(inputs: Inputs, args) -> float:
 
 def format_fit(fit: dict) -> str:
     peak = fit["observed_peak"]
-    fitted_peak = ("no interior peak (β <= 0)" if fit["d_peak"] is None else
-                   f"d* = {fit['d_peak']:.3f} (KL {fit['kl_peak']:.2f} nats), Δgold* = {fit['delta_peak']:.3f}")
-    return "\n".join([
-        f"  Gao et al. fit  Δgold = d(α − β log d):  α = {fit['alpha']:.4f}, β = {fit['beta']:.4f}   "
-        f"R² = {fit['r2']:.3f}, RMSE = {fit['rmse']:.4f}  ({fit['points']} points)",
-        f"  linear fit      Δgold = a·d:            a = {fit['linear_a']:.4f}              "
-        f"R² = {fit['linear_r2']:.3f}, RMSE = {fit['linear_rmse']:.4f}",
-        f"  fitted peak     {fitted_peak}",
-        f"  observed peak   step {peak['step']}: gold {peak['gold']:.3f} (Δ {peak['delta']:+.3f}) at KL "
-        f"{peak['kl']:.2f} (d = {peak['d']:.3f})",
-        f"  SFT gold {fit['sft_gold']:.3f}; final (step {fit['final']['step']}): gold {fit['final']['gold']:.3f}, "
-        f"proxy {fit['final']['proxy']:.3f}, KL {fit['final']['kl']:.2f}",
-    ])
+    fitted_peak = (
+        "no interior peak (β <= 0)"
+        if fit["d_peak"] is None
+        else f"d* = {fit['d_peak']:.3f} (KL {fit['kl_peak']:.2f} nats), Δgold* = {fit['delta_peak']:.3f}"
+    )
+    return "\n".join(
+        [
+            f"  Gao et al. fit  Δgold = d(α − β log d):  α = {fit['alpha']:.4f}, β = {fit['beta']:.4f}   "
+            f"R² = {fit['r2']:.3f}, RMSE = {fit['rmse']:.4f}  ({fit['points']} points)",
+            f"  linear fit      Δgold = a·d:            a = {fit['linear_a']:.4f}              "
+            f"R² = {fit['linear_r2']:.3f}, RMSE = {fit['linear_rmse']:.4f}",
+            f"  fitted peak     {fitted_peak}",
+            f"  observed peak   step {peak['step']}: gold {peak['gold']:.3f} (Δ {peak['delta']:+.3f}) at KL "
+            f"{peak['kl']:.2f} (d = {peak['d']:.3f})",
+            f"  SFT gold {fit['sft_gold']:.3f}; final (step {fit['final']['step']}): gold {fit['final']['gold']:.3f}, "
+            f"proxy {fit['final']['proxy']:.3f}, KL {fit['final']['kl']:.2f}",
+        ]
+    )
 
 
 def format_compare(c: dict) -> str:
-    lines = [f"  gap = proxy − (gold − gold_SFT) / {c['gold_std_sft']:.3f}  (proxy units; 0 for the SFT policy)"]
+    lines = [
+        f"  gap = proxy − (gold − gold_SFT) / {c['gold_std_sft']:.3f}  (proxy units; 0 for the SFT policy)"
+    ]
 
     def number(x):
         return "    n/a" if x is None else f"{x:7.3f}"
 
     def cells(row, name):
         r = row.get(name)
-        return " " * 22 + "-   " if r is None else f"{r['gold']:7.3f} {r['proxy']:7.3f} {number(r['gap'])} {r['n']:3d}"
+        return (
+            " " * 22 + "-   "
+            if r is None
+            else f"{r['gold']:7.3f} {r['proxy']:7.3f} {number(r['gap'])} {r['n']:3d}"
+        )
 
     for name in ("plain", "refresh"):
         e = c["end"][name]
-        lines.append(f"  end of {name:<8} (KL {e['kl']:5.2f}, step {e['step']}): gold {e['gold']:.3f}, proxy "
-                     f"{e['proxy']:.3f}, gap {number(e['gap']).strip()}")
+        lines.append(
+            f"  end of {name:<8} (KL {e['kl']:5.2f}, step {e['step']}): gold {e['gold']:.3f}, proxy "
+            f"{e['proxy']:.3f}, gap {number(e['gap']).strip()}"
+        )
     lines.append("  KL bin (nats)   | plain: gold   proxy     gap   n | refresh: gold   proxy     gap   n")
     for row in c["same_kl"]:
-        lines.append(f"  [{row['kl_low']:4.1f}, {row['kl_high']:4.1f})    | {cells(row, 'plain')} | {cells(row, 'refresh')}")
+        lines.append(
+            f"  [{row['kl_low']:4.1f}, {row['kl_high']:4.1f})    | {cells(row, 'plain')} | {cells(row, 'refresh')}"
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, required=True, help="output folder (runs, fit.json, fit.png)")
     src = p.add_argument_group("inputs (default: run the quickstart into OUT/quickstart first)")
     src.add_argument("--quickstart", type=Path, help="a finished `rlhfkit quickstart` folder")
     src.add_argument("--sft", type=Path, help="the SFT policy folder")
     src.add_argument("--reward-model", type=Path, help="the reward model folder")
-    src.add_argument("--prompts-train", type=Path, help="training prompts (JSON Lines {\"prompt\"})")
+    src.add_argument("--prompts-train", type=Path, help='training prompts (JSON Lines {"prompt"})')
     src.add_argument("--prompts-eval", type=Path, help="held-out prompts (the meter's)")
     src.add_argument("--pairs", type=Path, help="the reward model's training pairs (for --refresh-steps)")
-    src.add_argument("--task-seed", type=int, default=0, help="the seed the task's prompt split was made with")
+    src.add_argument(
+        "--task-seed", type=int, default=0, help="the seed the task's prompt split was made with"
+    )
     ppo = p.add_argument_group("PPO")
     ppo.add_argument("--preset", default="tiny", choices=("tiny", "small", "smoke"))
     ppo.add_argument("--rollouts", type=int, default=TINY_DEFAULTS["rollouts"])
     ppo.add_argument("--learning-rate", type=float, default=TINY_DEFAULTS["learning_rate"])
     ppo.add_argument("--kl-coef", type=float, default=TINY_DEFAULTS["kl_coef"])
-    ppo.add_argument("--eval-every", type=int, default=TINY_DEFAULTS["eval_every"], help="rollouts between evaluations")
-    ppo.add_argument("--eval-prompts", type=int, default=TINY_DEFAULTS["eval_prompts"], help="held-out prompts per evaluation")
+    ppo.add_argument(
+        "--eval-every", type=int, default=TINY_DEFAULTS["eval_every"], help="rollouts between evaluations"
+    )
+    ppo.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=TINY_DEFAULTS["eval_prompts"],
+        help="held-out prompts per evaluation",
+    )
     ppo.add_argument("--seed", type=int, default=0)
-    ppo.add_argument("--refresh-steps", type=int, default=0, metavar="K",
-                     help="also run PPO with a reward-model refresh every K rollouts, and compare")
-    ppo.add_argument("--refresh-settings", default="{}", metavar="JSON",
-                     help="RefreshConfig fields for the refresh run, e.g. '{\"pairs\": 128, \"steps\": 16}'")
+    ppo.add_argument(
+        "--refresh-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run PPO with a reward-model refresh every K rollouts, and compare",
+    )
+    ppo.add_argument(
+        "--refresh-settings",
+        default="{}",
+        metavar="JSON",
+        help='RefreshConfig fields for the refresh run, e.g. \'{"pairs": 128, "steps": 16}\'',
+    )
     ppo.add_argument("--overwrite", action="store_true", help="rerun PPO runs that already finished")
     ppo.add_argument("--fit-only", action="store_true", help="only fit and plot the runs already in OUT")
     return p.parse_args(argv)
@@ -418,28 +541,44 @@ def main(argv=None) -> int:
             run_ppo(inputs, folder, args, refresh_steps=args.refresh_steps if name == "refresh" else 0)
         if args.refresh_steps and not cache.is_file():
             cache.write_text(json.dumps({"gold_std": sft_gold_std(inputs, args)}))
-    trajectories = {name: Trajectory.from_rows(read_metrics(folder / "metrics.jsonl")) for name, folder in runs.items()
-                    if (folder / "metrics.jsonl").is_file()}
+    trajectories = {
+        name: Trajectory.from_rows(read_metrics(folder / "metrics.jsonl"))
+        for name, folder in runs.items()
+        if (folder / "metrics.jsonl").is_file()
+    }
     if "plain" not in trajectories:
         print(f"no PPO run in {runs['plain']}", file=sys.stderr)
         return 1
     result: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     result["fit"] = analyse(trajectories["plain"])
     print("\nOveroptimization (held-out prompts, PPO without refresh):\n" + format_fit(result["fit"]))
-    plot_fit(args.out / "fit.png", trajectories["plain"], result["fit"],
-             f"Gold against sqrt(KL): PPO lr {args.learning_rate}, kl_coef {args.kl_coef}")
+    plot_fit(
+        args.out / "fit.png",
+        trajectories["plain"],
+        result["fit"],
+        f"Gold against sqrt(KL): PPO lr {args.learning_rate}, kl_coef {args.kl_coef}",
+    )
     if "refresh" in trajectories:
         result["fit_refresh"] = analyse(trajectories["refresh"])
-        print(f"\nWith a reward-model refresh every {args.refresh_steps} rollouts:\n" + format_fit(result["fit_refresh"]))
+        print(
+            f"\nWith a reward-model refresh every {args.refresh_steps} rollouts:\n"
+            + format_fit(result["fit_refresh"])
+        )
         if not cache.is_file():
             print(f"{cache} is missing: run once without --fit-only", file=sys.stderr)
             return 1
         gold_std = json.loads(cache.read_text())["gold_std"]
         result["compare"] = compare(trajectories["plain"], trajectories["refresh"], gold_std)
-        print("\nPlain PPO against PPO with the refresh (same seed and settings):\n" + format_compare(result["compare"]))
+        print(
+            "\nPlain PPO against PPO with the refresh (same seed and settings):\n"
+            + format_compare(result["compare"])
+        )
         plot_compare(args.out / "compare.png", trajectories, gold_std)
     (args.out / "fit.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-    print(f"\nwrote {args.out / 'fit.json'}, {args.out / 'fit.png'}" + (", compare.png" if "refresh" in trajectories else ""))
+    print(
+        f"\nwrote {args.out / 'fit.json'}, {args.out / 'fit.png'}"
+        + (", compare.png" if "refresh" in trajectories else "")
+    )
     return 0
 
 

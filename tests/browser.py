@@ -45,14 +45,29 @@ class Chromium:
             os.dup2(to_browser_read, 3)
             os.dup2(from_browser_write, 4)
 
-        args = [binary, "--headless", "--remote-debugging-pipe", "--disable-gpu", "--no-first-run",
-                "--no-default-browser-check", "--hide-scrollbars", "--mute-audio", f"--user-data-dir={self._profile}",
-                f"--window-size={width},{height}", "about:blank"]
+        args = [
+            binary,
+            "--headless",
+            "--remote-debugging-pipe",
+            "--disable-gpu",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--hide-scrollbars",
+            "--mute-audio",
+            f"--user-data-dir={self._profile}",
+            f"--window-size={width},{height}",
+            "about:blank",
+        ]
         if os.geteuid() == 0:
             args.insert(1, "--no-sandbox")  # Chromium refuses to run as root with its sandbox
-        self.process = subprocess.Popen(args, pass_fds=(3, 4, to_browser_read, from_browser_write), preexec_fn=wire,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            args,
+            pass_fds=(3, 4, to_browser_read, from_browser_write),
+            preexec_fn=wire,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_browser_read)
         os.close(from_browser_write)
 
@@ -81,7 +96,9 @@ class Chromium:
 
     # -- the protocol ------------------------------------------------------------------------------------
 
-    def call(self, method: str, params: dict | None = None, session: str | None | bool = True) -> dict[str, Any]:
+    def call(
+        self, method: str, params: dict | None = None, session: str | None | bool = True
+    ) -> dict[str, Any]:
         """Send one command (to the page's session unless ``session`` is None) and return its result."""
         self._next_id += 1
         message: dict[str, Any] = {"id": self._next_id, "method": method, "params": params or {}}
@@ -122,8 +139,9 @@ class Chromium:
     def open(self, url: str) -> None:
         """A new page at ``url``, loaded (its scripts have run)."""
         target = self.call("Target.createTarget", {"url": "about:blank"}, session=None)["targetId"]
-        self.session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True},
-                                 session=None)["sessionId"]
+        self.session = self.call(
+            "Target.attachToTarget", {"targetId": target, "flatten": True}, session=None
+        )["sessionId"]
         for domain in ("Page", "Runtime", "Log"):
             self.call(f"{domain}.enable")
         self.call("Page.navigate", {"url": url})
@@ -152,8 +170,10 @@ class Chromium:
     def screenshot(self, path: str | Path) -> bytes:
         """The whole page (not only the window) as a PNG written to ``path``; returns the bytes."""
         height = int(self.evaluate("Math.ceil(document.documentElement.scrollHeight)"))
-        self.call("Emulation.setDeviceMetricsOverride", {"width": self.width, "height": min(height, 16000),
-                                                         "deviceScaleFactor": 1, "mobile": False})
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": self.width, "height": min(height, 16000), "deviceScaleFactor": 1, "mobile": False},
+        )
         data = base64.b64decode(self.call("Page.captureScreenshot", {"format": "png"})["data"])
         Path(path).write_bytes(data)
         return data

@@ -34,9 +34,11 @@ def pytest_report_header(config):
 def machine_line() -> str:
     """Where the tests run: a failure report from another machine says which CPU path torch took."""
     cores = os.cpu_count()
-    return (f"rlhfkit tests: torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-            f"{cores} cores, torch threads per test {TEST_THREADS}, learning seed "
-            f"{os.environ.get('RLHFKIT_TEST_SEED', '0')}")
+    return (
+        f"rlhfkit tests: torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"{cores} cores, torch threads per test {TEST_THREADS}, learning seed "
+        f"{os.environ.get('RLHFKIT_TEST_SEED', '0')}"
+    )
 
 
 def pytest_sessionstart(session):
@@ -66,11 +68,17 @@ def learning_seed() -> int:
 @pytest.fixture
 def learning_figures(request):
     """``learning_figures(name=value, ...)`` records what a learning test measured (for the spread script)."""
+
     def record(**figures):
         path = os.environ.get("RLHFKIT_TEST_FIGURES")
         if path:
-            row = {"test": request.node.nodeid, "seed": int(os.environ.get("RLHFKIT_TEST_SEED", "0")),
-                   "threads": TEST_THREADS, **{k: float(v) for k, v in figures.items()}}
+            row = {
+                "test": request.node.nodeid,
+                "seed": int(os.environ.get("RLHFKIT_TEST_SEED", "0")),
+                "threads": TEST_THREADS,
+                **{k: float(v) for k, v in figures.items()},
+            }
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+
     return record

@@ -13,8 +13,15 @@ def test_quickstart_smoke_writes_every_stage_report_and_summary(tmp_path, capsys
     out = tmp_path / "qs"
     assert main(["quickstart", "--out", str(out), "--preset", "smoke"]) == 0
     printed = capsys.readouterr().out
-    for stage in ("[1/7] task", "[2/7] SFT", "[3/7] preference pairs", "[4/7] reward model", "[5/7] PPO",
-                  "[6/7] evaluation", "[7/7] report"):
+    for stage in (
+        "[1/7] task",
+        "[2/7] SFT",
+        "[3/7] preference pairs",
+        "[4/7] reward model",
+        "[5/7] PPO",
+        "[6/7] evaluation",
+        "[7/7] report",
+    ):
         assert stage in printed
     assert "PPO win rate vs SFT" in printed and " nan" not in printed
 
@@ -32,15 +39,32 @@ def test_quickstart_smoke_writes_every_stage_report_and_summary(tmp_path, capsys
         assert (out / run / "report.md").is_file() and (out / run / "report.html").is_file()
         assert (out / run / "metrics.jsonl").read_text().strip()
     ppo_plots = {p.name for p in (out / "ppo" / "report").glob("*.png")}
-    assert {"scores.png", "kl.png", "entropy.png", "response_length.png", "policy_loss.png", "value_loss.png",
-            "explained_variance.png", "clipfrac.png", "gold_vs_sqrt_kl.png"} <= ppo_plots
-    assert {"calibration.png", "score_histogram.png"} <= {p.name for p in (out / "reward" / "report").glob("*.png")}
+    assert {
+        "scores.png",
+        "kl.png",
+        "entropy.png",
+        "response_length.png",
+        "policy_loss.png",
+        "value_loss.png",
+        "explained_variance.png",
+        "clipfrac.png",
+        "gold_vs_sqrt_kl.png",
+    } <= ppo_plots
+    assert {"calibration.png", "score_histogram.png"} <= {
+        p.name for p in (out / "reward" / "report").glob("*.png")
+    }
     report = (out / "report.md").read_text()
     assert "ppo/report/gold_vs_sqrt_kl.png" in report and "sft/report/losses.png" in report
     # One page for every stage: each stage's section, the PPO health panel, the examples.
     page = (out / "report.html").read_text()
-    for anchor in ('id="sft"', 'id="reward"', 'id="ppo"', 'id="ppo-curves"', 'id="reward-calibration"',
-                   'id="examples-table"'):
+    for anchor in (
+        'id="sft"',
+        'id="reward"',
+        'id="ppo"',
+        'id="ppo-curves"',
+        'id="reward-calibration"',
+        'id="examples-table"',
+    ):
         assert anchor in page
     # The reward-hacking meter: gold beside proxy on held-out prompts, logged during PPO.
     rows = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]

@@ -48,9 +48,14 @@ def records(n: int, seed: int = 0, cats: bool = False) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        a, b = (" ".join(WORDS[j] for j in torch.randint(len(WORDS), (1 + i % 4,), generator=g).tolist()) for _ in "ab")
+        a, b = (
+            " ".join(WORDS[j] for j in torch.randint(len(WORDS), (1 + i % 4,), generator=g).tolist())
+            for _ in "ab"
+        )
         if cats:
-            extra = 1 + int(torch.randint(2, (), generator=g)) + b.split().count("cat") - a.split().count("cat")
+            extra = (
+                1 + int(torch.randint(2, (), generator=g)) + b.split().count("cat") - a.split().count("cat")
+            )
             words = a.split()
             for _ in range(max(extra, 0)):
                 words.insert(int(torch.randint(len(words) + 1, (), generator=g)), "cat")
@@ -68,16 +73,23 @@ def problem(tmp_path_factory):
     root = tmp_path_factory.mktemp("refresh")
     paths = write_online_problem(root)
     tokenizer = load_tokenizer(str(paths["policy"]))
-    return SimpleNamespace(paths=paths, tokenizer=tokenizer,
-                           policy=load_causal_lm(str(paths["policy"]), tokenizer=tokenizer).eval())
+    return SimpleNamespace(
+        paths=paths,
+        tokenizer=tokenizer,
+        policy=load_causal_lm(str(paths["policy"]), tokenizer=tokenizer).eval(),
+    )
 
 
 def reward_model(problem, seed: int | None = None):
     """The problem's frozen reward model; with ``seed``, a fresh head and body of the same shape (seed 0 is the
     problem's own)."""
     if seed:
-        model = tiny_llama("scalar", seed=1 + 1000 * seed, vocab_size=len(problem.tokenizer),
-                           pad_token_id=problem.tokenizer.pad_token_id)
+        model = tiny_llama(
+            "scalar",
+            seed=1 + 1000 * seed,
+            vocab_size=len(problem.tokenizer),
+            pad_token_id=problem.tokenizer.pad_token_id,
+        )
     else:
         model = load_scalar_model(str(problem.paths["reward"]), tokenizer=problem.tokenizer)
     return model.eval().requires_grad_(False)
@@ -129,18 +141,24 @@ def test_a_labelling_function_that_does_not_return_a_bool_is_a_user_error(proble
 
 def test_batches_mix_collected_and_initial_pairs_as_configured(problem):
     config = RefreshConfig(batch_size=8, fresh_fraction=0.25)
-    refresh = RewardRefresh(problem.tokenizer, PROMPTS, label_fn=more_cats, initial_pairs=records(10), config=config)
+    refresh = RewardRefresh(
+        problem.tokenizer, PROMPTS, label_fn=more_cats, initial_pairs=records(10), config=config
+    )
     assert all(any(ex is i for i in refresh.initial) for ex in refresh.batch(1, 0))  # nothing collected yet
     refresh.load_state_dict({"pairs": records(6, seed=1), "calls": [1], "anchor_size": None})
     fresh_ids = {id(ex) for ex in refresh._collected_examples}
     for step, k in ((2, 0), (2, 1), (5, 3)):
         batch = refresh.batch(step, k)
         assert len(batch) == 8 and sum(id(ex) in fresh_ids for ex in batch) == 2  # round(8 * 0.25)
-        assert [id(ex) for ex in refresh.batch(step, k)] == [id(ex) for ex in batch]  # a function of (seed, step, k)
+        assert [id(ex) for ex in refresh.batch(step, k)] == [
+            id(ex) for ex in batch
+        ]  # a function of (seed, step, k)
     assert [id(ex) for ex in refresh.batch(2, 0)] != [id(ex) for ex in refresh.batch(2, 1)]
     alone = RewardRefresh(problem.tokenizer, PROMPTS, label_fn=more_cats, config=config)
     alone.load_state_dict({"pairs": records(6, seed=1), "calls": [1], "anchor_size": None})
-    assert all(any(ex is c for c in alone._collected_examples) for ex in alone.batch(2, 0))  # no initial pairs
+    assert all(
+        any(ex is c for c in alone._collected_examples) for ex in alone.batch(2, 0)
+    )  # no initial pairs
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -162,13 +180,16 @@ def test_one_step_follows_the_gradient_of_the_mean_bradley_terry_loss(problem, m
     monkeypatch.setattr(refresh_module, "build_optimizer", sgd)
     config = RefreshConfig(steps=1, batch_size=6, learning_rate=0.5, max_grad_norm=None, fresh_fraction=0.5)
     initial, collected = records(12), records(5, seed=3)
-    refresh = RewardRefresh(problem.tokenizer, PROMPTS, label_fn=more_cats, initial_pairs=initial, config=config)
+    refresh = RewardRefresh(
+        problem.tokenizer, PROMPTS, label_fn=more_cats, initial_pairs=initial, config=config
+    )
     refresh.load_state_dict({"pairs": collected, "calls": [], "anchor_size": None})
     model = reward_model(problem)
     reference = copy.deepcopy(model).requires_grad_(True)
     pool = refresh.initial + refresh._collected_examples
-    records_of_batch = [(initial + collected)[next(i for i, ex in enumerate(pool) if ex is b)]
-                        for b in refresh.batch(7, 0)]
+    records_of_batch = [
+        (initial + collected)[next(i for i, ex in enumerate(pool) if ex is b)] for b in refresh.batch(7, 0)
+    ]
     assert 0 < sum(r in collected for r in records_of_batch) < 6  # both kinds in the batch
 
     metrics = refresh.train(model, step=7)
@@ -196,8 +217,13 @@ def test_normalisation_is_refitted_on_a_fixed_anchor(problem):
     config = RefreshConfig(pairs=8, steps=3, batch_size=4, learning_rate=1e-2, max_new_tokens=5)
     initial = records(9)
     for kind in ("initial", "first refresh"):
-        refresh = RewardRefresh(problem.tokenizer, PROMPTS, label_fn=more_cats, config=config,
-                                initial_pairs=initial if kind == "initial" else ())
+        refresh = RewardRefresh(
+            problem.tokenizer,
+            PROMPTS,
+            label_fn=more_cats,
+            config=config,
+            initial_pairs=initial if kind == "initial" else (),
+        )
         model = reward_model(problem)
         before = [p.clone() for p in model.parameters()]
         refresh(problem.policy, model, 1)
@@ -216,7 +242,9 @@ def test_the_stale_models_accuracy_on_the_new_pairs_is_reported_with_gold(proble
     """A task labeller: the records carry gold scores, and accuracy before training is the model's agreement
     with the labels (and with gold, ties excluded) on exactly the new pairs."""
     config = RefreshConfig(pairs=8, steps=0, max_new_tokens=6, temperature=1.0)
-    refresh = RewardRefresh(problem.tokenizer, PROMPTS, task=CatTask(annotator_temperature=0.2), config=config)
+    refresh = RewardRefresh(
+        problem.tokenizer, PROMPTS, task=CatTask(annotator_temperature=0.2), config=config
+    )
     model = reward_model(problem)
     metrics = refresh(problem.policy, model, 3)
     new = refresh.collected
@@ -227,7 +255,10 @@ def test_the_stale_models_accuracy_on_the_new_pairs_is_reported_with_gold(proble
     assert metrics["refresh/accuracy_before"] == pytest.approx(float(right.mean()), abs=1e-6)
     untied = [i for i, r in enumerate(new) if r["gold_chosen"] != r["gold_rejected"]]
     if untied:
-        agree = [float((chosen[i] > rejected[i]) == (new[i]["gold_chosen"] > new[i]["gold_rejected"])) for i in untied]
+        agree = [
+            float((chosen[i] > rejected[i]) == (new[i]["gold_chosen"] > new[i]["gold_rejected"]))
+            for i in untied
+        ]
         assert metrics["refresh/gold_accuracy_before"] == pytest.approx(sum(agree) / len(agree), abs=1e-6)
     else:
         assert "refresh/gold_accuracy_before" not in metrics
@@ -252,8 +283,14 @@ def test_refreshes_teach_the_labellers_taste(problem, learning_seed, learning_fi
     and accuracy 0.85. Without the refresh's training the loss does not move; with the labels reversed it
     rises."""
     config = RefreshConfig(pairs=8, steps=25, batch_size=16, learning_rate=3e-3, max_new_tokens=6)
-    refresh = RewardRefresh(problem.tokenizer, PROMPTS, label_fn=more_cats, config=config, seed=learning_seed,
-                            initial_pairs=records(48, seed=5 + 1000 * learning_seed, cats=True))
+    refresh = RewardRefresh(
+        problem.tokenizer,
+        PROMPTS,
+        label_fn=more_cats,
+        config=config,
+        seed=learning_seed,
+        initial_pairs=records(48, seed=5 + 1000 * learning_seed, cats=True),
+    )
     model = reward_model(problem, seed=learning_seed)
     probe = records(64, seed=99 + 1000 * learning_seed, cats=True)
 
@@ -265,8 +302,13 @@ def test_refreshes_teach_the_labellers_taste(problem, learning_seed, learning_fi
     for step in (1, 2, 3):
         metrics = refresh(problem.policy, model, step)
     end = probe_figures()
-    learning_figures(loss_start=start[0], loss_end=end[0], loss_drop=start[0] - end[0],
-                     accuracy_start=start[1], accuracy_end=end[1])
+    learning_figures(
+        loss_start=start[0],
+        loss_end=end[0],
+        loss_drop=start[0] - end[0],
+        accuracy_start=start[1],
+        accuracy_end=end[1],
+    )
     assert math.isfinite(metrics["refresh/loss"]) and metrics["refresh/pairs"] == len(refresh.collected) > 0
     assert end[0] < start[0] - 0.25 and end[1] > 0.85, (start, end)
 
@@ -278,27 +320,47 @@ def test_refreshes_teach_the_labellers_taste(problem, learning_seed, learning_fi
 @pytest.mark.slow
 def test_refresh_in_ppo_resumes_bit_identically(problem, tmp_path):
     paths = problem.paths
-    args = (f"online.reward_model={paths['reward']}", "train.save_steps=2", "online.critic_learning_rate=3e-3",
-            "train.eval_steps=100")
+    args = (
+        f"online.reward_model={paths['reward']}",
+        "train.save_steps=2",
+        "online.critic_learning_rate=3e-3",
+        "train.eval_steps=100",
+    )
     config = RefreshConfig(pairs=4, steps=2, batch_size=4, learning_rate=1e-2, max_new_tokens=6)
 
     def hook():
-        return RewardRefresh(problem.tokenizer, PROMPTS, label_fn=more_cats, initial_pairs=records(8), config=config,
-                             seed=5, on_refresh=seen.append)
+        return RewardRefresh(
+            problem.tokenizer,
+            PROMPTS,
+            label_fn=more_cats,
+            initial_pairs=records(8),
+            config=config,
+            seed=5,
+            on_refresh=seen.append,
+        )
 
     seen = []
     full = hook()
-    online.train(online_config(paths, tmp_path / "full", "train.max_steps=4", *args),
-                 hooks=OnlineHooks(refresh_reward_model=full, refresh_steps=2))
+    online.train(
+        online_config(paths, tmp_path / "full", "train.max_steps=4", *args),
+        hooks=OnlineHooks(refresh_reward_model=full, refresh_steps=2),
+    )
     assert len(seen) == 2 and seen[0] is seen[1]  # the trainer's own reward model, refreshed in place
-    online.train(online_config(paths, tmp_path / "part", "train.max_steps=2", *args),
-                 hooks=OnlineHooks(refresh_reward_model=hook(), refresh_steps=2))
+    online.train(
+        online_config(paths, tmp_path / "part", "train.max_steps=2", *args),
+        hooks=OnlineHooks(refresh_reward_model=hook(), refresh_steps=2),
+    )
     resumed = hook()
-    online.train(online_config(paths, tmp_path / "part", "train.max_steps=4", *args), resume=True,
-                 hooks=OnlineHooks(refresh_reward_model=resumed, refresh_steps=2))
+    online.train(
+        online_config(paths, tmp_path / "part", "train.max_steps=4", *args),
+        resume=True,
+        hooks=OnlineHooks(refresh_reward_model=resumed, refresh_steps=2),
+    )
     assert resumed.state_dict() == full.state_dict() and full.calls == [2, 4]
     saved = json.loads((tmp_path / "full" / "checkpoints" / "step-2" / "trainer_state.json").read_text())
-    assert saved["reward_refresh"]["calls"] == [2] and 0 < len(saved["reward_refresh"]["pairs"]) < len(full.collected)
+    assert saved["reward_refresh"]["calls"] == [2] and 0 < len(saved["reward_refresh"]["pairs"]) < len(
+        full.collected
+    )
     for name in ("actor", "critic", "reward_model"):
         a = load_file(str(tmp_path / "full" / "checkpoints" / "step-4" / f"model.{name}.safetensors"))
         b = load_file(str(tmp_path / "part" / "checkpoints" / "step-4" / f"model.{name}.safetensors"))
@@ -307,7 +369,9 @@ def test_refresh_in_ppo_resumes_bit_identically(problem, tmp_path):
     assert not torch.equal(a["score.weight"], initial["score.weight"])  # the refresh trained it
     rows = {d: read_metrics(tmp_path / d / "metrics.jsonl") for d in ("full", "part")}
     keys = ("refresh/loss", "refresh/gain", "refresh/accuracy_before", "refresh/pairs", "score/mean")
-    assert [[r.get(k) for k in keys] for r in rows["full"]] == [[r.get(k) for k in keys] for r in rows["part"]]
+    assert [[r.get(k) for k in keys] for r in rows["full"]] == [
+        [r.get(k) for k in keys] for r in rows["part"]
+    ]
     assert [r.get("refresh/pairs") is not None for r in rows["full"]] == [False, True, False, True]
     # The trainer's reward model carries the last refit normalisation (the one PPO scores with).
     assert rows["full"][3]["refresh/gain"] == pytest.approx(seen[0].config.rlhfkit_reward_gain, rel=1e-12)

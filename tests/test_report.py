@@ -21,13 +21,32 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def online_rows(n=10, kl_speed=0.5, runaway=False):
     rows = []
     for s in range(1, n + 1):
-        row = {"step": s, "score/mean": 0.1 * s, "gold/mean": 0.03 * s, "kl/mean": kl_speed * s,
-               "entropy/mean": 1.0 - 0.01 * s, "response_length/mean": 20 + s, "loss/policy": -0.01 * s,
-               "loss/value": 1.0 / s, "clipfrac": 0.05, "approx_kl": 0.001, "ratio/mean": 1.0,
-               "value/explained_variance": 0.1 * s, "grad_norm/actor": 1.0, "learning_rate/actor": 1e-4}
+        row = {
+            "step": s,
+            "score/mean": 0.1 * s,
+            "gold/mean": 0.03 * s,
+            "kl/mean": kl_speed * s,
+            "entropy/mean": 1.0 - 0.01 * s,
+            "response_length/mean": 20 + s,
+            "loss/policy": -0.01 * s,
+            "loss/value": 1.0 / s,
+            "clipfrac": 0.05,
+            "approx_kl": 0.001,
+            "ratio/mean": 1.0,
+            "value/explained_variance": 0.1 * s,
+            "grad_norm/actor": 1.0,
+            "learning_rate/actor": 1e-4,
+        }
         if runaway:
-            row.update({"kl/mean": 0.1 * s ** 3, "entropy/mean": math.exp(-s / 3), "clipfrac": 0.03 * s,
-                        "response_length/mean": 10 + 3 * s, "gold/mean": 0.05 * s - 0.004 * s * s})
+            row.update(
+                {
+                    "kl/mean": 0.1 * s**3,
+                    "entropy/mean": math.exp(-s / 3),
+                    "clipfrac": 0.03 * s,
+                    "response_length/mean": 10 + 3 * s,
+                    "gold/mean": 0.05 * s - 0.004 * s * s,
+                }
+            )
         rows.append(row)
     return rows
 
@@ -35,8 +54,9 @@ def online_rows(n=10, kl_speed=0.5, runaway=False):
 def write_run(path, rows, summary=None, samples=None, config="kind: ppo\nonline:\n  kl_estimator: k1\n"):
     path.mkdir(parents=True)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (path / "summary.json").write_text(json.dumps(summary if summary is not None else
-                                                  {"ppo": {"gold_mean": 0.1, "kl_mean": 5.0}}))
+    (path / "summary.json").write_text(
+        json.dumps(summary if summary is not None else {"ppo": {"gold_mean": 0.1, "kl_mean": 5.0}})
+    )
     if config:
         (path / "config.yaml").write_text(config)
     if samples is not None:
@@ -44,13 +64,36 @@ def write_run(path, rows, summary=None, samples=None, config="kind: ppo\nonline:
     return rows
 
 
-SAMPLES = "".join(json.dumps(r) + "\n" for r in [
-    {"step": 1, "prompt": "p one", "response": "bell\x07 </script><b>x</b>", "score": 0.5, "gold": 0.1, "kl": 0.2,
-     "length": 7, "ended": True, "parts": {"rm": 0.4, "format": 0.1}},
-    {"step": 2, "prompt": [{"role": "user", "content": "hi"}], "response": "two", "score": 0.9, "kl": 0.1,
-     "length": 3, "ended": False, "score/format": -1.0},
-    {"step": 2, "response": "no prompt, no score"},
-]) + '{"step": 3, "prompt": "cut of'  # a partial last line, as a killed run leaves it
+SAMPLES = (
+    "".join(
+        json.dumps(r) + "\n"
+        for r in [
+            {
+                "step": 1,
+                "prompt": "p one",
+                "response": "bell\x07 </script><b>x</b>",
+                "score": 0.5,
+                "gold": 0.1,
+                "kl": 0.2,
+                "length": 7,
+                "ended": True,
+                "parts": {"rm": 0.4, "format": 0.1},
+            },
+            {
+                "step": 2,
+                "prompt": [{"role": "user", "content": "hi"}],
+                "response": "two",
+                "score": 0.9,
+                "kl": 0.1,
+                "length": 3,
+                "ended": False,
+                "score/format": -1.0,
+            },
+            {"step": 2, "response": "no prompt, no score"},
+        ]
+    )
+    + '{"step": 3, "prompt": "cut of'
+)  # a partial last line, as a killed run leaves it
 
 
 def test_report_writes_every_plot_markdown_and_a_self_contained_page(tmp_path, capsys):
@@ -58,9 +101,21 @@ def test_report_writes_every_plot_markdown_and_a_self_contained_page(tmp_path, c
     assert main(["report", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'run' / 'report.html'}"
     plots_written = sorted(p.name for p in (tmp_path / "run" / "report").iterdir())
-    assert plots_written == ["approx_kl.png", "clipfrac.png", "entropy.png", "explained_variance.png",
-                             "gold_vs_sqrt_kl.png", "grad_norm.png", "kl.png", "learning_rate.png", "policy_loss.png",
-                             "ratio.png", "response_length.png", "scores.png", "value_loss.png"]
+    assert plots_written == [
+        "approx_kl.png",
+        "clipfrac.png",
+        "entropy.png",
+        "explained_variance.png",
+        "gold_vs_sqrt_kl.png",
+        "grad_norm.png",
+        "kl.png",
+        "learning_rate.png",
+        "policy_loss.png",
+        "ratio.png",
+        "response_length.png",
+        "scores.png",
+        "value_loss.png",
+    ]
     for p in (tmp_path / "run" / "report").iterdir():
         assert p.read_bytes()[:8] == PNG
     md = (tmp_path / "run" / "report.md").read_text()
@@ -94,10 +149,18 @@ def test_plots_mark_short_series_and_use_integer_step_ticks(tmp_path, monkeypatc
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(Axes, "plot", spy)
-    plots.line_figure(plots.Figure("t", "y", "rollout", [plots.Line("few", [1, 2, 3], [1.0, 2.0, 0.5]),
-                                                          plots.Line("many", list(range(12)), [0.0] * 12)]))
+    plots.line_figure(
+        plots.Figure(
+            "t",
+            "y",
+            "rollout",
+            [plots.Line("few", [1, 2, 3], [1.0, 2.0, 0.5]), plots.Line("many", list(range(12)), [0.0] * 12)],
+        )
+    )
     assert [m for _, m in drawn] == ["o", None]
-    plots.line_figure(plots.Figure("t", "y", "rollout", [plots.Line("three steps", [1, 2, 3], [1.0, 2.0, 0.5])]))
+    plots.line_figure(
+        plots.Figure("t", "y", "rollout", [plots.Line("three steps", [1, 2, 3], [1.0, 2.0, 0.5])])
+    )
     ax = drawn[-1][0]
     ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
     assert ticks == [1.0, 2.0, 3.0]  # not 1.0, 1.25, 1.5, ...
@@ -107,14 +170,23 @@ def test_plots_mark_short_series_and_use_integer_step_ticks(tmp_path, monkeypatc
 def test_policy_and_value_loss_get_their_own_figure_and_offline_runs_their_unit(tmp_path):
     rows = write_run(tmp_path / "ppo", online_rows())
     run = load_run(tmp_path / "ppo")
-    assert run.step_label == "rollout" and run.series("loss/policy") == ([r["step"] for r in rows],
-                                                                        [r["loss/policy"] for r in rows])
-    write_run(tmp_path / "sft", [{"step": s, "loss": 2.0 / s, "learning_rate": 1e-3} for s in range(1, 4)],
-              summary={"kind": "sft"}, config=None)
+    assert run.step_label == "rollout" and run.series("loss/policy") == (
+        [r["step"] for r in rows],
+        [r["loss/policy"] for r in rows],
+    )
+    write_run(
+        tmp_path / "sft",
+        [{"step": s, "loss": 2.0 / s, "learning_rate": 1e-3} for s in range(1, 4)],
+        summary={"kind": "sft"},
+        config=None,
+    )
     sft = load_run(tmp_path / "sft")
     assert sft.kind == "sft" and sft.step_label == "optimizer step"
     write_report(tmp_path / "sft")
-    assert sorted(p.name for p in (tmp_path / "sft" / "report").iterdir()) == ["learning_rate.png", "losses.png"]
+    assert sorted(p.name for p in (tmp_path / "sft" / "report").iterdir()) == [
+        "learning_rate.png",
+        "losses.png",
+    ]
     assert "Warning signs" not in (tmp_path / "sft" / "report.html").read_text()  # PPO rules only
 
 
@@ -135,7 +207,9 @@ def test_gold_vs_kl_is_drawn_as_points_not_a_line_in_step_order(monkeypatch):
     calls = []
     monkeypatch.setattr(Axes, "plot", lambda self, *a, **k: calls.append("plot"))
     original = Axes.scatter
-    monkeypatch.setattr(Axes, "scatter", lambda self, *a, **k: calls.append("scatter") or original(self, *a, **k))
+    monkeypatch.setattr(
+        Axes, "scatter", lambda self, *a, **k: calls.append("scatter") or original(self, *a, **k)
+    )
     plots.scatter_figure("t", "x", "y", [plots.Points("gold", [0.0, 2.0, 1.0], [0.1, 0.3, 0.2], [1, 2, 3])])
     assert calls == ["scatter"]
 
@@ -147,9 +221,11 @@ def test_warning_rules_fire_on_a_run_away_run_and_stay_quiet_on_a_calm_one(tmp_p
     fired = {w.rule for w in health.check_health(load_run(tmp_path / "bad").series)}
     assert fired == {"kl_runaway", "entropy_collapse", "clipfrac_high", "length_blowup", "overoptimization"}
     assert calm and bad
+
     # Each rule at its threshold: just below does not fire, just above does.
     def series(values):
         return lambda key: (list(range(1, len(values) + 1)), values) if key == "clipfrac" else ([], [])
+
     assert health.check_health(series([0.19] * 9)) == []
     assert [w.rule for w in health.check_health(series([0.21] * 9))] == ["clipfrac_high"]
     gold = {"eval/gold/mean": [0.1, 0.4, 0.3, 0.2], "eval/score/mean": [0.0, 0.5, 0.8, 1.0]}
@@ -183,7 +259,14 @@ def test_sample_reader_is_tolerant_and_printable_escapes_control_characters(tmp_
     read = read_samples(tmp_path / "s.jsonl")
     assert len(read.samples) == 3 and read.skipped_lines == 2
     first = read.samples[0]
-    assert (first.step, first.score, first.gold, first.kl, first.length, first.ended) == (1, 0.5, 0.1, 0.2, 7, True)
+    assert (first.step, first.score, first.gold, first.kl, first.length, first.ended) == (
+        1,
+        0.5,
+        0.1,
+        0.2,
+        7,
+        True,
+    )
     assert first.parts == {"rm": 0.4, "format": 0.1}
     assert read_samples(tmp_path / "missing.jsonl").samples == []
     assert printable("a\x1b[31mb\tc\nd") == "a\\x1b[31mb\\tc\nd"
@@ -199,8 +282,11 @@ def test_two_runs_side_by_side(tmp_path, capsys):
     page = (tmp_path / "runs" / "compare.html").read_text()
     # one table: one column per run
     table = re.search(r'<table class="comparison">(.*?)</table>', page, re.S).group(1)
-    assert "<th>kl01</th><th>kl02</th>" in table and re.search(r"ppo: gold score</th><td class=num>0.1</td>"
-                                                              r"<td class=num>0.3</td>", table)
+    assert "<th>kl01</th><th>kl02</th>" in table and re.search(
+        r"ppo: gold score</th><td class=num>0.1</td>"
+        r"<td class=num>0.3</td>",
+        table,
+    )
     assert "shaded red" not in page  # overlaid curves carry no per-run marks
     assert 'id="sample-run"' in page and (tmp_path / "runs" / "kl02" / "report.html").is_file()
     runs = [tmp_path / "runs" / "kl01", tmp_path / "b" / "kl02"]

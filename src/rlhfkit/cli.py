@@ -90,90 +90,155 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="rlhfkit", description="Classic RLHF on Hugging Face language models: SFT, reward models, PPO "
-                                    "(and GRPO / RLOO / REINFORCE++).")
+        prog="rlhfkit",
+        description="Classic RLHF on Hugging Face language models: SFT, reward models, PPO "
+        "(and GRPO / RLOO / REINFORCE++).",
+    )
     parser.add_argument("--version", action="version", version=f"rlhfkit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = commands.add_parser(
-        "train", help="train one model from a YAML configuration",
+        "train",
+        help="train one model from a YAML configuration",
         description="Train one model. Every configuration key can be set in the YAML file or overridden "
-                    "here as dotted.key=value (parsed as YAML: 1e-5, true, null, [a, b]).",
-        epilog="configuration keys:\n" + config_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.add_argument("kind", choices=KINDS, help="sft, reward (Bradley-Terry), prm (process reward), ppo, "
-                                                   "grpo, rloo")
+        "here as dotted.key=value (parsed as YAML: 1e-5, true, null, [a, b]).",
+        epilog="configuration keys:\n" + config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument(
+        "kind", choices=KINDS, help="sft, reward (Bradley-Terry), prm (process reward), ppo, grpo, rloo"
+    )
     train.add_argument("--config", required=True, metavar="FILE", help="the run's YAML configuration")
     folder = train.add_mutually_exclusive_group()
-    folder.add_argument("--resume", action="store_true",
-                        help="continue the run in output_dir from its newest complete checkpoint")
+    folder.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in output_dir from its newest complete checkpoint",
+    )
     folder.add_argument("--overwrite", action="store_true", help="delete output_dir's run and start again")
     train.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="configuration overrides")
     train.set_defaults(run=_train)
 
     quick = commands.add_parser(
-        "quickstart", help="the whole pipeline on the built-in task",
+        "quickstart",
+        help="the whole pipeline on the built-in task",
         description="SFT -> preference labelling -> reward model -> PPO -> evaluation on the built-in "
-                    "offline task; writes summary.json and a report.")
-    quick.add_argument("--out", default="runs/quickstart", metavar="DIR", help="output folder (default: %(default)s)")
-    quick.add_argument("--preset", choices=("tiny", "small", "smoke"), default="tiny",
-                       help="model and run sizes: tiny (minutes on a laptop CPU), small (a GPU, or patience), "
-                            "smoke (every stage, seconds each: for tests)")
+        "offline task; writes summary.json and a report.",
+    )
+    quick.add_argument(
+        "--out", default="runs/quickstart", metavar="DIR", help="output folder (default: %(default)s)"
+    )
+    quick.add_argument(
+        "--preset",
+        choices=("tiny", "small", "smoke"),
+        default="tiny",
+        help="model and run sizes: tiny (minutes on a laptop CPU), small (a GPU, or patience), "
+        "smoke (every stage, seconds each: for tests)",
+    )
     quick.add_argument("--seed", type=int, default=0, help="seeds the task, every model and every sample")
     quick.add_argument("--overwrite", action="store_true", help="delete DIR's previous quickstart first")
-    quick.add_argument("--refresh-steps", type=int, default=0, metavar="K",
-                       help="refresh the reward model every K PPO rollouts on new pairs from the current policy, "
-                            "labelled by the task's annotators (default: 0, never)")
+    quick.add_argument(
+        "--refresh-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="refresh the reward model every K PPO rollouts on new pairs from the current policy, "
+        "labelled by the task's annotators (default: 0, never)",
+    )
     quick.set_defaults(run=_quickstart)
 
-    gen = commands.add_parser("generate", help="sample responses from a trained policy",
-                              description="Sample one response per prompt and write JSON Lines.")
+    gen = commands.add_parser(
+        "generate",
+        help="sample responses from a trained policy",
+        description="Sample one response per prompt and write JSON Lines.",
+    )
     gen.add_argument("--model", required=True, metavar="DIR", help="a policy folder (e.g. <run>/final)")
-    gen.add_argument("--prompts", required=True, metavar="FILE", help="prompts file ({\"prompt\": ...} rows)")
+    gen.add_argument("--prompts", required=True, metavar="FILE", help='prompts file ({"prompt": ...} rows)')
     how = gen.add_mutually_exclusive_group()
     how.add_argument("--greedy", action="store_true", help="take the most likely token")
-    how.add_argument("--temperature", type=float, metavar="T",
-                     help=f"sampling temperature (default: {DEFAULT_TEMPERATURE})")
+    how.add_argument(
+        "--temperature",
+        type=float,
+        metavar="T",
+        help=f"sampling temperature (default: {DEFAULT_TEMPERATURE})",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: %(default)s")
     gen.add_argument("--seed", type=int, default=0, help="default: %(default)s")
-    gen.add_argument("--out", metavar="FILE", help="write {prompt, response} JSON Lines here (default: stdout)")
-    gen.add_argument("--reward-model", metavar="DIR",
-                     help="add each response's score from this reward model (a `train reward` run's final/)")
+    gen.add_argument(
+        "--out", metavar="FILE", help="write {prompt, response} JSON Lines here (default: stdout)"
+    )
+    gen.add_argument(
+        "--reward-model",
+        metavar="DIR",
+        help="add each response's score from this reward model (a `train reward` run's final/)",
+    )
     gen.set_defaults(run=_generate)
 
     lab = commands.add_parser(
-        "label-pairs", help="sample response pairs from a policy and label them with a built-in task's annotators",
+        "label-pairs",
+        help="sample response pairs from a policy and label them with a built-in task's annotators",
         description="Sample two responses per prompt from a policy (an SFT run's final/) on a built-in task's "
-                    "train and held-out prompts, label each pair with the task's simulated annotators "
-                    "(Bradley-Terry noise on the gold score), and write pairs_train.jsonl, pairs_eval.jsonl "
-                    "(with gold scores for evaluation) and labels.json (counts, Bayes ceiling) into --out.")
-    lab.add_argument("--policy", required=True, metavar="DIR", help="the policy folder that samples the responses")
+        "train and held-out prompts, label each pair with the task's simulated annotators "
+        "(Bradley-Terry noise on the gold score), and write pairs_train.jsonl, pairs_eval.jsonl "
+        "(with gold scores for evaluation) and labels.json (counts, Bayes ceiling) into --out.",
+    )
+    lab.add_argument(
+        "--policy", required=True, metavar="DIR", help="the policy folder that samples the responses"
+    )
     lab.add_argument("--out", required=True, metavar="DIR", help="output folder")
     lab.add_argument("--task", default="reviews", help="built-in task (default: %(default)s)")
-    lab.add_argument("--task-seed", type=int, default=0, metavar="S",
-                     help="the task's seed, i.e. its prompt split: the one the SFT data used (default: %(default)s)")
-    lab.add_argument("--pairs", type=int, default=2000, metavar="N", help="training pairs (default: %(default)s)")
-    lab.add_argument("--eval-pairs", type=int, default=500, metavar="N",
-                     help="held-out pairs (default: %(default)s)")
+    lab.add_argument(
+        "--task-seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="the task's seed, i.e. its prompt split: the one the SFT data used (default: %(default)s)",
+    )
+    lab.add_argument(
+        "--pairs", type=int, default=2000, metavar="N", help="training pairs (default: %(default)s)"
+    )
+    lab.add_argument(
+        "--eval-pairs", type=int, default=500, metavar="N", help="held-out pairs (default: %(default)s)"
+    )
     lab.add_argument("--seed", type=int, default=0, help="sampling and annotator seed (default: %(default)s)")
-    lab.add_argument("--temperature", type=float, default=1.0, metavar="T",
-                     help="sampling temperature (default: %(default)s)")
-    lab.add_argument("--annotator-temperature", type=float, metavar="T",
-                     help="the annotators' Bradley-Terry temperature (default: the task's)")
+    lab.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        metavar="T",
+        help="sampling temperature (default: %(default)s)",
+    )
+    lab.add_argument(
+        "--annotator-temperature",
+        type=float,
+        metavar="T",
+        help="the annotators' Bradley-Terry temperature (default: the task's)",
+    )
     lab.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: %(default)s")
-    lab.add_argument("--batch-size", type=int, default=512, metavar="N",
-                     help="responses per generate call (default: %(default)s)")
+    lab.add_argument(
+        "--batch-size",
+        type=int,
+        default=512,
+        metavar="N",
+        help="responses per generate call (default: %(default)s)",
+    )
     lab.add_argument("--overwrite", action="store_true", help="replace the files already in --out")
     lab.set_defaults(run=_label_pairs)
 
     rep = commands.add_parser(
-        "report", help="a run's report page (report.html) and plots; several runs side by side",
+        "report",
+        help="a run's report page (report.html) and plots; several runs side by side",
         description="Write report.html (one self-contained page: summary, PPO health with warning signs, "
-                    "reward-model calibration, a sample browser), report.md and report/*.png into each RUN_DIR. "
-                    "With several run folders, also one page with their curves overlaid and their summaries in "
-                    "one table.")
+        "reward-model calibration, a sample browser), report.md and report/*.png into each RUN_DIR. "
+        "With several run folders, also one page with their curves overlaid and their summaries in "
+        "one table.",
+    )
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    rep.add_argument("--out", metavar="FILE",
-                     help="the side-by-side page of several runs (default: compare.html in their parent folder)")
+    rep.add_argument(
+        "--out",
+        metavar="FILE",
+        help="the side-by-side page of several runs (default: compare.html in their parent folder)",
+    )
     rep.set_defaults(run=_report)
     return parser
 
@@ -185,7 +250,9 @@ def _train(args: argparse.Namespace) -> int:
     from rlhfkit.engine.run import prepare_output_dir  # imports torch
 
     train = resolve(TARGETS[args.kind])
-    if launch_rank() == 0:  # one process checks (and with --overwrite empties) the folder; the others wait for it
+    if (
+        launch_rank() == 0
+    ):  # one process checks (and with --overwrite empties) the folder; the others wait for it
         prepare_output_dir(cfg.output_dir, resume=args.resume, overwrite=args.overwrite)
     train(cfg, resume=args.resume)
     return 0
@@ -201,7 +268,9 @@ def _quickstart(args: argparse.Namespace) -> int:
         missing = [stage for stage, module in QUICKSTART_STAGES.items() if not _module_exists(module)]
         raise NotBuiltError(f"{e}; stages still missing: {', '.join(missing) or 'none'}") from None
     if args.refresh_steps < 0:
-        raise UserError(f"--refresh-steps must be 0 (off) or a positive number of rollouts, got {args.refresh_steps}")
+        raise UserError(
+            f"--refresh-steps must be 0 (off) or a positive number of rollouts, got {args.refresh_steps}"
+        )
     prepare_output_dir(args.out, overwrite=args.overwrite)
     quickstart(args.out, args.preset, args.overwrite, seed=args.seed, refresh_steps=args.refresh_steps)
     return 0
@@ -210,7 +279,9 @@ def _quickstart(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     if not Path(args.prompts).is_file():
         raise UserError(f"prompts file not found: {args.prompts}")
-    temperature = 0.0 if args.greedy else DEFAULT_TEMPERATURE if args.temperature is None else args.temperature
+    temperature = (
+        0.0 if args.greedy else DEFAULT_TEMPERATURE if args.temperature is None else args.temperature
+    )
     if temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {temperature}")
     if args.max_new_tokens < 1:
@@ -220,29 +291,51 @@ def _generate(args: argparse.Namespace) -> int:
     _set_threads()
     generate = resolve(TARGETS["generate"])
     # temperature 0 means greedy decoding.
-    generate(args.model, args.prompts, out=args.out, temperature=temperature,
-             max_new_tokens=args.max_new_tokens, seed=args.seed, reward_model=args.reward_model)
+    generate(
+        args.model,
+        args.prompts,
+        out=args.out,
+        temperature=temperature,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        reward_model=args.reward_model,
+    )
     return 0
 
 
 def _label_pairs(args: argparse.Namespace) -> int:
-    for flag, value, least in (("--pairs", args.pairs, 1), ("--eval-pairs", args.eval_pairs, 0),
-                               ("--max-new-tokens", args.max_new_tokens, 1), ("--batch-size", args.batch_size, 2)):
+    for flag, value, least in (
+        ("--pairs", args.pairs, 1),
+        ("--eval-pairs", args.eval_pairs, 0),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--batch-size", args.batch_size, 2),
+    ):
         if value < least:
             raise UserError(f"{flag} must be >= {least}, got {value}")
     if not Path(args.policy).is_dir():
         raise UserError(f"policy folder not found: {args.policy}")
     _set_threads()
     summary = resolve(TARGETS["label-pairs"])(
-        args.policy, args.out, task=args.task, task_seed=args.task_seed, num_pairs=args.pairs,
-        num_eval_pairs=args.eval_pairs, seed=args.seed, temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-        annotator_temperature=args.annotator_temperature, overwrite=args.overwrite)
+        args.policy,
+        args.out,
+        task=args.task,
+        task_seed=args.task_seed,
+        num_pairs=args.pairs,
+        num_eval_pairs=args.eval_pairs,
+        seed=args.seed,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        annotator_temperature=args.annotator_temperature,
+        overwrite=args.overwrite,
+    )
     train, held = summary["train"], summary["eval"]
     ceiling = held["bayes_ceiling"] if held["bayes_ceiling"] is not None else train["bayes_ceiling"]
-    print(f"{train['pairs']} training pairs -> {train['file']}; {held['pairs']} held-out pairs -> {held['file']}; "
-          f"annotators' Bayes ceiling {'n/a' if ceiling is None else f'{ceiling:.3f}'}; "
-          f"{summary['seconds']['total']:.1f} s")
+    print(
+        f"{train['pairs']} training pairs -> {train['file']}; {held['pairs']} held-out pairs -> {held['file']}; "
+        f"annotators' Bayes ceiling {'n/a' if ceiling is None else f'{ceiling:.3f}'}; "
+        f"{summary['seconds']['total']:.1f} s"
+    )
     return 0
 
 
@@ -251,7 +344,9 @@ def _report(args: argparse.Namespace) -> int:
         if not Path(run_dir).is_dir():
             raise UserError(f"run folder not found: {run_dir}")
     if args.out is not None and len(args.run_dirs) == 1:
-        raise UserError("--out names the side-by-side page of several runs; one run's page is RUN_DIR/report.html")
+        raise UserError(
+            "--out names the side-by-side page of several runs; one run's page is RUN_DIR/report.html"
+        )
     _set_threads()
     for path in resolve(TARGETS["report"])(args.run_dirs, args.out):
         print(f"wrote {path}")

@@ -33,8 +33,15 @@ KINDS: tuple[str, ...] = get_args(Kind)
 ONLINE_KINDS = ("ppo", "grpo", "rloo")
 
 
-def option(default: Any, help: str, *, gt: float | None = None, ge: float | None = None,
-           lt: float | None = None, le: float | None = None) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+) -> Any:
     """A dataclass field with its help text and optional numeric bounds (checked by :func:`load_config`).
 
     A list default, or a section's dataclass, becomes a ``default_factory`` so instances never share it.
@@ -52,41 +59,66 @@ class ModelConfig:
     """The model being trained."""
 
     name_or_path: str = option(
-        "", "The policy (sft/ppo/grpo/rloo) or backbone (reward/prm): a local folder or a hub id. Required.")
+        "", "The policy (sft/ppo/grpo/rloo) or backbone (reward/prm): a local folder or a hub id. Required."
+    )
     trust_remote_code: bool = option(
-        False, "Run code shipped with a hub model. Off unless you trust its author.")
+        False, "Run code shipped with a hub model. Off unless you trust its author."
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = option(
-        "auto", "Compute precision; auto = float32 on CPU, bfloat16 on a GPU that supports it. Trained roles "
-                "(policy, critic, SFT and reward models) always keep float32 weights and optimizer state; bfloat16 "
-                "runs their forwards under autocast and gives only the frozen roles (PPO reference and reward "
-                "model) bfloat16 weights. On a CPU without bf16 instructions bfloat16 is much slower.")
+        "auto",
+        "Compute precision; auto = float32 on CPU, bfloat16 on a GPU that supports it. Trained roles "
+        "(policy, critic, SFT and reward models) always keep float32 weights and optimizer state; bfloat16 "
+        "runs their forwards under autocast and gives only the frozen roles (PPO reference and reward "
+        "model) bfloat16 weights. On a CPU without bf16 instructions bfloat16 is much slower.",
+    )
     save_dtype: Literal["float32", "bfloat16"] = option(
-        "float32", "Dtype of the weights written to final/ (the trained weights are float32; bfloat16 halves the "
-                   "files).")
+        "float32",
+        "Dtype of the weights written to final/ (the trained weights are float32; bfloat16 halves the "
+        "files).",
+    )
     missing_pad: Literal["add", "eos"] = option(
-        "add", "A tokenizer without a pad token: add a distinct <|pad|> token (every role that gets the new "
-               "embedding row gets the same one: the mean of the existing rows), or pad with EOS. The pad token "
-               "is never sampled and never scored.")
+        "add",
+        "A tokenizer without a pad token: add a distinct <|pad|> token (every role that gets the new "
+        "embedding row gets the same one: the mean of the existing rows), or pad with EOS. The pad token "
+        "is never sampled and never scored.",
+    )
     router_aux_loss_coef: float | None = option(
-        None, "Weight of a mixture-of-experts router's load-balancing loss in SFT and the online update; none = "
-              "the model config's own router_aux_loss_coef (0 for a dense model).", ge=0)
+        None,
+        "Weight of a mixture-of-experts router's load-balancing loss in SFT and the online update; none = "
+        "the model config's own router_aux_loss_coef (0 for a dense model).",
+        ge=0,
+    )
     disable_dropout: bool = option(
-        True, "Set every dropout probability to 0, so that the PPO ratio is exactly 1 before the first "
-              "update (Huang et al. 2024; huggingface/trl#454).")
+        True,
+        "Set every dropout probability to 0, so that the PPO ratio is exactly 1 before the first "
+        "update (Huang et al. 2024; huggingface/trl#454).",
+    )
     lora_rank: int = option(
-        0, "LoRA rank r (Hu et al. 2021, through peft); 0 = full fine-tuning. With LoRA only the adapters (and "
-           "a scalar model's head) train; the PPO reference is the policy with its adapter disabled.", ge=0)
-    lora_alpha: float = option(16.0, "LoRA scaling numerator: the update B A is scaled by lora_alpha / lora_rank.",
-                               gt=0)
+        0,
+        "LoRA rank r (Hu et al. 2021, through peft); 0 = full fine-tuning. With LoRA only the adapters (and "
+        "a scalar model's head) train; the PPO reference is the policy with its adapter disabled.",
+        ge=0,
+    )
+    lora_alpha: float = option(
+        16.0, "LoRA scaling numerator: the update B A is scaled by lora_alpha / lora_rank.", gt=0
+    )
     lora_dropout: float = option(
-        0.0, "Dropout on the LoRA branch's input (ppo/grpo/rloo need 0 while model.disable_dropout is true, so "
-             "that the ratio is 1 before the first update).", ge=0, lt=1)
+        0.0,
+        "Dropout on the LoRA branch's input (ppo/grpo/rloo need 0 while model.disable_dropout is true, so "
+        "that the ratio is 1 before the first update).",
+        ge=0,
+        lt=1,
+    )
     lora_target_modules: str = option(
-        "all-linear", "The modules that get an adapter: all-linear (every linear layer of the transformer blocks, "
-                      "not the output head) or comma-separated module names, e.g. q_proj,v_proj.")
+        "all-linear",
+        "The modules that get an adapter: all-linear (every linear layer of the transformer blocks, "
+        "not the output head) or comma-separated module names, e.g. q_proj,v_proj.",
+    )
     gradient_checkpointing: bool = option(
-        False, "Recompute each block's activations in the backward pass instead of storing them (trained roles: "
-               "the SFT / reward model, the actor and the critic): less memory, about one more forward of time.")
+        False,
+        "Recompute each block's activations in the backward pass instead of storing them (trained roles: "
+        "the SFT / reward model, the actor and the critic): less memory, about one more forward of time.",
+    )
 
 
 @dataclass
@@ -94,28 +126,40 @@ class DataConfig:
     """Training and evaluation data (formats: DESIGN.md, 'Data formats')."""
 
     train_file: str = option(
-        "", "Training data: a .jsonl/.json/.parquet file, a datasets folder or a hub name. For ppo/grpo/rloo, "
-            "the prompts. Required.")
+        "",
+        "Training data: a .jsonl/.json/.parquet file, a datasets folder or a hub name. For ppo/grpo/rloo, "
+        "the prompts. Required.",
+    )
     eval_file: str | None = option(None, "Evaluation data in the same format; none = no evaluation.")
     max_prompt_length: int = option(256, "Longest prompt, in tokens.", gt=0)
     max_length: int = option(512, "Longest prompt + response, in tokens (sft/reward/prm).", gt=0)
     truncation: Literal["error", "left", "right"] = option(
-        "error", "A prompt longer than max_prompt_length: stop with an error naming the row, or drop tokens "
-                 "from its left (keeps the end of the prompt) or right.")
+        "error",
+        "A prompt longer than max_prompt_length: stop with an error naming the row, or drop tokens "
+        "from its left (keeps the end of the prompt) or right.",
+    )
     shuffle: bool = option(True, "Shuffle the training data every epoch (seeded by the run's seed).")
     columns: dict[str, str] = option(
-        {}, "Your dataset's column for each standard name (prompt, chosen, rejected, completion, messages, text, "
-            "steps, labels), e.g. {prompt: question, chosen: good}; applies to train and eval data.")
+        {},
+        "Your dataset's column for each standard name (prompt, chosen, rejected, completion, messages, text, "
+        "steps, labels), e.g. {prompt: question, chosen: good}; applies to train and eval data.",
+    )
     train_split: str = option("train", "The split of a DatasetDict folder or hub dataset to train on.")
     eval_split: str | None = option(
-        None, "The split to evaluate on: of data.eval_file, or, with eval_file unset, of the training dataset; "
-              "none = eval_file's only split (an error names them when it has several).")
+        None,
+        "The split to evaluate on: of data.eval_file, or, with eval_file unset, of the training dataset; "
+        "none = eval_file's only split (an error names them when it has several).",
+    )
     num_proc: int | None = option(
-        None, "Worker processes that tokenise the data (datasets.map); the tokens are cached on disk either way.",
-        gt=0)
+        None,
+        "Worker processes that tokenise the data (datasets.map); the tokens are cached on disk either way.",
+        gt=0,
+    )
     chat_template: str | None = option(
-        None, "A Jinja chat template, or the path of a file holding one, that replaces the tokenizer's (used for "
-              "conversational data and saved with final/); none = the tokenizer's own.")
+        None,
+        "A Jinja chat template, or the path of a file holding one, that replaces the tokenizer's (used for "
+        "conversational data and saved with final/); none = the tokenizer's own.",
+    )
 
 
 @dataclass
@@ -123,30 +167,45 @@ class TrainConfig:
     """The optimisation loop shared by every trainer."""
 
     max_steps: int = option(
-        200, "Optimizer steps (sft/reward/prm); rollouts, i.e. PPO iterations (ppo/grpo/rloo).", gt=0)
+        200, "Optimizer steps (sft/reward/prm); rollouts, i.e. PPO iterations (ppo/grpo/rloo).", gt=0
+    )
     batch_size: int = option(
-        32, "Sequences or pairs per optimizer step, all processes together; online: prompts per rollout "
-            "(responses = batch_size * online.group_size).", gt=0)
+        32,
+        "Sequences or pairs per optimizer step, all processes together; online: prompts per rollout "
+        "(responses = batch_size * online.group_size).",
+        gt=0,
+    )
     micro_batch_size: int | None = option(
-        None, "Sequences per forward/backward pass per process; batch_size / (micro_batch_size * processes) "
-              "is the number of gradient-accumulation steps. None = batch_size / processes.", gt=0)
+        None,
+        "Sequences per forward/backward pass per process; batch_size / (micro_batch_size * processes) "
+        "is the number of gradient-accumulation steps. None = batch_size / processes.",
+        gt=0,
+    )
     learning_rate: float = option(
-        1.0e-5, "Peak learning rate (AdamW); 0 runs every stage without changing a weight (a check that the PPO "
-                "ratio is exactly 1).", ge=0)
+        1.0e-5,
+        "Peak learning rate (AdamW); 0 runs every stage without changing a weight (a check that the PPO "
+        "ratio is exactly 1).",
+        ge=0,
+    )
     weight_decay: float = option(0.0, "AdamW decoupled weight decay.", ge=0)
     adam_beta1: float = option(0.9, "AdamW beta1.", ge=0, lt=1)
     adam_beta2: float = option(0.999, "AdamW beta2.", ge=0, lt=1)
     adam_eps: float = option(1.0e-8, "AdamW epsilon.", gt=0)
     warmup_steps: int = option(0, "Linear warm-up from 0 to learning_rate over this many steps.", ge=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = option(
-        "linear", "Decay after warm-up, to 0 at max_steps (linear annealing as in Ziegler et al. 2019's "
-                  "lm-human-preferences).")
-    max_grad_norm: float | None = option(1.0, "Clip the global gradient norm to this; none = no clipping.", gt=0)
+        "linear",
+        "Decay after warm-up, to 0 at max_steps (linear annealing as in Ziegler et al. 2019's "
+        "lm-human-preferences).",
+    )
+    max_grad_norm: float | None = option(
+        1.0, "Clip the global gradient norm to this; none = no clipping.", gt=0
+    )
     save_steps: int = option(50, "Save a checkpoint every N steps, and at the end.", gt=0)
     eval_steps: int = option(50, "Evaluate every N steps (when data.eval_file is set), and at the end.", gt=0)
     log_steps: int = option(1, "Write a line to metrics.jsonl every N steps.", gt=0)
     keep_last_checkpoints: int | None = option(
-        None, "Keep only the newest N complete checkpoints; none = keep all.", gt=0)
+        None, "Keep only the newest N complete checkpoints; none = keep all.", gt=0
+    )
 
 
 @dataclass
@@ -155,42 +214,66 @@ class OnlineConfig:
 
     reward_model: str | None = option(None, "Frozen reward model folder (from `rlhfkit train reward`).")
     reward_functions: list[str] = option(
-        [], "Reward functions 'pkg.module:fn' or 'path/to/file.py:fn', added to the reward model's score.")
+        [], "Reward functions 'pkg.module:fn' or 'path/to/file.py:fn', added to the reward model's score."
+    )
     critic_model: str | None = option(
-        None, "Initial critic (value model) for gae; none = the reward model, else the policy "
-              "(Huang et al. 2024: critic initialised from the reward model).")
+        None,
+        "Initial critic (value model) for gae; none = the reward model, else the policy "
+        "(Huang et al. 2024: critic initialised from the reward model).",
+    )
     response_length: int = option(64, "Most tokens generated per response.", gt=0)
     temperature: float = option(
-        0.7, "Sampling temperature; log-probs are computed at the same temperature (Huang et al. 2024).", gt=0)
+        0.7, "Sampling temperature; log-probs are computed at the same temperature (Huang et al. 2024).", gt=0
+    )
     top_p: float = option(1.0, "Nucleus sampling threshold; 1 = off.", gt=0, le=1)
     top_k: int = option(0, "Sample from the k most likely tokens; 0 = off.", ge=0)
-    stop_token: str | None = option(None, "Text of the token that ends a response; none = the tokenizer's EOS.")
+    stop_token: str | None = option(
+        None, "Text of the token that ends a response; none = the tokenizer's EOS."
+    )
     missing_eos: Literal["penalty", "mask", "none"] = option(
-        "penalty", "A response that hits response_length without the stop token: its score is replaced by "
-                   "missing_eos_score (penalty), it is left out of the loss (mask), or it is scored as is.")
+        "penalty",
+        "A response that hits response_length without the stop token: its score is replaced by "
+        "missing_eos_score (penalty), it is left out of the loss (mask), or it is scored as is.",
+    )
     missing_eos_score: float = option(
-        -1.0, "The score given to a response without the stop token under missing_eos=penalty "
-              "(the 'EOS trick', Huang et al. 2024).")
+        -1.0,
+        "The score given to a response without the stop token under missing_eos=penalty "
+        "(the 'EOS trick', Huang et al. 2024).",
+    )
     kl_coef: float = option(0.05, "Initial coefficient of the per-token KL penalty in the reward.", ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = option(
-        "k1", "Per-token KL estimator (Schulman, 'Approximating KL divergence'), used in the reward and logged.")
+        "k1",
+        "Per-token KL estimator (Schulman, 'Approximating KL divergence'), used in the reward and logged.",
+    )
     kl_target: float | None = option(
-        None, "Adaptive KL controller target, nats per response (Ziegler et al. 2019); none = fixed kl_coef.",
-        gt=0)
-    kl_horizon: int = option(10000, "Adaptive KL controller horizon, in responses (Ziegler et al. 2019).", gt=0)
+        None,
+        "Adaptive KL controller target, nats per response (Ziegler et al. 2019); none = fixed kl_coef.",
+        gt=0,
+    )
+    kl_horizon: int = option(
+        10000, "Adaptive KL controller horizon, in responses (Ziegler et al. 2019).", gt=0
+    )
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = option(
-        "gae", "Advantage estimator: gae (PPO with a critic) or a critic-free one. Set by the command for "
-               "`train grpo` / `train rloo`.")
+        "gae",
+        "Advantage estimator: gae (PPO with a critic) or a critic-free one. Set by the command for "
+        "`train grpo` / `train rloo`.",
+    )
     group_size: int = option(1, "Responses per prompt (critic-free grpo / rloo need at least 2).", gt=0)
     norm_by_std: bool = option(
-        True, "grpo: divide group-centred scores by the group's std (Shao et al. 2024); false = Dr. GRPO "
-              "(Liu et al. 2025).")
-    advantage_eps: float = option(1.0e-6, "Added to standard deviations before dividing (grpo, whitening).", gt=0)
+        True,
+        "grpo: divide group-centred scores by the group's std (Shao et al. 2024); false = Dr. GRPO "
+        "(Liu et al. 2025).",
+    )
+    advantage_eps: float = option(
+        1.0e-6, "Added to standard deviations before dividing (grpo, whitening).", gt=0
+    )
     gamma: float = option(1.0, "Discount factor.", ge=0, le=1)
     lam: float = option(0.95, "GAE lambda (Schulman et al. 2016).", ge=0, le=1)
     whiten_advantages: bool = option(
-        True, "gae and reinforce_pp: whiten advantages over the valid tokens of the batch (grpo's own "
-              "normalisation is norm_by_std; rloo has none).")
+        True,
+        "gae and reinforce_pp: whiten advantages over the valid tokens of the batch (grpo's own "
+        "normalisation is norm_by_std; rloo has none).",
+    )
     ppo_epochs: int = option(4, "Passes over each rollout batch.", gt=0)
     num_minibatches: int = option(1, "Optimizer steps per PPO epoch.", gt=0)
     clip_eps: float = option(0.2, "PPO policy ratio clip (Schulman et al. 2017, eq. 7).", gt=0)
@@ -198,17 +281,26 @@ class OnlineConfig:
     vf_coef: float = option(0.1, "Value-loss coefficient.", ge=0)
     ent_coef: float = option(0.0, "Entropy-bonus coefficient.", ge=0)
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = option(
-        "token-mean", "How per-token losses become a scalar (rlhfkit.algos.aggregate_loss).")
+        "token-mean", "How per-token losses become a scalar (rlhfkit.algos.aggregate_loss)."
+    )
     critic_learning_rate: float | None = option(
-        None, "Critic learning rate; none = train.learning_rate.", gt=0)
+        None, "Critic learning rate; none = train.learning_rate.", gt=0
+    )
     score_clip: float | None = option(
-        None, "Clip every score to [-score_clip, score_clip] before the KL penalty is added (Zheng et al. 2023, "
-              "PPO-max); none = off.", gt=0)
+        None,
+        "Clip every score to [-score_clip, score_clip] before the KL penalty is added (Zheng et al. 2023, "
+        "PPO-max); none = off.",
+        gt=0,
+    )
     rollout_batch_size: int | None = option(
-        None, "Responses per generate() call and per no-grad forward (reference, reward model, values) in a "
-              "rollout, per process; none = all of them at once.", gt=0)
+        None,
+        "Responses per generate() call and per no-grad forward (reference, reward model, values) in a "
+        "rollout, per process; none = all of them at once.",
+        gt=0,
+    )
     critic_warmup_steps: int = option(
-        0, "Rollouts at the start during which only the critic is trained (Zheng et al. 2023).", ge=0)
+        0, "Rollouts at the start during which only the critic is trained (Zheng et al. 2023).", ge=0
+    )
 
 
 @dataclass
@@ -216,50 +308,73 @@ class RewardConfig:
     """Reward-model training (reward / prm)."""
 
     margin: float = option(
-        0.0, "Margin m in the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - m) (Touvron et al. 2023) "
-             "for every pair whose record has no `margin` field of its own.")
+        0.0,
+        "Margin m in the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - m) (Touvron et al. 2023) "
+        "for every pair whose record has no `margin` field of its own.",
+    )
     center_coef: float = option(
-        0.0, "Weight of the auxiliary loss (r_chosen + r_rejected)^2 that keeps rewards centred on 0 "
-             "(Eisenstein et al. 2023; 0.01 is usual).", ge=0)
+        0.0,
+        "Weight of the auxiliary loss (r_chosen + r_rejected)^2 that keeps rewards centred on 0 "
+        "(Eisenstein et al. 2023; 0.01 is usual).",
+        ge=0,
+    )
     length_bias_coef: float = option(
-        0.0, "Weight of a penalty c * cov(r, z)^2 on the covariance between reward r and standardised response "
-             "length z over each micro-batch's responses, against length hacking (Singhal et al. 2023); 0 = off.",
-        ge=0)
+        0.0,
+        "Weight of a penalty c * cov(r, z)^2 on the covariance between reward r and standardised response "
+        "length z over each micro-batch's responses, against length hacking (Singhal et al. 2023); 0 = off.",
+        ge=0,
+    )
     normalize: bool = option(
-        True, "After training, fit a gain and a bias so that the training responses' scores have mean 0 and std 1 "
-              "(Huang et al. 2024, reward normalisation); stored in final/config.json as rlhfkit_reward_gain "
-              "and rlhfkit_reward_bias, which rlhfkit applies whenever it scores with the model.")
+        True,
+        "After training, fit a gain and a bias so that the training responses' scores have mean 0 and std 1 "
+        "(Huang et al. 2024, reward normalisation); stored in final/config.json as rlhfkit_reward_gain "
+        "and rlhfkit_reward_bias, which rlhfkit applies whenever it scores with the model.",
+    )
     normalize_max_pairs: int = option(
-        2048, "Fit the normalisation on at most this many training pairs (both responses), drawn with the seed.",
-        gt=0)
+        2048,
+        "Fit the normalisation on at most this many training pairs (both responses), drawn with the seed.",
+        gt=0,
+    )
     keep_best: bool = option(
-        True, "final/ is the model of the trained evaluation with the best held-out accuracy (ties: lower held-out "
-              "loss), not the last step's; never the untrained step-0 model, and a warning when the best is the "
-              "first evaluation (needs held-out data: data.eval_file or data.eval_split).")
+        True,
+        "final/ is the model of the trained evaluation with the best held-out accuracy (ties: lower held-out "
+        "loss), not the last step's; never the untrained step-0 model, and a warning when the best is the "
+        "first evaluation (needs held-out data: data.eval_file or data.eval_split).",
+    )
     early_stopping_patience: int | None = option(
-        None, "Stop after this many evaluations in a row without a better held-out accuracy (needs "
-              "data.eval_file); none = train for max_steps.", gt=0)
+        None,
+        "Stop after this many evaluations in a row without a better held-out accuracy (needs "
+        "data.eval_file); none = train for max_steps.",
+        gt=0,
+    )
 
 
 @dataclass
 class LoggingConfig:
     """Where metrics go besides metrics.jsonl."""
 
-    tensorboard: bool = option(False, "Also write TensorBoard events to <output_dir>/tensorboard (needs tensorboard).")
+    tensorboard: bool = option(
+        False, "Also write TensorBoard events to <output_dir>/tensorboard (needs tensorboard)."
+    )
     wandb: bool = option(False, "Also log to Weights & Biases (needs wandb and a login).")
     wandb_project: str = option("rlhfkit", "W&B project name.")
     wandb_run_name: str | None = option(None, "W&B run name; none = the output folder's name.")
     progress_bar: bool = option(True, "Show a progress bar (only ever on a terminal).")
     samples_per_step: int = option(
-        8, "Online runs: responses per rollout written to samples.jsonl (prompt, response, score and its parts, "
-           "KL, length, ended with a stop token); 0 = none.", ge=0)
+        8,
+        "Online runs: responses per rollout written to samples.jsonl (prompt, response, score and its parts, "
+        "KL, length, ended with a stop token); 0 = none.",
+        ge=0,
+    )
 
 
 @dataclass
 class RunConfig:
     """Everything one `rlhfkit train <kind>` run needs."""
 
-    output_dir: str = option("", "The run folder: config.yaml, metrics.jsonl, checkpoints/, final/. Required.")
+    output_dir: str = option(
+        "", "The run folder: config.yaml, metrics.jsonl, checkpoints/, final/. Required."
+    )
     seed: int = option(0, "Seeds python, numpy and torch (and the data order).")
     kind: Kind = option("sft", "What is trained; set by the command (`rlhfkit train <kind>`).")
     model: ModelConfig = option(ModelConfig, "The model.")
@@ -268,6 +383,7 @@ class RunConfig:
     online: OnlineConfig = option(OnlineConfig, "Online RL (ppo / grpo / rloo only).")
     reward: RewardConfig = option(RewardConfig, "Reward-model training (reward / prm only).")
     logging: LoggingConfig = option(LoggingConfig, "Extra metric sinks.")
+
 
 # Per-command defaults, applied under the file and the command line. `forced` keys may not be set to
 # another value: `train grpo` with advantage_estimator=rloo is a contradiction, not a preference.
@@ -292,8 +408,10 @@ def check_columns(columns: dict | None, key: str = "data.columns") -> dict[str, 
         if name not in STANDARD_COLUMNS:
             close = difflib.get_close_matches(str(name), STANDARD_COLUMNS, n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"one of {', '.join(STANDARD_COLUMNS)}"
-            raise ConfigError(f"{key}: '{name}' is not a standard column name ({hint}); the mapping goes from the "
-                              "standard name to your column, e.g. {prompt: question}")
+            raise ConfigError(
+                f"{key}: '{name}' is not a standard column name ({hint}); the mapping goes from the "
+                "standard name to your column, e.g. {prompt: question}"
+            )
         if not isinstance(column, str) or not column:
             raise ConfigError(f"{key}.{name}: expected the name of a column, got {column!r}")
     targets = list(out.values())
@@ -303,12 +421,13 @@ def check_columns(columns: dict | None, key: str = "data.columns") -> dict[str, 
     return out
 
 
-
 # ----------------------------------------------------------------------------------------------------------
 # Loading, validation, saving
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), kind: str = "sft") -> RunConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), kind: str = "sft"
+) -> RunConfig:
     """Build a :class:`RunConfig`: dataclass defaults < per-kind defaults < YAML file < ``dotted.key=value``.
 
     Raises:
@@ -320,8 +439,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
     if kind not in KINDS:
         raise ConfigError(f"unknown kind '{kind}'; choose one of {', '.join(KINDS)}")
-    layers: list[tuple[str, dict]] = [(f"the defaults of `train {kind}`", _nest(
-        {**KIND_DEFAULTS.get(kind, {}), **KIND_FORCED.get(kind, {}), "kind": kind}))]
+    layers: list[tuple[str, dict]] = [
+        (
+            f"the defaults of `train {kind}`",
+            _nest({**KIND_DEFAULTS.get(kind, {}), **KIND_FORCED.get(kind, {}), "kind": kind}),
+        )
+    ]
     if path is not None:
         layers.append((str(path), _read_yaml(path)))
     for item in overrides:
@@ -378,7 +501,7 @@ def read_run_info(path: str | Path) -> dict[str, Any] | None:
 
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         if line.startswith(RUN_INFO_PREFIX):
-            return json.loads(line[len(RUN_INFO_PREFIX):])
+            return json.loads(line[len(RUN_INFO_PREFIX) :])
     return None
 
 
@@ -422,7 +545,9 @@ def _parse_override(item: str) -> dict:
 
     key, sep, _ = item.partition("=")
     if not sep or not all(part.isidentifier() for part in key.split(".")):
-        raise ConfigError(f"command-line override '{item}': expected dotted.key=value, e.g. train.learning_rate=1e-5")
+        raise ConfigError(
+            f"command-line override '{item}': expected dotted.key=value, e.g. train.learning_rate=1e-5"
+        )
     try:
         return OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
     except Exception as e:
@@ -448,13 +573,19 @@ def _check_keys(values: dict, cls: type, prefix: str, source: str) -> list[str]:
         key = prefix + str(name)
         if name not in hints:
             close = difflib.get_close_matches(str(name), list(hints), n=1)
-            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f"; known keys here: {', '.join(hints)}"
+            hint = (
+                f" (did you mean '{prefix}{close[0]}'?)"
+                if close
+                else f"; known keys here: {', '.join(hints)}"
+            )
             raise ConfigError(f"{source}: unknown key '{key}'{hint}")
         if _is_section(hints[name]):
             if value is None:  # `online:` with every key commented out
                 values[name] = value = {}
             if not isinstance(value, dict):
-                raise ConfigError(f"{source}: '{key}' is a section; expected a mapping of its keys, got {value!r}")
+                raise ConfigError(
+                    f"{source}: '{key}' is a section; expected a mapping of its keys, got {value!r}"
+                )
             seen += _check_keys(value, hints[name], key + ".", source)
         else:
             seen.append(key)
@@ -476,8 +607,11 @@ def _validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
         fail("kind", f"this configuration is for `train {run.kind}`, but the command is `train {kind}`")
     for key, value in KIND_FORCED.get(kind, {}).items():
         if _get(run, key) != value:
-            fail(key, f"`train {kind}` always uses {value}; for another choice run "
-                      f"`train ppo {key}={_get(run, key)}`")
+            fail(
+                key,
+                f"`train {kind}` always uses {value}; for another choice run "
+                f"`train ppo {key}={_get(run, key)}`",
+            )
     _check_bounds(run, "", fail)
     _check_choices(run, "", fail)
     check_columns(run.data.columns)
@@ -488,25 +622,42 @@ def _validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
     # Online runs accumulate over responses (batch_size * group_size per rollout, split in minibatches), and
     # a last, smaller micro-batch is exact there (whole-minibatch normaliser): no divisibility needed.
     if t.micro_batch_size is not None and kind not in ONLINE_KINDS and t.batch_size % t.micro_batch_size:
-        fail("train.micro_batch_size", f"must divide train.batch_size ({t.batch_size}), got {t.micro_batch_size}")
+        fail(
+            "train.micro_batch_size",
+            f"must divide train.batch_size ({t.batch_size}), got {t.micro_batch_size}",
+        )
     if kind not in ONLINE_KINDS and run.data.max_prompt_length >= run.data.max_length:
-        fail("data.max_prompt_length", f"must be below data.max_length ({run.data.max_length}) to leave room "
-                                       f"for a response, got {run.data.max_prompt_length}")
+        fail(
+            "data.max_prompt_length",
+            f"must be below data.max_length ({run.data.max_length}) to leave room "
+            f"for a response, got {run.data.max_prompt_length}",
+        )
     if kind in ONLINE_KINDS:
         o = run.online
         if run.model.lora_rank and run.model.lora_dropout and run.model.disable_dropout:
-            fail("model.lora_dropout", f"{run.model.lora_dropout} makes the PPO ratio differ from 1 before any "
-                                       "update; set it to 0 (or model.disable_dropout=false to keep every dropout)")
+            fail(
+                "model.lora_dropout",
+                f"{run.model.lora_dropout} makes the PPO ratio differ from 1 before any "
+                "update; set it to 0 (or model.disable_dropout=false to keep every dropout)",
+            )
         if not o.reward_model and not o.reward_functions:
-            fail("online.reward_model", "set online.reward_model and/or online.reward_functions: nothing scores "
-                                        "the responses")
+            fail(
+                "online.reward_model",
+                "set online.reward_model and/or online.reward_functions: nothing scores the responses",
+            )
         if o.advantage_estimator in ("grpo", "rloo") and o.group_size < 2:
-            fail("online.group_size", f"advantage_estimator={o.advantage_estimator} compares the responses to one "
-                                      f"prompt, so it needs group_size >= 2, got {o.group_size}")
+            fail(
+                "online.group_size",
+                f"advantage_estimator={o.advantage_estimator} compares the responses to one "
+                f"prompt, so it needs group_size >= 2, got {o.group_size}",
+            )
         responses = t.batch_size * o.group_size
         if responses % o.num_minibatches:
-            fail("online.num_minibatches", f"must divide the responses per rollout (train.batch_size * "
-                                           f"online.group_size = {responses}), got {o.num_minibatches}")
+            fail(
+                "online.num_minibatches",
+                f"must divide the responses per rollout (train.batch_size * "
+                f"online.group_size = {responses}), got {o.num_minibatches}",
+            )
 
 
 def _check_bounds(obj: Any, prefix: str, fail) -> None:
@@ -517,7 +668,12 @@ def _check_bounds(obj: Any, prefix: str, fail) -> None:
             continue
         if value is None or isinstance(value, bool) or not isinstance(value, int | float):
             continue
-        for bound, holds in (("gt", value.__gt__), ("ge", value.__ge__), ("lt", value.__lt__), ("le", value.__le__)):
+        for bound, holds in (
+            ("gt", value.__gt__),
+            ("ge", value.__ge__),
+            ("lt", value.__lt__),
+            ("le", value.__le__),
+        ):
             limit = f.metadata.get(bound)
             if limit is not None and not holds(limit):
                 symbol = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}[bound]
@@ -571,8 +727,11 @@ def _omegaconf_schema(cls: type) -> type:
         choices = _choices(tp)
         if choices is not None:
             tp = str if typing.get_origin(tp) is Literal else str | None
-        default = (field(default_factory=f.default_factory) if f.default is dataclasses.MISSING
-                   else field(default=f.default))
+        default = (
+            field(default_factory=f.default_factory)
+            if f.default is dataclasses.MISSING
+            else field(default=f.default)
+        )
         fields.append((f.name, tp, default))
     _SCHEMAS[cls] = dataclasses.make_dataclass(cls.__name__, fields)
     return _SCHEMAS[cls]
@@ -581,8 +740,12 @@ def _omegaconf_schema(cls: type) -> type:
 def _from_plain(cls: type, values: dict) -> Any:
     """``cls`` (a section dataclass) built from the plain nested dict omegaconf gives back."""
     hints = _hints(cls)
-    return cls(**{name: _from_plain(hints[name], value) if _is_section(hints[name]) else value
-                  for name, value in values.items()})
+    return cls(
+        **{
+            name: _from_plain(hints[name], value) if _is_section(hints[name]) else value
+            for name, value in values.items()
+        }
+    )
 
 
 def _get(obj: Any, dotted: str) -> Any:

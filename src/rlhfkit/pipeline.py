@@ -53,16 +53,52 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(model="tiny", sft_steps=300, sft_batch=32, sft_lr=3e-3, num_pairs=2048, rm_steps=300,
-                   rm_batch=64, rm_lr=5e-4, ppo_rollouts=40, ppo_batch=32, ppo_lr=1e-4, response_length=48,
-                   num_eval_prompts=256),
-    "small": Preset(model="small", sft_steps=1500, sft_batch=64, sft_lr=5e-4, num_pairs=8192, rm_steps=600,
-                    rm_batch=64, rm_lr=1e-4, ppo_rollouts=200, ppo_batch=64, ppo_lr=1e-5, response_length=64,
-                    num_eval_prompts=384),
+    "tiny": Preset(
+        model="tiny",
+        sft_steps=300,
+        sft_batch=32,
+        sft_lr=3e-3,
+        num_pairs=2048,
+        rm_steps=300,
+        rm_batch=64,
+        rm_lr=5e-4,
+        ppo_rollouts=40,
+        ppo_batch=32,
+        ppo_lr=1e-4,
+        response_length=48,
+        num_eval_prompts=256,
+    ),
+    "small": Preset(
+        model="small",
+        sft_steps=1500,
+        sft_batch=64,
+        sft_lr=5e-4,
+        num_pairs=8192,
+        rm_steps=600,
+        rm_batch=64,
+        rm_lr=1e-4,
+        ppo_rollouts=200,
+        ppo_batch=64,
+        ppo_lr=1e-5,
+        response_length=64,
+        num_eval_prompts=384,
+    ),
     # For the test suite: every stage runs, none long enough to learn much.
-    "smoke": Preset(model="tiny", sft_steps=8, sft_batch=16, sft_lr=2e-3, num_pairs=64, rm_steps=4,
-                    rm_batch=16, rm_lr=5e-4, ppo_rollouts=2, ppo_batch=8, ppo_lr=3e-5, response_length=24,
-                    num_eval_prompts=16),
+    "smoke": Preset(
+        model="tiny",
+        sft_steps=8,
+        sft_batch=16,
+        sft_lr=2e-3,
+        num_pairs=64,
+        rm_steps=4,
+        rm_batch=16,
+        rm_lr=5e-4,
+        ppo_rollouts=2,
+        ppo_batch=8,
+        ppo_lr=3e-5,
+        response_length=24,
+        num_eval_prompts=16,
+    ),
 }
 
 
@@ -76,8 +112,9 @@ def _config(kind: str, out: Path, overrides: dict[str, Any]):
     return load_config(None, [f"output_dir={out}", *(f"{k}={v}" for k, v in overrides.items())], kind)
 
 
-def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = False, seed: int = 0,
-               refresh_steps: int = 0) -> dict[str, Any]:
+def quickstart(
+    out_dir: str | Path, preset: str = "tiny", overwrite: bool = False, seed: int = 0, refresh_steps: int = 0
+) -> dict[str, Any]:
     """Run every stage into ``out_dir``; write ``summary.json`` and ``report.md``; return the summary.
 
     ``refresh_steps`` = K > 0: during PPO, every K rollouts the reward model is refreshed on new pairs
@@ -99,42 +136,95 @@ def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = Fals
     seconds["task"] = time.perf_counter() - t
 
     t = _stage(2, "SFT", f"{p.sft_steps} steps of {p.sft_batch} examples")
-    sft_cfg = _config("sft", out / "sft", {
-        "seed": seed, "model.name_or_path": files["init_model"], "data.train_file": files["sft_train"],
-        "data.eval_file": files["sft_eval"], "data.max_prompt_length": 32, "data.max_length": 32 + p.response_length,
-        "train.max_steps": p.sft_steps, "train.batch_size": p.sft_batch, "train.learning_rate": p.sft_lr,
-        "train.warmup_steps": max(1, p.sft_steps // 20), "train.lr_schedule": "cosine",
-        "train.save_steps": p.sft_steps, "train.eval_steps": max(1, p.sft_steps // 3), "train.log_steps": 10})
+    sft_cfg = _config(
+        "sft",
+        out / "sft",
+        {
+            "seed": seed,
+            "model.name_or_path": files["init_model"],
+            "data.train_file": files["sft_train"],
+            "data.eval_file": files["sft_eval"],
+            "data.max_prompt_length": 32,
+            "data.max_length": 32 + p.response_length,
+            "train.max_steps": p.sft_steps,
+            "train.batch_size": p.sft_batch,
+            "train.learning_rate": p.sft_lr,
+            "train.warmup_steps": max(1, p.sft_steps // 20),
+            "train.lr_schedule": "cosine",
+            "train.save_steps": p.sft_steps,
+            "train.eval_steps": max(1, p.sft_steps // 3),
+            "train.log_steps": 10,
+        },
+    )
     sft.train(sft_cfg)
     sft_dir = out / "sft" / "final"
     seconds["sft"] = time.perf_counter() - t
 
-    t = _stage(3, "preference pairs", f"{p.num_pairs} pairs from the SFT policy, labelled by noisy annotators")
-    labels = label_pairs(str(sft_dir), out / "pairs", task=task.name, task_seed=seed, num_pairs=p.num_pairs,
-                         num_eval_pairs=max(64, p.num_pairs // 4), seed=seed, max_new_tokens=p.response_length)
+    t = _stage(
+        3, "preference pairs", f"{p.num_pairs} pairs from the SFT policy, labelled by noisy annotators"
+    )
+    labels = label_pairs(
+        str(sft_dir),
+        out / "pairs",
+        task=task.name,
+        task_seed=seed,
+        num_pairs=p.num_pairs,
+        num_eval_pairs=max(64, p.num_pairs // 4),
+        seed=seed,
+        max_new_tokens=p.response_length,
+    )
     seconds["pairs"] = time.perf_counter() - t
 
     t = _stage(4, "reward model", f"{p.rm_steps} steps of {p.rm_batch} pairs")
-    rm_cfg = _config("reward", out / "reward", {
-        "seed": seed, "model.name_or_path": sft_dir, "data.train_file": labels["paths"]["train"],
-        "data.eval_file": labels["paths"]["eval"], "data.max_prompt_length": 32,
-        "data.max_length": 32 + p.response_length, "train.max_steps": p.rm_steps, "train.batch_size": p.rm_batch,
-        "train.learning_rate": p.rm_lr, "train.weight_decay": 0.1, "train.warmup_steps": 10,
-        "train.lr_schedule": "linear",
-        "train.save_steps": p.rm_steps, "train.eval_steps": max(1, p.rm_steps // 4), "train.log_steps": 10})
+    rm_cfg = _config(
+        "reward",
+        out / "reward",
+        {
+            "seed": seed,
+            "model.name_or_path": sft_dir,
+            "data.train_file": labels["paths"]["train"],
+            "data.eval_file": labels["paths"]["eval"],
+            "data.max_prompt_length": 32,
+            "data.max_length": 32 + p.response_length,
+            "train.max_steps": p.rm_steps,
+            "train.batch_size": p.rm_batch,
+            "train.learning_rate": p.rm_lr,
+            "train.weight_decay": 0.1,
+            "train.warmup_steps": 10,
+            "train.lr_schedule": "linear",
+            "train.save_steps": p.rm_steps,
+            "train.eval_steps": max(1, p.rm_steps // 4),
+            "train.log_steps": 10,
+        },
+    )
     rm_summary = reward.train(rm_cfg)
     rm_dir = out / "reward" / "final"
     seconds["reward_model"] = time.perf_counter() - t
 
     t = _stage(5, "PPO", f"{p.ppo_rollouts} rollouts of {p.ppo_batch} prompts x {p.response_length} tokens")
-    meter = HackingMeter(task, sft_dir, rm_dir, files["prompts_eval"], p, seed,
-                         meter_prompts=min(64, p.num_eval_prompts))
-    ppo_cfg = _config("ppo", out / "ppo", {
-        "seed": seed, "model.name_or_path": sft_dir, "data.train_file": files["prompts_train"],
-        "data.max_prompt_length": 32, "online.reward_model": rm_dir, "online.response_length": p.response_length,
-        "train.max_steps": p.ppo_rollouts, "train.batch_size": p.ppo_batch, "train.learning_rate": p.ppo_lr,
-        "online.kl_coef": 0.1, "train.lr_schedule": "linear",
-        "train.save_steps": p.ppo_rollouts, "train.eval_steps": max(1, p.ppo_rollouts // 6), "train.log_steps": 1})
+    meter = HackingMeter(
+        task, sft_dir, rm_dir, files["prompts_eval"], p, seed, meter_prompts=min(64, p.num_eval_prompts)
+    )
+    ppo_cfg = _config(
+        "ppo",
+        out / "ppo",
+        {
+            "seed": seed,
+            "model.name_or_path": sft_dir,
+            "data.train_file": files["prompts_train"],
+            "data.max_prompt_length": 32,
+            "online.reward_model": rm_dir,
+            "online.response_length": p.response_length,
+            "train.max_steps": p.ppo_rollouts,
+            "train.batch_size": p.ppo_batch,
+            "train.learning_rate": p.ppo_lr,
+            "online.kl_coef": 0.1,
+            "train.lr_schedule": "linear",
+            "train.save_steps": p.ppo_rollouts,
+            "train.eval_steps": max(1, p.ppo_rollouts // 6),
+            "train.log_steps": 1,
+        },
+    )
     hooks = online.OnlineHooks(evaluate=meter.during_training)
     if refresh_steps:
         hooks.refresh_reward_model = task_refresh(task, meter, labels["paths"]["train"], p, seed)
@@ -148,12 +238,16 @@ def quickstart(out_dir: str | Path, preset: str = "tiny", overwrite: bool = Fals
 
     t = _stage(7, "report")
     summary = {
-        "preset": preset, "seed": seed, "refresh_steps": refresh_steps,
+        "preset": preset,
+        "seed": seed,
+        "refresh_steps": refresh_steps,
         "sft": evaluation["sft"],
-        "reward_model": {"heldout_accuracy": rm_summary.get("heldout_gold_accuracy"),
-                         "heldout_accuracy_vs_labels": rm_summary.get("heldout_accuracy"),
-                         "bayes_ceiling": rm_summary.get("bayes_ceiling"),
-                         "train_pairs": labels.get("train", {}).get("pairs")},
+        "reward_model": {
+            "heldout_accuracy": rm_summary.get("heldout_gold_accuracy"),
+            "heldout_accuracy_vs_labels": rm_summary.get("heldout_accuracy"),
+            "bayes_ceiling": rm_summary.get("bayes_ceiling"),
+            "train_pairs": labels.get("train", {}).get("pairs"),
+        },
         "ppo": evaluation["ppo"],
         "examples": evaluation["examples"],
         "win_rate_vs_sft": evaluation["win_rate_vs_sft"],
@@ -174,33 +268,60 @@ class HackingMeter:
     want. Both are measured on the same samples, with the KL to the SFT policy (k1, nats per response).
     """
 
-    def __init__(self, task, sft_dir: Path, rm_dir: Path, prompts_file: Path, preset: Preset, seed: int,
-                 temperature: float = 0.7, meter_prompts: int = 64):
+    def __init__(
+        self,
+        task,
+        sft_dir: Path,
+        rm_dir: Path,
+        prompts_file: Path,
+        preset: Preset,
+        seed: int,
+        temperature: float = 0.7,
+        meter_prompts: int = 64,
+    ):
         from rlhfkit.data import TokenLimits, prepare_examples
         from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 
         self.task, self.preset, self.seed, self.temperature = task, preset, seed, temperature
         self.tokenizer = load_tokenizer(str(sft_dir))
-        self.reference = load_causal_lm(str(sft_dir), tokenizer=self.tokenizer, frozen=True).eval().requires_grad_(False)
-        self.reward_model = load_scalar_model(str(rm_dir), tokenizer=self.tokenizer,
-                                              frozen=True).eval().requires_grad_(False)
-        examples = prepare_examples(str(prompts_file), "prompts", self.tokenizer, TokenLimits(32, None, "left"))
+        self.reference = (
+            load_causal_lm(str(sft_dir), tokenizer=self.tokenizer, frozen=True).eval().requires_grad_(False)
+        )
+        self.reward_model = (
+            load_scalar_model(str(rm_dir), tokenizer=self.tokenizer, frozen=True).eval().requires_grad_(False)
+        )
+        examples = prepare_examples(
+            str(prompts_file), "prompts", self.tokenizer, TokenLimits(32, None, "left")
+        )
         self.examples = examples[: preset.num_eval_prompts]
         self.meter_examples = examples[:meter_prompts]
 
     def _measure(self, policy, examples, greedy: bool = False):
         from rlhfkit.rollout.evaluate import sample_and_score
 
-        return sample_and_score(policy, self.tokenizer, examples, temperature=self.temperature,
-                                max_new_tokens=self.preset.response_length, greedy=greedy,
-                                reward_model=self.reward_model, reference=self.reference,
-                                gold_score=self.task.gold_score, is_valid=self.task.is_valid)
+        return sample_and_score(
+            policy,
+            self.tokenizer,
+            examples,
+            temperature=self.temperature,
+            max_new_tokens=self.preset.response_length,
+            greedy=greedy,
+            reward_model=self.reward_model,
+            reference=self.reference,
+            gold_score=self.task.gold_score,
+            is_valid=self.task.is_valid,
+        )
 
     def during_training(self, policy, step: int) -> dict[str, float]:
         """The PPO ``evaluate`` hook: ``eval/gold/mean`` beside ``eval/score/mean`` (proxy) and ``eval/kl/mean``."""
         s = self._measure(policy, self.meter_examples).summary()
-        return {"eval/gold/mean": s["gold_mean"], "eval/score/mean": s["proxy_mean"], "eval/kl/mean": s["kl_mean"],
-                "eval/valid_rate": s["valid_rate"], "eval/response_length/mean": s["response_length_mean"]}
+        return {
+            "eval/gold/mean": s["gold_mean"],
+            "eval/score/mean": s["proxy_mean"],
+            "eval/kl/mean": s["kl_mean"],
+            "eval/valid_rate": s["valid_rate"],
+            "eval/response_length/mean": s["response_length_mean"],
+        }
 
     def compare(self, ppo_dir: Path) -> dict[str, Any]:
         """SFT and PPO on the held-out prompts, sampled at the training temperature and greedy."""
@@ -222,12 +343,20 @@ class HackingMeter:
             out[name] = figures
         out["sft"].pop("kl_mean", None)  # the reference against itself
         sft_std = out["sft"]["gold_std"]
-        out["ppo"]["gold_gain_in_sft_std"] = (out["ppo"]["gold_mean"] - out["sft"]["gold_mean"]) / max(sft_std, 1e-8)
+        out["ppo"]["gold_gain_in_sft_std"] = (out["ppo"]["gold_mean"] - out["sft"]["gold_mean"]) / max(
+            sft_std, 1e-8
+        )
         out["win_rate_vs_sft"] = win_rate(samples["ppo"][0].gold, samples["sft"][0].gold)
         out["win_rate_vs_sft_greedy"] = win_rate(samples["ppo"][1].gold, samples["sft"][1].gold)
-        out["examples"] = [{"prompt": p, "sft": a, "ppo": b} for p, a, b in
-                           zip(samples["sft"][0].prompts[:5], samples["sft"][0].responses[:5],
-                               samples["ppo"][0].responses[:5], strict=True)]
+        out["examples"] = [
+            {"prompt": p, "sft": a, "ppo": b}
+            for p, a, b in zip(
+                samples["sft"][0].prompts[:5],
+                samples["sft"][0].responses[:5],
+                samples["ppo"][0].responses[:5],
+                strict=True,
+            )
+        ]
         return out
 
 
@@ -239,9 +368,15 @@ def task_refresh(task, meter: HackingMeter, pairs_file: str | Path, preset: Pres
     from rlhfkit.trainers.refresh import RefreshConfig, RewardRefresh
 
     config = RefreshConfig(**{"max_new_tokens": preset.response_length, **settings})
-    return RewardRefresh(meter.tokenizer, task.prompts("train"), task=task,
-                         initial_pairs=load_dataset_records(str(pairs_file), "preferences"), config=config,
-                         seed=seed, on_refresh=lambda reward_model: setattr(meter, "reward_model", reward_model))
+    return RewardRefresh(
+        meter.tokenizer,
+        task.prompts("train"),
+        task=task,
+        initial_pairs=load_dataset_records(str(pairs_file), "preferences"),
+        config=config,
+        seed=seed,
+        on_refresh=lambda reward_model: setattr(meter, "reward_model", reward_model),
+    )
 
 
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -271,8 +406,10 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = [f"  {name.ljust(width)}  {value}" for name, value in rows]
     kl = summary["ppo"].get("kl_mean")
     if kl is not None and kl < 0:
-        lines.append("  (a negative KL: the k1 estimate is a sample mean of log pi - log pi_ref, unbiased but not "
-                     "always positive; the policy is still close to SFT)")
+        lines.append(
+            "  (a negative KL: the k1 estimate is a sample mean of log pi - log pi_ref, unbiased but not "
+            "always positive; the policy is still close to SFT)"
+        )
     return "\n".join(lines)
 
 
@@ -283,8 +420,16 @@ def write_quickstart_report(out: Path, summary: dict[str, Any]) -> Path:
     from rlhfkit.reporting.samples import printable
 
     write_quickstart_page(out, summary_rows(summary), summary)
-    lines = ["# rlhfkit quickstart", "", "Every stage on one page, with the PPO samples: `report.html`.", "",
-             "```", format_table(summary), "```", ""]
+    lines = [
+        "# rlhfkit quickstart",
+        "",
+        "Every stage on one page, with the PPO samples: `report.html`.",
+        "",
+        "```",
+        format_table(summary),
+        "```",
+        "",
+    ]
     for name, title in (("sft", "SFT"), ("reward", "Reward model"), ("ppo", "PPO")):
         lines += [f"## {title} (`{name}/`, full report: [{name}/report.md]({name}/report.md))", ""]
         for png in sorted((out / name / "report").glob("*.png")):

@@ -66,8 +66,15 @@ def write_report(run_dir: str | Path) -> Path:
         nav.append(("reward-model", "Reward model"))
     if run.online or run.samples.samples:
         nav.append(("samples", "Samples"))
-    out.write_text(page.page(f"rlhfkit report: {run.name}", f"{run.kind} run in {run.path}",
-                             run_blocks(run, warnings, figs), nav), encoding="utf-8")
+    out.write_text(
+        page.page(
+            f"rlhfkit report: {run.name}",
+            f"{run.kind} run in {run.path}",
+            run_blocks(run, warnings, figs),
+            nav,
+        ),
+        encoding="utf-8",
+    )
     return out
 
 
@@ -75,8 +82,9 @@ def _curves_title(run: Run) -> str:
     return "PPO health" if run.online else "Training curves"
 
 
-def run_blocks(run: Run, warnings: list[health.HealthWarning], figs: list[Plot], prefix: str = "",
-               level: int = 2) -> list[str]:
+def run_blocks(
+    run: Run, warnings: list[health.HealthWarning], figs: list[Plot], prefix: str = "", level: int = 2
+) -> list[str]:
     """The HTML sections of one run: summary, warning signs, curves, reward model, samples, last step."""
     warned = {p.name for p in figs if _plot_keys(p.name) & {w.metric for w in warnings}}
     curves = [p for p in figs if p.name not in ("calibration", "score_histogram", "margin_histogram")]
@@ -87,7 +95,10 @@ def run_blocks(run: Run, warnings: list[health.HealthWarning], figs: list[Plot],
         blocks.append(page.warnings_block(warnings, prefix))
     blocks.append(page.figures_block(curves, warned, prefix))
     if reward:
-        blocks += [page.heading(level, "Reward model", prefix + "reward-model"), page.figures_block(reward, prefix=prefix)]
+        blocks += [
+            page.heading(level, "Reward model", prefix + "reward-model"),
+            page.figures_block(reward, prefix=prefix),
+        ]
     if run.online or run.samples.samples:
         blocks += [page.heading(level, "Samples", prefix + "samples"), page.samples_block([run])]
     blocks.append(page.last_step_block(run))
@@ -142,23 +153,33 @@ def compare_page(runs: list[Run]) -> str:
     if online:
         blocks.append(page.heading(2, "Warning signs", "warnings"))
         for r in online:
-            blocks += [page.heading(3, r.name, f"warnings-{page.anchor(r.name)}"),
-                       page.warnings_block(warnings[r.name], f"{page.anchor(r.name)}-", shaded=False)]
+            blocks += [
+                page.heading(3, r.name, f"warnings-{page.anchor(r.name)}"),
+                page.warnings_block(warnings[r.name], f"{page.anchor(r.name)}-", shaded=False),
+            ]
     blocks += [page.heading(2, "Curves, overlaid", "curves"), page.figures_block(figs)]
     if any(r.samples.samples for r in runs):
         blocks += [page.heading(2, "Samples", "samples"), page.samples_block(runs)]
     nav = [("summary", "Summaries"), ("curves", "Curves"), ("samples", "Samples")]
-    return page.page(f"rlhfkit: {len(runs)} runs side by side", ", ".join(str(r.path) for r in runs), blocks, nav)
+    return page.page(
+        f"rlhfkit: {len(runs)} runs side by side", ", ".join(str(r.path) for r in runs), blocks, nav
+    )
 
 
-def write_quickstart_page(out: str | Path, rows: list[tuple[str, str]], summary: dict[str, Any],
-                          stages: tuple[tuple[str, str], ...] = (("sft", "SFT"), ("reward", "Reward model"),
-                                                                 ("ppo", "PPO"))) -> Path:
+def write_quickstart_page(
+    out: str | Path,
+    rows: list[tuple[str, str]],
+    summary: dict[str, Any],
+    stages: tuple[tuple[str, str], ...] = (("sft", "SFT"), ("reward", "Reward model"), ("ppo", "PPO")),
+) -> Path:
     """The quickstart's ``report.html``: its figures (``rows``: [(figure, value)]), then each stage's run as
     on that run's own page, and SFT's and PPO's responses to the same held-out prompts."""
     out = Path(out)
-    table = "".join(f"<tr><th>{page.e(name)}</th><td class=num>{page.e(value)}</td><td>"
-                    f"{_quickstart_note(name, value)}</td></tr>" for name, value in rows)
+    table = "".join(
+        f"<tr><th>{page.e(name)}</th><td class=num>{page.e(value)}</td><td>"
+        f"{_quickstart_note(name, value)}</td></tr>"
+        for name, value in rows
+    )
     blocks = [page.heading(2, "Summary", "summary"), f"<table>{table}</table>"]
     nav = [("summary", "Summary")]
     for folder, title in stages:
@@ -166,18 +187,24 @@ def write_quickstart_page(out: str | Path, rows: list[tuple[str, str]], summary:
             continue
         run = load_run(out / folder)
         warnings = run_warnings(run)
-        blocks += [page.heading(2, f"{title} ({folder}/)", folder),
-                   f'<p class="muted">This stage\'s own page: <a href="{page.e(folder)}/report.html">'
-                   f"{page.e(folder)}/report.html</a></p>"]
+        blocks += [
+            page.heading(2, f"{title} ({folder}/)", folder),
+            f'<p class="muted">This stage\'s own page: <a href="{page.e(folder)}/report.html">'
+            f"{page.e(folder)}/report.html</a></p>",
+        ]
         blocks += run_blocks(run, warnings, run_plots(run, warnings), prefix=f"{folder}-", level=3)
         nav.append((folder, title))
     if summary.get("examples"):
-        blocks += [page.heading(2, "What the policies write (held-out prompts, sampled)", "examples"),
-                   page.examples_block(summary["examples"])]
+        blocks += [
+            page.heading(2, "What the policies write (held-out prompts, sampled)", "examples"),
+            page.examples_block(summary["examples"]),
+        ]
         nav.append(("examples", "Examples"))
     path = out / "report.html"
-    path.write_text(page.page("rlhfkit quickstart", f"every stage of the quickstart in {out}", blocks, nav),
-                    encoding="utf-8")
+    path.write_text(
+        page.page("rlhfkit quickstart", f"every stage of the quickstart in {out}", blocks, nav),
+        encoding="utf-8",
+    )
     return path
 
 
@@ -194,13 +221,19 @@ def _markdown(run: Run, figs: list[Plot], warnings: list[health.HealthWarning]) 
     if flat:
         lines += ["## Summary", "", "| figure | value |", "|---|---|"]
         for k, v in flat.items():
-            note = health.negative_kl_note(v, estimator) if k.endswith("kl_mean") and isinstance(v, int | float) else None
+            note = (
+                health.negative_kl_note(v, estimator)
+                if k.endswith("kl_mean") and isinstance(v, int | float)
+                else None
+            )
             lines.append(f"| {_md(label(k))} | {fmt(v)}{' (' + note + ')' if note else ''} |")
         lines.append("")
     if run.online:
         lines += ["## Warning signs", ""]
-        lines += [f"- **{health.RULES[w.rule][0].split(':')[0]}** (steps {w.first_step}-{w.last_step}): {_md(w.message)}"
-                  for w in warnings] or ["None of the rules fired (the rules are listed in report.html)."]
+        lines += [
+            f"- **{health.RULES[w.rule][0].split(':')[0]}** (steps {w.first_step}-{w.last_step}): {_md(w.message)}"
+            for w in warnings
+        ] or ["None of the rules fired (the rules are listed in report.html)."]
         lines.append("")
     last = run.rows[-1]
     lines += [f"## Last logged step ({last['step']})", "", "| metric | value |", "|---|---|"]
@@ -222,19 +255,39 @@ def samples_section(run: Path, count: int = 3) -> list[str]:
     picked = pick_samples(read_samples(path), count) if path.is_file() else {}
     if not picked:
         return []
-    lines = ["## Samples", "", f"From `{SAMPLES_FILE}` (every line is one response; `score` is what entered the "
-                                "rewards, null when nothing scored it).", ""]
-    titles = {"newest": f"Newest (rollout {picked['newest'][0]['step']})", "best": "Best-scored",
-              "worst": "Worst-scored"}
+    lines = [
+        "## Samples",
+        "",
+        f"From `{SAMPLES_FILE}` (every line is one response; `score` is what entered the "
+        "rewards, null when nothing scored it).",
+        "",
+    ]
+    titles = {
+        "newest": f"Newest (rollout {picked['newest'][0]['step']})",
+        "best": "Best-scored",
+        "worst": "Worst-scored",
+    }
     for key, title in titles.items():
         if not picked[key]:
             continue
-        lines += [f"### {title}", "", "| step | score | parts | KL | length | ended | prompt | response |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {title}",
+            "",
+            "| step | score | parts | KL | length | ended | prompt | response |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for row in picked[key]:
             parts = ", ".join(f"{k} {fmt(v)}" for k, v in (row.get("parts") or {}).items())
-            cells = [row["step"], fmt(row.get("score")), _md(parts), fmt(row.get("kl")), row.get("length"),
-                     row.get("ended"), _cell(row.get("prompt")), _cell(row.get("response"))]
+            cells = [
+                row["step"],
+                fmt(row.get("score")),
+                _md(parts),
+                fmt(row.get("kl")),
+                row.get("length"),
+                row.get("ended"),
+                _cell(row.get("prompt")),
+                _cell(row.get("response")),
+            ]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")
     return lines

@@ -187,4 +187,5 @@ def test_explained_variance_of_two_shards_with_all_sum_is_that_of_the_whole_batc
     explained_variance(*shards[1], all_sum=all_sum)
     other = captured[-1]
     assert explained_variance(*shards[0], all_sum=all_sum).item() == pytest.approx(
-        explained_variance(v, r, m).item(), rel=1e-12)
+        explained_variance(v, r, m).item(), rel=1e-12
+    )

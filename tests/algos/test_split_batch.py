@@ -41,8 +41,9 @@ def test_moments_and_whitening_of_halves_are_the_whole_batchs():
     first, second = _halves(lambda rows, s: masked_whiten(x[rows], mask[rows], all_sum=s), 4)
     assert torch.allclose(torch.cat([first, second]), whole, atol=1e-12)
     # the control: each half whitened on its own is not the whole batch's whitening
-    assert not torch.allclose(torch.cat([masked_whiten(x[:4], mask[:4]), masked_whiten(x[4:], mask[4:])]), whole,
-                              atol=1e-3)
+    assert not torch.allclose(
+        torch.cat([masked_whiten(x[:4], mask[:4]), masked_whiten(x[4:], mask[4:])]), whole, atol=1e-3
+    )
 
 
 @pytest.mark.parametrize("name", ["gae", "reinforce_pp"])
@@ -53,7 +54,9 @@ def test_whitening_estimators_on_halves_give_the_whole_batchs_advantages(name, n
     estimator = ADVANTAGE_ESTIMATORS[name]
 
     def run(rows, all_sum=None):
-        return estimator(rewards[rows], mask[rows], values[rows], None, norm_by_std=norm_by_std, all_sum=all_sum)[0]
+        return estimator(
+            rewards[rows], mask[rows], values[rows], None, norm_by_std=norm_by_std, all_sum=all_sum
+        )[0]
 
     whole = run(slice(None))
     first, second = _halves(run, 3)

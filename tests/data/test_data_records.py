@@ -77,13 +77,19 @@ def test_hub_name_goes_to_datasets_load_dataset_and_its_splits(monkeypatch):
 
     def fake_load_dataset(name):
         calls.append(name)
-        return datasets.DatasetDict({"train_prefs": datasets.Dataset.from_list([{"prompt": "a"}]),
-                                     "test_prefs": datasets.Dataset.from_list([{"prompt": "hello"}])})
+        return datasets.DatasetDict(
+            {
+                "train_prefs": datasets.Dataset.from_list([{"prompt": "a"}]),
+                "test_prefs": datasets.Dataset.from_list([{"prompt": "hello"}]),
+            }
+        )
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     assert load_dataset_records("someone/prompts", "prompts", split="test_prefs") == [{"prompt": "hello"}]
     assert calls == ["someone/prompts"]
-    with pytest.raises(DataError, match="no split 'train' \\(splits: train_prefs, test_prefs\\); set data.train_split"):
+    with pytest.raises(
+        DataError, match="no split 'train' \\(splits: train_prefs, test_prefs\\); set data.train_split"
+    ):
         load_dataset_records("someone/prompts", "prompts")
     with pytest.raises(DataError, match="has splits train_prefs, test_prefs: set data.eval_split"):
         load_dataset_records("someone/prompts", "prompts", split=None, split_key="data.eval_split")
@@ -113,14 +119,25 @@ BAD_JSONL = [
     ("sft", [{"prompt": "hi", "completion": None}], 1, "completion", "is null"),
     (
         "sft",
-        [{"prompt": "hi", "completion": [{"role": "user", "content": "not hi"}, {"role": "assistant", "content": "x"}]}],
+        [
+            {
+                "prompt": "hi",
+                "completion": [{"role": "user", "content": "not hi"}, {"role": "assistant", "content": "x"}],
+            }
+        ],
         1,
         "completion",
         "starts with turns that are not the prompt column's",
     ),
     ("sft", [{"prompt": "hi", "completion": "x", "text": "y"}], 1, "text", "give one of 'messages'"),
     ("sft", [{"text": 3}], 1, "text", "expected a string, got int"),
-    ("sft", [{"body": "hello"}], 1, "prompt", "is missing (the row's columns: body; name yours with data.columns"),
+    (
+        "sft",
+        [{"body": "hello"}],
+        1,
+        "prompt",
+        "is missing (the row's columns: body; name yours with data.columns",
+    ),
     (
         "sft",
         [{"messages": [{"role": "user", "content": "hi"}]}],

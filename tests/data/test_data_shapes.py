@@ -34,20 +34,47 @@ HH_PROMPT = "\n\nHuman: the cat ?\n\nAssistant: one two\n\nHuman: good ?\n\nAssi
 PREFERENCE_SHAPES = {
     "explicit plain": ({"prompt": "the cat", "chosen": "sat", "rejected": "ran"}, "the cat", "sat", "ran"),
     "implicit conversation (trl-lib/ultrafeedback_binarized)": (
-        {"chosen": [user("hello"), bot("world")], "rejected": [user("hello"), bot("dog")], "score_chosen": 8.0},
-        [user("hello")], [bot("world")], [bot("dog")]),
+        {
+            "chosen": [user("hello"), bot("world")],
+            "rejected": [user("hello"), bot("dog")],
+            "score_chosen": 8.0,
+        },
+        [user("hello")],
+        [bot("world")],
+        [bot("dog")],
+    ),
     "implicit multi-turn conversation": (
-        {"chosen": [user("hi"), bot("yes"), user("cat ?"), bot("good")],
-         "rejected": [user("hi"), bot("yes"), user("cat ?"), bot("bad")]},
-        [user("hi"), bot("yes"), user("cat ?")], [bot("good")], [bot("bad")]),
-    "implicit HH-RLHF text": ({"chosen": HH_CHOSEN, "rejected": HH_REJECTED}, HH_PROMPT, " yes good", " yes bad"),
+        {
+            "chosen": [user("hi"), bot("yes"), user("cat ?"), bot("good")],
+            "rejected": [user("hi"), bot("yes"), user("cat ?"), bot("bad")],
+        },
+        [user("hi"), bot("yes"), user("cat ?")],
+        [bot("good")],
+        [bot("bad")],
+    ),
+    "implicit HH-RLHF text": (
+        {"chosen": HH_CHOSEN, "rejected": HH_REJECTED},
+        HH_PROMPT,
+        " yes good",
+        " yes bad",
+    ),
     "prompt string, responses repeat it (HuggingFaceH4/ultrafeedback_binarized)": (
-        {"prompt": "the cat ?", "prompt_id": "x1", "chosen": [user("the cat ?"), bot("sat")],
-         "rejected": [user("the cat ?"), bot("ran")]},
-        [user("the cat ?")], [bot("sat")], [bot("ran")]),
+        {
+            "prompt": "the cat ?",
+            "prompt_id": "x1",
+            "chosen": [user("the cat ?"), bot("sat")],
+            "rejected": [user("the cat ?"), bot("ran")],
+        },
+        [user("the cat ?")],
+        [bot("sat")],
+        [bot("ran")],
+    ),
     "prompt string, assistant messages": (
         {"prompt": "the cat ?", "chosen": [bot("sat")], "rejected": [bot("ran")]},
-        [user("the cat ?")], [bot("sat")], [bot("ran")]),
+        [user("the cat ?")],
+        [bot("sat")],
+        [bot("ran")],
+    ),
 }
 
 
@@ -69,7 +96,10 @@ def test_preference_shapes_give_the_hand_written_prompt_and_responses(tmp_path, 
 
 
 def test_hh_prompt_ends_at_the_last_shared_assistant_marker_not_at_the_longest_common_prefix(tmp_path):
-    row = {"chosen": "\n\nHuman: hi\n\nAssistant: I think yes", "rejected": "\n\nHuman: hi\n\nAssistant: I think no"}
+    row = {
+        "chosen": "\n\nHuman: hi\n\nAssistant: I think yes",
+        "rejected": "\n\nHuman: hi\n\nAssistant: I think no",
+    }
     (record,) = load_dataset_records(write_jsonl(tmp_path / "p.jsonl", [row]), "preferences")
     assert record["prompt"] == "\n\nHuman: hi\n\nAssistant:"
     assert (record["chosen"], record["rejected"]) == (" I think yes", " I think no")
@@ -80,7 +110,10 @@ SFT_SHAPES = {
     "prompt + completion": ({"prompt": "the cat", "completion": "sat"}, "the cat", "sat"),
     "messages": ({"messages": [user("hi"), bot("yes")]}, [user("hi")], [bot("yes")]),
     "prompt string, completion repeats it": (
-        {"prompt": "hi", "completion": [user("hi"), bot("yes")]}, [user("hi")], [bot("yes")]),
+        {"prompt": "hi", "completion": [user("hi"), bot("yes")]},
+        [user("hi")],
+        [bot("yes")],
+    ),
 }
 
 
@@ -110,11 +143,21 @@ def write_dataset_dict(root):
     import datasets
 
     def rows(words):
-        return [{"question": f"the {w} ?", "good": [user(f"the {w} ?"), bot("yes")],
-                 "poor": [user(f"the {w} ?"), bot("no")]} for w in words]
+        return [
+            {
+                "question": f"the {w} ?",
+                "good": [user(f"the {w} ?"), bot("yes")],
+                "poor": [user(f"the {w} ?"), bot("no")],
+            }
+            for w in words
+        ]
 
-    datasets.DatasetDict({"train_prefs": datasets.Dataset.from_list(rows(["cat", "dog", "mat"])),
-                          "test_prefs": datasets.Dataset.from_list(rows(["one", "two"]))}).save_to_disk(str(root))
+    datasets.DatasetDict(
+        {
+            "train_prefs": datasets.Dataset.from_list(rows(["cat", "dog", "mat"])),
+            "test_prefs": datasets.Dataset.from_list(rows(["one", "two"])),
+        }
+    ).save_to_disk(str(root))
     return str(root)
 
 
@@ -125,8 +168,12 @@ def data_config(*overrides):
 def test_columns_and_splits_on_a_dataset_dict_folder(tmp_path):
     folder = write_dataset_dict(tmp_path / "dd")
     tok = tiny_tokenizer(chat_template=True)
-    cfg = data_config(f"data.train_file={folder}", "data.train_split=train_prefs", "data.eval_split=test_prefs",
-                      "data.columns={prompt: question, chosen: good, rejected: poor}")
+    cfg = data_config(
+        f"data.train_file={folder}",
+        "data.train_split=train_prefs",
+        "data.eval_split=test_prefs",
+        "data.columns={prompt: question, chosen: good, rejected: poor}",
+    )
     train, held = prepare_run_data(cfg, "preferences", tok, TokenLimits())
     assert [r["prompt"] for r in train.records] == [[user(f"the {w} ?")] for w in ("cat", "dog", "mat")]
     assert [r["prompt"] for r in held.records] == [[user("the one ?")], [user("the two ?")]]
@@ -134,68 +181,133 @@ def test_columns_and_splits_on_a_dataset_dict_folder(tmp_path):
 
     # An eval_file that is a DatasetDict with several splits and no eval_split: an error naming them,
     # never a silent 'train'.
-    cfg = data_config(f"data.train_file={folder}", "data.train_split=train_prefs", f"data.eval_file={folder}",
-                      "data.columns={prompt: question, chosen: good, rejected: poor}")
+    cfg = data_config(
+        f"data.train_file={folder}",
+        "data.train_split=train_prefs",
+        f"data.eval_file={folder}",
+        "data.columns={prompt: question, chosen: good, rejected: poor}",
+    )
     with pytest.raises(DataError, match="has splits train_prefs, test_prefs: set data.eval_split"):
         prepare_run_data(cfg, "preferences", tok, TokenLimits())
-    with pytest.raises(DataError, match="no split 'train' \\(splits: train_prefs, test_prefs\\); set data.train_split"):
+    with pytest.raises(
+        DataError, match="no split 'train' \\(splits: train_prefs, test_prefs\\); set data.train_split"
+    ):
         prepare_run_data(data_config(f"data.train_file={folder}"), "preferences", tok, TokenLimits())
     import datasets
 
     both = str(tmp_path / "train_test")
-    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}]),
-                          "test": datasets.Dataset.from_list([{"prompt": "d", "chosen": "e", "rejected": "f"}])}
-                         ).save_to_disk(both)
-    with pytest.raises(DataError, match="has splits train, test: set data.eval_split"):  # not a silent 'train'
-        prepare_run_data(data_config(f"data.train_file={both}", f"data.eval_file={both}"), "preferences", tok,
-                         TokenLimits())
-    _, held = prepare_run_data(data_config(f"data.train_file={both}", f"data.eval_file={both}", "data.eval_split=test"),
-                               "preferences", tok, TokenLimits())
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}]),
+            "test": datasets.Dataset.from_list([{"prompt": "d", "chosen": "e", "rejected": "f"}]),
+        }
+    ).save_to_disk(both)
+    with pytest.raises(
+        DataError, match="has splits train, test: set data.eval_split"
+    ):  # not a silent 'train'
+        prepare_run_data(
+            data_config(f"data.train_file={both}", f"data.eval_file={both}"),
+            "preferences",
+            tok,
+            TokenLimits(),
+        )
+    _, held = prepare_run_data(
+        data_config(f"data.train_file={both}", f"data.eval_file={both}", "data.eval_split=test"),
+        "preferences",
+        tok,
+        TokenLimits(),
+    )
     assert [r["prompt"] for r in held.records] == ["d"]
 
 
 # (what is wrong, the settings or rows, the message's words)
 BAD = [
-    ("column not there", ["data.columns={prompt: query}"], "data.columns maps 'prompt' to 'query', which is not a column"),
+    (
+        "column not there",
+        ["data.columns={prompt: query}"],
+        "data.columns maps 'prompt' to 'query', which is not a column",
+    ),
     ("mapping hides a column", ["data.columns={prompt: chosen_text}"], "also has a 'prompt' column"),
-    ("split of a single file", ["data.train_split=train_prefs"], "is one table with no splits, so data.train_split"),
-    ("eval split of a single file", ["data.eval_split=test"], "is one table with no splits, so data.eval_split"),
+    (
+        "split of a single file",
+        ["data.train_split=train_prefs"],
+        "is one table with no splits, so data.train_split",
+    ),
+    (
+        "eval split of a single file",
+        ["data.eval_split=test"],
+        "is one table with no splits, so data.eval_split",
+    ),
 ]
 
 
 @pytest.mark.parametrize("what, overrides, words", BAD, ids=[b[0] for b in BAD])
 def test_bad_columns_and_splits(tmp_path, what, overrides, words):
-    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "a", "chosen_text": "b", "chosen": "c", "rejected": "d"}])
+    train = write_jsonl(
+        tmp_path / "t.jsonl", [{"prompt": "a", "chosen_text": "b", "chosen": "c", "rejected": "d"}]
+    )
     with pytest.raises(DataError, match=words):
-        prepare_run_data(data_config(f"data.train_file={train}", *overrides), "preferences", tiny_tokenizer(),
-                         TokenLimits())
+        prepare_run_data(
+            data_config(f"data.train_file={train}", *overrides),
+            "preferences",
+            tiny_tokenizer(),
+            TokenLimits(),
+        )
 
 
-@pytest.mark.parametrize("columns, words", [
-    ("{promt: question}", "'promt' is not a standard column name \\(did you mean 'prompt'\\?\\)"),
-    ("{prompt: a, chosen: a}", "column\\(s\\) a mapped to more than one standard name"),
-])
+@pytest.mark.parametrize(
+    "columns, words",
+    [
+        ("{promt: question}", "'promt' is not a standard column name \\(did you mean 'prompt'\\?\\)"),
+        ("{prompt: a, chosen: a}", "column\\(s\\) a mapped to more than one standard name"),
+    ],
+)
 def test_bad_column_mappings_are_config_errors(columns, words):
     with pytest.raises(ConfigError, match=words):
         data_config("data.train_file=x.jsonl", f"data.columns={columns}")
 
 
 BAD_ROWS = [
-    ({"chosen": [user("a"), bot("b")], "rejected": [user("z"), bot("c")]}, "chosen",
-     "chosen and rejected share no first turns"),
-    ({"chosen": "Human: a Assistant: b", "rejected": "Human: a Assistant: c"}, "chosen",
-     "no line starting with 'Assistant:'"),
-    ({"chosen": [user("a"), bot("b")], "rejected": "b"}, "rejected", "expected a list of messages like chosen"),
-    ({"chosen": [user("a"), bot("b"), user("c")], "rejected": [user("a"), bot("x")]}, "chosen[2].role",
-     "is 'user' after the 1 turn(s) that make the prompt"),
-    ({"prompt": "a", "chosen": [user("b"), bot("c")], "rejected": [user("b"), bot("d")]}, "chosen",
-     "starts with turns that are not the prompt column's"),
-    ({"chosen": [user("a"), bot("b")], "rejected": [user("a"), bot("b")]}, "chosen",
-     None),  # identical conversations: still a prompt and two (equal) replies
-    ({"question": "a", "chosen": "b", "rejected": "c"}, "chosen",
-     "name yours with data.columns (the row's columns: question, chosen, rejected)"),
-    ({"question": "a", "chosen": "b"}, "prompt",
-     "is missing (the row's columns: question, chosen; name yours with data.columns"),
+    (
+        {"chosen": [user("a"), bot("b")], "rejected": [user("z"), bot("c")]},
+        "chosen",
+        "chosen and rejected share no first turns",
+    ),
+    (
+        {"chosen": "Human: a Assistant: b", "rejected": "Human: a Assistant: c"},
+        "chosen",
+        "no line starting with 'Assistant:'",
+    ),
+    (
+        {"chosen": [user("a"), bot("b")], "rejected": "b"},
+        "rejected",
+        "expected a list of messages like chosen",
+    ),
+    (
+        {"chosen": [user("a"), bot("b"), user("c")], "rejected": [user("a"), bot("x")]},
+        "chosen[2].role",
+        "is 'user' after the 1 turn(s) that make the prompt",
+    ),
+    (
+        {"prompt": "a", "chosen": [user("b"), bot("c")], "rejected": [user("b"), bot("d")]},
+        "chosen",
+        "starts with turns that are not the prompt column's",
+    ),
+    (
+        {"chosen": [user("a"), bot("b")], "rejected": [user("a"), bot("b")]},
+        "chosen",
+        None,
+    ),  # identical conversations: still a prompt and two (equal) replies
+    (
+        {"question": "a", "chosen": "b", "rejected": "c"},
+        "chosen",
+        "name yours with data.columns (the row's columns: question, chosen, rejected)",
+    ),
+    (
+        {"question": "a", "chosen": "b"},
+        "prompt",
+        "is missing (the row's columns: question, chosen; name yours with data.columns",
+    ),
 ]
 
 
@@ -214,8 +326,10 @@ def test_bad_implicit_rows_name_the_field(tmp_path, row, field, words):
 def test_tokenisation_is_cached_and_read_back_equal(tmp_path, monkeypatch):
     import rlhfkit.data.prepare as prepare
 
-    rows = [{"chosen": [user(f"the {w}"), bot("good")], "rejected": [user(f"the {w}"), bot("bad")], "margin": m}
-            for w, m in (("cat", 1.0), ("dog", None), ("mat", 0.5))]
+    rows = [
+        {"chosen": [user(f"the {w}"), bot("good")], "rejected": [user(f"the {w}"), bot("bad")], "margin": m}
+        for w, m in (("cat", 1.0), ("dog", None), ("mat", 0.5))
+    ]
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     tok, limits = tiny_tokenizer(chat_template=True), TokenLimits(max_prompt_length=16, max_length=24)
     first = prepare_examples(path, "preferences", tok, limits)
@@ -244,10 +358,14 @@ def test_workers_tokenise_the_same_and_errors_come_back_from_the_cache(tmp_path)
     other = write_jsonl(tmp_path / "s2.jsonl", rows + [{"prompt": "one"}])  # another file: its own cache
     with pytest.raises(DataError):
         prepare_examples(other, "sft", tok, TokenLimits(8, 16))
-    both = prepare_examples(write_jsonl(tmp_path / "w.jsonl", rows), "sft", tok, TokenLimits(8, 16), num_proc=2)
+    both = prepare_examples(
+        write_jsonl(tmp_path / "w.jsonl", rows), "sft", tok, TokenLimits(8, 16), num_proc=2
+    )
     assert list(both) == list(alone)
-    too_long = write_jsonl(tmp_path / "long.jsonl", rows[:2] + [{"prompt": "one two three four five six seven "
-                                                                          "eight nine", "completion": "ten"}])
+    too_long = write_jsonl(
+        tmp_path / "long.jsonl",
+        rows[:2] + [{"prompt": "one two three four five six seven eight nine", "completion": "ten"}],
+    )
     for _ in range(2):  # the second time from the cache: the same error, naming the row
         with pytest.raises(DataError, match="long.jsonl, line 3, field 'prompt': is 10 tokens, longer than"):
             prepare_examples(too_long, "sft", tok, TokenLimits(8, 16))

@@ -23,16 +23,35 @@ from tests.distributed.test_data_parallel import torchrun, write_problems
 def arguments(kind: str, problems: Path, out: Path) -> list[str]:
     config = out.parent / f"{out.name}.yaml"
     config.write_text("seed: 0\nlogging:\n  progress_bar: false\n")
-    common = ["train", kind, "--config", str(config), "--overwrite", f"output_dir={out}", "train.max_steps=1",
-              "train.batch_size=4", "data.max_prompt_length=16"]
+    common = [
+        "train",
+        kind,
+        "--config",
+        str(config),
+        "--overwrite",
+        f"output_dir={out}",
+        "train.max_steps=1",
+        "train.batch_size=4",
+        "data.max_prompt_length=16",
+    ]
     if kind == "ppo":
         data = problems / "online"
-        return [*common, f"model.name_or_path={data / 'policy'}", f"data.train_file={data / 'prompts.jsonl'}",
-                f"online.reward_model={data / 'reward'}", "online.group_size=2", "online.response_length=6",
-                "online.ppo_epochs=1"]
+        return [
+            *common,
+            f"model.name_or_path={data / 'policy'}",
+            f"data.train_file={data / 'prompts.jsonl'}",
+            f"online.reward_model={data / 'reward'}",
+            "online.group_size=2",
+            "online.response_length=6",
+            "online.ppo_epochs=1",
+        ]
     data = problems / kind
-    return [*common, f"model.name_or_path={data / 'model'}", f"data.train_file={data / 'train.jsonl'}",
-            "data.max_length=40"]
+    return [
+        *common,
+        f"model.name_or_path={data / 'model'}",
+        f"data.train_file={data / 'train.jsonl'}",
+        "data.max_length=40",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             lines = len(read_metrics(out / "metrics.jsonl")) if (out / "metrics.jsonl").exists() else 0
             ok = proc.returncode == 0 and not aborted and lines == 1
             clean[kind] += ok
-            print(f"{kind} run {i}: exit {proc.returncode}, abort {aborted}, metrics lines {lines}, "
-                  f"{time.perf_counter() - start:.1f} s" + ("" if ok else f" NOT CLEAN: {proc.stderr[-300:]!r}"),
-                  flush=True)
+            print(
+                f"{kind} run {i}: exit {proc.returncode}, abort {aborted}, metrics lines {lines}, "
+                f"{time.perf_counter() - start:.1f} s"
+                + ("" if ok else f" NOT CLEAN: {proc.stderr[-300:]!r}"),
+                flush=True,
+            )
     print("clean ends: " + ", ".join(f"{kind} {n}/{args.runs}" for kind, n in clean.items()), flush=True)
     return 0 if all(n == args.runs for n in clean.values()) else 1
 

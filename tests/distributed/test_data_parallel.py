@@ -30,23 +30,39 @@ GRAD_TOL, WEIGHT_TOL = 1e-6, 1e-5
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node nproc ARGS`` with this checkout's rlhfkit and tests importable."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), os.getcwd()])),
-           "RLHFKIT_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), os.getcwd()])),
+        "RLHFKIT_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("PYTEST_CURRENT_TEST", None)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def write_prm_problem(root: Path) -> None:
     tokenizer = tiny_tokenizer()
-    tiny_llama(seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id).save_pretrained(root / "model")
+    tiny_llama(seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id).save_pretrained(
+        root / "model"
+    )
     tokenizer.save_pretrained(root / "model")
     rng = random.Random(0)
     rows = []
     for _ in range(16):
         steps = [" ".join(rng.choices(BODY_WORDS, k=rng.randint(1, 3))) for _ in range(rng.randint(1, 3))]
-        rows.append({"prompt": " ".join(rng.choices(BODY_WORDS, k=2)), "steps": steps,
-                     "labels": [rng.random() < 0.5 for _ in steps]})
+        rows.append(
+            {
+                "prompt": " ".join(rng.choices(BODY_WORDS, k=2)),
+                "steps": steps,
+                "labels": [rng.random() < 0.5 for _ in steps],
+            }
+        )
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -90,21 +106,30 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case", [c for c in worker.CASES if not c.startswith("control-")])
 def test_two_processes_give_one_processs_gradients_weights_and_metrics(results, case):
     (one, metrics_one), (two, metrics_two) = results[1][case], results[2][case]
-    assert max(float(g.abs().max()) for k, g in one.items() if k.startswith("grad.")) > 1e-3  # a real gradient
+    assert (
+        max(float(g.abs().max()) for k, g in one.items() if k.startswith("grad.")) > 1e-3
+    )  # a real gradient
     assert _max_diff(one, two, "grad.") <= GRAD_TOL
     assert _max_diff(one, two, "weight.") <= WEIGHT_TOL
     if case not in worker.OFFLINE:  # every minibatch's step, some with a process that holds no row of it
         assert _max_diff(one, two, "final.") <= WEIGHT_TOL
-        assert metrics_one["score/unscored"] == metrics_two["score/unscored"] == 1  # a count over all processes
+        assert (
+            metrics_one["score/unscored"] == metrics_two["score/unscored"] == 1
+        )  # a count over all processes
     assert metrics_one.keys() == metrics_two.keys()
     for key, value in metrics_one.items():
         assert metrics_two[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("control", "correct"), [("control-sft-local-normalizer", "sft"),
-                                                  ("control-ppo-local-normalizer", "ppo-token-mean"),
-                                                  ("control-ppo-local-whitening", "ppo-token-mean")])
+@pytest.mark.parametrize(
+    ("control", "correct"),
+    [
+        ("control-sft-local-normalizer", "sft"),
+        ("control-ppo-local-normalizer", "ppo-token-mean"),
+        ("control-ppo-local-whitening", "ppo-token-mean"),
+    ],
+)
 def test_a_planted_data_parallel_bug_fails_the_comparison(results, control, correct):
     one, broken = results[1][correct][0], results[2][control][0]
     scale = max(float(g.abs().max()) for k, g in one.items() if k.startswith("grad."))

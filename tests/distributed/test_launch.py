@@ -20,17 +20,25 @@ def test_two_process_ppo_run_ends_cleanly_then_resumes_on_one_process(tmp_path, 
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")  # the in-process resume: one thread, as the suite runs
     paths = write_online_problem(tmp_path)
     out = tmp_path / "run"
-    settings = (f"online.reward_model={paths['reward']}", "train.save_steps=1", "online.kl_target=0.5",
-                "online.kl_horizon=20")
+    settings = (
+        f"online.reward_model={paths['reward']}",
+        "train.save_steps=1",
+        "online.kl_target=0.5",
+        "online.kl_horizon=20",
+    )
     proc = torchrun("-m", "rlhfkit.cli", *online_cli_args(paths, out, *settings, "train.max_steps=2"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "terminate called" not in proc.stderr
-    assert proc.stderr.count("rlhfkit: ppo on 2 processes (torchrun, gloo, cpu)") == 1  # said once, by the main one
+    assert (
+        proc.stderr.count("rlhfkit: ppo on 2 processes (torchrun, gloo, cpu)") == 1
+    )  # said once, by the main one
     info = read_run_info(out / "config.yaml")
     assert (info["world_size"], info["local_world_size"], info["launcher"]) == (2, 2, "torchrun")
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]  # one line per rollout: written by one process
-    assert (out / "final" / "model.safetensors").is_file() and (out / "final_critic" / "model.safetensors").is_file()
+    assert (out / "final" / "model.safetensors").is_file() and (
+        out / "final_critic" / "model.safetensors"
+    ).is_file()
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-1", "step-2"]
     # the KL controller of the two-process run read the logged KL: the whole rollout's
     ctl = AdaptiveKLController(rows[0]["kl_coef"], 0.5, 20)
@@ -60,12 +68,18 @@ def test_a_sharded_launch_is_refused_at_start_naming_the_alternative(tmp_path, m
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize(("env", "expected"), [
-    ({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, "half"),  # torchrun's OMP_NUM_THREADS=1 is not the user's
-    ({"LOCAL_WORLD_SIZE": "2", "RLHFKIT_NUM_THREADS": "3"}, 3),
-    ({"OMP_NUM_THREADS": "3"}, 3),  # no launcher: the user's own setting
-    ({}, "all"),
-])
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (
+            {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"},
+            "half",
+        ),  # torchrun's OMP_NUM_THREADS=1 is not the user's
+        ({"LOCAL_WORLD_SIZE": "2", "RLHFKIT_NUM_THREADS": "3"}, 3),
+        ({"OMP_NUM_THREADS": "3"}, 3),  # no launcher: the user's own setting
+        ({}, "all"),
+    ],
+)
 def test_threads_per_process_are_the_cores_shared_by_local_processes(monkeypatch, env, expected):
     from rlhfkit.engine.threads import default_num_threads
 
@@ -89,9 +103,12 @@ def test_a_group_split_between_processes_is_an_error():
     other = torch.tensor([0.0, 1.0, 1.0, 0.0])  # the other process holds groups 1 and 2
 
     def ctx_with(other_held):
-        return SimpleNamespace(accelerator=SimpleNamespace(num_processes=2), device="cpu",
-                               cfg=SimpleNamespace(train=SimpleNamespace(batch_size=4)),
-                               all_sum=lambda held: held.double() + other_held)
+        return SimpleNamespace(
+            accelerator=SimpleNamespace(num_processes=2),
+            device="cpu",
+            cfg=SimpleNamespace(train=SimpleNamespace(batch_size=4)),
+            all_sum=lambda held: held.double() + other_held,
+        )
 
     check_groups_on_one_process(ctx_with(torch.tensor([0.0, 0.0, 1.0, 1.0])), torch.tensor([0, 0, 1, 1, -7]))
     with pytest.raises(RuntimeError, match=r"groups of prompts \[1\] are split between processes"):

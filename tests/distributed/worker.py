@@ -44,8 +44,15 @@ from rlhfkit.trainers.sft import sft_objective
 from rlhfkit.types import Rollout
 
 OFFLINE = ("sft", "reward", "prm", "control-sft-local-normalizer")
-ONLINE = ("ppo-token-mean", "ppo-seq-mean-token-mean", "ppo-seq-mean-token-sum-norm", "grpo", "reinforce_pp",
-          "control-ppo-local-whitening", "control-ppo-local-normalizer")
+ONLINE = (
+    "ppo-token-mean",
+    "ppo-seq-mean-token-mean",
+    "ppo-seq-mean-token-sum-norm",
+    "grpo",
+    "reinforce_pp",
+    "control-ppo-local-whitening",
+    "control-ppo-local-normalizer",
+)
 CASES = OFFLINE + ONLINE
 
 
@@ -58,8 +65,10 @@ class FirstStep:
         self.grads: dict[str, torch.Tensor] = {}
         self.weights: dict[str, torch.Tensor] = {}
         self.seen: set[int] = set()
-        self.handles = [register_optimizer_step_pre_hook(self._before),
-                        register_optimizer_step_post_hook(self._after)]
+        self.handles = [
+            register_optimizer_step_pre_hook(self._before),
+            register_optimizer_step_post_hook(self._after),
+        ]
 
     def _params(self, optimizer):
         return [p for g in optimizer.param_groups for p in g["params"]]
@@ -79,16 +88,31 @@ class FirstStep:
     def close(self) -> dict[str, torch.Tensor]:
         for h in self.handles:
             h.remove()
-        return {**{f"grad.{k}": v for k, v in self.grads.items()}, **{f"weight.{k}": v for k, v in self.weights.items()}}
+        return {
+            **{f"grad.{k}": v for k, v in self.grads.items()},
+            **{f"weight.{k}": v for k, v in self.weights.items()},
+        }
 
 
 def _offline(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
     kind = case.removeprefix("control-").split("-")[0]
     data = root / kind
-    cfg = load_config(None, [f"output_dir={out / 'runs' / case}", f"model.name_or_path={data / 'model'}",
-                             f"data.train_file={data / 'train.jsonl'}", "train.max_steps=1", "train.batch_size=8",
-                             "train.micro_batch_size=2", "train.learning_rate=1e-2", "train.max_grad_norm=null",
-                             "data.max_prompt_length=16", "data.max_length=40"], kind)
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={out / 'runs' / case}",
+            f"model.name_or_path={data / 'model'}",
+            f"data.train_file={data / 'train.jsonl'}",
+            "train.max_steps=1",
+            "train.batch_size=8",
+            "train.micro_batch_size=2",
+            "train.learning_rate=1e-2",
+            "train.max_grad_norm=null",
+            "data.max_prompt_length=16",
+            "data.max_length=40",
+        ],
+        kind,
+    )
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(data / "model")
     pad, device = tokenizer.pad_token_id, accelerator.device
@@ -99,20 +123,32 @@ def _offline(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]
         model = load_causal_lm(data / "model", dtype=torch.float64, tokenizer=tokenizer)
         objective = sft_objective(SFTCollator(pad), None, 8, device)
     else:
-        examples = prepare_examples(cfg.data.train_file, "preferences" if kind == "reward" else "prm", tokenizer, limits)
+        examples = prepare_examples(
+            cfg.data.train_file, "preferences" if kind == "reward" else "prm", tokenizer, limits
+        )
         model = load_scalar_model(data / "model", dtype=torch.float64, tokenizer=tokenizer)
         keeper = BestKeeper(run.path / "best", keep_existing=False, main_process=accelerator.is_main_process)
         counters = {"tokens": 0.0, "eval_seconds": 0.0}
-        objective = (reward_objective(cfg, PairCollator(pad, cfg.reward.margin), None, keeper, device, counters, {})
-                     if kind == "reward" else prm_objective(cfg, PRMCollator(pad), None, keeper, device, counters))
+        objective = (
+            reward_objective(cfg, PairCollator(pad, cfg.reward.margin), None, keeper, device, counters, {})
+            if kind == "reward"
+            else prm_objective(cfg, PRMCollator(pad), None, keeper, device, counters)
+        )
     if case.startswith("control-"):  # the bug: each process normalises by its own share of the batch
         whole, rank, world = objective.normalizer, accelerator.process_index, accelerator.num_processes
         objective.normalizer = lambda batch: whole(batch[rank::world])
     recorder = FirstStep({"model": model.to(device)})
     train_offline(cfg, run, model, examples, objective, accelerator)
     run.close()
-    metrics = {k: v for k, v in json.loads((run.path / "metrics.jsonl").read_text().splitlines()[-1]).items()
-               if not k.startswith("time/")} if accelerator.is_main_process else {}
+    metrics = (
+        {
+            k: v
+            for k, v in json.loads((run.path / "metrics.jsonl").read_text().splitlines()[-1]).items()
+            if not k.startswith("time/")
+        }
+        if accelerator.is_main_process
+        else {}
+    )
     return recorder.close(), metrics
 
 
@@ -130,11 +166,16 @@ def _global_rollout(ctx, examples) -> Rollout:
     scores = torch.randn(total, generator=g, dtype=torch.float64)
     rows = slice(first, first + local)
     mask, response_ids = mask[rows], response_ids[rows]
-    ids, attn, start, w = online_steps.model_inputs(batch["query_ids"], batch["query_mask"], response_ids, mask)
+    ids, attn, start, w = online_steps.model_inputs(
+        batch["query_ids"], batch["query_mask"], response_ids, mask
+    )
     with torch.no_grad():
         logprobs = torch.zeros(local, width, dtype=torch.float64)
-        logprobs[:, :w] = logprobs_from_logits(response_logits(ctx.roles.actor, ids, attn, start),
-                                               response_ids[:, :w], ctx.cfg.online.temperature)
+        logprobs[:, :w] = logprobs_from_logits(
+            response_logits(ctx.roles.actor, ids, attn, start),
+            response_ids[:, :w],
+            ctx.cfg.online.temperature,
+        )
         values = None
         if ctx.roles.critic is not None:
             values = torch.zeros(local, width, dtype=torch.float64)
@@ -142,9 +183,18 @@ def _global_rollout(ctx, examples) -> Rollout:
             values = torch.where(mask, values + 0.3 * noise[2, rows], 0.0)
     old = torch.where(mask, logprobs + 0.1 * noise[0, rows], 0.0)  # ratios away from 1: some clipping
     ref = torch.where(mask, logprobs + 0.2 * noise[1, rows], 0.0)
-    return Rollout(query_ids=batch["query_ids"], query_mask=batch["query_mask"], response_ids=response_ids, mask=mask,
-                   logprobs=old, ref_logprobs=ref, values=values, group_ids=batch["group_ids"],
-                   ended=torch.ones(local, dtype=torch.bool), scores=scores[rows])
+    return Rollout(
+        query_ids=batch["query_ids"],
+        query_mask=batch["query_mask"],
+        response_ids=response_ids,
+        mask=mask,
+        logprobs=old,
+        ref_logprobs=ref,
+        values=values,
+        group_ids=batch["group_ids"],
+        ended=torch.ones(local, dtype=torch.bool),
+        scores=scores[rows],
+    )
 
 
 def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
@@ -154,25 +204,46 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
     # 8 responses, rows 0-3 on the first process: with 2 minibatches the first is rows {2, 5, 6, 7} (1 + 3 rows);
     # with 4 it is {5, 6}, and the first process joins that step's all-reduce with no row of its own
     minibatches = 2 if estimator == "gae" else 4
-    cfg = load_config(None, [f"output_dir={out / 'runs' / case}", f"model.name_or_path={data / 'policy'}",
-                             f"data.train_file={data / 'prompts.jsonl'}", f"online.reward_model={data / 'reward'}",
-                             "train.batch_size=4", "train.micro_batch_size=1", "online.group_size=2",
-                             "online.ppo_epochs=1", f"online.num_minibatches={minibatches}", "train.learning_rate=1e-2",
-                             "train.max_grad_norm=null",
-                             f"online.advantage_estimator={estimator}", f"online.loss_agg_mode={mode}",
-                             "online.response_length=6", "data.max_prompt_length=16"],
-                      "grpo" if estimator == "grpo" else "ppo")
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={out / 'runs' / case}",
+            f"model.name_or_path={data / 'policy'}",
+            f"data.train_file={data / 'prompts.jsonl'}",
+            f"online.reward_model={data / 'reward'}",
+            "train.batch_size=4",
+            "train.micro_batch_size=1",
+            "online.group_size=2",
+            "online.ppo_epochs=1",
+            f"online.num_minibatches={minibatches}",
+            "train.learning_rate=1e-2",
+            "train.max_grad_norm=null",
+            f"online.advantage_estimator={estimator}",
+            f"online.loss_agg_mode={mode}",
+            "online.response_length=6",
+            "data.max_prompt_length=16",
+        ],
+        "grpo" if estimator == "grpo" else "ppo",
+    )
     cfg.model.dtype = torch.float64
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     ctx = online.build_context(cfg, accelerator, tokenizer)
     examples = prepare_examples(cfg.data.train_file, "prompts", tokenizer, TokenLimits(16))
     rollout = _global_rollout(ctx, examples)
-    rollout.rewards, rollout.kl = shape_rewards(rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask,
-                                                ctx.kl_ctl.value, cfg.online.kl_estimator)
+    rollout.rewards, rollout.kl = shape_rewards(
+        rollout.scores,
+        rollout.logprobs,
+        rollout.ref_logprobs,
+        rollout.mask,
+        ctx.kl_ctl.value,
+        cfg.online.kl_estimator,
+    )
     if case == "control-ppo-local-whitening":  # the bug: each process whitens its own share of the rollout
-        online.ADVANTAGE_ESTIMATORS = {**ADVANTAGE_ESTIMATORS,
-                                       "gae": lambda *a, all_sum=None, **k: gae_advantages(*a, **k)}
+        online.ADVANTAGE_ESTIMATORS = {
+            **ADVANTAGE_ESTIMATORS,
+            "gae": lambda *a, all_sum=None, **k: gae_advantages(*a, **k),
+        }
     try:
         rollout.advantages, rollout.returns = online.estimate_advantages(ctx, rollout)
     finally:
@@ -185,11 +256,15 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
     scored = torch.ones(total, dtype=torch.bool)
     scored[3] = False  # the masked response, as if nothing had scored it: score/unscored counts it once
     scored = scored[first : first + local]
-    stats = online.rollout_stats(ctx, rollout, rollout.mask, rollout.scores, {}, torch.zeros_like(rollout.logprobs),
-                                 scored)
+    stats = online.rollout_stats(
+        ctx, rollout, rollout.mask, rollout.scores, {}, torch.zeros_like(rollout.logprobs), scored
+    )
     metrics = stats.merge(update.stats).means(ctx)
-    last = {f"final.{name}.{k}": p.detach().clone() for name in ctx.trained
-            for k, p in getattr(ctx.roles, name).named_parameters()}  # after every minibatch's step
+    last = {
+        f"final.{name}.{k}": p.detach().clone()
+        for name in ctx.trained
+        for k, p in getattr(ctx.roles, name).named_parameters()
+    }  # after every minibatch's step
     return {**recorder.close(), **last}, metrics
 
 
@@ -202,7 +277,9 @@ def run_cases(root: Path, out: Path, cases: tuple[str, ...] = CASES) -> None:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"{case}.safetensors"))
-            (out / f"{case}.json").write_text(json.dumps({"world_size": accelerator.num_processes, **metrics}))
+            (out / f"{case}.json").write_text(
+                json.dumps({"world_size": accelerator.num_processes, **metrics})
+            )
 
 
 if __name__ == "__main__":

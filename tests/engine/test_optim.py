@@ -15,8 +15,9 @@ def test_linear_schedule_with_warmup_by_hand():
 
 def test_cosine_and_constant_by_hand():
     f = lr_lambda("cosine", warmup_steps=0, max_steps=4)
-    assert [f(s) for s in range(5)] == pytest.approx([1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5,
-                                                      0.5 + 0.5 * math.cos(3 * math.pi / 4), 0.0])
+    assert [f(s) for s in range(5)] == pytest.approx(
+        [1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5, 0.5 + 0.5 * math.cos(3 * math.pi / 4), 0.0]
+    )
     assert lr_lambda("constant", 0, 10)(7) == 1.0
 
 

@@ -34,8 +34,10 @@ def test_rollout_bootstraps_truncation_not_termination():
     args = cp.Args(num_envs=3, num_steps=12, gamma=0.9)
     # A 5-step time limit: a random policy never lets the pole fall that soon, so every episode
     # is truncated at t = 4 and t = 9, and the rows end mid-episode at t = 11.
-    envs = SyncVectorEnv([lambda: gym.make("CartPole-v1", max_episode_steps=5) for _ in range(3)],
-                         autoreset_mode=AutoresetMode.SAME_STEP)
+    envs = SyncVectorEnv(
+        [lambda: gym.make("CartPole-v1", max_episode_steps=5) for _ in range(3)],
+        autoreset_mode=AutoresetMode.SAME_STEP,
+    )
     obs, _ = envs.reset(seed=0)
     agent = cp.make_agent(0)
     _constant_critic(agent, 3.0)
@@ -89,8 +91,15 @@ def test_smoke_run_changes_parameters_with_finite_losses():
     result = cp.train(args, agent)
     assert result.env_steps == 4096 and len(result.history) == 16
     for stats in result.history:
-        for name in ("loss/total", "loss/policy", "loss/value", "entropy/mean", "policy/clip_frac",
-                     "policy/approx_kl", "value/clip_frac"):
+        for name in (
+            "loss/total",
+            "loss/policy",
+            "loss/value",
+            "entropy/mean",
+            "policy/clip_frac",
+            "policy/approx_kl",
+            "value/clip_frac",
+        ):
             assert math.isfinite(stats[name]), (name, stats)
         assert 0.0 < stats["entropy/mean"] <= math.log(2) + 1e-6
     for p0, p1 in zip(before, agent.parameters(), strict=True):
@@ -123,7 +132,9 @@ def test_short_run_beats_a_random_policy():
 
 
 def test_command_line(capsys):
-    assert cp.main(["--smoke", "--total-steps", "512", "--seed", "3", "--log-every", "1", "--threads", "1"]) == 0
+    assert (
+        cp.main(["--smoke", "--total-steps", "512", "--seed", "3", "--log-every", "1", "--threads", "1"]) == 0
+    )
     out = capsys.readouterr().out
     assert "total env steps 512" in out and "wall time" in out and "threads 1, seed 3" in out
     args = cp.parse_args(["--no-anneal-lr", "--lam", "0.9", "--num-envs", "2"])

@@ -21,28 +21,68 @@ def test_overoptimization_script_runs_both_runs_fits_and_plots(tmp_path, capsys)
     task = get_task("reviews", seed=0)
     sft, reward = tmp_path / "sft", tmp_path / "reward"
     tokenizer = task.build_tokenizer(sft)
-    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-               eos_token_id=tokenizer.eos_token_id)
+    ids = dict(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     tiny_llama(seed=0, **ids).save_pretrained(sft)
     tiny_llama("scalar", seed=1, **ids).save_pretrained(reward)
     tokenizer.save_pretrained(reward)
-    files = {split: write_jsonl(tmp_path / f"prompts_{split}.jsonl", [{"prompt": p} for p in task.prompts(split)[:16]])
-             for split in ("train", "eval")}
+    files = {
+        split: write_jsonl(
+            tmp_path / f"prompts_{split}.jsonl", [{"prompt": p} for p in task.prompts(split)[:16]]
+        )
+        for split in ("train", "eval")
+    }
     rng = random.Random(0)
-    pairs = [{"prompt": p, "chosen": task.sample_completion(p, rng), "rejected": task.sample_completion(p, rng)}
-             for p in task.prompts("train")[:8]]
+    pairs = [
+        {"prompt": p, "chosen": task.sample_completion(p, rng), "rejected": task.sample_completion(p, rng)}
+        for p in task.prompts("train")[:8]
+    ]
     write_jsonl(tmp_path / "pairs.jsonl", pairs)
     out = tmp_path / "out"
-    args = ["--out", str(out), "--sft", str(sft), "--reward-model", str(reward), "--prompts-train",
-            str(files["train"]), "--prompts-eval", str(files["eval"]), "--pairs", str(tmp_path / "pairs.jsonl"),
-            "--preset", "smoke", "--rollouts", "4", "--eval-every", "1", "--eval-prompts", "16",
-            "--learning-rate", "1e-2", "--refresh-steps", "2",
-            "--refresh-settings", '{"pairs": 4, "steps": 2, "batch_size": 4, "normalize_max_pairs": 8}']
+    args = [
+        "--out",
+        str(out),
+        "--sft",
+        str(sft),
+        "--reward-model",
+        str(reward),
+        "--prompts-train",
+        str(files["train"]),
+        "--prompts-eval",
+        str(files["eval"]),
+        "--pairs",
+        str(tmp_path / "pairs.jsonl"),
+        "--preset",
+        "smoke",
+        "--rollouts",
+        "4",
+        "--eval-every",
+        "1",
+        "--eval-prompts",
+        "16",
+        "--learning-rate",
+        "1e-2",
+        "--refresh-steps",
+        "2",
+        "--refresh-settings",
+        '{"pairs": 4, "steps": 2, "batch_size": 4, "normalize_max_pairs": 8}',
+    ]
     ex = load_example("overoptimization")
     assert ex.main(args) == 0
     printed = capsys.readouterr().out
-    for text in ("Gao et al. fit", "α =", "β =", "linear fit", "observed peak", "With a reward-model refresh",
-                 "gap = proxy"):
+    for text in (
+        "Gao et al. fit",
+        "α =",
+        "β =",
+        "linear fit",
+        "observed peak",
+        "With a reward-model refresh",
+        "gap = proxy",
+    ):
         assert text in printed
     result = json.loads((out / "fit.json").read_text())
     for key in ("alpha", "beta", "r2", "rmse", "linear_a", "linear_r2", "d_peak", "observed_peak"):

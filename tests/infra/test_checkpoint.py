@@ -63,14 +63,22 @@ def resumed_run(tmp_path, restore_rng=True):
     seed_everything(0)
     model, opt, sched = build(0)
     train(model, opt, sched, 3)
-    path = save_checkpoint(tmp_path / "checkpoints", 3, {"policy": model}, {"policy": opt},
-                           {"policy": sched}, {"data_position": 12, "kl_coef": 0.05})
+    path = save_checkpoint(
+        tmp_path / "checkpoints",
+        3,
+        {"policy": model},
+        {"policy": opt},
+        {"policy": sched},
+        {"data_position": 12, "kl_coef": 0.05},
+    )
     # A fresh process: other initial weights, other RNG positions.
     seed_everything(99)
     model, opt, sched = build(123)
     train(model, opt, sched, 1)
     model, opt, sched = build(7)
-    state = load_checkpoint(path, {"policy": model}, {"policy": opt}, {"policy": sched}, restore_rng=restore_rng)
+    state = load_checkpoint(
+        path, {"policy": model}, {"policy": opt}, {"policy": sched}, restore_rng=restore_rng
+    )
     train(model, opt, sched, 3)
     return model, opt, sched, state
 
@@ -89,7 +97,10 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     assert resumed.out.weight is resumed.embed.weight  # still tied after loading
     for s, t in zip(opt.state.values(), r_opt.state.values(), strict=True):
         assert all(torch.equal(s[k], t[k]) for k in s)
-    assert sched.state_dict() == r_sched.state_dict() and opt.param_groups[0]["lr"] == r_opt.param_groups[0]["lr"]
+    assert (
+        sched.state_dict() == r_sched.state_dict()
+        and opt.param_groups[0]["lr"] == r_opt.param_groups[0]["lr"]
+    )
     # The next draws of every generator agree too.
     assert next_draws[:2] == resumed_draws[:2] and torch.equal(next_draws[2], resumed_draws[2])
 
@@ -107,12 +118,22 @@ def test_rng_streams_continue_identically(tmp_path):
     seed_everything(5)
     torch.rand(3), random.random(), np.random.rand()
     path = save_checkpoint(tmp_path, 1, {})
-    expected = (torch.rand(4), [random.random() for _ in range(3)], np.random.rand(3), random.gauss(0, 1),
-                np.random.normal())
+    expected = (
+        torch.rand(4),
+        [random.random() for _ in range(3)],
+        np.random.rand(3),
+        random.gauss(0, 1),
+        np.random.normal(),
+    )
     seed_everything(6)
     load_checkpoint(path, {})
-    got = (torch.rand(4), [random.random() for _ in range(3)], np.random.rand(3), random.gauss(0, 1),
-           np.random.normal())
+    got = (
+        torch.rand(4),
+        [random.random() for _ in range(3)],
+        np.random.rand(3),
+        random.gauss(0, 1),
+        np.random.normal(),
+    )
     assert torch.equal(expected[0], got[0]) and expected[1] == got[1] and np.array_equal(expected[2], got[2])
     assert expected[3:] == got[3:]
     # and the state survives a second capture/restore in memory
@@ -157,7 +178,9 @@ def test_names_and_shapes_must_match(tmp_path):
     model = nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
     path = save_checkpoint(tmp_path, 1, {"actor": model}, {"actor": opt})
-    with pytest.raises(CheckpointError, match=r"holds models \['actor'\], but this run has \['actor', 'critic'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"holds models \['actor'\], but this run has \['actor', 'critic'\]"
+    ):
         load_checkpoint(path, {"actor": model, "critic": nn.Linear(3, 1)}, {"actor": opt})
     with pytest.raises(CheckpointError, match="holds optimizers"):
         load_checkpoint(path, {"actor": model})
@@ -179,9 +202,16 @@ def test_only_safetensors_and_json_no_pickle(tmp_path, monkeypatch):
     train(model, opt, sched, 1)
     path = save_checkpoint(tmp_path, 1, {"policy": model}, {"policy": opt}, {"policy": sched})
     names = sorted(p.name for p in path.iterdir())
-    assert names == ["COMPLETE", "model.policy.safetensors", "optimizer.policy.json",
-                     "optimizer.policy.safetensors", "rng.json", "rng.safetensors", "scheduler.policy.json",
-                     "trainer_state.json"]
+    assert names == [
+        "COMPLETE",
+        "model.policy.safetensors",
+        "optimizer.policy.json",
+        "optimizer.policy.safetensors",
+        "rng.json",
+        "rng.safetensors",
+        "scheduler.policy.json",
+        "trainer_state.json",
+    ]
     for name in names:
         if name.endswith(".json") or name == "COMPLETE":
             json.loads((path / name).read_text())  # strict JSON (no NaN literals)
@@ -193,11 +223,20 @@ def test_encoder_round_trips_plain_data_and_tensors():
         "ints": {0: "a", 3: (1, 2.5, None)},
         "__dunder": [True, False, "x"],
         "floats": [math.inf, -math.inf, 1e-300, 0.1],
-        "tensors": [torch.tensor(3.0), torch.randn(2, 3).to(torch.bfloat16), torch.tensor([1, 2], dtype=torch.int64),
-                    torch.tensor([True, False]), torch.empty(0, 4), base[:4], base[4:], base.view(3, 4).t()],
+        "tensors": [
+            torch.tensor(3.0),
+            torch.randn(2, 3).to(torch.bfloat16),
+            torch.tensor([1, 2], dtype=torch.int64),
+            torch.tensor([True, False]),
+            torch.empty(0, 4),
+            base[:4],
+            base[4:],
+            base.view(3, 4).t(),
+        ],
         "numpy": np.float32(0.25),
         "np_int": np.int64(7),
-        "dotted.key": {"a": torch.ones(1)}, "dotted": {"key.a": torch.zeros(1)},
+        "dotted.key": {"a": torch.ones(1)},
+        "dotted": {"key.a": torch.zeros(1)},
     }
     tensors = {}
     encoded = _encode(obj, "state", tensors, set())
@@ -246,6 +285,7 @@ def _interrupt_after(monkeypatch, k: int) -> list[str]:
             if len(seen) == k:
                 raise _Interrupted(seen[-1])
             return result
+
         monkeypatch.setattr(owner, name, write)
 
     for name in ("save_model", "save_file"):
@@ -272,18 +312,29 @@ def test_a_save_interrupted_at_each_write_leaves_the_previous_checkpoint_the_new
     # How many writes a whole save makes (into a scratch folder, same objects).
     with monkeypatch.context() as m:
         writes = _interrupt_after(m, 0)
-        save_checkpoint(tmp_path / "scratch", 2, {"policy": model}, {"policy": opt}, {"policy": sched},
-                        {"data_position": 8})
-    assert len(writes) >= 7, writes  # model, optimizer (json + tensors), scheduler, rng, trainer state, marker...
+        save_checkpoint(
+            tmp_path / "scratch",
+            2,
+            {"policy": model},
+            {"policy": opt},
+            {"policy": sched},
+            {"data_position": 8},
+        )
+    assert len(writes) >= 7, (
+        writes
+    )  # model, optimizer (json + tensors), scheduler, rng, trainer state, marker...
     for k in range(1, len(writes)):  # the last write is the one that publishes step-2
         with monkeypatch.context() as m:
             seen = _interrupt_after(m, k)
             with pytest.raises(_Interrupted):
-                save_checkpoint(root, 2, {"policy": model}, {"policy": opt}, {"policy": sched}, {"data_position": 8})
+                save_checkpoint(
+                    root, 2, {"policy": model}, {"policy": opt}, {"policy": sched}, {"data_position": 8}
+                )
         assert latest_checkpoint(root).name == "step-1", (k, seen[-1])
         fresh, fresh_opt, fresh_sched = build(5)
-        state = load_checkpoint(latest_checkpoint(root), {"policy": fresh}, {"policy": fresh_opt},
-                                {"policy": fresh_sched})
+        state = load_checkpoint(
+            latest_checkpoint(root), {"policy": fresh}, {"policy": fresh_opt}, {"policy": fresh_sched}
+        )
         assert state["data_position"] == 4
         assert all(torch.equal(v, saved[key]) for key, v in fresh.state_dict().items())
     save_checkpoint(root, 2, {"policy": model}, {"policy": opt}, {"policy": sched}, {"data_position": 8})

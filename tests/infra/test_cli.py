@@ -31,7 +31,9 @@ def fake(monkeypatch):
         calls.append(("train", cfg, resume))
 
     module.train = train
-    module.quickstart = lambda out_dir, preset, overwrite, **kw: calls.append(("quickstart", out_dir, preset, overwrite))
+    module.quickstart = lambda out_dir, preset, overwrite, **kw: calls.append(
+        ("quickstart", out_dir, preset, overwrite)
+    )
     module.generate = lambda model, prompts, **kw: calls.append(("generate", model, prompts, kw))
     module.write_reports = lambda run_dirs, out: calls.append(("report", run_dirs, out)) or []
     monkeypatch.setitem(sys.modules, "fake_targets", module)
@@ -43,8 +45,10 @@ def fake(monkeypatch):
 
 def config_file(tmp_path, out="run", extra=""):
     path = tmp_path / "cfg.yaml"
-    path.write_text(f"output_dir: {tmp_path / out}\nmodel:\n  name_or_path: m\ndata:\n  train_file: d.jsonl\n"
-                    f"online:\n  reward_model: rm\n{extra}")
+    path.write_text(
+        f"output_dir: {tmp_path / out}\nmodel:\n  name_or_path: m\ndata:\n  train_file: d.jsonl\n"
+        f"online:\n  reward_model: rm\n{extra}"
+    )
     return path
 
 
@@ -71,10 +75,20 @@ def test_help(capsys):
     assert cli.main(["--version"]) == 0
 
 
-@pytest.mark.parametrize("argv", [[], ["train"], ["train", "dpo", "--config", "x"], ["train", "sft"],
-                                  ["train", "sft", "--config", "c", "--resume", "--overwrite"], ["fly"],
-                                  ["generate", "--model", "m", "--prompts", "p", "--greedy", "--temperature", "1"],
-                                  ["report"], ["train", "sft", "--config", "c", "notakey"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["train"],
+        ["train", "dpo", "--config", "x"],
+        ["train", "sft"],
+        ["train", "sft", "--config", "c", "--resume", "--overwrite"],
+        ["fly"],
+        ["generate", "--model", "m", "--prompts", "p", "--greedy", "--temperature", "1"],
+        ["report"],
+        ["train", "sft", "--config", "c", "notakey"],
+    ],
+)
 def test_usage_errors_exit_2(argv, capsys):
     assert cli.main(argv) == 2
     assert "usage: rlhfkit" in capsys.readouterr().err
@@ -82,8 +96,11 @@ def test_usage_errors_exit_2(argv, capsys):
 
 def test_train_dispatch_with_overrides(tmp_path, fake, no_thread_change):
     path = config_file(tmp_path)
-    assert cli.main(["train", "grpo", "train.learning_rate=3e-6", "--config", str(path), "online.kl_coef=0.1"]) == 0
-    (_, cfg, resume), = fake
+    assert (
+        cli.main(["train", "grpo", "train.learning_rate=3e-6", "--config", str(path), "online.kl_coef=0.1"])
+        == 0
+    )
+    ((_, cfg, resume),) = fake
     assert cfg.kind == "grpo" and cfg.online.advantage_estimator == "grpo" and cfg.online.group_size >= 2
     assert cfg.train.learning_rate == 3e-6 and cfg.online.kl_coef == 0.1 and resume is False
     assert (tmp_path / "run" / RUN_MARKER).is_file()
@@ -173,8 +190,12 @@ def test_quickstart_generate_report(tmp_path, fake, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--greedy"]) == 0
-    assert fake[-1] == ("generate", "m", str(prompts), {"out": None, "temperature": 0.0, "max_new_tokens": 64,
-                                                         "seed": 0, "reward_model": None})
+    assert fake[-1] == (
+        "generate",
+        "m",
+        str(prompts),
+        {"out": None, "temperature": 0.0, "max_new_tokens": 64, "seed": 0, "reward_model": None},
+    )
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--out", "o.jsonl"]) == 0
     assert fake[-1][3]["temperature"] == 0.7 and fake[-1][3]["out"] == "o.jsonl"
     assert cli.main(["generate", "--model", "m", "--prompts", str(tmp_path / "none.jsonl")]) == 2
@@ -193,7 +214,12 @@ def test_quickstart_generate_report(tmp_path, fake, capsys):
 def test_subprocess_user_error_has_no_traceback(tmp_path):
     """The real entry point, once: exit code 2 and a single line on stderr."""
     env = {**os.environ, "RLHFKIT_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "rlhfkit.cli", "train", "sft", "--config",
-                           str(tmp_path / "missing.yaml")], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhfkit.cli", "train", "sft", "--config", str(tmp_path / "missing.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr == f"rlhfkit: error: config file not found: {tmp_path / 'missing.yaml'}\n"

@@ -64,7 +64,14 @@ def test_design_yaml_loads_with_its_keys(tmp_path):
 def test_defaults_follow_the_papers():
     o = RunConfig().online
     assert (o.kl_coef, o.gamma, o.lam, o.ppo_epochs, o.clip_eps, o.value_clip_eps, o.vf_coef) == (
-        0.05, 1.0, 0.95, 4, 0.2, 0.2, 0.1)
+        0.05,
+        1.0,
+        0.95,
+        4,
+        0.2,
+        0.2,
+        0.1,
+    )
     assert (o.temperature, o.kl_estimator, o.whiten_advantages, o.missing_eos) == (0.7, "k1", True, "penalty")
     assert RunConfig().model.disable_dropout and RunConfig().model.dtype == "auto"
     assert RunConfig().model.trust_remote_code is False
@@ -90,14 +97,27 @@ def test_every_field_is_documented_once_and_listed_in_help():
 
 
 def test_overrides_beat_the_file_and_parse_as_yaml_scalars(tmp_path):
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         output_dir: runs/a
         model: {name_or_path: m}
         data: {train_file: d.jsonl}
         train: {learning_rate: 1.0e-4, batch_size: 8}
-    """)
-    cfg = load_config(path, ["train.learning_rate=3e-5", "data.eval_file=e.jsonl", "model.dtype=bfloat16",
-                             "train.max_grad_norm=null", "data.shuffle=false", "seed=7"], "sft")
+    """,
+    )
+    cfg = load_config(
+        path,
+        [
+            "train.learning_rate=3e-5",
+            "data.eval_file=e.jsonl",
+            "model.dtype=bfloat16",
+            "train.max_grad_norm=null",
+            "data.shuffle=false",
+            "seed=7",
+        ],
+        "sft",
+    )
     assert cfg.train.learning_rate == 3e-5 and cfg.train.batch_size == 8
     assert cfg.data.eval_file == "e.jsonl" and cfg.model.dtype == "bfloat16"
     assert cfg.train.max_grad_norm is None and cfg.data.shuffle is False and cfg.seed == 7
@@ -105,33 +125,45 @@ def test_overrides_beat_the_file_and_parse_as_yaml_scalars(tmp_path):
     assert cfg.online.reward_functions == ["a.b:fn", "c.py:g"]
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("train.learning_rat=1", ["unknown key 'train.learning_rat'", "did you mean 'train.learning_rate'",
-                              "command-line override 'train.learning_rat=1'"]),
-    ("trian.max_steps=3", ["unknown key 'trian'", "did you mean 'train'"]),
-    ("train.batch_size=abc", ["train.batch_size", "abc"]),
-    ("train.batch_size=2.5", ["train.batch_size", "2.5"]),
-    ("train.batch_size=true", ["train.batch_size"]),
-    ("model.dtype=float16", ["model.dtype", "float16", "bfloat16"]),
-    ("data.truncation=middle", ["data.truncation", "middle"]),
-    ("online.kl_estimator=kl", ["online.kl_estimator", "must be one of k1, k2, k3, got 'kl'"]),  # checked by us:
-    # omegaconf 2.3 (hydra-core 1.3) has no Literal, so rlhfkit.config checks the choices itself
-    ("data.columns={promt: q}", ["data.columns", "did you mean 'prompt'"]),
-    ("data.num_proc=0", ["data.num_proc", "must be > 0"]),
-    ("logging.samples_per_step=-1", ["logging.samples_per_step", "must be >= 0"]),
-    ("data.shuffle=maybe", ["data.shuffle", "maybe"]),
-    ("online.reward_functions=a:f", ["online.reward_functions"]),
-    ("model=foo", ["'model' is a section"]),
-    ("train.batch_size=0", ["train.batch_size", "must be > 0, got 0", "command-line override"]),
-    ("online.top_p=1.5", ["online.top_p", "must be <= 1"]),
-    ("online.lam=-0.1", ["online.lam", "must be >= 0"]),
-    ("train.micro_batch_size=5", ["train.micro_batch_size", "must divide train.batch_size (32)"]),
-    ("data.max_prompt_length=600", ["data.max_prompt_length", "data.max_length (512)"]),
-    ("kind=ppo", ["kind", "for `train ppo`, but the command is `train sft`"]),
-    ("train.learning_rate", ["expected dotted.key=value"]),
-    ("=3", ["expected dotted.key=value"]),
-    ("train..lr=3", ["expected dotted.key=value"]),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "train.learning_rat=1",
+            [
+                "unknown key 'train.learning_rat'",
+                "did you mean 'train.learning_rate'",
+                "command-line override 'train.learning_rat=1'",
+            ],
+        ),
+        ("trian.max_steps=3", ["unknown key 'trian'", "did you mean 'train'"]),
+        ("train.batch_size=abc", ["train.batch_size", "abc"]),
+        ("train.batch_size=2.5", ["train.batch_size", "2.5"]),
+        ("train.batch_size=true", ["train.batch_size"]),
+        ("model.dtype=float16", ["model.dtype", "float16", "bfloat16"]),
+        ("data.truncation=middle", ["data.truncation", "middle"]),
+        (
+            "online.kl_estimator=kl",
+            ["online.kl_estimator", "must be one of k1, k2, k3, got 'kl'"],
+        ),  # checked by us:
+        # omegaconf 2.3 (hydra-core 1.3) has no Literal, so rlhfkit.config checks the choices itself
+        ("data.columns={promt: q}", ["data.columns", "did you mean 'prompt'"]),
+        ("data.num_proc=0", ["data.num_proc", "must be > 0"]),
+        ("logging.samples_per_step=-1", ["logging.samples_per_step", "must be >= 0"]),
+        ("data.shuffle=maybe", ["data.shuffle", "maybe"]),
+        ("online.reward_functions=a:f", ["online.reward_functions"]),
+        ("model=foo", ["'model' is a section"]),
+        ("train.batch_size=0", ["train.batch_size", "must be > 0, got 0", "command-line override"]),
+        ("online.top_p=1.5", ["online.top_p", "must be <= 1"]),
+        ("online.lam=-0.1", ["online.lam", "must be >= 0"]),
+        ("train.micro_batch_size=5", ["train.micro_batch_size", "must divide train.batch_size (32)"]),
+        ("data.max_prompt_length=600", ["data.max_prompt_length", "data.max_length (512)"]),
+        ("kind=ppo", ["kind", "for `train ppo`, but the command is `train sft`"]),
+        ("train.learning_rate", ["expected dotted.key=value"]),
+        ("=3", ["expected dotted.key=value"]),
+        ("train..lr=3", ["expected dotted.key=value"]),
+    ],
+)
 def test_bad_overrides_name_the_key(override, expected):
     with pytest.raises(ConfigError) as err:
         load_config(None, REQUIRED + [override], "sft")
@@ -201,8 +233,17 @@ def test_kinds_set_the_advantage_estimator():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_saved_config_loads_back_equal(tmp_path, kind):
-    cfg = load_config(None, ONLINE + ["train.learning_rate=1.41e-5", "train.adam_eps=1e-8",
-                                      "online.reward_functions=[x.py:f]", "online.kl_target=6.0"], kind)
+    cfg = load_config(
+        None,
+        ONLINE
+        + [
+            "train.learning_rate=1.41e-5",
+            "train.adam_eps=1e-8",
+            "online.reward_functions=[x.py:f]",
+            "online.kl_target=6.0",
+        ],
+        kind,
+    )
     path = tmp_path / "config.yaml"
     save_config(cfg, path)
     assert path.read_text().startswith(f"# rlhfkit resolved configuration; rerun with: rlhfkit train {kind}")

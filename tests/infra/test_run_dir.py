@@ -23,7 +23,9 @@ from rlhfkit.errors import ConfigError, UserError
 
 
 def config(out, *extra, kind="sft"):
-    return load_config(None, [f"output_dir={out}", "model.name_or_path=m", "data.train_file=d.jsonl", *extra], kind)
+    return load_config(
+        None, [f"output_dir={out}", "model.name_or_path=m", "data.train_file=d.jsonl", *extra], kind
+    )
 
 
 def test_output_dir_rules(tmp_path):
@@ -55,11 +57,27 @@ def test_output_dir_rules(tmp_path):
 
 def test_metrics_lines_are_flushed_and_plain_json(tmp_path):
     writer = MetricsWriter(tmp_path / "metrics.jsonl")
-    writer.log(1, {"loss/policy": torch.tensor(0.5), "kl/mean": np.float32(0.25), "n": np.int64(3),
-                   "score/mean": float("nan"), "ok": True, "note": "x"})
+    writer.log(
+        1,
+        {
+            "loss/policy": torch.tensor(0.5),
+            "kl/mean": np.float32(0.25),
+            "n": np.int64(3),
+            "score/mean": float("nan"),
+            "ok": True,
+            "note": "x",
+        },
+    )
     first = (tmp_path / "metrics.jsonl").read_text()  # before close: flushed
-    assert json.loads(first) == {"step": 1, "loss/policy": 0.5, "kl/mean": 0.25, "n": 3, "score/mean": None,
-                                 "ok": True, "note": "x"}
+    assert json.loads(first) == {
+        "step": 1,
+        "loss/policy": 0.5,
+        "kl/mean": 0.25,
+        "n": 3,
+        "score/mean": None,
+        "ok": True,
+        "note": "x",
+    }
     writer.log(2, {"loss/policy": 0.25})
     writer.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
@@ -186,7 +204,9 @@ def test_wandb_and_tensorboard_sinks(tmp_path, monkeypatch):
             pass
 
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb)
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
+    monkeypatch.setitem(
+        sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter)
+    )
     out = tmp_path / "run"
     cfg = config(out, "logging.wandb=true", "logging.tensorboard=true", "logging.wandb_project=p")
     run = RunDir(out, config=cfg)
@@ -195,7 +215,12 @@ def test_wandb_and_tensorboard_sinks(tmp_path, monkeypatch):
     init = calls[1][1]
     run_id = json.loads((out / RUN_MARKER).read_text())["wandb_id"]
     assert calls[0] == ("tb", str(out / "tensorboard"), None)
-    assert init["project"] == "p" and init["name"] == "run" and init["id"] == run_id and init["resume"] == "allow"
+    assert (
+        init["project"] == "p"
+        and init["name"] == "run"
+        and init["id"] == run_id
+        and init["resume"] == "allow"
+    )
     assert init["config"]["logging"]["wandb"] is True
     assert ("scalar", "loss", 0.5, 3) in calls and ("wandb", 3, {"loss": 0.5}) in calls
     assert calls[-1] == ("finish",)

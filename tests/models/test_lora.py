@@ -49,21 +49,31 @@ def _unique_elements(*models):
 
 def test_lora_ppo_roles_hold_no_copy_and_disabled_adapter_is_the_base(tmp_path):
     paths = write_online_problem(tmp_path)
-    cfg = online_config(paths, tmp_path / "run", f"online.reward_model={paths['reward']}", "model.lora_rank=4")
+    cfg = online_config(
+        paths, tmp_path / "run", f"online.reward_model={paths['reward']}", "model.lora_rank=4"
+    )
     roles = make_context(cfg).roles
     tokenizer = load_tokenizer(str(paths["policy"]))
     policy = load_causal_lm(str(paths["policy"]), tokenizer=tokenizer)
     reward = load_scalar_model(str(paths["reward"]), tokenizer=tokenizer)
-    base_policy, base_reward = sum(p.numel() for p in policy.parameters()), sum(p.numel() for p in reward.parameters())
+    base_policy, base_reward = (
+        sum(p.numel() for p in policy.parameters()),
+        sum(p.numel() for p in reward.parameters()),
+    )
 
     # Count the parameters of every role: the four roles together hold one policy and one reward model,
     # plus the adapters and the critic's head copy, and nothing else.
     trained = sum(p.numel() for m in (roles.actor, roles.critic) for p in m.parameters() if p.requires_grad)
     head = reward.score.weight.numel()
-    assert _unique_elements(roles.actor, roles.reference, roles.critic, roles.reward_model) == \
-        base_policy + base_reward + trained
+    assert (
+        _unique_elements(roles.actor, roles.reference, roles.critic, roles.reward_model)
+        == base_policy + base_reward + trained
+    )
     assert trained - head < 0.25 * (base_policy + base_reward)
-    ptrs = lambda m: {p.data_ptr() for p in m.parameters()}  # noqa: E731
+
+    def ptrs(m):
+        return {p.data_ptr() for p in m.parameters()}
+
     assert ptrs(roles.reference) <= ptrs(roles.actor) and ptrs(roles.reward_model) <= ptrs(roles.critic)
     assert not any(p.requires_grad for n, p in roles.actor.named_parameters() if "lora_" not in n)
 
@@ -85,9 +95,13 @@ def test_lora_ppo_roles_hold_no_copy_and_disabled_adapter_is_the_base(tmp_path):
     assert isinstance(roles.reference, AdapterDisabled) and roles.reference.config is roles.actor.config
 
     # Full fine-tuning: four separate models.
-    full = make_context(online_config(paths, tmp_path / "full", f"online.reward_model={paths['reward']}")).roles
+    full = make_context(
+        online_config(paths, tmp_path / "full", f"online.reward_model={paths['reward']}")
+    ).roles
     assert not ptrs(full.reference) & ptrs(full.actor)
-    assert _unique_elements(full.actor, full.reference, full.critic, full.reward_model) == 2 * (base_policy + base_reward)
+    assert _unique_elements(full.actor, full.reference, full.critic, full.reward_model) == 2 * (
+        base_policy + base_reward
+    )
 
 
 @pytest.mark.parametrize("train_reward_model", [False, True])
@@ -99,13 +113,21 @@ def test_lora_bf16_roles_keep_what_trains_and_the_shared_reward_base_in_float32(
     from rlhfkit.trainers.online_roles import build_roles
 
     paths = write_online_problem(tmp_path)
-    cfg = online_config(paths, tmp_path / "run", f"online.reward_model={paths['reward']}", "model.lora_rank=4",
-                        "model.dtype=bfloat16")
+    cfg = online_config(
+        paths,
+        tmp_path / "run",
+        f"online.reward_model={paths['reward']}",
+        "model.lora_rank=4",
+        "model.dtype=bfloat16",
+    )
     tokenizer = load_tokenizer(str(paths["policy"]))
     roles = build_roles(cfg, tokenizer, make_accelerator(cpu=True).device, train_reward_model)
     for role in (roles.actor, roles.reference, roles.critic, roles.reward_model):
         assert {p.dtype for p in role.parameters()} == {torch.float32}
-    ptrs = lambda m: {p.data_ptr() for p in m.parameters()}  # noqa: E731
+
+    def ptrs(m):
+        return {p.data_ptr() for p in m.parameters()}
+
     assert ptrs(roles.reference) <= ptrs(roles.actor)
     assert (ptrs(roles.reward_model) <= ptrs(roles.critic)) is not train_reward_model
     assert isinstance(roles.reward_model, AdapterDisabled) is not train_reward_model
@@ -118,8 +140,19 @@ def test_lora_bf16_roles_keep_what_trains_and_the_shared_reward_base_in_float32(
 def test_lora_sft_final_is_merged_adapter_loads_and_resume_is_bit_identical(tmp_path):
     paths = write_sft_problem(tmp_path)
     out = tmp_path / "run"
-    assert main(sft_args(paths, out, "train.max_steps=4", "model.lora_rank=4", "model.lora_alpha=8",
-                         "train.learning_rate=3e-2")) == 0
+    assert (
+        main(
+            sft_args(
+                paths,
+                out,
+                "train.max_steps=4",
+                "model.lora_rank=4",
+                "model.lora_alpha=8",
+                "train.learning_rate=3e-2",
+            )
+        )
+        == 0
+    )
     final, adapter = out / "final", out / "final" / "adapter"
     assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "adapter_config.json").is_file()
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
@@ -145,10 +178,35 @@ def test_lora_sft_final_is_merged_adapter_loads_and_resume_is_bit_identical(tmp_
     saved = load_file(str(out / "checkpoints" / "step-4" / "model.model.safetensors"))
     assert saved and all("lora_" in k for k in saved)
     part = tmp_path / "part"
-    assert main(sft_args(paths, part, "train.max_steps=2", "model.lora_rank=4", "model.lora_alpha=8",
-                         "train.learning_rate=3e-2")) == 0
-    assert main([*sft_args(paths, part, "train.max_steps=4", "model.lora_rank=4", "model.lora_alpha=8",
-                           "train.learning_rate=3e-2"), "--resume"]) == 0
+    assert (
+        main(
+            sft_args(
+                paths,
+                part,
+                "train.max_steps=2",
+                "model.lora_rank=4",
+                "model.lora_alpha=8",
+                "train.learning_rate=3e-2",
+            )
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                *sft_args(
+                    paths,
+                    part,
+                    "train.max_steps=4",
+                    "model.lora_rank=4",
+                    "model.lora_alpha=8",
+                    "train.learning_rate=3e-2",
+                ),
+                "--resume",
+            ]
+        )
+        == 0
+    )
     a = load_file(str(out / "final" / "model.safetensors"))
     b = load_file(str(part / "final" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -158,8 +216,12 @@ def test_lora_sft_final_is_merged_adapter_loads_and_resume_is_bit_identical(tmp_
 def test_lora_ppo_resume_and_reward_model_adapter_keep_normalisation(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     paths = write_online_problem(tmp_path)
-    extra = ("model.lora_rank=4", f"online.reward_model={paths['reward']}", "train.lr_schedule=linear",
-             "logging.progress_bar=false")
+    extra = (
+        "model.lora_rank=4",
+        f"online.reward_model={paths['reward']}",
+        "train.lr_schedule=linear",
+        "logging.progress_bar=false",
+    )
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(online_cli_args(paths, full, "train.max_steps=2", *extra)) == 0
     assert main(online_cli_args(paths, part, "train.max_steps=2", *extra, "train.save_steps=1")) == 0
@@ -170,9 +232,15 @@ def test_lora_ppo_resume_and_reward_model_adapter_keep_normalisation(tmp_path, m
 
     shutil.rmtree(part / "checkpoints" / "step-2")
     shutil.rmtree(part / "final")
-    assert main([*online_cli_args(paths, part, "train.max_steps=2", *extra, "train.save_steps=1"), "--resume"]) == 0
+    assert (
+        main([*online_cli_args(paths, part, "train.max_steps=2", *extra, "train.save_steps=1"), "--resume"])
+        == 0
+    )
     for folder in ("final", "final_critic"):
-        a, b = load_file(str(full / folder / "model.safetensors")), load_file(str(part / folder / "model.safetensors"))
+        a, b = (
+            load_file(str(full / folder / "model.safetensors")),
+            load_file(str(part / folder / "model.safetensors")),
+        )
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     # The critic's adapter folder carries the reward model's normalisation, like the merged folder.
@@ -191,8 +259,16 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
     for checkpointing in (False, True):
         for lora in (0, 4):
             model = tiny_llama(seed=0)
-            cfg = load_config(None, ["output_dir=x", "model.name_or_path=x", "data.train_file=x",
-                                     f"model.lora_rank={lora}", f"model.gradient_checkpointing={checkpointing}"])
+            cfg = load_config(
+                None,
+                [
+                    "output_dir=x",
+                    "model.name_or_path=x",
+                    "data.train_file=x",
+                    f"model.lora_rank={lora}",
+                    f"model.gradient_checkpointing={checkpointing}",
+                ],
+            )
             model = prepare_trained(model, cfg.model)
             model.train()
             count = []
@@ -200,11 +276,15 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
             layer.mlp.down_proj.register_forward_pre_hook(lambda *_, count=count: count.append(1))
             ids, attn = _batch(3)
             stored = []  # elements of the activations autograd keeps for the backward pass
-            with torch.autograd.graph.saved_tensors_hooks(lambda t, stored=stored: stored.append(t.numel()) or t, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t, stored=stored: stored.append(t.numel()) or t, lambda t: t
+            ):
                 logprobs = response_logprobs(model, ids, attn, 3)
             logprobs.sum().backward()
             saved[checkpointing, lora] = sum(stored)
-            grads[checkpointing, lora] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            grads[checkpointing, lora] = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+            }
             calls[checkpointing, lora] = len(count)
     for lora in (0, 4):
         assert calls[False, lora] == 1 and calls[True, lora] == 2  # the block ran again in the backward pass
@@ -230,18 +310,25 @@ def test_lora_reward_model_final_and_adapter_folder_score_alike(tmp_path):
 
     paths = write_reward_problem(tmp_path, n_train=32, n_eval=16)
     out = tmp_path / "rm"
-    assert main(reward_args(paths, out, "train.max_steps=4", "model.lora_rank=4", "train.learning_rate=3e-2")) == 0
+    assert (
+        main(reward_args(paths, out, "train.max_steps=4", "model.lora_rank=4", "train.learning_rate=3e-2"))
+        == 0
+    )
     from transformers import AutoModelForSequenceClassification
 
     plain = AutoModelForSequenceClassification.from_pretrained(out / "final").eval()  # plain transformers
     merged = load_scalar_model(str(out / "final"), tokenizer=load_tokenizer(str(out / "final")))
-    adapter = load_scalar_model(str(out / "final" / "adapter"), tokenizer=load_tokenizer(str(out / "final" / "adapter")))
+    adapter = load_scalar_model(
+        str(out / "final" / "adapter"), tokenizer=load_tokenizer(str(out / "final" / "adapter"))
+    )
     base = load_scalar_model(str(paths["model"]), tokenizer=load_tokenizer(str(paths["model"])))
     ids, attn = _batch(2)
     with torch.no_grad():
         want = sequence_scores(adapter, ids, attn)
         assert (sequence_scores(merged, ids, attn) - want).abs().max() <= 1e-5
         assert (sequence_scores(plain, ids, attn) - want).abs().max() <= 1e-5
-        assert not torch.allclose(base.model.layers[0].mlp.up_proj.weight, merged.model.layers[0].mlp.up_proj.weight)
+        assert not torch.allclose(
+            base.model.layers[0].mlp.up_proj.weight, merged.model.layers[0].mlp.up_proj.weight
+        )
     for key in ("rlhfkit_reward_gain", "rlhfkit_reward_bias"):
         assert getattr(adapter.config, key) == getattr(merged.config, key) != getattr(base.config, key, None)

@@ -158,7 +158,9 @@ def test_response_logprobs_and_values_padding_independent(pad_id):
         logprobs = response_logprobs(policy, ids, mask, p0, Sampling(0.7))
         values = response_values(critic, ids, mask, p0)
         valid = mask[:, p0:].bool()
-        torch.testing.assert_close(response_logprobs(policy, junk, mask, p0, Sampling(0.7))[valid], logprobs[valid])
+        torch.testing.assert_close(
+            response_logprobs(policy, junk, mask, p0, Sampling(0.7))[valid], logprobs[valid]
+        )
         torch.testing.assert_close(response_values(critic, junk, mask, p0)[valid], values[valid])
         for i, (prompt, response) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
             alone = torch.tensor([prompt + response])

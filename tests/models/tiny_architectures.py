@@ -16,8 +16,14 @@ import torch
 
 from tests.helpers import SPECIALS, WORDS
 
-_DECODER = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, max_position_embeddings=64)
+_DECODER = dict(
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+)
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
 
 ARCHITECTURES: dict[str, tuple[str, dict]] = {
@@ -30,11 +36,31 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "gemma2": ("Gemma2Config", dict(_DECODER, head_dim=8, sliding_window=4)),
     "gemma3": ("Gemma3TextConfig", dict(_DECODER, head_dim=8, sliding_window=4)),
     "phi3": ("Phi3Config", _DECODER),
-    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                       num_attention_heads=2, max_position_embeddings=64)),
-    "opt": ("OPTConfig", dict(hidden_size=16, ffn_dim=32, num_hidden_layers=2, num_attention_heads=2,
-                              word_embed_proj_dim=16, max_position_embeddings=64)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(_DECODER, **_MOE, num_experts=4, shared_expert_intermediate_size=16)),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+        ),
+    ),
+    "opt": (
+        "OPTConfig",
+        dict(
+            hidden_size=16,
+            ffn_dim=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            word_embed_proj_dim=16,
+            max_position_embeddings=64,
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(_DECODER, **_MOE, num_experts=4, shared_expert_intermediate_size=16),
+    ),
     "mixtral": ("MixtralConfig", dict(_DECODER, num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(_DECODER, **_MOE, num_experts=4, head_dim=8)),
     "phimoe": ("PhimoeConfig", dict(_DECODER, num_local_experts=4, num_experts_per_tok=2)),
@@ -48,11 +74,16 @@ def _bpe_backend():
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(special_tokens=[*SPECIALS, "<pad>"], vocab_size=400, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        special_tokens=[*SPECIALS, "<pad>"],
+        vocab_size=400,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator([" ".join(WORDS)] * 20 + [" " + w for w in WORDS] * 20, trainer)
     backend.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))])
+        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))]
+    )
     return backend.to_str()
 
 
@@ -76,8 +107,12 @@ def tiny_config(name: str, tokenizer, **overrides):
     import transformers
 
     class_name, fields = ARCHITECTURES[name]
-    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-               pad_token_id=tokenizer.pad_token_id)
+    ids = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return getattr(transformers, class_name)(**{**fields, **ids, **overrides})
 
 

@@ -26,9 +26,18 @@ def test_sample_and_score_measures_every_prompt_and_kl_to_itself_is_zero():
     rm = tiny_llama("scalar", seed=1, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
     examples = _examples(tok, ["hello", "the cat sat on", "one"])
     torch.manual_seed(0)
-    s = sample_and_score(policy, tok, examples, temperature=0.7, max_new_tokens=6, reward_model=rm,
-                         reference=policy, gold_score=lambda p, r: float(len(r.split())), is_valid=lambda r: True,
-                         batch_size=2)
+    s = sample_and_score(
+        policy,
+        tok,
+        examples,
+        temperature=0.7,
+        max_new_tokens=6,
+        reward_model=rm,
+        reference=policy,
+        gold_score=lambda p, r: float(len(r.split())),
+        is_valid=lambda r: True,
+        batch_size=2,
+    )
     assert s.prompts == ["hello", "the cat sat on", "one"]
     assert len(s.responses) == len(s.proxy) == len(s.kl) == len(s.gold) == 3
     assert s.kl == pytest.approx([0.0, 0.0, 0.0], abs=1e-5)

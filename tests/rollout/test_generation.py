@@ -10,14 +10,23 @@ EOS, PAD = 2, 0
 
 
 def test_truncate_at_stop_by_hand_keeps_first_eos_in_mask():
-    ids = torch.tensor([[5, 6, EOS, 7, EOS],   # stop in the middle; later EOS is junk
-                        [5, EOS, 9, 9, 9],
-                        [5, 6, 7, 8, 9],       # truncated: no stop token
-                        [EOS, 6, 7, 8, 9]])    # immediate stop
+    ids = torch.tensor(
+        [
+            [5, 6, EOS, 7, EOS],  # stop in the middle; later EOS is junk
+            [5, EOS, 9, 9, 9],
+            [5, 6, 7, 8, 9],  # truncated: no stop token
+            [EOS, 6, 7, 8, 9],
+        ]
+    )  # immediate stop
     out, mask, ended = truncate_at_stop(ids, [EOS], PAD)
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
     assert ended.tolist() == [True, True, False, True]
-    assert out.tolist() == [[5, 6, EOS, PAD, PAD], [5, EOS, PAD, PAD, PAD], [5, 6, 7, 8, 9], [EOS, PAD, PAD, PAD, PAD]]
+    assert out.tolist() == [
+        [5, 6, EOS, PAD, PAD],
+        [5, EOS, PAD, PAD, PAD],
+        [5, 6, 7, 8, 9],
+        [EOS, PAD, PAD, PAD, PAD],
+    ]
 
 
 def test_truncate_when_pad_equals_eos_keeps_eos_inside_mask():
@@ -44,18 +53,33 @@ def test_generate_from_left_padded_prompts_matches_unpadded_greedy():
     ids = torch.full((2, width), pad)
     am = torch.zeros((2, width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        am[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        am[i, width - len(p) :] = 1
     sampling = sampling_for(pad, [eos])
-    batch = generate_responses(model, ids, am, max_new_tokens=6, stop_token_ids=[eos], pad_token_id=pad,
-                               sampling=sampling, greedy=True)
+    batch = generate_responses(
+        model,
+        ids,
+        am,
+        max_new_tokens=6,
+        stop_token_ids=[eos],
+        pad_token_id=pad,
+        sampling=sampling,
+        greedy=True,
+    )
     assert batch.response_ids.shape == (2, 6) and batch.mask.shape == (2, 6)
     assert batch.response_start == width
     assert torch.equal(batch.input_ids[:, width:], batch.response_ids)
     # The same prompt alone (no padding) gives the same greedy continuation: padding changes nothing.
-    alone = generate_responses(model, torch.tensor([prompts[1]]), torch.ones(1, 2, dtype=torch.long),
-                               max_new_tokens=6, stop_token_ids=[eos], pad_token_id=pad, sampling=sampling,
-                               greedy=True)
+    alone = generate_responses(
+        model,
+        torch.tensor([prompts[1]]),
+        torch.ones(1, 2, dtype=torch.long),
+        max_new_tokens=6,
+        stop_token_ids=[eos],
+        pad_token_id=pad,
+        sampling=sampling,
+        greedy=True,
+    )
     assert torch.equal(alone.response_ids[0][alone.mask[0]], batch.response_ids[1][batch.mask[1]])
 
 
@@ -63,12 +87,19 @@ def test_generate_pads_short_outputs_and_marks_ended():
     model = tiny_llama(seed=0)
     eos, pad = model.config.eos_token_id, model.config.pad_token_id
     # A large bias toward EOS on the logits: every row stops at its first token.
-    handle = model.lm_head.register_forward_hook(lambda m, i, o: o + 100.0 * torch.nn.functional.one_hot(
-        torch.tensor(eos), o.shape[-1]).to(o.dtype))
+    handle = model.lm_head.register_forward_hook(
+        lambda m, i, o: o + 100.0 * torch.nn.functional.one_hot(torch.tensor(eos), o.shape[-1]).to(o.dtype)
+    )
     try:
-        batch = generate_responses(model, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long),
-                                   max_new_tokens=5, stop_token_ids=[eos], pad_token_id=pad,
-                                   sampling=sampling_for(pad, [eos], 0.7))
+        batch = generate_responses(
+            model,
+            torch.tensor([[5, 6]]),
+            torch.ones(1, 2, dtype=torch.long),
+            max_new_tokens=5,
+            stop_token_ids=[eos],
+            pad_token_id=pad,
+            sampling=sampling_for(pad, [eos], 0.7),
+        )
     finally:
         handle.remove()
     assert batch.response_ids.shape == (1, 5)
@@ -80,8 +111,9 @@ def test_generate_pads_short_outputs_and_marks_ended():
 
 def _biased_toward(model, token: int):
     """A forward hook that makes ``token`` overwhelmingly likely at every step."""
-    return model.lm_head.register_forward_hook(lambda m, i, o: o + 100.0 * torch.nn.functional.one_hot(
-        torch.tensor(token), o.shape[-1]).to(o.dtype))
+    return model.lm_head.register_forward_hook(
+        lambda m, i, o: o + 100.0 * torch.nn.functional.one_hot(torch.tensor(token), o.shape[-1]).to(o.dtype)
+    )
 
 
 def test_a_pad_distinct_from_the_stop_tokens_is_never_sampled():
@@ -90,13 +122,25 @@ def test_a_pad_distinct_from_the_stop_tokens_is_never_sampled():
     assert pad != eos
     handle = _biased_toward(model, pad)
     try:
-        batch = generate_responses(model, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long),
-                                   max_new_tokens=5, stop_token_ids=[eos], pad_token_id=pad,
-                                   sampling=sampling_for(pad, [eos], 0.7))
+        batch = generate_responses(
+            model,
+            torch.tensor([[5, 6]]),
+            torch.ones(1, 2, dtype=torch.long),
+            max_new_tokens=5,
+            stop_token_ids=[eos],
+            pad_token_id=pad,
+            sampling=sampling_for(pad, [eos], 0.7),
+        )
         # When pad is a stop token (pad == EOS) it is not suppressed: it ends the response.
-        as_stop = generate_responses(model, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long),
-                                     max_new_tokens=5, stop_token_ids=[pad], pad_token_id=pad,
-                                     sampling=sampling_for(pad, [pad], 0.7))
+        as_stop = generate_responses(
+            model,
+            torch.tensor([[5, 6]]),
+            torch.ones(1, 2, dtype=torch.long),
+            max_new_tokens=5,
+            stop_token_ids=[pad],
+            pad_token_id=pad,
+            sampling=sampling_for(pad, [pad], 0.7),
+        )
     finally:
         handle.remove()
     assert pad not in batch.response_ids[0][batch.mask[0]].tolist()

@@ -13,7 +13,7 @@ from rlhfkit.models import sequence_scores
 from rlhfkit.rollout.scoring import RewardFunctionError, Scorer, load_reward_function
 from tests.helpers import pad_batch, tiny_llama
 
-FUNCTIONS = '''
+FUNCTIONS = """
 LIMIT = 3
 
 def lengths(prompts, completions, **kwargs):
@@ -21,7 +21,7 @@ def lengths(prompts, completions, **kwargs):
 
 def plus_answer(prompts, completions, answer, **kwargs):
     return [float(a) for a in answer]
-'''
+"""
 
 
 def test_load_by_module_and_by_file(tmp_path):
@@ -31,20 +31,25 @@ def test_load_by_module_and_by_file(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     (tmp_path / "a" / "rewards.py").write_text(FUNCTIONS)
-    (tmp_path / "b" / "rewards.py").write_text("def lengths(prompts, completions):\n    return [0.0] * len(completions)\n")
+    (tmp_path / "b" / "rewards.py").write_text(
+        "def lengths(prompts, completions):\n    return [0.0] * len(completions)\n"
+    )
     fa = load_reward_function(f"{tmp_path}/a/rewards.py:lengths")
     fb = load_reward_function(f"{tmp_path}/b/rewards.py:lengths")  # same file name, another module
     assert fa(prompts=["p"], completions=["abc"]) == [3] and fb(prompts=["p"], completions=["abc"]) == [0.0]
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("no_colon", ["online.reward_functions[2]", "not 'pkg.module:function'"]),
-    ("{tmp}/missing.py:fn", ["file not found", "missing.py"]),
-    ("rlhfkit_no_such_module_xyz:fn", ["cannot import module 'rlhfkit_no_such_module_xyz'"]),
-    ("{tmp}/rewards.py:nope", ["has no attribute 'nope'"]),
-    ("{tmp}/rewards.py:LIMIT", ["is a int, not a function"]),
-    ("{tmp}/broken.py:fn", ["importing", "broken.py", "SyntaxError"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("no_colon", ["online.reward_functions[2]", "not 'pkg.module:function'"]),
+        ("{tmp}/missing.py:fn", ["file not found", "missing.py"]),
+        ("rlhfkit_no_such_module_xyz:fn", ["cannot import module 'rlhfkit_no_such_module_xyz'"]),
+        ("{tmp}/rewards.py:nope", ["has no attribute 'nope'"]),
+        ("{tmp}/rewards.py:LIMIT", ["is a int, not a function"]),
+        ("{tmp}/broken.py:fn", ["importing", "broken.py", "SyntaxError"]),
+    ],
+)
 def test_bad_names_are_config_errors_naming_the_key(tmp_path, spec, words):
     (tmp_path / "rewards.py").write_text(FUNCTIONS)
     (tmp_path / "broken.py").write_text("def fn(:\n")
@@ -54,14 +59,17 @@ def test_bad_names_are_config_errors_naming_the_key(tmp_path, spec, words):
         assert word in str(err.value)
 
 
-@pytest.mark.parametrize("returned, words", [
-    ([float("nan"), 1.0], ["returned nan for response 0", "'a'"]),
-    ([1.0, math.inf], ["inf for response 1"]),
-    ([1.0], ["returned 1 values for 2 responses"]),
-    ([1.0, True], ["True for response 1"]),
-    ([1.0, "2"], ["'2' for response 1"]),
-    (3.0, ["returned float"]),
-])
+@pytest.mark.parametrize(
+    "returned, words",
+    [
+        ([float("nan"), 1.0], ["returned nan for response 0", "'a'"]),
+        ([1.0, math.inf], ["inf for response 1"]),
+        ([1.0], ["returned 1 values for 2 responses"]),
+        ([1.0, True], ["True for response 1"]),
+        ([1.0, "2"], ["'2' for response 1"]),
+        (3.0, ["returned float"]),
+    ],
+)
 def test_function_output_must_be_one_finite_number_per_response(returned, words):
     scorer = Scorer(functions=[("bad.py:f", lambda prompts, completions, **kw: returned)])
     ids, mask = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3)
@@ -73,21 +81,35 @@ def test_function_output_must_be_one_finite_number_per_response(returned, words)
 
 
 def test_numpy_and_tensor_outputs_are_accepted_and_parts_are_summed():
-    scorer = Scorer(functions=[("np", lambda prompts, completions, **kw: np.array([1.0, 2.0])),
-                               ("torch", lambda **kw: torch.tensor([0.5, -1.0], dtype=torch.float64)),
-                               ("ints", lambda completions: [3, 4])])
+    scorer = Scorer(
+        functions=[
+            ("np", lambda prompts, completions, **kw: np.array([1.0, 2.0])),
+            ("torch", lambda **kw: torch.tensor([0.5, -1.0], dtype=torch.float64)),
+            ("ints", lambda completions: [3, 4]),
+        ]
+    )
     assert scorer.needs_text
-    scores, parts, scored = scorer(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), ["p"] * 2, ["a", "b"],
-                                   [{}] * 2)
+    scores, parts, scored = scorer(
+        torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), ["p"] * 2, ["a", "b"], [{}] * 2
+    )
     assert scores.dtype == torch.float32 and scores.tolist() == [4.5, 5.0] and scored.tolist() == [True, True]
     assert list(parts) == ["np", "torch", "ints"]
 
 
 def trl_style(prompts, completions, completion_ids, answer, **kwargs):
     """Written as for TRL's GRPOTrainer: keywords, conversational completions, a dataset column, **kwargs."""
-    calls.append({"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
-                  "answer": answer, **kwargs})
-    return [None if a is None else float(c[0]["content"] == a) for c, a in zip(completions, answer, strict=True)]
+    calls.append(
+        {
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": completion_ids,
+            "answer": answer,
+            **kwargs,
+        }
+    )
+    return [
+        None if a is None else float(c[0]["content"] == a) for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 calls = []
@@ -96,12 +118,16 @@ calls = []
 def test_trl_convention_keywords_columns_and_none_as_no_opinion():
     calls.clear()
     prompts = [[{"role": "user", "content": "one plus one"}]] * 3
-    records = [{"prompt": prompts[0], "answer": "two", "level": 1}, {"prompt": prompts[0], "answer": "three"},
-               {"prompt": prompts[0], "answer": None, "level": 3}]
+    records = [
+        {"prompt": prompts[0], "answer": "two", "level": 1},
+        {"prompt": prompts[0], "answer": "three"},
+        {"prompt": prompts[0], "answer": None, "level": 3},
+    ]
     scorer = Scorer(functions=[("trl", trl_style), ("none", lambda prompts, completions: [None, 2.0, None])])
     ids = torch.ones(3, 4, dtype=torch.long)
-    scores, parts, scored = scorer(ids, torch.ones(3, 4), prompts, ["two", "two", "x"], records,
-                                   completion_ids=[[5], [5], [7, 2]])
+    scores, parts, scored = scorer(
+        ids, torch.ones(3, 4), prompts, ["two", "two", "x"], records, completion_ids=[[5], [5], [7, 2]]
+    )
     (call,) = calls
     assert call["completions"] == [[{"role": "assistant", "content": t}] for t in ("two", "two", "x")]
     assert call["prompts"] == prompts and call["completion_ids"] == [[5], [5], [7, 2]]
@@ -119,7 +145,9 @@ def test_plain_prompts_get_plain_completions_and_signatures_are_checked_before_t
     from rlhfkit.rollout.scoring import check_signature
 
     check_signature("ok", trl_style, ["answer"])
-    with pytest.raises(ConfigError, match="reward function 'old' requires 'records', 'responses'.*columns \\(answer\\)"):
+    with pytest.raises(
+        ConfigError, match="reward function 'old' requires 'records', 'responses'.*columns \\(answer\\)"
+    ):
         check_signature("old", lambda prompts, responses, records: [], ["answer"])
     with pytest.raises(ConfigError, match="requires 'answer'"):
         check_signature("trl", trl_style, [])
@@ -129,8 +157,13 @@ def test_a_raising_function_is_named_with_where_it_raised():
     def broken(prompts, completions, **kwargs):
         return [1.0 / 0 for _ in completions]
 
-    with pytest.raises(RewardFunctionError, match="reward function 'broken' raised ZeroDivisionError: .* at .*test_scoring.py:"):
-        Scorer(functions=[("broken", broken)])(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2), ["p"], ["r"], [{}])
+    with pytest.raises(
+        RewardFunctionError,
+        match="reward function 'broken' raised ZeroDivisionError: .* at .*test_scoring.py:",
+    ):
+        Scorer(functions=[("broken", broken)])(
+            torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2), ["p"], ["r"], [{}]
+        )
 
 
 def test_nothing_to_score_is_a_config_error():
@@ -143,8 +176,11 @@ def test_reward_model_score_is_normalised_and_padding_independent(pad_id):
     rm = tiny_llama("scalar", seed=3, pad_token_id=pad_id)
     rm.config.rlhfkit_reward_gain, rm.config.rlhfkit_reward_bias = 0.5, -1.25
     rows = [[1, 5, 6, 7, 2], [1, 9, 2], [1, 4, 4, 4, 4, 4, 2]]  # each ends with EOS
-    scorer = Scorer(reward_model=rm, functions=[("len", lambda completions, **kw: [float(len(x)) for x in completions])],
-                    batch_size=2)
+    scorer = Scorer(
+        reward_model=rm,
+        functions=[("len", lambda completions, **kw: [float(len(x)) for x in completions])],
+        batch_size=2,
+    )
     results = []
     for side in ("left", "right"):
         ids, mask = pad_batch(rows, pad_id, side)

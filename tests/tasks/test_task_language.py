@@ -138,7 +138,9 @@ def test_gold_terms_by_hand():
 
 
 def test_relevance():
-    g = lambda r: R.gold_score(BLENDER_POS, r)  # noqa: E731
+    def g(r):
+        return R.gold_score(BLENDER_POS, r)
+
     assert g("The blender is great.") == 2.0
     assert g("It is great.") == 1.0
     assert g("The kettle is great.") == 0.0
@@ -157,7 +159,9 @@ def test_sentiment_follows_the_request():
 
 
 def test_informativeness_counts_distinct_aspects():
-    g = lambda r: R.gold_score(BLENDER_POS, r)  # noqa: E731
+    def g(r):
+        return R.gold_score(BLENDER_POS, r)
+
     assert g("The price is great.") == 1.5
     assert g("The price is great. The design is good.") == 2.0
     assert g("The price is great. I like the price.") == 1.5  # repeating an aspect adds nothing

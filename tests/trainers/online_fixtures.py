@@ -14,8 +14,16 @@ import torch
 from rlhfkit.config import load_config
 from tests.helpers import tiny_gpt2, tiny_llama, tiny_tokenizer
 
-PROMPTS = ["hello", "the cat sat on", "one two", "dog ran fast .", "yes", "five six seven eight nine",
-           "a mat", "good bad ?"]
+PROMPTS = [
+    "hello",
+    "the cat sat on",
+    "one two",
+    "dog ran fast .",
+    "yes",
+    "five six seven eight nine",
+    "a mat",
+    "good bad ?",
+]
 
 REWARDS_PY = '''
 import time
@@ -42,8 +50,9 @@ def slow_cat_count(prompts, completions, **kwargs):
 '''
 
 
-def write_online_problem(root: Path, pad: str = "<pad>", policy: str = "llama", reward_model: bool = True
-                         ) -> dict[str, Path]:
+def write_online_problem(
+    root: Path, pad: str = "<pad>", policy: str = "llama", reward_model: bool = True
+) -> dict[str, Path]:
     """Write ``policy/``, ``reward/`` (optional), ``prompts.jsonl`` and ``rewards.py`` under ``root``.
 
     Args:
@@ -64,7 +73,9 @@ def write_online_problem(root: Path, pad: str = "<pad>", policy: str = "llama", 
     tokenizer.save_pretrained(paths["policy"])
     if reward_model:
         paths["reward"] = root / "reward"
-        scalar = tiny_llama("scalar", seed=1, **ids) if policy == "llama" else tiny_gpt2("scalar", seed=1, **ids)
+        scalar = (
+            tiny_llama("scalar", seed=1, **ids) if policy == "llama" else tiny_gpt2("scalar", seed=1, **ids)
+        )
         scalar.save_pretrained(paths["reward"])
         tokenizer.save_pretrained(paths["reward"])
     paths["prompts"].write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
@@ -74,21 +85,34 @@ def write_online_problem(root: Path, pad: str = "<pad>", policy: str = "llama", 
 
 def online_overrides(paths: dict[str, Path], out: Path, *extra: str, reward: str = "cat_count") -> list[str]:
     """dotted.key=value settings of a small, fast online run (2 prompts x 2 responses, 6 new tokens, the default temperature)."""
-    settings = [f"output_dir={out}", f"model.name_or_path={paths['policy']}", f"data.train_file={paths['prompts']}",
-                f"online.reward_functions=[{paths['rewards']}:{reward}]", "train.batch_size=4",
-                "train.micro_batch_size=2", "train.learning_rate=1e-3", "train.lr_schedule=constant",
-                "online.group_size=2", "online.response_length=6", "online.ppo_epochs=2",
-                "online.num_minibatches=2", "data.max_prompt_length=16"]
+    settings = [
+        f"output_dir={out}",
+        f"model.name_or_path={paths['policy']}",
+        f"data.train_file={paths['prompts']}",
+        f"online.reward_functions=[{paths['rewards']}:{reward}]",
+        "train.batch_size=4",
+        "train.micro_batch_size=2",
+        "train.learning_rate=1e-3",
+        "train.lr_schedule=constant",
+        "online.group_size=2",
+        "online.response_length=6",
+        "online.ppo_epochs=2",
+        "online.num_minibatches=2",
+        "data.max_prompt_length=16",
+    ]
     return [*settings, *extra]
 
 
-def online_config(paths: dict[str, Path], out: Path, *extra: str, kind: str = "ppo", reward: str = "cat_count"):
+def online_config(
+    paths: dict[str, Path], out: Path, *extra: str, kind: str = "ppo", reward: str = "cat_count"
+):
     """A RunConfig for :func:`online_overrides`."""
     return load_config(None, online_overrides(paths, out, *extra, reward=reward), kind)
 
 
-def online_cli_args(paths: dict[str, Path], out: Path, *extra: str, kind: str = "ppo",
-                    reward: str = "cat_count") -> list[str]:
+def online_cli_args(
+    paths: dict[str, Path], out: Path, *extra: str, kind: str = "ppo", reward: str = "cat_count"
+) -> list[str]:
     """``rlhfkit`` arguments for :func:`online_overrides` (a config file with the seed, the rest overrides)."""
     config = out.parent / f"{out.name}.yaml"
     config.write_text("seed: 0\n")

@@ -7,8 +7,14 @@ from pathlib import Path
 
 from tests.helpers import tiny_llama, tiny_tokenizer
 
-PAIRS = [("hello", "world ."), ("the cat", "sat on a mat ."), ("one two", "three four ."),
-         ("dog ran", "fast !"), ("yes", "no ."), ("five six", "seven eight nine .")]
+PAIRS = [
+    ("hello", "world ."),
+    ("the cat", "sat on a mat ."),
+    ("one two", "three four ."),
+    ("dog ran", "fast !"),
+    ("yes", "no ."),
+    ("five six", "seven eight nine ."),
+]
 
 
 def write_sft_problem(root: Path, pad: str = "<pad>") -> dict[str, Path]:
@@ -28,8 +34,22 @@ def write_sft_problem(root: Path, pad: str = "<pad>") -> dict[str, Path]:
 def sft_args(paths: dict[str, Path], out: Path, *extra: str) -> list[str]:
     config = out.parent / f"{out.name}.yaml"
     config.write_text("seed: 0\n")
-    return ["train", "sft", "--config", str(config), f"output_dir={out}", f"model.name_or_path={paths['model']}",
-            f"data.train_file={paths['train']}", f"data.eval_file={paths['eval']}",
-            "train.batch_size=8", "train.micro_batch_size=4", "train.learning_rate=3e-3",
-            "train.lr_schedule=constant", "train.save_steps=3", "train.eval_steps=3",
-            "data.max_prompt_length=16", "data.max_length=32", *extra]
+    return [
+        "train",
+        "sft",
+        "--config",
+        str(config),
+        f"output_dir={out}",
+        f"model.name_or_path={paths['model']}",
+        f"data.train_file={paths['train']}",
+        f"data.eval_file={paths['eval']}",
+        "train.batch_size=8",
+        "train.micro_batch_size=4",
+        "train.learning_rate=3e-3",
+        "train.lr_schedule=constant",
+        "train.save_steps=3",
+        "train.eval_steps=3",
+        "data.max_prompt_length=16",
+        "data.max_length=32",
+        *extra,
+    ]

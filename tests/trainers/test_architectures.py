@@ -23,9 +23,23 @@ from tests.helpers import pad_batch
 from tests.models.tiny_architectures import ARCHITECTURES, write_tiny_model
 from tests.trainers.online_fixtures import PROMPTS, REWARDS_PY
 
-SFT = [("hello", "world ."), ("the cat", "sat on a mat ."), ("one two", "three four ."), ("dog ran", "fast !")]
-PAIRS = [("hello", "world .", "bad bad"), ("the cat", "sat on a mat .", "no"), ("one two", "three four .", "six")]
-FAST = ["train.lr_schedule=constant", "train.save_steps=100", "data.max_prompt_length=16", "logging.progress_bar=false"]
+SFT = [
+    ("hello", "world ."),
+    ("the cat", "sat on a mat ."),
+    ("one two", "three four ."),
+    ("dog ran", "fast !"),
+]
+PAIRS = [
+    ("hello", "world .", "bad bad"),
+    ("the cat", "sat on a mat .", "no"),
+    ("one two", "three four .", "six"),
+]
+FAST = [
+    "train.lr_schedule=constant",
+    "train.save_steps=100",
+    "data.max_prompt_length=16",
+    "logging.progress_bar=false",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -47,8 +61,11 @@ def _run(kind, module, tmp_path, name, *extra):
 
 
 def _loads_plainly(folder, auto_class):
-    model, info = auto_class.from_pretrained(folder, output_loading_info=True, **(
-        {"num_labels": 1} if auto_class is AutoModelForSequenceClassification else {}))
+    model, info = auto_class.from_pretrained(
+        folder,
+        output_loading_info=True,
+        **({"num_labels": 1} if auto_class is AutoModelForSequenceClassification else {}),
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     return model.eval()
 
@@ -56,39 +73,87 @@ def _loads_plainly(folder, auto_class):
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_sft_reward_ppo_grpo_on_a_tiny_model_of_each_architecture(tmp_path, arch):
     base = write_tiny_model(arch, tmp_path / "base")
-    data = {"sft": _jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "completion": c} for p, c in SFT]),
-            "pairs": _jsonl(tmp_path / "pairs.jsonl", [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS]),
-            "prompts": _jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in PROMPTS[:4]])}
+    data = {
+        "sft": _jsonl(tmp_path / "sft.jsonl", [{"prompt": p, "completion": c} for p, c in SFT]),
+        "pairs": _jsonl(
+            tmp_path / "pairs.jsonl", [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS]
+        ),
+        "prompts": _jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in PROMPTS[:4]]),
+    }
     (tmp_path / "rewards.py").write_text(REWARDS_PY)
 
     # SFT: one step; final/ is a folder plain transformers loads, and it was trained
-    sft_dir = _run("sft", sft, tmp_path, "sft", f"model.name_or_path={base}", f"data.train_file={data['sft']}",
-                   "train.max_steps=1", "train.batch_size=4", "train.learning_rate=1e-2") / "final"
+    sft_dir = (
+        _run(
+            "sft",
+            sft,
+            tmp_path,
+            "sft",
+            f"model.name_or_path={base}",
+            f"data.train_file={data['sft']}",
+            "train.max_steps=1",
+            "train.batch_size=4",
+            "train.learning_rate=1e-2",
+        )
+        / "final"
+    )
     before = AutoModelForCausalLM.from_pretrained(base)
     trained = _loads_plainly(sft_dir, AutoModelForCausalLM)
     assert any(not torch.equal(p, before.state_dict()[k]) for k, p in trained.state_dict().items())
 
     # Reward model: one step from the SFT model; the score of a text does not depend on its batch's padding
-    rm_dir = _run("reward", reward, tmp_path, "rm", f"model.name_or_path={sft_dir}", f"data.train_file={data['pairs']}",
-                  "train.max_steps=1", "train.batch_size=3", "data.max_length=32") / "final"
+    rm_dir = (
+        _run(
+            "reward",
+            reward,
+            tmp_path,
+            "rm",
+            f"model.name_or_path={sft_dir}",
+            f"data.train_file={data['pairs']}",
+            "train.max_steps=1",
+            "train.batch_size=3",
+            "data.max_length=32",
+        )
+        / "final"
+    )
     rm = _loads_plainly(rm_dir, AutoModelForSequenceClassification)
     tokenizer = load_tokenizer(str(rm_dir))
     texts = [tokenizer(p + " " + c)["input_ids"] + [tokenizer.eos_token_id] for p, c in SFT]
     with torch.no_grad():
-        alone = torch.stack([sequence_scores(rm, torch.tensor([t]), torch.ones(1, len(t), dtype=torch.long))[0]
-                             for t in texts])
+        alone = torch.stack(
+            [
+                sequence_scores(rm, torch.tensor([t]), torch.ones(1, len(t), dtype=torch.long))[0]
+                for t in texts
+            ]
+        )
         for side in ("left", "right"):
             ids, mask = pad_batch(texts, tokenizer.pad_token_id, side)
             torch.testing.assert_close(sequence_scores(rm, ids, mask), alone, atol=1e-5, rtol=0)
         ids, mask = pad_batch(texts, tokenizer.pad_token_id, "right")  # plain transformers' own pooling
-        torch.testing.assert_close(rm(input_ids=ids, attention_mask=mask).logits[:, 0], alone, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            rm(input_ids=ids, attention_mask=mask).logits[:, 0], alone, atol=1e-5, rtol=0
+        )
 
     # PPO at learning rate 0 (reward model, critic from it): the ratio is exactly 1, the KL exactly 0
-    online_common = [f"model.name_or_path={sft_dir}", f"data.train_file={data['prompts']}", "train.max_steps=1",
-                     "train.batch_size=2", "online.response_length=5", "online.temperature=1.0",
-                     "online.ppo_epochs=2", "online.num_minibatches=1"]
-    ppo_dir = _run("ppo", online, tmp_path, "ppo", *online_common, f"online.reward_model={rm_dir}",
-                   "train.learning_rate=0")
+    online_common = [
+        f"model.name_or_path={sft_dir}",
+        f"data.train_file={data['prompts']}",
+        "train.max_steps=1",
+        "train.batch_size=2",
+        "online.response_length=5",
+        "online.temperature=1.0",
+        "online.ppo_epochs=2",
+        "online.num_minibatches=1",
+    ]
+    ppo_dir = _run(
+        "ppo",
+        online,
+        tmp_path,
+        "ppo",
+        *online_common,
+        f"online.reward_model={rm_dir}",
+        "train.learning_rate=0",
+    )
     metrics = read_metrics(ppo_dir / "metrics.jsonl")[-1]
     assert metrics["ratio/first_minibatch_max_logprob_diff"] == 0.0
     assert metrics["kl/mean"] == 0.0
@@ -96,7 +161,14 @@ def test_sft_reward_ppo_grpo_on_a_tiny_model_of_each_architecture(tmp_path, arch
     _loads_plainly(ppo_dir / "final_critic", AutoModelForSequenceClassification)
 
     # GRPO with a reward function: one rollout that changes the policy
-    grpo_dir = _run("grpo", online, tmp_path, "grpo", *online_common, "train.learning_rate=1e-2",
-                    f"online.reward_functions=[{tmp_path / 'rewards.py'}:words]")
+    grpo_dir = _run(
+        "grpo",
+        online,
+        tmp_path,
+        "grpo",
+        *online_common,
+        "train.learning_rate=1e-2",
+        f"online.reward_functions=[{tmp_path / 'rewards.py'}:words]",
+    )
     after = _loads_plainly(grpo_dir / "final", AutoModelForCausalLM)
     assert any(not torch.equal(p, trained.state_dict()[k]) for k, p in after.state_dict().items())

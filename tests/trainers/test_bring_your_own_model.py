@@ -12,8 +12,11 @@ from tests.trainers.test_online import rollout_for_update
 
 def test_bf16_trains_fp32_master_weights_and_only_frozen_roles_hold_bf16(tmp_path):
     paths = write_online_problem(tmp_path)
-    ctx = make_context(online_config(paths, tmp_path / "run", "model.dtype=bfloat16",
-                                     f"online.reward_model={paths['reward']}"))
+    ctx = make_context(
+        online_config(
+            paths, tmp_path / "run", "model.dtype=bfloat16", f"online.reward_model={paths['reward']}"
+        )
+    )
     roles = ctx.roles
     assert {p.dtype for p in roles.reference.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in roles.reward_model.parameters()} == {torch.bfloat16}
@@ -36,8 +39,15 @@ def test_bf16_trains_fp32_master_weights_and_only_frozen_roles_hold_bf16(tmp_pat
 
 def test_generation_config_processors_are_neutralised_and_sampling_equals_scoring(tmp_path):
     paths = write_online_problem(tmp_path, reward_model=False)
-    GenerationConfig(repetition_penalty=1.3, no_repeat_ngram_size=2, do_sample=True, top_k=5, bos_token_id=1, eos_token_id=2,
-                     pad_token_id=3).save_pretrained(paths["policy"])
+    GenerationConfig(
+        repetition_penalty=1.3,
+        no_repeat_ngram_size=2,
+        do_sample=True,
+        top_k=5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+    ).save_pretrained(paths["policy"])
     ctx = make_context(online_config(paths, tmp_path / "run", "online.response_length=12", reward="words"))
     from rlhfkit.data import TokenLimits, prepare_examples
     from rlhfkit.models import response_logprobs
@@ -47,11 +57,20 @@ def test_generation_config_processors_are_neutralised_and_sampling_equals_scorin
     examples = prepare_examples(ctx.cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
     torch.manual_seed(0)
     batch = prompt_batch(ctx, examples, 1)
-    r = generate_responses(ctx.roles.actor, batch["query_ids"], batch["query_mask"], max_new_tokens=12,
-                           stop_token_ids=ctx.stop_token_ids, pad_token_id=ctx.tokenizer.pad_token_id,
-                           sampling=ctx.sampling, return_logprobs=True)
+    r = generate_responses(
+        ctx.roles.actor,
+        batch["query_ids"],
+        batch["query_mask"],
+        max_new_tokens=12,
+        stop_token_ids=ctx.stop_token_ids,
+        pad_token_id=ctx.tokenizer.pad_token_id,
+        sampling=ctx.sampling,
+        return_logprobs=True,
+    )
     with torch.no_grad():
-        scored = response_logprobs(ctx.roles.actor, r.input_ids, r.attention_mask, r.response_start, ctx.sampling)
+        scored = response_logprobs(
+            ctx.roles.actor, r.input_ids, r.attention_mask, r.response_start, ctx.sampling
+        )
     torch.testing.assert_close(scored * r.mask, r.sampled_logprobs, atol=1e-5, rtol=0)
     for group in ctx.optimizers["actor"].param_groups:
         group["lr"] = 0.0
@@ -63,7 +82,9 @@ def test_tokenizer_without_pad_gives_step_zero_kl_of_exactly_zero(tmp_path):
     for arch in ("llama", "gpt2"):
         paths = write_online_problem(tmp_path / arch, reward_model=False)
         paths["policy"] = write_tiny_model(arch, tmp_path / arch / "nopad", pad=None)
-        ctx = make_context(online_config(paths, tmp_path / arch / "run", "online.response_length=8", reward="words"))
+        ctx = make_context(
+            online_config(paths, tmp_path / arch / "run", "online.response_length=8", reward="words")
+        )
         assert ctx.tokenizer.pad_token == "<|pad|>"
         rollout = rollout_for_update(ctx)
         assert float(rollout.kl.abs().max()) == 0.0

@@ -33,8 +33,14 @@ def rollout_for_update(ctx, step=1):
     batch = prompt_batch(ctx, examples, step)
     rollout, response_mask, _ = sample_rollout(ctx, batch)
     rollout.scores, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
-    rollout.rewards, rollout.kl = shape_rewards(rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask,
-                                                ctx.kl_ctl.value, ctx.cfg.online.kl_estimator)
+    rollout.rewards, rollout.kl = shape_rewards(
+        rollout.scores,
+        rollout.logprobs,
+        rollout.ref_logprobs,
+        rollout.mask,
+        ctx.kl_ctl.value,
+        ctx.cfg.online.kl_estimator,
+    )
     rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
     return rollout
 
@@ -45,20 +51,36 @@ def rollout_for_update(ctx, step=1):
 
 def _hand_built_generation(tok, raw_rows):
     """A stand-in for generate_responses that 'samples' ``raw_rows`` (junk after the first EOS included)."""
+
     def fake(model, prompt_ids, prompt_mask, *, stop_token_ids, pad_token_id, **_):
         raw = torch.tensor(raw_rows)
         response_ids, mask, ended = truncate_at_stop(raw, stop_token_ids, pad_token_id)
-        return Responses(torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, mask.long()], 1),
-                         response_ids, mask, ended, prompt_ids.shape[1])
+        return Responses(
+            torch.cat([prompt_ids, response_ids], 1),
+            torch.cat([prompt_mask, mask.long()], 1),
+            response_ids,
+            mask,
+            ended,
+            prompt_ids.shape[1],
+        )
+
     return fake
 
 
 @pytest.mark.parametrize("pad", ["<pad>", "eos"])
-def test_hand_built_rollout_puts_score_on_last_real_token_and_rewards_sum_to_score_minus_kl(tmp_path, monkeypatch, pad):
+def test_hand_built_rollout_puts_score_on_last_real_token_and_rewards_sum_to_score_minus_kl(
+    tmp_path, monkeypatch, pad
+):
     paths = write_online_problem(tmp_path, pad=pad, reward_model=False)
     kl_coef = 0.3
-    cfg = online_config(paths, tmp_path / "run", f"online.kl_coef={kl_coef}", "online.missing_eos_score=-7",
-                        "online.temperature=0.7", reward="words")
+    cfg = online_config(
+        paths,
+        tmp_path / "run",
+        f"online.kl_coef={kl_coef}",
+        "online.missing_eos_score=-7",
+        "online.temperature=0.7",
+        reward="words",
+    )
     ctx = make_context(cfg)
     tok = ctx.tokenizer
     eos = tok.eos_token_id
@@ -68,15 +90,22 @@ def test_hand_built_rollout_puts_score_on_last_real_token_and_rewards_sum_to_sco
         for p in ctx.roles.reference.parameters():
             p.add_(0.05 * torch.randn_like(p))
     prompts = [[1, w("hello")], [1, w("the"), w("cat"), w("sat"), w("on")], [1, w("one"), w("two")]]
-    raw = [[w("cat"), w("sat"), eos, w("dog"), eos, w("ran")],   # EOS at 2, junk after it
-           [w("on"), w("a"), w("mat"), w("good"), w("bad"), w("yes")],  # no EOS: truncated
-           [eos, w("hello"), w("world"), eos, eos, eos]]         # EOS first
+    raw = [
+        [w("cat"), w("sat"), eos, w("dog"), eos, w("ran")],  # EOS at 2, junk after it
+        [w("on"), w("a"), w("mat"), w("good"), w("bad"), w("yes")],  # no EOS: truncated
+        [eos, w("hello"), w("world"), eos, eos, eos],
+    ]  # EOS first
     monkeypatch.setattr(online_steps, "generate_responses", _hand_built_generation(tok, raw))
     width = max(map(len, prompts))
     query_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
     query_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     records = [{"prompt": tok.decode(p[1:])} for p in prompts]
-    batch = {"query_ids": query_ids, "query_mask": query_mask, "records": records, "group_ids": torch.arange(3)}
+    batch = {
+        "query_ids": query_ids,
+        "query_mask": query_mask,
+        "records": records,
+        "group_ids": torch.arange(3),
+    }
 
     rollout, response_mask, _ = sample_rollout(ctx, batch)
     lengths = [3, 6, 1]
@@ -92,7 +121,9 @@ def test_hand_built_rollout_puts_score_on_last_real_token_and_rewards_sum_to_sco
             logits = ctx.roles.actor(ids).logits[0] / 0.7
         if tok.pad_token_id != eos:
             logits[:, tok.pad_token_id] = float("-inf")
-        expected = torch.log_softmax(logits, -1)[len(p) - 1 : len(p) - 1 + n].gather(1, ids[0, len(p):, None])[:, 0]
+        expected = torch.log_softmax(logits, -1)[len(p) - 1 : len(p) - 1 + n].gather(
+            1, ids[0, len(p) :, None]
+        )[:, 0]
         assert torch.allclose(rollout.logprobs[i, :n], expected, atol=1e-5)
         assert (rollout.logprobs[i, n:] == 0).all() and (rollout.ref_logprobs[i, n:] == 0).all()
 
@@ -122,9 +153,12 @@ def test_critic_starts_as_the_reward_models_normalised_score(tmp_path, monkeypat
     raw = [[w("cat"), w("sat"), eos, 5], [w("on"), eos, 5, 5]]
     monkeypatch.setattr(online_steps, "generate_responses", _hand_built_generation(tok, raw))
     prompts = [[1, w("hello"), w("world")], [1, w("yes")]]
-    batch = {"query_ids": torch.tensor([prompts[0], [tok.pad_token_id] + prompts[1]]),
-             "query_mask": torch.tensor([[1, 1, 1], [0, 1, 1]]), "records": [{"prompt": "x"}] * 2,
-             "group_ids": torch.arange(2)}
+    batch = {
+        "query_ids": torch.tensor([prompts[0], [tok.pad_token_id] + prompts[1]]),
+        "query_mask": torch.tensor([[1, 1, 1], [0, 1, 1]]),
+        "records": [{"prompt": "x"}] * 2,
+        "group_ids": torch.arange(2),
+    }
     rollout, response_mask, _ = sample_rollout(ctx, batch)
     _, _, parts, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
     for i, (p, n) in enumerate(zip(prompts, [3, 2], strict=True)):
@@ -132,7 +166,9 @@ def test_critic_starts_as_the_reward_models_normalised_score(tmp_path, monkeypat
         with torch.no_grad():
             head = rm.score(rm.model(ids).last_hidden_state)[0, :, 0]  # (L,)
         assert torch.allclose(rollout.values[i, :n], 2.0 * head[len(p) - 1 : len(p) - 1 + n] - 3.0, atol=1e-5)
-        assert parts["reward_model"][i] == pytest.approx(float(2.0 * head[-1] - 3.0), abs=1e-5)  # same read-out
+        assert parts["reward_model"][i] == pytest.approx(
+            float(2.0 * head[-1] - 3.0), abs=1e-5
+        )  # same read-out
 
 
 def test_missing_eos_mask_leaves_truncated_responses_out(tmp_path, monkeypatch):
@@ -143,15 +179,20 @@ def test_missing_eos_mask_leaves_truncated_responses_out(tmp_path, monkeypatch):
     w, eos = tok.convert_tokens_to_ids, tok.eos_token_id
     raw = [[w("cat"), eos, 5, 5], [w("on"), w("a"), w("mat"), w("yes")]]
     monkeypatch.setattr(online_steps, "generate_responses", _hand_built_generation(tok, raw))
-    batch = {"query_ids": torch.tensor([[1, w("hello")]] * 2), "query_mask": torch.ones(2, 2, dtype=torch.long),
-             "records": [{"prompt": "hello"}] * 2, "group_ids": torch.tensor([0, 0])}
+    batch = {
+        "query_ids": torch.tensor([[1, w("hello")]] * 2),
+        "query_mask": torch.ones(2, 2, dtype=torch.long),
+        "records": [{"prompt": "hello"}] * 2,
+        "group_ids": torch.tensor([0, 0]),
+    }
     rollout, response_mask, _ = sample_rollout(ctx, batch)
     assert rollout.mask.tolist() == [[True, True, False, False], [False] * 4]
     assert response_mask[1].all()  # the reward model still reads the truncated response
     rollout.scores, raw_scores, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
     assert raw_scores.tolist() == [1.0, 4.0]
-    rollout.rewards, rollout.kl = shape_rewards(rollout.scores, rollout.logprobs, rollout.ref_logprobs,
-                                                rollout.mask, 0.1)
+    rollout.rewards, rollout.kl = shape_rewards(
+        rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask, 0.1
+    )
     assert (rollout.rewards[1] == 0).all()
     ctx.cfg.online.advantage_estimator = "rloo"  # a group of two: the masked response must not be a baseline
     advantages, _ = estimate_advantages(ctx, rollout)
@@ -165,8 +206,13 @@ def test_missing_eos_mask_leaves_truncated_responses_out(tmp_path, monkeypatch):
 @pytest.mark.parametrize("policy", ["llama", "gpt2-dropout"])
 def test_new_and_old_logprobs_agree_on_first_minibatch_of_every_epoch_with_lr_zero(tmp_path, policy):
     paths = write_online_problem(tmp_path, policy=policy)
-    cfg = online_config(paths, tmp_path / "run", "online.ppo_epochs=3", "online.num_minibatches=2",
-                        f"online.reward_model={paths['reward']}")
+    cfg = online_config(
+        paths,
+        tmp_path / "run",
+        "online.ppo_epochs=3",
+        "online.num_minibatches=2",
+        f"online.reward_model={paths['reward']}",
+    )
     ctx = make_context(cfg)
     roles = [ctx.roles.actor, ctx.roles.reference, ctx.roles.critic, ctx.roles.reward_model]
     for model in roles:
@@ -188,7 +234,9 @@ def test_new_and_old_logprobs_agree_on_first_minibatch_of_every_epoch_with_lr_ze
 def test_ratio_check_detects_dropout_when_it_is_left_on(tmp_path):
     """The negative control of the test above: with dropout kept, the first minibatch's ratio is not 1."""
     paths = write_online_problem(tmp_path, policy="gpt2-dropout", reward_model=False)
-    ctx = make_context(online_config(paths, tmp_path / "run", "model.disable_dropout=false", "online.ppo_epochs=1"))
+    ctx = make_context(
+        online_config(paths, tmp_path / "run", "model.disable_dropout=false", "online.ppo_epochs=1")
+    )
     for group in ctx.optimizers["actor"].param_groups:
         group["lr"] = 0.0
     result = ppo_update(ctx, rollout_for_update(ctx), step=1)
@@ -209,8 +257,10 @@ def _ragged_generation(tok, lengths):
             if n:
                 row[n - 1] = tok.eos_token_id
             rows.append(row)
-        return _hand_built_generation(tok, rows)(model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids,
-                                                 pad_token_id=pad_token_id)
+        return _hand_built_generation(tok, rows)(
+            model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids, pad_token_id=pad_token_id
+        )
+
     return fake
 
 
@@ -223,19 +273,42 @@ def test_micro_batch_size_does_not_change_the_update(tmp_path, monkeypatch, mode
     deltas = []
     rollout = None
     for micro in (4, 2, 1):
-        cfg = online_config(paths, tmp_path / f"run{micro}", f"online.reward_model={paths['reward']}",
-                            f"train.micro_batch_size={micro}", "online.ppo_epochs=1", "online.num_minibatches=1",
-                            f"online.loss_agg_mode={mode}", "train.max_grad_norm=null")
+        cfg = online_config(
+            paths,
+            tmp_path / f"run{micro}",
+            f"online.reward_model={paths['reward']}",
+            f"train.micro_batch_size={micro}",
+            "online.ppo_epochs=1",
+            "online.num_minibatches=1",
+            f"online.loss_agg_mode={mode}",
+            "train.max_grad_norm=null",
+        )
         ctx = make_context(cfg)
-        monkeypatch.setattr(online_steps, "generate_responses", _ragged_generation(ctx.tokenizer, [1, 6, 3, 0]))
+        monkeypatch.setattr(
+            online_steps, "generate_responses", _ragged_generation(ctx.tokenizer, [1, 6, 3, 0])
+        )
         for name, model in ctx.trained.items():
             ctx.optimizers[name] = torch.optim.SGD(model.parameters(), lr=1.0)
         rollout = rollout if rollout is not None else rollout_for_update(ctx)
-        assert sorted(rollout.mask.sum(1).tolist()) == [1, 1, 3, 3, 6, 6, 6, 6]  # ragged: 1, 6, 3 and 6 (no EOS)
+        assert sorted(rollout.mask.sum(1).tolist()) == [
+            1,
+            1,
+            3,
+            3,
+            6,
+            6,
+            6,
+            6,
+        ]  # ragged: 1, 6, 3 and 6 (no EOS)
         before = {name: state(model) for name, model in ctx.trained.items()}
         ppo_update(ctx, rollout, step=1)
-        deltas.append({f"{name}.{k}": v - before[name][k] for name, model in ctx.trained.items()
-                       for k, v in state(model).items()})
+        deltas.append(
+            {
+                f"{name}.{k}": v - before[name][k]
+                for name, model in ctx.trained.items()
+                for k, v in state(model).items()
+            }
+        )
     assert {k.split(".")[0] for k in deltas[0]} == {"actor", "critic"}
     assert any(d.abs().max() > 1e-4 for k, d in deltas[0].items() if k.startswith("actor."))
     assert any(d.abs().max() > 1e-4 for k, d in deltas[0].items() if k.startswith("critic."))
@@ -258,8 +331,14 @@ def test_all_truncated_batch_under_mask_changes_nothing_and_logs_no_nan(tmp_path
 
     monkeypatch.setattr(online_steps, "generate_responses", never_eos)
     out = tmp_path / "run"
-    cfg = online_config(paths, out, "online.missing_eos=mask", f"online.reward_model={paths['reward']}",
-                        "train.max_steps=2", "train.weight_decay=0.1")
+    cfg = online_config(
+        paths,
+        out,
+        "online.missing_eos=mask",
+        f"online.reward_model={paths['reward']}",
+        "train.max_steps=2",
+        "train.weight_decay=0.1",
+    )
     online.train(cfg)
     initial = load_file(str(paths["policy"] / "model.safetensors"))
     final = load_file(str(out / "final" / "model.safetensors"))
@@ -275,16 +354,26 @@ def test_all_truncated_batch_under_mask_changes_nothing_and_logs_no_nan(tmp_path
         assert row["update/skipped_minibatches"] == 2 * 2  # every minibatch of every epoch
 
 
-@pytest.mark.parametrize("kind, extra, reward", [
-    ("grpo", ("online.kl_estimator=k3",), "cat_count"),
-    ("rloo", ("online.score_clip=0.5",), "words"),
-    ("ppo", ("online.advantage_estimator=reinforce_pp", "online.ent_coef=0.01"), "cat_count")])
+@pytest.mark.parametrize(
+    "kind, extra, reward",
+    [
+        ("grpo", ("online.kl_estimator=k3",), "cat_count"),
+        ("rloo", ("online.score_clip=0.5",), "words"),
+        ("ppo", ("online.advantage_estimator=reinforce_pp", "online.ent_coef=0.01"), "cat_count"),
+    ],
+)
 def test_critic_free_estimators_run_without_a_critic(tmp_path, monkeypatch, kind, extra, reward):
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")  # the command line would take every core
     paths = write_online_problem(tmp_path, reward_model=False)
     out = tmp_path / "run"
-    assert main(online_cli_args(paths, out, "train.max_steps=2", "online.kl_coef=0.2", *extra, kind=kind,
-                                reward=reward)) == 0
+    assert (
+        main(
+            online_cli_args(
+                paths, out, "train.max_steps=2", "online.kl_coef=0.2", *extra, kind=kind, reward=reward
+            )
+        )
+        == 0
+    )
     marker = json.loads((out / "checkpoints" / "step-2" / "COMPLETE").read_text())
     assert marker["models"] == ["actor"] and marker["optimizers"] == ["actor"]
     assert not (out / "final_critic").exists()
@@ -314,15 +403,29 @@ def test_resume_restores_the_random_streams_a_reward_function_draws_from(tmp_pat
     import random
 
     import numpy
-    random.seed(12345), numpy.random.seed(12345)  # what a new process would hold: anything but the saved state
-    online.train(online_config(paths, part, "train.max_steps=4", *args, reward="noisy_cat_count"), resume=True)
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"}  # noqa: E731
-                          for r in rows]
+
+    (
+        random.seed(12345),
+        numpy.random.seed(12345),
+    )  # what a new process would hold: anything but the saved state
+    online.train(
+        online_config(paths, part, "train.max_steps=4", *args, reward="noisy_cat_count"), resume=True
+    )
+
+    def strip(rows):
+        return [
+            {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"}
+            for r in rows
+        ]
+
     rows_full, rows_part = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
     assert [r["step"] for r in rows_part] == [1, 2, 3, 4]
     assert len({r["score/mean"] for r in rows_full}) == 4  # the noise is in the scores
     assert strip(rows_full) == strip(rows_part)
-    a, b = load_file(str(full / "final" / "model.safetensors")), load_file(str(part / "final" / "model.safetensors"))
+    a, b = (
+        load_file(str(full / "final" / "model.safetensors")),
+        load_file(str(part / "final" / "model.safetensors")),
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -331,9 +434,17 @@ def test_actor_and_critic_step_at_their_own_learning_rates(tmp_path):
     the first step; no weight decay, constant schedule): the actor's largest move is train.learning_rate and
     the critic's online.critic_learning_rate, ten times larger here."""
     paths = write_online_problem(tmp_path)
-    cfg = online_config(paths, tmp_path / "run", f"online.reward_model={paths['reward']}", "online.ppo_epochs=1",
-                        "online.num_minibatches=1", "train.learning_rate=1e-3", "online.critic_learning_rate=1e-2",
-                        "train.weight_decay=0.0", "train.warmup_steps=0")
+    cfg = online_config(
+        paths,
+        tmp_path / "run",
+        f"online.reward_model={paths['reward']}",
+        "online.ppo_epochs=1",
+        "online.num_minibatches=1",
+        "train.learning_rate=1e-3",
+        "online.critic_learning_rate=1e-2",
+        "train.weight_decay=0.0",
+        "train.warmup_steps=0",
+    )
     ctx = make_context(cfg)
     rollout = rollout_for_update(ctx)
     before = {name: state(model) for name, model in ctx.trained.items()}
@@ -352,11 +463,21 @@ def test_evaluate_hook_is_logged_and_leaves_training_unchanged_and_critic_warms_
         return {"probe/mean": float(torch.rand(()))}  # draws from the global RNG on purpose
 
     finals = []
-    for name, hooks, evals in (("with", OnlineHooks(evaluate=evaluate), [f"data.eval_file={paths['prompts']}"]),
-                               ("without", None, [])):
+    for name, hooks, evals in (
+        ("with", OnlineHooks(evaluate=evaluate), [f"data.eval_file={paths['prompts']}"]),
+        ("without", None, []),
+    ):
         out = tmp_path / name
-        cfg = online_config(paths, out, f"online.reward_model={paths['reward']}", "train.max_steps=3",
-                            "train.eval_steps=2", "train.save_steps=1", "online.critic_warmup_steps=1", *evals)
+        cfg = online_config(
+            paths,
+            out,
+            f"online.reward_model={paths['reward']}",
+            "train.max_steps=3",
+            "train.eval_steps=2",
+            "train.save_steps=1",
+            "online.critic_warmup_steps=1",
+            *evals,
+        )
         online.train(cfg, hooks=hooks)
         finals.append(load_file(str(out / "final" / "model.safetensors")))
     assert calls == [(0, False), (2, False), (3, False)]
@@ -372,7 +493,10 @@ def test_evaluate_hook_is_logged_and_leaves_training_unchanged_and_critic_warms_
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
     # Critic warm-up: after rollout 1 only the critic has moved.
     step1 = tmp_path / "with" / "checkpoints" / "step-1"
-    actor1, critic1 = load_file(str(step1 / "model.actor.safetensors")), load_file(str(step1 / "model.critic.safetensors"))
+    actor1, critic1 = (
+        load_file(str(step1 / "model.actor.safetensors")),
+        load_file(str(step1 / "model.critic.safetensors")),
+    )
     initial = load_file(str(paths["policy"] / "model.safetensors"))
     assert all(torch.equal(initial[k], actor1[k]) for k in initial)
     reward = load_file(str(paths["reward"] / "model.safetensors"))
@@ -402,15 +526,26 @@ class ShiftingRewardModel:
 
 def test_reward_model_refresh_hook_is_checkpointed_and_resumes(tmp_path):
     paths = write_online_problem(tmp_path)
-    args = (f"online.reward_model={paths['reward']}", "train.save_steps=2", "online.critic_learning_rate=3e-3")
+    args = (
+        f"online.reward_model={paths['reward']}",
+        "train.save_steps=2",
+        "online.critic_learning_rate=3e-3",
+    )
     full, part = ShiftingRewardModel(), ShiftingRewardModel()
-    online.train(online_config(paths, tmp_path / "full", "train.max_steps=4", *args),
-                 hooks=OnlineHooks(refresh_reward_model=full, refresh_steps=2))
-    online.train(online_config(paths, tmp_path / "part", "train.max_steps=2", *args),
-                 hooks=OnlineHooks(refresh_reward_model=part, refresh_steps=2))
+    online.train(
+        online_config(paths, tmp_path / "full", "train.max_steps=4", *args),
+        hooks=OnlineHooks(refresh_reward_model=full, refresh_steps=2),
+    )
+    online.train(
+        online_config(paths, tmp_path / "part", "train.max_steps=2", *args),
+        hooks=OnlineHooks(refresh_reward_model=part, refresh_steps=2),
+    )
     resumed = ShiftingRewardModel()
-    online.train(online_config(paths, tmp_path / "part", "train.max_steps=4", *args), resume=True,
-                 hooks=OnlineHooks(refresh_reward_model=resumed, refresh_steps=2))
+    online.train(
+        online_config(paths, tmp_path / "part", "train.max_steps=4", *args),
+        resume=True,
+        hooks=OnlineHooks(refresh_reward_model=resumed, refresh_steps=2),
+    )
     assert full.calls == [2, 4] and resumed.calls == [2, 4]  # the hook's own state came back
     marker = json.loads((tmp_path / "full" / "checkpoints" / "step-2" / "COMPLETE").read_text())
     assert marker["models"] == ["actor", "critic", "reward_model"]
@@ -430,10 +565,21 @@ def test_ppo_learns_a_toy_reward(tmp_path):
     """+1 per 'cat' token: the mean score rises far above the random policy's (a learning signal, not a benchmark)."""
     paths = write_online_problem(tmp_path, reward_model=False)
     out = tmp_path / "run"
-    cfg = online_config(paths, out, "train.max_steps=24", "train.learning_rate=3e-3", "train.batch_size=8",
-                        "train.micro_batch_size=null", "online.group_size=2", "online.num_minibatches=1",
-                        "online.ppo_epochs=4", "online.kl_coef=0.01", "online.missing_eos=none",
-                        "online.critic_learning_rate=3e-3", "train.save_steps=100")
+    cfg = online_config(
+        paths,
+        out,
+        "train.max_steps=24",
+        "train.learning_rate=3e-3",
+        "train.batch_size=8",
+        "train.micro_batch_size=null",
+        "online.group_size=2",
+        "online.num_minibatches=1",
+        "online.ppo_epochs=4",
+        "online.kl_coef=0.01",
+        "online.missing_eos=none",
+        "online.critic_learning_rate=3e-3",
+        "train.save_steps=100",
+    )
     online.train(cfg)
     scores = [r["score/mean"] for r in read_metrics(out / "metrics.jsonl")]
     first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4

@@ -54,8 +54,14 @@ def test_responses_that_nothing_scores_are_left_out_of_the_loss_and_counted(tmp_
 
     paths = write_online_problem(tmp_path, reward_model=False)
     with_answers(paths)
-    cfg = online_config(paths, tmp_path / "none", "train.max_steps=1", "logging.samples_per_step=0", kind="grpo",
-                        reward="never")
+    cfg = online_config(
+        paths,
+        tmp_path / "none",
+        "train.max_steps=1",
+        "logging.samples_per_step=0",
+        kind="grpo",
+        reward="never",
+    )
     from transformers import AutoModelForCausalLM
 
     train(cfg)
@@ -64,16 +70,23 @@ def test_responses_that_nothing_scores_are_left_out_of_the_loss_and_counted(tmp_
     assert all(torch.equal(a, b) for a, b in zip(state(before).values(), state(after).values(), strict=True))
     (metrics,) = read_metrics(tmp_path / "none" / "metrics.jsonl")
     assert metrics["score/unscored"] == 8 and metrics["response/trained_frac"] == 0.0
-    assert not (tmp_path / "none" / "samples.jsonl").exists() or not (tmp_path / "none" / "samples.jsonl").read_text()
+    assert (
+        not (tmp_path / "none" / "samples.jsonl").exists()
+        or not (tmp_path / "none" / "samples.jsonl").read_text()
+    )
 
 
 def _comparable(path):
-    return [{k: v for k, v in row.items() if not k.startswith(("time/", "tokens_per_second"))}
-            for row in read_metrics(path)]
+    return [
+        {k: v for k, v in row.items() if not k.startswith(("time/", "tokens_per_second"))}
+        for row in read_metrics(path)
+    ]
 
 
 @pytest.mark.slow
-def test_trl_function_trains_grpo_writes_samples_and_a_failure_resumes_after_the_fix(tmp_path, monkeypatch, capsys):
+def test_trl_function_trains_grpo_writes_samples_and_a_failure_resumes_after_the_fix(
+    tmp_path, monkeypatch, capsys
+):
     paths = write_online_problem(tmp_path, reward_model=False)
     with_answers(paths)
     extra = ("train.max_steps=3", "train.save_steps=10", "logging.samples_per_step=3")
@@ -83,7 +96,9 @@ def test_trl_function_trains_grpo_writes_samples_and_a_failure_resumes_after_the
     from transformers import AutoModelForCausalLM
 
     before, after = (AutoModelForCausalLM.from_pretrained(path) for path in (paths["policy"], full / "final"))
-    assert any(not torch.equal(a, b) for a, b in zip(state(before).values(), state(after).values(), strict=True))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(state(before).values(), state(after).values(), strict=True)
+    )
     metrics = read_metrics(full / "metrics.jsonl")
     assert all("score/unscored" in m and "score/flaky" in m for m in metrics)
     # ... and samples.jsonl shows what the policy wrote, with the report's samples section.
@@ -91,7 +106,9 @@ def test_trl_function_trains_grpo_writes_samples_and_a_failure_resumes_after_the
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     for r in rows:
         assert set(r) == {"step", "prompt", "response", "score", "parts", "kl", "length", "ended"}
-        assert isinstance(r["prompt"], str) and isinstance(r["response"], str) and isinstance(r["ended"], bool)
+        assert (
+            isinstance(r["prompt"], str) and isinstance(r["response"], str) and isinstance(r["ended"], bool)
+        )
         assert r["score"] is None or r["score"] == (r["parts"]["flaky"] if r["ended"] else -1.0)
     report = (full / "report.md").read_text()
     assert "## Samples" in report and "### Newest (rollout 3)" in report and "### Best-scored" in report
@@ -118,7 +135,9 @@ def test_a_function_that_needs_a_missing_column_is_refused_before_any_model_load
     assert main(online_cli_args(paths, out, kind="grpo", reward="cat_or_nothing")) == 2
     err = capsys.readouterr().err
     assert "online.reward_functions[0]: reward function 'cat_or_nothing' requires 'answer'" in err
-    assert [p.name for p in out.iterdir()] == [".rlhfkit"]  # nothing to --overwrite: the same command runs again
+    assert [p.name for p in out.iterdir()] == [
+        ".rlhfkit"
+    ]  # nothing to --overwrite: the same command runs again
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -135,16 +154,30 @@ HH = "\n\nHuman: the cat ?\n\nAssistant: yes good"
 PREFERENCE_ROWS = [
     {"prompt": "the cat", "chosen": "sat good", "rejected": "ran bad"},
     {"prompt": [msg(USER, "one")], "chosen": "two good", "rejected": [msg(BOT, "ten bad")]},
-    {"chosen": [msg(USER, "hello"), msg(BOT, "world good")], "rejected": [msg(USER, "hello"), msg(BOT, "dog bad")]},
+    {
+        "chosen": [msg(USER, "hello"), msg(BOT, "world good")],
+        "rejected": [msg(USER, "hello"), msg(BOT, "dog bad")],
+    },
     {"chosen": HH, "rejected": HH.replace("yes good", "no bad")},
-    {"prompt": "the dog ?", "chosen": [msg(USER, "the dog ?"), msg(BOT, "yes good")],
-     "rejected": [msg(USER, "the dog ?"), msg(BOT, "no bad")]},
+    {
+        "prompt": "the dog ?",
+        "chosen": [msg(USER, "the dog ?"), msg(BOT, "yes good")],
+        "rejected": [msg(USER, "the dog ?"), msg(BOT, "no bad")],
+    },
 ]
-SFT_ROWS = [{"text": "the cat sat on a mat ."}, {"prompt": "one two", "completion": "three four ."},
-            {"messages": [msg(USER, "hello"), msg(BOT, "world .")]},
-            {"prompt": "yes", "completion": [msg(USER, "yes"), msg(BOT, "no .")]}]
-PROMPT_ROWS = [{"prompt": "the cat"}, {"prompt": [msg(USER, "hello")]}, {"messages": [msg(USER, "one"), msg(BOT, "x")]},
-               PREFERENCE_ROWS[2], PREFERENCE_ROWS[3]]
+SFT_ROWS = [
+    {"text": "the cat sat on a mat ."},
+    {"prompt": "one two", "completion": "three four ."},
+    {"messages": [msg(USER, "hello"), msg(BOT, "world .")]},
+    {"prompt": "yes", "completion": [msg(USER, "yes"), msg(BOT, "no .")]},
+]
+PROMPT_ROWS = [
+    {"prompt": "the cat"},
+    {"prompt": [msg(USER, "hello")]},
+    {"messages": [msg(USER, "one"), msg(BOT, "x")]},
+    PREFERENCE_ROWS[2],
+    PREFERENCE_ROWS[3],
+]
 
 
 def write_model(root):
@@ -158,9 +191,20 @@ def write_model(root):
 def base_args(tmp_path, kind, model, data, *extra):
     config = tmp_path / f"{kind}.yaml"
     config.write_text("seed: 0\n")
-    return ["train", kind, "--config", str(config), f"output_dir={tmp_path / kind}", f"model.name_or_path={model}",
-            f"data.train_file={data}", "train.max_steps=1", "train.batch_size=4", "data.max_prompt_length=24",
-            "data.max_length=40", *extra]
+    return [
+        "train",
+        kind,
+        "--config",
+        str(config),
+        f"output_dir={tmp_path / kind}",
+        f"model.name_or_path={model}",
+        f"data.train_file={data}",
+        "train.max_steps=1",
+        "train.batch_size=4",
+        "data.max_prompt_length=24",
+        "data.max_length=40",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -170,14 +214,38 @@ def test_each_trainer_reads_every_shape(tmp_path):
     for name, rows in (("prefs", PREFERENCE_ROWS), ("sft", SFT_ROWS), ("prompts", PROMPT_ROWS)):
         files[name] = tmp_path / f"{name}.jsonl"
         files[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "r.py").write_text("def length(prompts, completions, **kw):\n    return [1.0 * len(c) for c in completions]\n")
+    (tmp_path / "r.py").write_text(
+        "def length(prompts, completions, **kw):\n    return [1.0 * len(c) for c in completions]\n"
+    )
     assert main(base_args(tmp_path, "reward", model, files["prefs"], "train.batch_size=5")) == 0
-    assert json.loads((tmp_path / "reward" / "summary.json").read_text())["train_pairs"] == len(PREFERENCE_ROWS)
+    assert json.loads((tmp_path / "reward" / "summary.json").read_text())["train_pairs"] == len(
+        PREFERENCE_ROWS
+    )
     assert main(base_args(tmp_path, "sft", model, files["sft"])) == 0
     assert json.loads((tmp_path / "sft" / "summary.json").read_text())["train_examples"] == len(SFT_ROWS)
-    assert main(base_args(tmp_path, "grpo", model, files["prompts"], "train.batch_size=5", "online.group_size=2",
-                          "online.response_length=4", f"online.reward_functions=[{tmp_path / 'r.py'}:length]")) == 0
-    prompts = [r["prompt"] for r in map(json.loads, (tmp_path / "grpo" / "samples.jsonl").read_text().splitlines())]
-    expected = ["the cat", [msg(USER, "hello")], [msg(USER, "one")], [msg(USER, "hello")],
-                "\n\nHuman: the cat ?\n\nAssistant:"]
+    assert (
+        main(
+            base_args(
+                tmp_path,
+                "grpo",
+                model,
+                files["prompts"],
+                "train.batch_size=5",
+                "online.group_size=2",
+                "online.response_length=4",
+                f"online.reward_functions=[{tmp_path / 'r.py'}:length]",
+            )
+        )
+        == 0
+    )
+    prompts = [
+        r["prompt"] for r in map(json.loads, (tmp_path / "grpo" / "samples.jsonl").read_text().splitlines())
+    ]
+    expected = [
+        "the cat",
+        [msg(USER, "hello")],
+        [msg(USER, "one")],
+        [msg(USER, "hello")],
+        "\n\nHuman: the cat ?\n\nAssistant:",
+    ]
     assert all(p in expected for p in prompts)

@@ -31,19 +31,36 @@ def test_killed_then_resumed_run_is_bit_identical(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     paths = write_online_problem(tmp_path)
     # Adaptive KL, a decaying learning rate and a critic warm-up: every piece of state must come back.
-    extra = ("train.max_steps=6", "train.save_steps=3", f"online.reward_model={paths['reward']}",
-             "online.kl_target=0.5", "online.kl_horizon=50", "train.lr_schedule=linear",
-             "online.critic_warmup_steps=1")
+    extra = (
+        "train.max_steps=6",
+        "train.save_steps=3",
+        f"online.reward_model={paths['reward']}",
+        "online.kl_target=0.5",
+        "online.kl_horizon=50",
+        "train.lr_schedule=linear",
+        "online.critic_warmup_steps=1",
+    )
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(online_cli_args(paths, full, *extra, reward="slow_cat_count")) == 0
 
     args = online_cli_args(paths, part, *extra, reward="slow_cat_count")
-    env = {**os.environ, "RLHFKIT_NUM_THREADS": "1",  # the source under test first, as in this process
-           "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "rlhfkit.cli", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {
+        **os.environ,
+        "RLHFKIT_NUM_THREADS": "1",  # the source under test first, as in this process
+        "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhfkit.cli", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 180
-    while latest_checkpoint(part / "checkpoints") is None and proc.poll() is None and time.monotonic() < deadline:
+    while (
+        latest_checkpoint(part / "checkpoints") is None
+        and proc.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     _, err = proc.communicate()
@@ -63,11 +80,23 @@ def test_killed_then_resumed_run_is_bit_identical(tmp_path, monkeypatch):
     assert main([*args, "--resume"]) == 0
     _same_files(full / "final", part / "final", ["model.safetensors"])
     _same_files(full / "final_critic", part / "final_critic", ["model.safetensors"])
-    _same_files(full / "checkpoints" / "step-6", part / "checkpoints" / "step-6",
-                ["model.actor.safetensors", "model.critic.safetensors", "optimizer.actor.safetensors",
-                 "optimizer.critic.safetensors"])
-    timeless = lambda rows: [{k: v for k, v in r.items()  # noqa: E731
-                              if not k.startswith("time/") and k != "tokens_per_second"} for r in rows]
+    _same_files(
+        full / "checkpoints" / "step-6",
+        part / "checkpoints" / "step-6",
+        [
+            "model.actor.safetensors",
+            "model.critic.safetensors",
+            "optimizer.actor.safetensors",
+            "optimizer.critic.safetensors",
+        ],
+    )
+
+    def timeless(rows):
+        return [
+            {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"}
+            for r in rows
+        ]
+
     rows_full, rows_part = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
     assert [r["step"] for r in rows_full] == [1, 2, 3, 4, 5, 6]
     assert timeless(rows_full) == timeless(rows_part)

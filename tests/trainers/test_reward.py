@@ -64,7 +64,9 @@ def test_pair_loss_matches_the_formulas_by_hand():
     expected = sum(_bt(c, r, m) + 0.1 * (c + r) ** 2 for c, r, m in pairs) / n_total
     assert float(loss) == pytest.approx(expected, abs=1e-6)
     with_margin_only, _ = pair_loss(chosen, rejected, margin, n_total)
-    assert float(with_margin_only) > float(pair_loss(chosen, rejected, None, n_total)[0])  # margins demand more
+    assert float(with_margin_only) > float(
+        pair_loss(chosen, rejected, None, n_total)[0]
+    )  # margins demand more
 
     # length term: c * cov(r, z)^2 * n / N with z the standardised lengths of the 6 responses
     scores = [1.0, -0.5, 2.0, 0.0, 0.5, 2.0]
@@ -72,8 +74,16 @@ def test_pair_loss_matches_the_formulas_by_hand():
     mean = sum(lengths) / 6
     std = math.sqrt(sum((x - mean) ** 2 for x in lengths) / 6)
     cov = sum(s * (x - mean) / std for s, x in zip(scores, lengths, strict=True)) / 6
-    loss, stats = pair_loss(chosen, rejected, margin, n_total, center_coef=0.1, length_bias_coef=0.3,
-                            chosen_length=lengths_c, rejected_length=lengths_r)
+    loss, stats = pair_loss(
+        chosen,
+        rejected,
+        margin,
+        n_total,
+        center_coef=0.1,
+        length_bias_coef=0.3,
+        chosen_length=lengths_c,
+        rejected_length=lengths_r,
+    )
     assert float(loss) == pytest.approx(expected + 0.3 * cov**2 * 3 / n_total, abs=1e-6)
     assert stats["loss/length_bias"] == pytest.approx(0.3 * cov**2 * 3 / n_total, abs=1e-7)
 
@@ -102,7 +112,9 @@ def test_length_covariance_against_a_loop_and_its_gradient_direction():
     (value**2).backward()
     longer = lengths.double() > lengths.double().mean()
     assert bool((torch.sign(scores.grad[longer]) == sign).all())
-    assert float(length_covariance(scores.detach(), torch.full((9,), 7))) == 0.0  # constant lengths: nothing to fix
+    assert (
+        float(length_covariance(scores.detach(), torch.full((9,), 7))) == 0.0
+    )  # constant lengths: nothing to fix
 
 
 def test_micro_batches_add_up_to_the_whole_batch():
@@ -112,8 +124,10 @@ def test_micro_batches_add_up_to_the_whole_batch():
     margin = torch.rand(6, generator=gen)
     whole, _ = pair_loss(chosen, rejected, margin, 6.0, center_coef=0.05)
     (grad_whole,) = torch.autograd.grad(whole, chosen)
-    parts = sum(pair_loss(chosen[s], rejected[s], margin[s], 6.0, center_coef=0.05)[0]
-                for s in (slice(0, 2), slice(2, 6)))
+    parts = sum(
+        pair_loss(chosen[s], rejected[s], margin[s], 6.0, center_coef=0.05)[0]
+        for s in (slice(0, 2), slice(2, 6))
+    )
     (grad_parts,) = torch.autograd.grad(parts, chosen)
     assert float(parts.detach()) == pytest.approx(float(whole.detach()), abs=1e-6)
     torch.testing.assert_close(grad_parts, grad_whole)
@@ -130,8 +144,10 @@ def _example(prompt, chosen, rejected, **extra):
 def test_pair_scores_use_one_forward_and_equal_separate_scores_whatever_the_padding():
     tok = tiny_tokenizer()
     model = tiny_llama("scalar", seed=3, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
-    examples = [_example([1, 5, 6], [7, 8, 9, 2], [10, 2], margin=0.5),
-                _example([1, 11], [12, 2], [13, 14, 15, 16, 17, 2])]
+    examples = [
+        _example([1, 5, 6], [7, 8, 9, 2], [10, 2], margin=0.5),
+        _example([1, 11], [12, 2], [13, 14, 15, 16, 17, 2]),
+    ]
     collate = PairCollator(tok.pad_token_id, default_margin=0.25)
     batch = collate(examples)
     assert batch["margin"].tolist() == [0.5, 0.25]  # the record's margin, else the default
@@ -229,7 +245,9 @@ def test_keep_best_never_keeps_the_untrained_model_and_says_when_the_best_is_the
     first, untrained = keep_best_warnings(keeper, eval_steps=4, last_step=8)
     assert "came at the first evaluation (step 4)" in first and "up to step 8" in first
     assert "untrained model's held-out accuracy (0.9)" in untrained and "(0.7, step 4)" in untrained
-    assert keep_best_warnings(keeper, eval_steps=4, last_step=4)[:1] != [first]  # one evaluation: nothing to say
+    assert keep_best_warnings(keeper, eval_steps=4, last_step=4)[:1] != [
+        first
+    ]  # one evaluation: nothing to say
     assert keeper.update(model, 12, {"accuracy": 0.95, "loss": 0.2})
     assert keep_best_warnings(keeper, eval_steps=4, last_step=12) == []
 
@@ -245,11 +263,16 @@ def _body(rng, k):
 def _easy_record(rng):
     """The chosen response says 'good', the rejected one 'bad'; lengths are drawn alike."""
     prompt = _body(rng, rng.randint(1, 3))
-    return {"prompt": prompt, "chosen": f"{_body(rng, rng.randint(1, 4))} good .",
-            "rejected": f"{_body(rng, rng.randint(1, 4))} bad ."}
+    return {
+        "prompt": prompt,
+        "chosen": f"{_body(rng, rng.randint(1, 4))} good .",
+        "rejected": f"{_body(rng, rng.randint(1, 4))} bad .",
+    }
 
 
-def write_reward_problem(root: Path, pad: str = "eos", n_train: int = 64, n_eval: int = 48, gold: bool = True):
+def write_reward_problem(
+    root: Path, pad: str = "eos", n_train: int = 64, n_eval: int = 48, gold: bool = True
+):
     """``model/`` (a tiny causal Llama + tokenizer), ``train.jsonl`` and ``eval.jsonl`` (with gold fields)."""
     tokenizer = tiny_tokenizer(pad=pad)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -261,7 +284,9 @@ def write_reward_problem(root: Path, pad: str = "eos", n_train: int = 64, n_eval
     held = [_easy_record(rng) for _ in range(n_eval)]
     if gold:  # gold says the same as the labels, except for two ties
         for i, r in enumerate(held):
-            r.update(gold_chosen=1.0, gold_rejected=0.0 if i >= 2 else 1.0, gold_agreement=0.9 if i >= 2 else None)
+            r.update(
+                gold_chosen=1.0, gold_rejected=0.0 if i >= 2 else 1.0, gold_agreement=0.9 if i >= 2 else None
+            )
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     (root / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
     return {"model": root / "model", "train": root / "train.jsonl", "eval": root / "eval.jsonl"}
@@ -270,10 +295,25 @@ def write_reward_problem(root: Path, pad: str = "eos", n_train: int = 64, n_eval
 def reward_args(paths, out: Path, *extra: str) -> list[str]:
     config = out.parent / f"{out.name}.yaml"
     config.write_text("seed: 0\nlogging:\n  progress_bar: false\n")
-    return ["train", "reward", "--config", str(config), f"output_dir={out}", f"model.name_or_path={paths['model']}",
-            f"data.train_file={paths['train']}", f"data.eval_file={paths['eval']}", "train.batch_size=16",
-            "train.micro_batch_size=8", "train.learning_rate=3e-3", "train.lr_schedule=constant",
-            "train.save_steps=4", "train.eval_steps=4", "data.max_prompt_length=8", "data.max_length=24", *extra]
+    return [
+        "train",
+        "reward",
+        "--config",
+        str(config),
+        f"output_dir={out}",
+        f"model.name_or_path={paths['model']}",
+        f"data.train_file={paths['train']}",
+        f"data.eval_file={paths['eval']}",
+        "train.batch_size=16",
+        "train.micro_batch_size=8",
+        "train.learning_rate=3e-3",
+        "train.lr_schedule=constant",
+        "train.save_steps=4",
+        "train.eval_steps=4",
+        "data.max_prompt_length=8",
+        "data.max_length=24",
+        *extra,
+    ]
 
 
 def _rows(path: Path) -> list[dict]:
@@ -301,8 +341,14 @@ def test_train_reward_learns_keeps_the_best_normalises_and_loads_in_plain_transf
 
     paths = write_reward_problem(tmp_path)  # pad == EOS: final/ must get a distinct pad token
     out = tmp_path / "run"
-    assert main(reward_args(paths, out, "train.max_steps=12", "reward.center_coef=0.01",
-                            "reward.length_bias_coef=0.1")) == 0
+    assert (
+        main(
+            reward_args(
+                paths, out, "train.max_steps=12", "reward.center_coef=0.01", "reward.length_bias_coef=0.1"
+            )
+        )
+        == 0
+    )
     rows = _rows(out / "metrics.jsonl")
     assert rows[0]["step"] == 0 and abs(rows[0]["eval/loss"] - LN2) < 0.15  # the untrained model
     assert rows[1]["step"] == 1 and {"accuracy", "margin", "loss/length_bias", "grad_norm"} <= rows[1].keys()
@@ -321,8 +367,9 @@ def test_train_reward_learns_keeps_the_best_normalises_and_loads_in_plain_transf
     # The final model's held-out scores, for the report's histograms: they give the summary's accuracy.
     scored = _rows(out / "heldout_scores.jsonl")
     assert len(scored) == 48 and {"gold_chosen", "gold_rejected"} <= scored[0].keys()
-    assert sum((r["chosen"] > r["rejected"]) + 0.5 * (r["chosen"] == r["rejected"]) for r in scored) / 48 == \
-        pytest.approx(summary["heldout_accuracy"])
+    assert sum(
+        (r["chosen"] > r["rejected"]) + 0.5 * (r["chosen"] == r["rejected"]) for r in scored
+    ) / 48 == pytest.approx(summary["heldout_accuracy"])
 
     # final/ = the best evaluation's weights (raw), with the normalisation in config.json
     best_weights = load_file(str(out / "best" / "model.safetensors"))
@@ -348,8 +395,12 @@ def test_train_reward_learns_keeps_the_best_normalises_and_loads_in_plain_transf
             theirs = plain(**enc).logits[:, 0]
             raw = sequence_scores(ours, enc["input_ids"], enc["attention_mask"])
             torch.testing.assert_close(theirs, raw, atol=1e-5, rtol=0)
-            torch.testing.assert_close(normalized_scores(ours, enc["input_ids"], enc["attention_mask"]),
-                                       raw * gain + bias, atol=1e-6, rtol=0)
+            torch.testing.assert_close(
+                normalized_scores(ours, enc["input_ids"], enc["attention_mask"]),
+                raw * gain + bias,
+                atol=1e-6,
+                rtol=0,
+            )
             reference = raw if reference is None else reference
             torch.testing.assert_close(raw, reference, atol=1e-5, rtol=0)  # left == right padding
 
@@ -380,7 +431,10 @@ def test_resume_reproduces_the_run_and_its_best_model(tmp_path):
     assert main([*reward_args(paths, part, "train.max_steps=4", *every), "--resume"]) == 0
     a, b = (load_file(str(p / "final" / "model.safetensors")) for p in (full, part))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
     assert strip(_rows(full / "metrics.jsonl")) == strip(_rows(part / "metrics.jsonl"))
     s_full, s_part = (json.loads((p / "summary.json").read_text()) for p in (full, part))
     for key in ("final_step", "heldout_accuracy", "heldout_loss", "heldout_gold_accuracy", "normalization"):
@@ -393,12 +447,25 @@ def test_early_stopping_ends_the_run_and_keeps_the_best(tmp_path, capsys):
     out = tmp_path / "run"
     # A learning rate this small changes no float32 score, so no evaluation beats the first trained one (step 2;
     # the untrained step 0 never counts as the best).
-    assert main(reward_args(paths, out, "train.max_steps=40", "train.eval_steps=2", "train.learning_rate=1e-20",
-                            "reward.early_stopping_patience=2")) == 0
+    assert (
+        main(
+            reward_args(
+                paths,
+                out,
+                "train.max_steps=40",
+                "train.eval_steps=2",
+                "train.learning_rate=1e-20",
+                "reward.early_stopping_patience=2",
+            )
+        )
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["early_stopped"] and summary["final_step"] == 2
-    assert "rlhfkit: warning: reward.keep_best: the best held-out accuracy came at the first evaluation (step 2)" \
+    assert (
+        "rlhfkit: warning: reward.keep_best: the best held-out accuracy came at the first evaluation (step 2)"
         in capsys.readouterr().err
+    )
     assert [r["step"] for r in _rows(out / "metrics.jsonl")][-1] == 6
     assert (out / "checkpoints" / "step-6").is_dir()  # the stopping step is checkpointed
     assert "heldout_gold_accuracy" not in summary and "bayes_ceiling" in summary
@@ -408,13 +475,36 @@ def test_early_stopping_ends_the_run_and_keeps_the_best(tmp_path, capsys):
 # User errors
 
 
-@pytest.mark.parametrize("which, line, field, bad", [
-    ("train", 2, "rejected", {"prompt": "the cat", "chosen": "good ."}),
-    ("train", 2, "margin", {"prompt": "the cat", "chosen": "good .", "rejected": "bad .", "margin": "big"}),
-    ("eval", 2, "gold_chosen", {"prompt": "the cat", "chosen": "good .", "rejected": "bad .",
-                                "gold_chosen": "high", "gold_rejected": 0.0}),
-    ("eval", 2, "gold_rejected", {"prompt": "the cat", "chosen": "good .", "rejected": "bad .", "gold_chosen": 1}),
-])
+@pytest.mark.parametrize(
+    "which, line, field, bad",
+    [
+        ("train", 2, "rejected", {"prompt": "the cat", "chosen": "good ."}),
+        (
+            "train",
+            2,
+            "margin",
+            {"prompt": "the cat", "chosen": "good .", "rejected": "bad .", "margin": "big"},
+        ),
+        (
+            "eval",
+            2,
+            "gold_chosen",
+            {
+                "prompt": "the cat",
+                "chosen": "good .",
+                "rejected": "bad .",
+                "gold_chosen": "high",
+                "gold_rejected": 0.0,
+            },
+        ),
+        (
+            "eval",
+            2,
+            "gold_rejected",
+            {"prompt": "the cat", "chosen": "good .", "rejected": "bad .", "gold_chosen": 1},
+        ),
+    ],
+)
 def test_bad_preference_data_exits_2_naming_file_line_and_field(tmp_path, capsys, which, line, field, bad):
     paths = write_reward_problem(tmp_path, n_train=1, n_eval=1)
     with paths[which].open("a") as f:

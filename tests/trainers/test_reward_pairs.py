@@ -58,7 +58,9 @@ def test_annotated_records_carry_gold_scores_and_agreement():
         else:
             assert record["gold_agreement"] == pytest.approx(sigmoid(gap / task.annotator_temperature))
     assert 0 < ties < len(records)
-    untied = [(p.prompt, p.a, p.b) for p, r in zip(pairs, records, strict=True) if r["gold_agreement"] is not None]
+    untied = [
+        (p.prompt, p.a, p.b) for p, r in zip(pairs, records, strict=True) if r["gold_agreement"] is not None
+    ]
     ceiling = sum(r["gold_agreement"] for r in records if r["gold_agreement"] is not None) / len(untied)
     assert ceiling == pytest.approx(task.bayes_ceiling(untied))
     # near-noiseless annotators always pick the higher gold score
@@ -67,8 +69,12 @@ def test_annotated_records_carry_gold_scores_and_agreement():
 
 
 def test_identical_and_empty_pairs_are_dropped_and_counted():
-    pairs = [SampledPair("p", " a.", " b."), SampledPair("p", " a.", " a."), SampledPair("p", "", " b."),
-             SampledPair("p", " c.", " d.", ended_b=False)]
+    pairs = [
+        SampledPair("p", " a.", " b."),
+        SampledPair("p", " a.", " a."),
+        SampledPair("p", "", " b."),
+        SampledPair("p", " c.", " d.", ended_b=False),
+    ]
     kept, counts = drop_uninformative(pairs)
     assert [(p.a, p.b) for p in kept] == [(" a.", " b."), (" c.", " d.")]
     assert counts == {"dropped_identical": 1, "dropped_empty": 1, "truncated_responses": 1}
@@ -119,21 +125,40 @@ def test_label_pairs_writes_train_and_heldout_files(task_policy, tmp_path):
     assert meta["annotator_temperature"] == task.annotator_temperature
     with pytest.raises(UserError, match="exists"):
         label_pairs(str(task_policy), out, num_pairs=6, num_eval_pairs=4, max_new_tokens=6)
-    label_pairs(str(task_policy), out, num_pairs=6, num_eval_pairs=4, max_new_tokens=6, batch_size=8,
-                overwrite=True)
+    label_pairs(
+        str(task_policy), out, num_pairs=6, num_eval_pairs=4, max_new_tokens=6, batch_size=8, overwrite=True
+    )
     assert _lines(out / "pairs_train.jsonl") == train  # the same seed gives the same pairs
 
 
 def test_label_pairs_command(task_policy, tmp_path, capsys):
     out = tmp_path / "cli"
-    args = ["label-pairs", "--policy", str(task_policy), "--out", str(out), "--pairs", "4", "--eval-pairs", "2",
-            "--max-new-tokens", "4", "--seed", "2", "--annotator-temperature", "0.25"]
+    args = [
+        "label-pairs",
+        "--policy",
+        str(task_policy),
+        "--out",
+        str(out),
+        "--pairs",
+        "4",
+        "--eval-pairs",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--seed",
+        "2",
+        "--annotator-temperature",
+        "0.25",
+    ]
     assert main(args) == 0
     assert "training pairs" in capsys.readouterr().out
     meta = json.loads((out / "labels.json").read_text())
     assert meta["seed"] == 2 and meta["annotator_temperature"] == 0.25
     assert main(args) == 2 and "--overwrite" in capsys.readouterr().err
-    assert main([*args, "--overwrite", "--pairs", "0"]) == 2 and "--pairs must be >= 1" in capsys.readouterr().err
+    assert (
+        main([*args, "--overwrite", "--pairs", "0"]) == 2
+        and "--pairs must be >= 1" in capsys.readouterr().err
+    )
     missing = ["label-pairs", "--policy", str(tmp_path / "nope"), "--out", str(out)]
     assert main(missing) == 2 and "policy folder not found" in capsys.readouterr().err
     assert math.isfinite(meta["seconds"]["total"])

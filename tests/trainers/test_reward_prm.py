@@ -19,7 +19,10 @@ def test_step_loss_by_hand_and_micro_batches_add_up():
     labels = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     mask = torch.tensor([[True, True, False], [True, False, False]])  # 3 real steps; junk is ignored
     loss, stats = step_loss(logits, labels, mask, normalizer=3.0)
-    bce = lambda x, y: -(y * math.log(1 / (1 + math.exp(-x))) + (1 - y) * math.log(1 - 1 / (1 + math.exp(-x))))  # noqa: E731
+
+    def bce(x, y):
+        return -(y * math.log(1 / (1 + math.exp(-x))) + (1 - y) * math.log(1 - 1 / (1 + math.exp(-x))))
+
     assert float(loss) == pytest.approx((bce(2.0, 1) + bce(-1.0, 0) + bce(0.5, 0)) / 3, abs=1e-6)
     assert stats["accuracy"] == pytest.approx(2 / 3)
     first, _ = step_loss(logits[:1], labels[:1], mask[:1], normalizer=3.0)
@@ -30,8 +33,15 @@ def test_step_loss_by_hand_and_micro_batches_add_up():
 def test_step_logits_are_read_at_each_steps_last_token():
     tok = tiny_tokenizer()
     model = tiny_llama("scalar", seed=2, vocab_size=len(tok), pad_token_id=tok.pad_token_id)
-    examples = [{"prompt_ids": [1, 5], "completion_ids": [6, 7, 8, 9, 10], "step_ends": [1, 4], "labels": [True, False]},
-                {"prompt_ids": [1, 11, 12], "completion_ids": [13, 14], "step_ends": [1], "labels": [True]}]
+    examples = [
+        {
+            "prompt_ids": [1, 5],
+            "completion_ids": [6, 7, 8, 9, 10],
+            "step_ends": [1, 4],
+            "labels": [True, False],
+        },
+        {"prompt_ids": [1, 11, 12], "completion_ids": [13, 14], "step_ends": [1], "labels": [True]},
+    ]
     batch = PRMCollator(tok.pad_token_id)(examples)
     from rlhfkit.models import token_scores
 
@@ -72,10 +82,24 @@ def test_train_prm_learns_which_steps_are_wrong(tmp_path):
     config = tmp_path / "prm.yaml"
     config.write_text("seed: 0\nlogging:\n  progress_bar: false\n")
     out = tmp_path / "run"
-    args = ["train", "prm", "--config", str(config), f"output_dir={out}", f"model.name_or_path={tmp_path / 'model'}",
-            f"data.train_file={tmp_path / 'train.jsonl'}", f"data.eval_file={tmp_path / 'eval.jsonl'}",
-            "train.batch_size=16", "train.learning_rate=3e-3", "train.lr_schedule=constant", "train.max_steps=12",
-            "train.eval_steps=6", "train.save_steps=6", "data.max_prompt_length=8", "data.max_length=32"]
+    args = [
+        "train",
+        "prm",
+        "--config",
+        str(config),
+        f"output_dir={out}",
+        f"model.name_or_path={tmp_path / 'model'}",
+        f"data.train_file={tmp_path / 'train.jsonl'}",
+        f"data.eval_file={tmp_path / 'eval.jsonl'}",
+        "train.batch_size=16",
+        "train.learning_rate=3e-3",
+        "train.lr_schedule=constant",
+        "train.max_steps=12",
+        "train.eval_steps=6",
+        "train.save_steps=6",
+        "data.max_prompt_length=8",
+        "data.max_length=32",
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/accuracy" in r]

@@ -43,7 +43,10 @@ def test_sft_lowers_eval_loss_writes_run_folder_and_resumes_bit_identically(tmp_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows_full = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
     rows_part = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
     assert strip(rows_full) == strip(rows_part)
     assert [r["step"] for r in rows_full] == [1, 2, 3, 4, 5, 6]
 
@@ -53,6 +56,7 @@ def test_sft_lowers_eval_loss_writes_run_folder_and_resumes_bit_identically(tmp_
     assert summary["kind"] == "sft" and summary["eval_loss"] == pytest.approx(evals[-1])
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(full / "final")
     tok = AutoTokenizer.from_pretrained(full / "final")
     assert tok.pad_token_id != tok.eos_token_id

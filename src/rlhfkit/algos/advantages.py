@@ -298,8 +298,16 @@ class AdvantageFn(Protocol):
 
 
 def gae_advantages(
-    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6,
-    all_sum=None
+    rewards,
+    mask,
+    values=None,
+    group_ids=None,
+    *,
+    gamma=1.0,
+    lam=0.95,
+    norm_by_std=True,
+    eps=1e-6,
+    all_sum=None,
 ):
     """PPO's estimator: :func:`compute_gae` with the critic's ``values`` ``(B, T)`` (required).
 
@@ -318,8 +326,16 @@ def gae_advantages(
 
 
 def grpo_advantages(
-    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6,
-    all_sum=None
+    rewards,
+    mask,
+    values=None,
+    group_ids=None,
+    *,
+    gamma=1.0,
+    lam=0.95,
+    norm_by_std=True,
+    eps=1e-6,
+    all_sum=None,
 ):
     """GRPO (Shao et al. 2024, DeepSeekMath section 4.1.2, outcome supervision): ``(s - mean_g) / (std_g + eps)``.
 
@@ -336,8 +352,16 @@ def grpo_advantages(
 
 
 def rloo_advantages(
-    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6,
-    all_sum=None
+    rewards,
+    mask,
+    values=None,
+    group_ids=None,
+    *,
+    gamma=1.0,
+    lam=0.95,
+    norm_by_std=True,
+    eps=1e-6,
+    all_sum=None,
 ):
     """RLOO (Ahmadian et al. 2024, eq. 4; Kool et al. 2019): ``s_i - (sum_g s - s_i) / (k - 1)``.
 
@@ -353,8 +377,16 @@ def rloo_advantages(
 
 
 def reinforce_pp_advantages(
-    rewards, mask, values=None, group_ids=None, *, gamma=1.0, lam=0.95, norm_by_std=True, eps=1e-6,
-    all_sum=None
+    rewards,
+    mask,
+    values=None,
+    group_ids=None,
+    *,
+    gamma=1.0,
+    lam=0.95,
+    norm_by_std=True,
+    eps=1e-6,
+    all_sum=None,
 ):
     """REINFORCE++ (Hu 2025): the reward-to-go ``G_t = sum_{k>=t} gamma**(k-t) r_k``, whitened over all
     valid tokens of the batch (k runs over valid positions, as n(t) does in GAE).

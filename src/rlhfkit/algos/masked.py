@@ -73,7 +73,9 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return torch.where(denom > 0, sq / denom.clamp(min=1), torch.zeros_like(sq))
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, all_sum=None) -> torch.Tensor:
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, all_sum=None
+) -> torch.Tensor:
     """1 - Var(returns - values) / Var(returns) over the valid tokens: how much of the returns' variance the
     critic predicts (1 = all, 0 = no better than their mean, < 0 = worse). Population variances, as CleanRL's
     ``ppo.py`` logs it; NaN when the returns are constant (nothing to explain).
@@ -96,7 +98,9 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     n = n.clamp(min=1)
     var_r = srr / n - (sr / n) ** 2
     var_d = sdd / n - (sd / n) ** 2
-    return torch.where(var_r > 1e-12, 1 - var_d / var_r.clamp(min=1e-12), torch.full_like(var_r, float("nan")))
+    return torch.where(
+        var_r > 1e-12, 1 - var_d / var_r.clamp(min=1e-12), torch.full_like(var_r, float("nan"))
+    )
 
 
 AllSum = Callable[[torch.Tensor], torch.Tensor]
@@ -105,8 +109,9 @@ statistic "over the whole batch" reaches across data-parallel processes without 
 them. ``None`` means the batch is all here."""
 
 
-def masked_moments(x: torch.Tensor, mask: torch.Tensor, all_sum: AllSum | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_moments(
+    x: torch.Tensor, mask: torch.Tensor, all_sum: AllSum | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, unbiased variance) of ``x`` over all valid positions, scalars in ``x``'s dtype.
 
     Without ``all_sum``: :func:`masked_mean` and :func:`masked_var` of this batch. With it, of the whole
@@ -131,7 +136,11 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor, all_sum: AllSum | None =
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, all_sum: AllSum | None = None
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    all_sum: AllSum | None = None,
 ) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps)`` over all valid positions of the batch; masked outputs are 0.
 

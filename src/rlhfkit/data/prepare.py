@@ -75,10 +75,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
         from datasets.fingerprint import Hasher
 
         digest.update(Hasher.hash(tokenizer).encode())
-    about = {"class": type(tokenizer).__name__, "chat_template": getattr(tokenizer, "chat_template", None),
-             "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
-             "ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
-             "add_bos": getattr(tokenizer, "add_bos_token", None), "add_eos": getattr(tokenizer, "add_eos_token", None)}
+    about = {
+        "class": type(tokenizer).__name__,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
+        "add_bos": getattr(tokenizer, "add_bos_token", None),
+        "add_eos": getattr(tokenizer, "add_eos_token", None),
+    }
     digest.update(json.dumps(about, sort_keys=True, default=str).encode())
     return digest.hexdigest()
 
@@ -88,7 +92,13 @@ def cache_key(records: Records, tokenizer, limits: TokenLimits) -> str:
     from rlhfkit import __version__
 
     digest = hashlib.sha256()
-    for part in (f"v{CACHE_VERSION}", __version__, records.kind, repr(limits), tokenizer_fingerprint(tokenizer)):
+    for part in (
+        f"v{CACHE_VERSION}",
+        __version__,
+        records.kind,
+        repr(limits),
+        tokenizer_fingerprint(tokenizer),
+    ):
         digest.update(part.encode() + b"\0")
     digest.update(json.dumps(list(records), sort_keys=True, ensure_ascii=False, default=str).encode())
     return digest.hexdigest()[:32]
@@ -97,14 +107,20 @@ def cache_key(records: Records, tokenizer, limits: TokenLimits) -> str:
 def _features(kind: str):
     import datasets
 
-    types = {"ids": datasets.Sequence(datasets.Value("int64")), "float": datasets.Value("float64"),
-             "bools": datasets.Sequence(datasets.Value("bool"))}
+    types = {
+        "ids": datasets.Sequence(datasets.Value("int64")),
+        "float": datasets.Value("float64"),
+        "bools": datasets.Sequence(datasets.Value("bool")),
+    }
     columns = {name: types[t] for name, t in _COLUMNS[kind].items()}
-    return datasets.Features({**columns, "error": datasets.Value("string"), "error_field": datasets.Value("string")})
+    return datasets.Features(
+        {**columns, "error": datasets.Value("string"), "error_field": datasets.Value("string")}
+    )
 
 
-def _tokenize_batch(batch: dict[str, list], records: list[dict], tokenizer, limits: TokenLimits, kind: str
-                    ) -> dict[str, list]:
+def _tokenize_batch(
+    batch: dict[str, list], records: list[dict], tokenizer, limits: TokenLimits, kind: str
+) -> dict[str, list]:
     """The ``datasets.map`` function: tokenise the records at ``batch["index"]``; errors become columns."""
     out: dict[str, list] = {name: [] for name in [*_COLUMNS[kind], "error", "error_field"]}
     for index in batch["index"]:
@@ -119,8 +135,13 @@ def _tokenize_batch(batch: dict[str, list], records: list[dict], tokenizer, limi
     return out
 
 
-def tokenize_cached(records: Records, tokenizer, limits: TokenLimits | None = None, num_proc: int | None = None,
-                    directory: str | os.PathLike | None = None) -> Examples:
+def tokenize_cached(
+    records: Records,
+    tokenizer,
+    limits: TokenLimits | None = None,
+    num_proc: int | None = None,
+    directory: str | os.PathLike | None = None,
+) -> Examples:
     """:func:`rlhfkit.data.tokenize_records` through ``datasets.map``, cached on disk (module docstring).
 
     Args:
@@ -149,10 +170,23 @@ def tokenize_cached(records: Records, tokenizer, limits: TokenLimits | None = No
     try:
         index = datasets.Dataset.from_dict({"index": list(range(len(records)))})
         tokenized = index.map(
-            _tokenize_batch, batched=True, batch_size=256, num_proc=workers, remove_columns=["index"],
-            fn_kwargs={"records": list(records), "tokenizer": tokenizer, "limits": limits, "kind": records.kind},
-            features=_features(records.kind), cache_file_name=str(path), load_from_cache_file=True,
-            new_fingerprint=key, desc=f"Tokenising {os.path.basename(records.source)}")
+            _tokenize_batch,
+            batched=True,
+            batch_size=256,
+            num_proc=workers,
+            remove_columns=["index"],
+            fn_kwargs={
+                "records": list(records),
+                "tokenizer": tokenizer,
+                "limits": limits,
+                "kind": records.kind,
+            },
+            features=_features(records.kind),
+            cache_file_name=str(path),
+            load_from_cache_file=True,
+            new_fingerprint=key,
+            desc=f"Tokenising {os.path.basename(records.source)}",
+        )
     finally:
         if quiet:
             datasets.enable_progress_bars()
@@ -177,7 +211,9 @@ def _cached(path: Path, workers: int | None) -> bool:
     if path.is_file():
         return True
     if workers:
-        shards = [path.with_name(f"{path.stem}_{rank:05d}_of_{workers:05d}{path.suffix}") for rank in range(workers)]
+        shards = [
+            path.with_name(f"{path.stem}_{rank:05d}_of_{workers:05d}{path.suffix}") for rank in range(workers)
+        ]
         return all(shard.is_file() for shard in shards)
     return False
 
@@ -199,8 +235,9 @@ def prepare_examples(
     return tokenize_cached(records, tokenizer, limits, num_proc)
 
 
-def prepare_run_data(data_cfg: Any, kind: Kind, tokenizer, limits: TokenLimits, accelerator: Any = None
-                     ) -> tuple[Examples, Examples | None]:
+def prepare_run_data(
+    data_cfg: Any, kind: Kind, tokenizer, limits: TokenLimits, accelerator: Any = None
+) -> tuple[Examples, Examples | None]:
     """The training and evaluation examples of a run's ``data`` section.
 
     Training: ``data.train_file``, split ``data.train_split``. Evaluation: ``data.eval_file`` (split
@@ -211,17 +248,35 @@ def prepare_run_data(data_cfg: Any, kind: Kind, tokenizer, limits: TokenLimits, 
     """
     options = {"columns": data_cfg.columns, "num_proc": data_cfg.num_proc}
     with accelerator.main_process_first() if accelerator is not None else nullcontext():
-        train = prepare_examples(data_cfg.train_file, kind, tokenizer, limits, data_cfg.train_split, **options)
+        train = prepare_examples(
+            data_cfg.train_file, kind, tokenizer, limits, data_cfg.train_split, **options
+        )
         heldout = None
         if data_cfg.eval_file:
-            heldout = prepare_examples(data_cfg.eval_file, kind, tokenizer, limits, data_cfg.eval_split,
-                                       split_key="data.eval_split", **options)
+            heldout = prepare_examples(
+                data_cfg.eval_file,
+                kind,
+                tokenizer,
+                limits,
+                data_cfg.eval_split,
+                split_key="data.eval_split",
+                **options,
+            )
         elif data_cfg.eval_split:
             if data_cfg.eval_split == data_cfg.train_split:
                 from rlhfkit.errors import ConfigError
 
-                raise ConfigError(f"data.eval_split: '{data_cfg.eval_split}' is also data.train_split; evaluating "
-                                  "on the training rows measures nothing")
-            heldout = prepare_examples(data_cfg.train_file, kind, tokenizer, limits, data_cfg.eval_split,
-                                       split_key="data.eval_split", **options)
+                raise ConfigError(
+                    f"data.eval_split: '{data_cfg.eval_split}' is also data.train_split; evaluating "
+                    "on the training rows measures nothing"
+                )
+            heldout = prepare_examples(
+                data_cfg.train_file,
+                kind,
+                tokenizer,
+                limits,
+                data_cfg.eval_split,
+                split_key="data.eval_split",
+                **options,
+            )
     return train, heldout

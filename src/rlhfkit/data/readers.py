@@ -42,8 +42,9 @@ class RawRows:
         )
 
 
-def read_rows(source: str | os.PathLike, split: str | None = "train", split_key: str = "data.train_split"
-              ) -> RawRows:
+def read_rows(
+    source: str | os.PathLike, split: str | None = "train", split_key: str = "data.train_split"
+) -> RawRows:
     """Read every row of ``source``.
 
     Args:
@@ -73,9 +74,12 @@ def read_rows(source: str | os.PathLike, split: str | None = "train", split_key:
 
 def _no_splits(source: str, split: str | None, split_key: str) -> None:
     if split not in (None, "train"):
-        raise DataError(source, f"is one table with no splits, so {split_key}='{split}' cannot be taken from it; "
-                                "splits come with a DatasetDict folder or a hub dataset (or give the held-out "
-                                "rows as their own file in data.eval_file)")
+        raise DataError(
+            source,
+            f"is one table with no splits, so {split_key}='{split}' cannot be taken from it; "
+            "splits come with a DatasetDict folder or a hub dataset (or give the held-out "
+            "rows as their own file in data.eval_file)",
+        )
 
 
 def _read_text(source: str, path: str) -> str:
@@ -177,8 +181,9 @@ def _dataset_rows(source: str, loaded, split: str | None, split_key: str) -> Raw
                 raise DataError(source, f"has splits {', '.join(names)}: set {split_key} to the one to use")
             split = names[0]
         if split not in loaded:
-            raise DataError(source, f"no split '{split}' (splits: {', '.join(names)}); set {split_key} to one "
-                                    "of them")
+            raise DataError(
+                source, f"no split '{split}' (splits: {', '.join(names)}); set {split_key} to one of them"
+            )
         loaded = loaded[split]
     else:
         _no_splits(source, split, split_key)

@@ -122,8 +122,11 @@ def _prompt(record: dict) -> str | list[dict]:
 
 def _missing_prompt(record: dict) -> FieldError:
     columns = ", ".join(map(str, record)) or "none"
-    return FieldError("prompt", f"is missing (the row's columns: {columns}; name yours with data.columns, "
-                                "e.g. data.columns={prompt: question})")
+    return FieldError(
+        "prompt",
+        f"is missing (the row's columns: {columns}; name yours with data.columns, "
+        "e.g. data.columns={prompt: question})",
+    )
 
 
 def _response(value, name: str, conversational: bool) -> str | list[dict]:
@@ -160,15 +163,18 @@ def _shared_turns(conversations: dict[str, list]) -> int:
         what = "share no first turns" if len(lists) > 1 else "has no turn before its assistant reply"
         if all(m["role"] == "assistant" for c in lists for m in c):
             what = "hold only assistant messages" if len(lists) > 1 else "holds only assistant messages"
-        raise FieldError(names[0], f"{' and '.join(names)} {what}, so there is no prompt to take from them; "
-                                   "give a 'prompt' column")
+        raise FieldError(
+            names[0],
+            f"{' and '.join(names)} {what}, so there is no prompt to take from them; give a 'prompt' column",
+        )
     for name, conversation in conversations.items():
         for i in range(shared, len(conversation)):
             if conversation[i]["role"] != "assistant":
                 raise FieldError(
                     f"{name}[{i}].role",
                     f"is '{conversation[i]['role']}' after the {shared} turn(s) that make the prompt; the reply "
-                    "after the prompt must be assistant messages")
+                    "after the prompt must be assistant messages",
+                )
         if len(conversation) == shared:
             raise FieldError(name, f"has no assistant reply after the {shared} turn(s) that make the prompt")
     return shared
@@ -191,22 +197,29 @@ def _shared_text_prompt(texts: dict[str, str], record: dict) -> int:
     ends = [match.end() for match in ASSISTANT_MARKER.finditer(values[0][:common])]
     names = " and ".join(texts)
     if not ends:
-        raise FieldError(next(iter(texts)), f"{names} are plain text with no 'prompt' column, and the text they "
-                                            "share has no line starting with 'Assistant:' to end a prompt; give a "
-                                            f"'prompt' column, or name yours with data.columns (the row's columns: "
-                                            f"{', '.join(map(str, record))})")
+        raise FieldError(
+            next(iter(texts)),
+            f"{names} are plain text with no 'prompt' column, and the text they "
+            "share has no line starting with 'Assistant:' to end a prompt; give a "
+            f"'prompt' column, or name yours with data.columns (the row's columns: "
+            f"{', '.join(map(str, record))})",
+        )
     return ends[-1]
 
 
-def _split_responses(record: dict, names: tuple[str, ...], prompt: str | list[dict] | None
-                     ) -> tuple[str | list[dict], list[str | list[dict]]]:
+def _split_responses(
+    record: dict, names: tuple[str, ...], prompt: str | list[dict] | None
+) -> tuple[str | list[dict], list[str | list[dict]]]:
     """The prompt and the responses ``names`` of ``record``, in one of the shapes of the module docstring.
 
     ``prompt`` is the validated ``prompt`` column, or None for an implicit prompt.
     """
     values = {name: _get(record, name) for name in names}
-    repeats = {name: v for name, v in values.items()
-               if isinstance(v, list) and any(isinstance(m, dict) and m.get("role") != "assistant" for m in v)}
+    repeats = {
+        name: v
+        for name, v in values.items()
+        if isinstance(v, list) and any(isinstance(m, dict) and m.get("role") != "assistant" for m in v)
+    }
     if prompt is None and all(isinstance(v, str) for v in values.values()):  # HH-RLHF plain text
         end = _shared_text_prompt(values, record)
         prompt = _text(values[names[0]][:end], "prompt")
@@ -216,8 +229,11 @@ def _split_responses(record: dict, names: tuple[str, ...], prompt: str | list[di
         if len(lists) < len(values):
             other = next(name for name in values if name not in lists)
             what = "whole conversations" if prompt is None else "conversations that repeat the prompt"
-            raise FieldError(other, f"expected a list of messages like {', '.join(lists)} ({what}), "
-                                    f"got {_type_name(values[other])}")
+            raise FieldError(
+                other,
+                f"expected a list of messages like {', '.join(lists)} ({what}), "
+                f"got {_type_name(values[other])}",
+            )
         shared = _shared_turns(lists)
         turns = next(iter(lists.values()))[:shared]
         if prompt is not None:
@@ -231,13 +247,17 @@ def _split_responses(record: dict, names: tuple[str, ...], prompt: str | list[di
 
 def _check_repeated_prompt(prompt: str | list[dict], turns: list[dict], name: str) -> None:
     if isinstance(prompt, list):
-        same = [(m["role"], m["content"].strip()) for m in prompt] == [(m["role"], m["content"].strip())
-                                                                      for m in turns]
+        same = [(m["role"], m["content"].strip()) for m in prompt] == [
+            (m["role"], m["content"].strip()) for m in turns
+        ]
     else:
         same = turns[-1]["content"].strip() == prompt.strip()
     if not same:
-        raise FieldError(name, "starts with turns that are not the prompt column's (a response that repeats the "
-                               "prompt must repeat it exactly)")
+        raise FieldError(
+            name,
+            "starts with turns that are not the prompt column's (a response that repeats the "
+            "prompt must repeat it exactly)",
+        )
 
 
 def _validate_prompts(record: dict) -> dict:
@@ -267,8 +287,11 @@ def _list(record: dict, name: str) -> list:
 def _validate_sft(record: dict) -> dict:
     given = [name for name in ("messages", "prompt", "text") if record.get(name) is not None]
     if len(given) > 1:
-        raise FieldError(given[1], f"give one of 'messages', 'prompt' + 'completion' or 'text', not "
-                                   f"{' and '.join(repr(g) for g in given)}")
+        raise FieldError(
+            given[1],
+            f"give one of 'messages', 'prompt' + 'completion' or 'text', not "
+            f"{' and '.join(repr(g) for g in given)}",
+        )
     if given == ["messages"]:
         messages = _messages(_list(record, "messages"), "messages")
         last = len(messages) - 1
@@ -343,11 +366,17 @@ def rename_columns(raw: RawRows, columns: dict | None) -> RawRows:
     present = {key for row in raw.rows for key in row}
     for name, column in columns.items():
         if column not in present:
-            raise DataError(raw.source, f"data.columns maps '{name}' to '{column}', which is not a column here "
-                                        f"(columns: {', '.join(sorted(map(str, present)))})")
+            raise DataError(
+                raw.source,
+                f"data.columns maps '{name}' to '{column}', which is not a column here "
+                f"(columns: {', '.join(sorted(map(str, present)))})",
+            )
         if name in present and name not in columns.values():
-            raise DataError(raw.source, f"data.columns maps '{name}' to '{column}', but the data also has a "
-                                        f"'{name}' column, which that would hide; map it too, or drop it")
+            raise DataError(
+                raw.source,
+                f"data.columns maps '{name}' to '{column}', but the data also has a "
+                f"'{name}' column, which that would hide; map it too, or drop it",
+            )
     rows = []
     for row in raw.rows:
         renamed = {key: value for key, value in row.items() if key not in columns.values()}
@@ -373,8 +402,13 @@ def validate_rows(raw: RawRows, kind: Kind, columns: dict | None = None) -> Reco
     return Records(records, raw, kind)
 
 
-def load_dataset_records(source: str | os.PathLike, kind: Kind, split: str | None = "train",
-                         columns: dict | None = None, split_key: str = "data.train_split") -> Records:
+def load_dataset_records(
+    source: str | os.PathLike,
+    kind: Kind,
+    split: str | None = "train",
+    columns: dict | None = None,
+    split_key: str = "data.train_split",
+) -> Records:
     """Read and validate a whole dataset before any training starts.
 
     Args:

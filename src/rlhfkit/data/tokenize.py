@@ -77,7 +77,9 @@ def encode_prompt(
     """Token ids of a plain or conversational prompt, truncated as the module docstring says (``rendered``: the
     conversational prompt's chat-template text, when the caller has it already)."""
     if isinstance(prompt, list):
-        text = rendered if rendered is not None else render_chat(tokenizer, prompt, add_generation_prompt=True)
+        text = (
+            rendered if rendered is not None else render_chat(tokenizer, prompt, add_generation_prompt=True)
+        )
         ids = _ids(tokenizer, text, special=False)
     else:
         ids = _ids(tokenizer, prompt, special=True)
@@ -101,14 +103,18 @@ def encode_prompt(
     return ids[len(ids) - max_prompt_length :]
 
 
-def encode_response(tokenizer, prompt: str | list[dict], response: str | list[dict], field: str,
-                    rendered: str | None = None) -> list[int]:
+def encode_response(
+    tokenizer, prompt: str | list[dict], response: str | list[dict], field: str, rendered: str | None = None
+) -> list[int]:
     """Token ids of a response that ends with EOS (see the module docstring; ``rendered`` as in
     :func:`encode_prompt`)."""
     eos = tokenizer.eos_token_id
     if isinstance(prompt, list):
-        prompt_text = rendered if rendered is not None else render_chat(
-            tokenizer, prompt, add_generation_prompt=True, field=field)
+        prompt_text = (
+            rendered
+            if rendered is not None
+            else render_chat(tokenizer, prompt, add_generation_prompt=True, field=field)
+        )
         full = render_chat(tokenizer, prompt + response, add_generation_prompt=False, field=field)
         if not full.startswith(prompt_text):
             raise FieldError(

@@ -28,8 +28,11 @@ import torch
 
 from rlhfkit.errors import ConfigError
 
-SHARDED_LAUNCH_ENV = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
-                      "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
+SHARDED_LAUNCH_ENV = {
+    "ACCELERATE_USE_FSDP": "FSDP",
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+}
 """What ``accelerate launch`` sets for a sharded configuration (accelerate ignores it on CPU and falls back to
 plain data parallelism without a word; rlhfkit refuses it everywhere, so a launch trains as it says)."""
 
@@ -55,18 +58,23 @@ def check_supported(accelerator=None) -> None:
     shard. It is refused before any model is loaded (from the launcher's environment, and from what
     ``accelerator`` ended up with), naming what works instead.
     """
-    asked = [name for var, name in SHARDED_LAUNCH_ENV.items()
-             if os.environ.get(var, "").strip().lower() in ("1", "true", "yes")]
+    asked = [
+        name
+        for var, name in SHARDED_LAUNCH_ENV.items()
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes")
+    ]
     if accelerator is not None:
         kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
         if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
             asked.append(kind)
     if asked:
-        raise ConfigError(f"this launch asks for sharded training ({asked[0]}), which rlhfkit does not support yet "
-                          "(its checkpoints and final/ need whole models); launch plain data parallelism instead: "
-                          "torchrun --nproc_per_node N -m rlhfkit.cli ..., or accelerate launch --multi_gpu "
-                          "--num_processes N -m rlhfkit.cli ... (each process holds the whole model), or use LoRA "
-                          "(model.lora_rank) to fit a larger model")
+        raise ConfigError(
+            f"this launch asks for sharded training ({asked[0]}), which rlhfkit does not support yet "
+            "(its checkpoints and final/ need whole models); launch plain data parallelism instead: "
+            "torchrun --nproc_per_node N -m rlhfkit.cli ..., or accelerate launch --multi_gpu "
+            "--num_processes N -m rlhfkit.cli ... (each process holds the whole model), or use LoRA "
+            "(model.lora_rank) to fit a larger model"
+        )
 
 
 def dp_scale(accelerator) -> float:
@@ -91,22 +99,34 @@ def world_info(accelerator) -> dict[str, Any]:
     backend = None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         backend = torch.distributed.get_backend()
-    launcher = ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else
-                "accelerate" if "ACCELERATE_MIXED_PRECISION" in os.environ else "python")
-    return {"world_size": accelerator.num_processes,
-            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)),
-            "launcher": launcher, "backend": backend, "device": accelerator.device.type,
-            "distributed_type": str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)),
-            "threads_per_process": torch.get_num_threads()}
+    launcher = (
+        "torchrun"
+        if "TORCHELASTIC_RUN_ID" in os.environ
+        else "accelerate"
+        if "ACCELERATE_MIXED_PRECISION" in os.environ
+        else "python"
+    )
+    return {
+        "world_size": accelerator.num_processes,
+        "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)),
+        "launcher": launcher,
+        "backend": backend,
+        "device": accelerator.device.type,
+        "distributed_type": str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)),
+        "threads_per_process": torch.get_num_threads(),
+    }
 
 
 def announce(info: dict[str, Any], kind: str) -> None:
     """One line on stderr at the start of a run (main process): how many processes train, and where."""
     n = info["world_size"]
-    print(f"rlhfkit: {kind} on {n} process{'es' if n > 1 else ''} ({info['launcher']}"
-          f"{', ' + info['backend'] if info['backend'] else ''}, {info['device']}), "
-          f"{info['threads_per_process']} torch thread{'s' if info['threads_per_process'] > 1 else ''} each",
-          file=sys.stderr, flush=True)
+    print(
+        f"rlhfkit: {kind} on {n} process{'es' if n > 1 else ''} ({info['launcher']}"
+        f"{', ' + info['backend'] if info['backend'] else ''}, {info['device']}), "
+        f"{info['threads_per_process']} torch thread{'s' if info['threads_per_process'] > 1 else ''} each",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def launch_rank() -> int:

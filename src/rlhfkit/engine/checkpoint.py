@@ -96,8 +96,14 @@ def save_checkpoint(
     for path in sorted(tmp.iterdir()):
         _fsync(path)
         files[path.name] = path.stat().st_size
-    marker = {"format": FORMAT, "step": step, "models": sorted(models), "optimizers": sorted(optimizers),
-              "schedulers": sorted(schedulers), "files": files}
+    marker = {
+        "format": FORMAT,
+        "step": step,
+        "models": sorted(models),
+        "optimizers": sorted(optimizers),
+        "schedulers": sorted(schedulers),
+        "files": files,
+    }
     (tmp / MARKER).write_text(json.dumps(marker, indent=1))
     _fsync(tmp / MARKER)
 
@@ -142,8 +148,9 @@ def load_checkpoint(
         try:
             _load_weights(model, path / f"model.{name}.safetensors", device)
         except RuntimeError as e:
-            raise CheckpointError(f"{path}: model '{name}' does not fit the saved weights: "
-                                  f"{str(e).splitlines()[0]}") from None
+            raise CheckpointError(
+                f"{path}: model '{name}' does not fit the saved weights: {str(e).splitlines()[0]}"
+            ) from None
     for name, optimizer in optimizers.items():
         optimizer.load_state_dict(_load_state(path, f"optimizer.{name}"))
     for name, scheduler in schedulers.items():
@@ -183,7 +190,9 @@ def _load_weights(model: torch.nn.Module, file: Path, device) -> None:
     with torch.no_grad():
         for name, p in trained.items():
             if tensors[name].shape != p.shape:
-                raise RuntimeError(f"{name}: saved shape {tuple(tensors[name].shape)}, model {tuple(p.shape)}")
+                raise RuntimeError(
+                    f"{name}: saved shape {tuple(tensors[name].shape)}, model {tuple(p.shape)}"
+                )
             p.copy_(tensors[name])
 
 
@@ -285,12 +294,21 @@ def _encode(obj: Any, where: str, tensors: dict[str, torch.Tensor], storages: se
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
             return {k: _encode(v, f"{where}.{k}", tensors, storages) for k, v in obj.items()}
-        return {"__items__": [[_encode(k, f"{where}.key{i}", tensors, storages),
-                               _encode(v, f"{where}.{k}", tensors, storages)] for i, (k, v) in enumerate(obj.items())]}
+        return {
+            "__items__": [
+                [
+                    _encode(k, f"{where}.key{i}", tensors, storages),
+                    _encode(v, f"{where}.{k}", tensors, storages),
+                ]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
     if hasattr(obj, "item") and getattr(obj, "shape", None) == ():  # a numpy scalar
         return _encode(obj.item(), where, tensors, storages)
-    raise TypeError(f"checkpoint: cannot store {type(obj).__name__} at {where}; use plain data and tensors "
-                    "(rlhfkit never pickles)")
+    raise TypeError(
+        f"checkpoint: cannot store {type(obj).__name__} at {where}; use plain data and tensors "
+        "(rlhfkit never pickles)"
+    )
 
 
 def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:

@@ -47,8 +47,15 @@ from rlhfkit.errors import ConfigError, UserError
 
 RUN_MARKER = ".rlhfkit"
 # Keys that a resumed run may change without changing what it computes (up to where the old run stopped).
-RESUMABLE_CHANGES = ("output_dir", "train.max_steps", "train.save_steps", "train.eval_steps", "train.log_steps",
-                     "train.keep_last_checkpoints", "logging.")
+RESUMABLE_CHANGES = (
+    "output_dir",
+    "train.max_steps",
+    "train.save_steps",
+    "train.eval_steps",
+    "train.log_steps",
+    "train.keep_last_checkpoints",
+    "logging.",
+)
 
 
 def prepare_output_dir(path: str | Path, resume: bool = False, overwrite: bool = False) -> Path:
@@ -66,12 +73,16 @@ def prepare_output_dir(path: str | Path, resume: bool = False, overwrite: bool =
     contents = [p for p in path.iterdir() if p.name != RUN_MARKER] if path.is_dir() else []
     if contents:
         if not (resume or overwrite):
-            raise UserError(f"output folder {path} is not empty; pass --resume to continue that run, "
-                            "--overwrite to start it again, or choose another output_dir")
+            raise UserError(
+                f"output folder {path} is not empty; pass --resume to continue that run, "
+                "--overwrite to start it again, or choose another output_dir"
+            )
         if not (path / RUN_MARKER).is_file():
-            raise UserError(f"output folder {path} is not empty and is not an rlhfkit run folder (it has no "
-                            f"{RUN_MARKER} file); rlhfkit will not {'delete' if overwrite else 'write into'} it. "
-                            "Choose another output_dir")
+            raise UserError(
+                f"output folder {path} is not empty and is not an rlhfkit run folder (it has no "
+                f"{RUN_MARKER} file); rlhfkit will not {'delete' if overwrite else 'write into'} it. "
+                "Choose another output_dir"
+            )
         if overwrite:
             shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -99,9 +110,16 @@ class RunDir:
         resume_step: that checkpoint's step, or 0.
     """
 
-    def __init__(self, output_dir: str | Path, resume: bool = False, overwrite: bool = False, *,
-                 config: RunConfig | None = None, main_process: bool = True,
-                 run_info: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        resume: bool = False,
+        overwrite: bool = False,
+        *,
+        config: RunConfig | None = None,
+        main_process: bool = True,
+        run_info: Mapping[str, Any] | None = None,
+    ):
         self.path = Path(output_dir)
         self.main_process = main_process
         self.run_info = dict(run_info) if run_info else None
@@ -116,11 +134,16 @@ class RunDir:
         self.logging = config.logging if config is not None else LoggingConfig()
         if config is not None:
             self.save_config(config, resume)
-        sinks = _open_sinks(self.path, self.logging, config, self.resume_step if resume else None) if main_process else []
+        sinks = (
+            _open_sinks(self.path, self.logging, config, self.resume_step if resume else None)
+            if main_process
+            else []
+        )
         # Resuming without a checkpoint starts again from step 0, so every old line goes.
         keep_until = (self.resume_step if self.resume_checkpoint else -1) if resume else None
-        self.metrics = MetricsWriter(self.path / "metrics.jsonl", keep_until=keep_until, sinks=sinks,
-                                     enabled=main_process)
+        self.metrics = MetricsWriter(
+            self.path / "metrics.jsonl", keep_until=keep_until, sinks=sinks, enabled=main_process
+        )
 
     def save_config(self, cfg: RunConfig, resume: bool = False) -> None:
         """Write ``config.yaml``. When resuming, first refuse changes that would make the run differ."""
@@ -131,12 +154,17 @@ class RunDir:
 
             old = flatten_dict(yaml.safe_load(self.config_path.read_text()) or {})
             new = flatten_dict(config_to_dict(cfg))
-            changed = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in new
-                       if k in old and old[k] != new[k] and not k.startswith(RESUMABLE_CHANGES)]
+            changed = [
+                f"{k}: {old[k]!r} -> {new[k]!r}"
+                for k in new
+                if k in old and old[k] != new[k] and not k.startswith(RESUMABLE_CHANGES)
+            ]
             if changed:
-                raise ConfigError(f"{self.config_path}: resuming with other settings would not continue the same "
-                                  f"run ({'; '.join(changed)}); undo the change, or start a new run with "
-                                  "--overwrite or another output_dir")
+                raise ConfigError(
+                    f"{self.config_path}: resuming with other settings would not continue the same "
+                    f"run ({'; '.join(changed)}); undo the change, or start a new run with "
+                    "--overwrite or another output_dir"
+                )
         save_config(cfg, self.config_path, self.run_info)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
@@ -146,8 +174,13 @@ class RunDir:
 
     def progress(self, iterable: Iterable | None = None, total: int | None = None, desc: str = ""):
         """A progress bar over ``iterable`` that starts at the resume step; see :func:`progress_bar`."""
-        return progress_bar(iterable, total=total, desc=desc, initial=self.resume_step,
-                            enabled=self.main_process and self.logging.progress_bar)
+        return progress_bar(
+            iterable,
+            total=total,
+            desc=desc,
+            initial=self.resume_step,
+            enabled=self.main_process and self.logging.progress_bar,
+        )
 
     def close(self) -> None:
         self.metrics.close()
@@ -191,8 +224,14 @@ class MetricsWriter:
         enabled: False on the non-main processes: nothing is written.
     """
 
-    def __init__(self, path: str | Path, *, keep_until: int | None = None, sinks: list | None = None,
-                 enabled: bool = True):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        keep_until: int | None = None,
+        sinks: list | None = None,
+        enabled: bool = True,
+    ):
         self.path = Path(path)
         self.sinks = sinks or []
         self.enabled = enabled
@@ -211,8 +250,11 @@ class MetricsWriter:
             return record
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, int | float)
-                   and not isinstance(v, bool)}
+        numbers = {
+            k: v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+        }
         for sink in self.sinks:
             sink.log(record["step"], numbers)
         return record
@@ -231,8 +273,14 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return _read_metrics(Path(path))[0]
 
 
-def progress_bar(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "",
-                 initial: int = 0, enabled: bool = True):
+def progress_bar(
+    iterable: Iterable | None = None,
+    *,
+    total: int | None = None,
+    desc: str = "",
+    initial: int = 0,
+    enabled: bool = True,
+):
     """A tqdm bar on stderr, silent unless stderr is a terminal (so logs and tests stay clean)."""
     from tqdm.auto import tqdm
 
@@ -247,7 +295,9 @@ def progress_bar(iterable: Iterable | None = None, *, total: int | None = None, 
 def _scalar(key: Any, value: Any) -> Any:
     if isinstance(value, torch.Tensor | np.ndarray | np.generic):
         if (value.numel() if isinstance(value, torch.Tensor) else value.size) != 1:
-            raise TypeError(f"metric {key!r}: expected one number, got an array of shape {tuple(value.shape)}")
+            raise TypeError(
+                f"metric {key!r}: expected one number, got an array of shape {tuple(value.shape)}"
+            )
         value = value.item()
     if isinstance(value, bool | str) or value is None:
         return value
@@ -294,8 +344,10 @@ def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], bool]:
 def _truncate_metrics(path: Path, keep_until: int) -> None:
     records, _ = _read_metrics(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in records if r["step"] <= keep_until),
-                   encoding="utf-8")
+    tmp.write_text(
+        "".join(json.dumps(r, allow_nan=False) + "\n" for r in records if r["step"] <= keep_until),
+        encoding="utf-8",
+    )
     tmp.replace(path)
 
 
@@ -325,8 +377,10 @@ class _TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError("logging.tensorboard is true, but tensorboard is not installed; "
-                              "`pip install tensorboard` or set logging.tensorboard=false") from None
+            raise ConfigError(
+                "logging.tensorboard is true, but tensorboard is not installed; "
+                "`pip install tensorboard` or set logging.tensorboard=false"
+            ) from None
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def log(self, step: int, numbers: dict[str, float]) -> None:
@@ -342,12 +396,19 @@ class _WandbSink:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("logging.wandb is true, but wandb is not installed; "
-                              "`pip install wandb` or set logging.wandb=false") from None
+            raise ConfigError(
+                "logging.wandb is true, but wandb is not installed; "
+                "`pip install wandb` or set logging.wandb=false"
+            ) from None
         run_id = json.loads((run_dir / RUN_MARKER).read_text()).get("wandb_id")
-        self.run = wandb.init(project=logging.wandb_project, name=logging.wandb_run_name or run_dir.name,
-                              dir=str(run_dir), id=run_id, resume="allow",
-                              config=config_to_dict(config) if config is not None else None)
+        self.run = wandb.init(
+            project=logging.wandb_project,
+            name=logging.wandb_run_name or run_dir.name,
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow",
+            config=config_to_dict(config) if config is not None else None,
+        )
 
     def log(self, step: int, numbers: dict[str, float]) -> None:
         self.run.log(numbers, step=step)
@@ -356,10 +417,14 @@ class _WandbSink:
         self.run.finish()
 
 
-def _open_sinks(run_dir: Path, logging: LoggingConfig, config: RunConfig | None, resume_step: int | None) -> list:
+def _open_sinks(
+    run_dir: Path, logging: LoggingConfig, config: RunConfig | None, resume_step: int | None
+) -> list:
     sinks: list = []
     if logging.tensorboard:
-        sinks.append(_TensorBoardSink(run_dir / "tensorboard", None if resume_step is None else resume_step + 1))
+        sinks.append(
+            _TensorBoardSink(run_dir / "tensorboard", None if resume_step is None else resume_step + 1)
+        )
     if logging.wandb:
         sinks.append(_WandbSink(run_dir, logging, config))
     return sinks

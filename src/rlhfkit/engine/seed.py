@@ -54,12 +54,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     npy = state["numpy"]
-    np.random.set_state({
-        "bit_generator": npy["bit_generator"],
-        "state": {"key": np.asarray(npy["key"], dtype=np.uint32), "pos": npy["pos"]},
-        "has_gauss": npy["has_gauss"],
-        "gauss": npy["gauss"],
-    })
+    np.random.set_state(
+        {
+            "bit_generator": npy["bit_generator"],
+            "state": {"key": np.asarray(npy["key"], dtype=np.uint32), "pos": npy["pos"]},
+            "has_gauss": npy["has_gauss"],
+            "gauss": npy["gauss"],
+        }
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):

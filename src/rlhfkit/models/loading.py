@@ -101,7 +101,9 @@ def load_tokenizer(
     if missing_pad not in ("add", "eos"):
         raise UserError(f"missing_pad must be 'add' or 'eos', got '{missing_pad}'")
     base = adapter_base(name_or_path)
-    if base is not None and not os.path.isfile(os.path.join(os.path.expanduser(name_or_path), "tokenizer_config.json")):
+    if base is not None and not os.path.isfile(
+        os.path.join(os.path.expanduser(name_or_path), "tokenizer_config.json")
+    ):
         name_or_path = base  # an adapter folder saved without its tokenizer: the base model's
     tokenizer = _load(
         "tokenizer", name_or_path, AutoTokenizer.from_pretrained, trust_remote_code=trust_remote_code
@@ -129,14 +131,18 @@ def read_chat_template(value: str) -> str:
     if "{{" not in value and "{%" not in value:
         path = os.path.expanduser(value)
         if not os.path.isfile(path):
-            raise UserError(f"data.chat_template: '{value}' is neither a Jinja template (no '{{{{' or '{{%') nor "
-                            "an existing file")
+            raise UserError(
+                f"data.chat_template: '{value}' is neither a Jinja template (no '{{{{' or '{{%') nor "
+                "an existing file"
+            )
         with open(path, encoding="utf-8") as f:
             text, source = f.read(), f"data.chat_template file {value}"
     try:
         jinja2.Environment().parse(text)
     except jinja2.TemplateSyntaxError as error:
-        raise UserError(f"{source}: not a valid Jinja template (line {error.lineno}: {error.message})") from None
+        raise UserError(
+            f"{source}: not a valid Jinja template (line {error.lineno}: {error.message})"
+        ) from None
     return text
 
 
@@ -222,8 +228,9 @@ def load_causal_lm(
 
     base = adapter_base(name_or_path)
     if base is not None:  # a LoRA adapter folder: its base with the adapter merged in
-        model = load_causal_lm(base, trust_remote_code=trust_remote_code, dtype=dtype, tokenizer=tokenizer,
-                               dropout=dropout)
+        model = load_causal_lm(
+            base, trust_remote_code=trust_remote_code, dtype=dtype, tokenizer=tokenizer, dropout=dropout
+        )
         return merge_adapter_folder(model, name_or_path).to(weight_dtype(dtype, frozen))  # merged in float32
     model = _load(
         "causal LM",
@@ -272,8 +279,9 @@ def load_scalar_model(
 
     base = adapter_base(name_or_path)
     if base is not None:  # a LoRA adapter folder: its base with the adapter (and a trained head) merged in
-        model = load_scalar_model(base, trust_remote_code=trust_remote_code, dtype=dtype, tokenizer=tokenizer,
-                                  dropout=dropout)
+        model = load_scalar_model(
+            base, trust_remote_code=trust_remote_code, dtype=dtype, tokenizer=tokenizer, dropout=dropout
+        )
         return merge_adapter_folder(model, name_or_path).to(weight_dtype(dtype, frozen))  # merged in float32
     config = _load(
         "model config", name_or_path, AutoConfig.from_pretrained, trust_remote_code=trust_remote_code

@@ -61,16 +61,23 @@ def prepare_trained(model: torch.nn.Module, model_cfg) -> torch.nn.Module:
     if model_cfg.lora_rank > 0:
         targets = model_cfg.lora_target_modules.strip()
         modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-        model = add_lora(model, rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
-                         dropout=model_cfg.lora_dropout, target_modules=modules)
+        model = add_lora(
+            model,
+            rank=model_cfg.lora_rank,
+            alpha=model_cfg.lora_alpha,
+            dropout=model_cfg.lora_dropout,
+            target_modules=modules,
+        )
     return model
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     """Recompute activations in the backward pass (non-reentrant checkpointing: no input needs a gradient)."""
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise UserError(f"model.gradient_checkpointing: {type(model).__name__} does not support gradient "
-                        "checkpointing; set it to false")
+        raise UserError(
+            f"model.gradient_checkpointing: {type(model).__name__} does not support gradient "
+            "checkpointing; set it to false"
+        )
     enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5's name
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -78,8 +85,15 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def add_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
-             target_modules: str | list[str] = "all-linear", adapter_name: str = "default") -> torch.nn.Module:
+def add_lora(
+    model: torch.nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    target_modules: str | list[str] = "all-linear",
+    adapter_name: str = "default",
+) -> torch.nn.Module:
     """Wrap ``model`` in a peft model with one LoRA adapter (its base weights frozen, in place).
 
     A scalar (sequence-classification) model's ``score`` head is trained as well (peft keeps the original
@@ -91,8 +105,13 @@ def add_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float 
     from peft import LoraConfig, TaskType, get_peft_model
 
     scalar = type(model).__name__.endswith("ForSequenceClassification")
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                        task_type=TaskType.SEQ_CLS if scalar else TaskType.CAUSAL_LM)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=target_modules,
+        task_type=TaskType.SEQ_CLS if scalar else TaskType.CAUSAL_LM,
+    )
     source = getattr(model, "name_or_path", "") or ""
     with warnings.catch_warnings():  # peft asks transformers a deprecated question; nothing for a user to do
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -182,10 +201,13 @@ def adapter_base(name_or_path: str | os.PathLike) -> str | None:
     except ValueError as error:
         raise UserError(f"{config_file}: not valid JSON ({error})") from None
     if not base:
-        raise UserError(f"{config_file}: no base_model_name_or_path; rlhfkit cannot tell which model it adapts")
+        raise UserError(
+            f"{config_file}: no base_model_name_or_path; rlhfkit cannot tell which model it adapts"
+        )
     if not (folder / ADAPTER_WEIGHTS).is_file():
-        raise UserError(f"{folder}: an adapter folder without {ADAPTER_WEIGHTS} (rlhfkit loads safetensors "
-                        "weights only)")
+        raise UserError(
+            f"{folder}: an adapter folder without {ADAPTER_WEIGHTS} (rlhfkit loads safetensors weights only)"
+        )
     return base
 
 
@@ -203,8 +225,9 @@ def merge_adapter_folder(model: torch.nn.Module, path: str | os.PathLike) -> tor
         try:
             adapted = PeftModel.from_pretrained(model, os.fspath(path), is_trainable=False)
         except (RuntimeError, ValueError, KeyError) as error:
-            raise UserError(f"cannot load the adapter in '{path}' onto its base: {str(error).splitlines()[0]}") \
-                from None
+            raise UserError(
+                f"cannot load the adapter in '{path}' onto its base: {str(error).splitlines()[0]}"
+            ) from None
         model = adapted.merge_and_unload()
     keys = Path(path) / RLHFKIT_KEYS
     if keys.is_file():

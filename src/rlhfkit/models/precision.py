@@ -42,9 +42,13 @@ def warn_slow_bf16(device: torch.device | str) -> None:
     if torch.device(device).type != "cpu" or cpu_has_bf16() or "cpu-bf16" in _WARNED:
         return
     _WARNED.add("cpu-bf16")
-    warnings.warn("model.dtype is bfloat16 on a CPU without bf16 instructions: every forward is emulated and "
-                  "runs many times slower than float32 (about 18x measured on this project's CPU); "
-                  "use model.dtype=float32 (or auto) here", UserWarning, stacklevel=2)
+    warnings.warn(
+        "model.dtype is bfloat16 on a CPU without bf16 instructions: every forward is emulated and "
+        "runs many times slower than float32 (about 18x measured on this project's CPU); "
+        "use model.dtype=float32 (or auto) here",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def autocast_forward(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:

@@ -115,7 +115,9 @@ class _LabelLogprob(torch.autograd.Function):
         grad_logits = None
         for start in range(0, logits.shape[0], ctx.rows):
             stop = start + ctx.rows
-            block = _LabelLogprob._scaled_block(logits, labels, start, stop, ctx.scale, ctx.suppress, ctx.keep)
+            block = _LabelLogprob._scaled_block(
+                logits, labels, start, stop, ctx.scale, ctx.suppress, ctx.keep
+            )
             block.sub_(lse[start:stop, :, None]).exp_()  # softmax, (rows, T, V)
             grad = grad_out[start:stop, :, None].float() * ctx.scale  # (rows, T, 1)
             block.mul_(-grad).scatter_add_(-1, labels[start:stop, :, None], grad)
@@ -199,7 +201,9 @@ def causal_lm_output(
     """
     kwargs = {}
     inner = unwrap_model(model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # a LoRA model's own forward
+    inner = (
+        inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    )  # a LoRA model's own forward
     if keep_last > 0 and "logits_to_keep" in inspect.signature(inner.forward).parameters:
         kwargs["logits_to_keep"] = keep_last
     if router_aux:

@@ -62,8 +62,14 @@ class Sampling:
         return self.top_k > 0 or self.top_p < 1.0
 
 
-def sampling_for(pad_token_id: int | None, stop_token_ids: Sequence[int], temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, suppress_ids: Sequence[int] = ()) -> Sampling:
+def sampling_for(
+    pad_token_id: int | None,
+    stop_token_ids: Sequence[int],
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    suppress_ids: Sequence[int] = (),
+) -> Sampling:
     """The :class:`Sampling` of a tokenizer's responses: the pad token is suppressed unless it is a stop token
     (a pad distinct from EOS is not text; an added ``<|pad|>`` row is untrained)."""
     pad = [] if pad_token_id is None or pad_token_id in stop_token_ids else [pad_token_id]
@@ -140,12 +146,16 @@ def truncation_mask(logits: torch.Tensor, labels: torch.Tensor, sampling: Sampli
     rows = max(1, _CHUNK_ELEMENTS // max(1, steps * vocab))
     keep = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
     for start in range(0, batch, rows):
-        keep[start : start + rows] = _keep_mask_block(_scaled(logits[start : start + rows], sampling), sampling)
+        keep[start : start + rows] = _keep_mask_block(
+            _scaled(logits[start : start + rows], sampling), sampling
+        )
     keep.scatter_(-1, labels.long().clamp(min=0).unsqueeze(-1), True)
     return keep
 
 
-def processed_logits(logits: torch.Tensor, sampling: Sampling, labels: torch.Tensor | None = None) -> torch.Tensor:
+def processed_logits(
+    logits: torch.Tensor, sampling: Sampling, labels: torch.Tensor | None = None
+) -> torch.Tensor:
     """The logits of the sampling distribution: suppressed ids and truncated tokens at -inf, divided by the
     temperature (a float32 copy; for the entropy, whose ``entropy_from_logits`` treats -inf as probability 0).
 

@@ -27,7 +27,9 @@ def is_scalar_model(model: torch.nn.Module) -> bool:
     return type(unwrap_model(model)).__name__.endswith("ForSequenceClassification")
 
 
-def save_hf_folder(model: torch.nn.Module, tokenizer, path: str | os.PathLike, dtype: str = "float32") -> None:
+def save_hf_folder(
+    model: torch.nn.Module, tokenizer, path: str | os.PathLike, dtype: str = "float32"
+) -> None:
     """Write ``model`` (safetensors) and ``tokenizer`` into the folder ``path``.
 
     The caller's model and tokenizer are never changed in a way that matters to training: when a

@@ -58,22 +58,38 @@ def kl_runaway(get: Callable[[str], Series]) -> list[HealthWarning]:
         if len(s[1]) >= MIN_POINTS:
             _, middle, late, steps = _thirds(s)
             if _mean(late) > KL_GROWTH * max(_mean(middle), 0.0) and _mean(late) > KL_FLOOR:
-                return [HealthWarning("kl_runaway", key, steps[0], steps[-1],
-                                f"KL still climbing: {_mean(late):.3g} nats/response over the last third, "
-                                f"{_mean(middle):.3g} over the middle third")]
+                return [
+                    HealthWarning(
+                        "kl_runaway",
+                        key,
+                        steps[0],
+                        steps[-1],
+                        f"KL still climbing: {_mean(late):.3g} nats/response over the last third, "
+                        f"{_mean(middle):.3g} over the middle third",
+                    )
+                ]
             return []
     return []
 
 
-def _above(rule: str, key: str, limit: float, words: str) -> Callable[[Callable[[str], Series]], list[HealthWarning]]:
+def _above(
+    rule: str, key: str, limit: float, words: str
+) -> Callable[[Callable[[str], Series]], list[HealthWarning]]:
     def check(get: Callable[[str], Series]) -> list[HealthWarning]:
         s = get(key)
         if len(s[1]) < 3:
             return []
         _, _, late, steps = _thirds(s)
         if _mean(late) > limit:
-            return [HealthWarning(rule, key, steps[0], steps[-1], f"{words}: {_mean(late):.3g} over the last third "
-                                                          f"(rule: above {limit:g})")]
+            return [
+                HealthWarning(
+                    rule,
+                    key,
+                    steps[0],
+                    steps[-1],
+                    f"{words}: {_mean(late):.3g} over the last third (rule: above {limit:g})",
+                )
+            ]
         return []
 
     return check
@@ -85,9 +101,16 @@ def ratio_off(get: Callable[[str], Series]) -> list[HealthWarning]:
         return []
     _, _, late, steps = _thirds(s)
     if abs(_mean(late) - 1.0) > RATIO_BAND:
-        return [HealthWarning("ratio_off", "ratio/mean", steps[0], steps[-1],
-                        f"mean probability ratio {_mean(late):.3g} over the last third (rule: outside "
-                        f"[{1 - RATIO_BAND:g}, {1 + RATIO_BAND:g}])")]
+        return [
+            HealthWarning(
+                "ratio_off",
+                "ratio/mean",
+                steps[0],
+                steps[-1],
+                f"mean probability ratio {_mean(late):.3g} over the last third (rule: outside "
+                f"[{1 - RATIO_BAND:g}, {1 + RATIO_BAND:g}])",
+            )
+        ]
     return []
 
 
@@ -97,9 +120,16 @@ def entropy_collapse(get: Callable[[str], Series]) -> list[HealthWarning]:
         return []
     early, _, late, steps = _thirds(s)
     if _mean(early) > 0 and _mean(late) < ENTROPY_COLLAPSE * _mean(early):
-        return [HealthWarning("entropy_collapse", "entropy/mean", steps[0], steps[-1],
-                        f"entropy fell from {_mean(early):.3g} to {_mean(late):.3g} nats/token "
-                        f"(rule: below {ENTROPY_COLLAPSE:g} of the first third)")]
+        return [
+            HealthWarning(
+                "entropy_collapse",
+                "entropy/mean",
+                steps[0],
+                steps[-1],
+                f"entropy fell from {_mean(early):.3g} to {_mean(late):.3g} nats/token "
+                f"(rule: below {ENTROPY_COLLAPSE:g} of the first third)",
+            )
+        ]
     return []
 
 
@@ -109,16 +139,30 @@ def length_blowup(get: Callable[[str], Series]) -> list[HealthWarning]:
     if len(s[1]) >= MIN_POINTS:
         early, _, late, steps = _thirds(s)
         if _mean(early) > 0 and _mean(late) > LENGTH_BLOWUP * _mean(early):
-            out.append(HealthWarning("length_blowup", "response_length/mean", steps[0], steps[-1],
-                               f"responses grew from {_mean(early):.3g} to {_mean(late):.3g} tokens "
-                               f"(rule: above {LENGTH_BLOWUP:g}x the first third)"))
+            out.append(
+                HealthWarning(
+                    "length_blowup",
+                    "response_length/mean",
+                    steps[0],
+                    steps[-1],
+                    f"responses grew from {_mean(early):.3g} to {_mean(late):.3g} tokens "
+                    f"(rule: above {LENGTH_BLOWUP:g}x the first third)",
+                )
+            )
     s = get("response/ended_frac")
     if len(s[1]) >= 3:
         _, _, late, steps = _thirds(s)
         if _mean(late) < ENDED_LOW:
-            out.append(HealthWarning("length_blowup", "response_length/mean", steps[0], steps[-1],
-                               f"only {_mean(late):.0%} of responses end with a stop token over the last third "
-                               f"(rule: below {ENDED_LOW:.0%}); the rest hit the length limit"))
+            out.append(
+                HealthWarning(
+                    "length_blowup",
+                    "response_length/mean",
+                    steps[0],
+                    steps[-1],
+                    f"only {_mean(late):.0%} of responses end with a stop token over the last third "
+                    f"(rule: below {ENDED_LOW:.0%}); the rest hit the length limit",
+                )
+            )
     return out
 
 
@@ -128,9 +172,16 @@ def critic_useless(get: Callable[[str], Series]) -> list[HealthWarning]:
         return []
     _, _, late, steps = _thirds(s)
     if _mean(late) < 0:
-        return [HealthWarning("critic_useless", "value/explained_variance", steps[0], steps[-1],
-                        f"value explained variance {_mean(late):.3g} over the last third: the critic predicts "
-                        "the returns worse than their mean would (rule: below 0)")]
+        return [
+            HealthWarning(
+                "critic_useless",
+                "value/explained_variance",
+                steps[0],
+                steps[-1],
+                f"value explained variance {_mean(late):.3g} over the last third: the critic predicts "
+                "the returns worse than their mean would (rule: below 0)",
+            )
+        ]
     return []
 
 
@@ -143,9 +194,16 @@ def gradient_spikes(get: Callable[[str], Series]) -> list[HealthWarning]:
         median = statistics.median(ys)
         spikes = [x for x, y in zip(xs, ys, strict=True) if median > 0 and y > GRAD_SPIKE * median]
         if spikes:
-            out.append(HealthWarning("gradient_spike", key, spikes[0], spikes[-1],
-                               f"{len(spikes)} step(s) with a gradient norm above {GRAD_SPIKE:g}x the median "
-                               f"{median:.3g} (first at step {spikes[0]})"))
+            out.append(
+                HealthWarning(
+                    "gradient_spike",
+                    key,
+                    spikes[0],
+                    spikes[-1],
+                    f"{len(spikes)} step(s) with a gradient norm above {GRAD_SPIKE:g}x the median "
+                    f"{median:.3g} (first at step {spikes[0]})",
+                )
+            )
     return out
 
 
@@ -157,36 +215,67 @@ def overoptimization(get: Callable[[str], Series]) -> list[HealthWarning]:
             continue
         best = max(range(len(gold)), key=gold.__getitem__)
         if gold[-1] < gold[-2] < gold[-3] and proxy[-1] > proxy[0] and best < len(gold) - 2:
-            return [HealthWarning("overoptimization", gold_key, gx[best], gx[-1],
-                            f"gold score fell on the last two evaluations ({gold[-3]:.3g} -> {gold[-1]:.3g}; best "
-                            f"{gold[best]:.3g} at step {gx[best]}) while the proxy rose ({proxy[0]:.3g} -> "
-                            f"{proxy[-1]:.3g})")]
+            return [
+                HealthWarning(
+                    "overoptimization",
+                    gold_key,
+                    gx[best],
+                    gx[-1],
+                    f"gold score fell on the last two evaluations ({gold[-3]:.3g} -> {gold[-1]:.3g}; best "
+                    f"{gold[best]:.3g} at step {gx[best]}) while the proxy rose ({proxy[0]:.3g} -> "
+                    f"{proxy[-1]:.3g})",
+                )
+            ]
         return []
     return []
 
 
 # rule name -> (the rule in words, the check)
 RULES: dict[str, tuple[str, Callable[[Callable[[str], Series]], list[HealthWarning]]]] = {
-    "overoptimization": ("Reward hacking: the gold score falls on two evaluations in a row, below its best, while "
-                         "the proxy (reward-model) score is above its first value.", overoptimization),
-    "kl_runaway": (f"KL running away: the mean KL to the reference over the last third of the run is more than "
-                   f"{KL_GROWTH:g}x that of the middle third, and above {KL_FLOOR:g} nat per response.", kl_runaway),
-    "clipfrac_high": (f"Clip fraction high: the policy clip fraction averages above {CLIPFRAC_HIGH:g} over the last "
-                      "third: updates are too large for the clip range.",
-                      _above("clipfrac_high", "clipfrac", CLIPFRAC_HIGH, "policy clip fraction")),
-    "approx_kl_high": (f"Updates too large: approx. KL between the policy before and after an update averages above "
-                       f"{APPROX_KL_HIGH:g} over the last third.",
-                       _above("approx_kl_high", "approx_kl", APPROX_KL_HIGH, "approx. KL between updates")),
-    "ratio_off": (f"Ratio off: the mean probability ratio leaves [{1 - RATIO_BAND:g}, {1 + RATIO_BAND:g}] over the "
-                  "last third.", ratio_off),
-    "entropy_collapse": (f"Entropy collapse: the policy entropy over the last third falls below {ENTROPY_COLLAPSE:g} "
-                         "of its value over the first third.", entropy_collapse),
-    "length_blowup": (f"Length blow-up: the mean response length over the last third exceeds {LENGTH_BLOWUP:g}x "
-                      f"that of the first third, or fewer than {ENDED_LOW:.0%} of responses end with a stop "
-                      "token.", length_blowup),
-    "critic_useless": ("Critic not learning: the value model's explained variance averages below 0 over the last "
-                       "third.", critic_useless),
-    "gradient_spike": (f"Gradient spikes: a gradient norm above {GRAD_SPIKE:g}x the run's median.", gradient_spikes),
+    "overoptimization": (
+        "Reward hacking: the gold score falls on two evaluations in a row, below its best, while "
+        "the proxy (reward-model) score is above its first value.",
+        overoptimization,
+    ),
+    "kl_runaway": (
+        f"KL running away: the mean KL to the reference over the last third of the run is more than "
+        f"{KL_GROWTH:g}x that of the middle third, and above {KL_FLOOR:g} nat per response.",
+        kl_runaway,
+    ),
+    "clipfrac_high": (
+        f"Clip fraction high: the policy clip fraction averages above {CLIPFRAC_HIGH:g} over the last "
+        "third: updates are too large for the clip range.",
+        _above("clipfrac_high", "clipfrac", CLIPFRAC_HIGH, "policy clip fraction"),
+    ),
+    "approx_kl_high": (
+        f"Updates too large: approx. KL between the policy before and after an update averages above "
+        f"{APPROX_KL_HIGH:g} over the last third.",
+        _above("approx_kl_high", "approx_kl", APPROX_KL_HIGH, "approx. KL between updates"),
+    ),
+    "ratio_off": (
+        f"Ratio off: the mean probability ratio leaves [{1 - RATIO_BAND:g}, {1 + RATIO_BAND:g}] over the "
+        "last third.",
+        ratio_off,
+    ),
+    "entropy_collapse": (
+        f"Entropy collapse: the policy entropy over the last third falls below {ENTROPY_COLLAPSE:g} "
+        "of its value over the first third.",
+        entropy_collapse,
+    ),
+    "length_blowup": (
+        f"Length blow-up: the mean response length over the last third exceeds {LENGTH_BLOWUP:g}x "
+        f"that of the first third, or fewer than {ENDED_LOW:.0%} of responses end with a stop "
+        "token.",
+        length_blowup,
+    ),
+    "critic_useless": (
+        "Critic not learning: the value model's explained variance averages below 0 over the last third.",
+        critic_useless,
+    ),
+    "gradient_spike": (
+        f"Gradient spikes: a gradient norm above {GRAD_SPIKE:g}x the run's median.",
+        gradient_spikes,
+    ),
 }
 
 
@@ -204,6 +293,8 @@ def negative_kl_note(value: float | None, estimator: str | None) -> str | None:
     if value is None or value >= 0:
         return None
     if estimator in (None, "k1"):
-        return ("negative: the k1 estimator (log pi - log pi_ref per token) is unbiased but not always positive; "
-                "a sample mean below 0 means the policy is still close to the reference")
+        return (
+            "negative: the k1 estimator (log pi - log pi_ref per token) is unbiased but not always positive; "
+            "a sample mean below 0 means the policy is still close to the reference"
+        )
     return "negative, which this estimator should not give: check the log-probabilities"

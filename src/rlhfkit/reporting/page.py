@@ -96,12 +96,15 @@ def page(title: str, subtitle: str, blocks: list[str], nav: list[tuple[str, str]
     """The whole document: ``blocks`` of HTML in order, a table of contents from ``nav`` [(anchor, title)]."""
     links = " ".join(f'<a href="#{e(a)}">{e(t)}</a>' for a, t in nav)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{e(title)}</title>'
-            f"<style>{CSS}</style></head><body>\n<h1>{e(title)}</h1>\n"
-            f'<p class="muted">{e(subtitle)} &middot; written {stamp} by rlhfkit {e(__version__)}</p>\n'
-            + (f"<nav>{links}</nav>\n" if links else "") + "\n".join(blocks)
-            + f"\n<script>{SCRIPT}</script>\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{e(title)}</title>'
+        f"<style>{CSS}</style></head><body>\n<h1>{e(title)}</h1>\n"
+        f'<p class="muted">{e(subtitle)} &middot; written {stamp} by rlhfkit {e(__version__)}</p>\n'
+        + (f"<nav>{links}</nav>\n" if links else "")
+        + "\n".join(blocks)
+        + f"\n<script>{SCRIPT}</script>\n</body></html>\n"
+    )
 
 
 def heading(level: int, text: str, anchor_id: str | None = None) -> str:
@@ -116,8 +119,10 @@ def summary_table(run: Run) -> str:
     for key, value in run.flat_summary().items():
         if isinstance(value, list | dict):
             continue
-        rows.append(f"<tr><th>{e(label(key))}</th><td class=num>{e(fmt(value))}</td>"
-                    f"<td>{_kl_note(key, value, estimator)}</td></tr>")
+        rows.append(
+            f"<tr><th>{e(label(key))}</th><td class=num>{e(fmt(value))}</td>"
+            f"<td>{_kl_note(key, value, estimator)}</td></tr>"
+        )
     if not rows:
         return '<p class="muted">No summary.json (the run has not finished).</p>'
     return f'<table class="summary"><tr><th>figure</th><th>value</th><th></th></tr>{"".join(rows)}</table>'
@@ -135,11 +140,15 @@ def comparison_table(runs: list[Run], warnings: dict[str, list[health.HealthWarn
     flats = [r.flat_summary() for r in runs]
     keys: list[str] = []
     for flat in flats:
-        keys += [k for k, v in flat.items() if k not in keys and k != "kind" and not isinstance(v, list | dict)]
+        keys += [
+            k for k, v in flat.items() if k not in keys and k != "kind" and not isinstance(v, list | dict)
+        ]
     head = "".join(f"<th>{e(r.name)}</th>" for r in runs)
-    body = [f"<tr><th>kind</th>{''.join(f'<td>{e(r.kind)}</td>' for r in runs)}</tr>",
-            f"<tr><th>folder</th>{''.join(f'<td>{e(r.path)}</td>' for r in runs)}</tr>",
-            f"<tr><th>warning signs</th>{''.join(f'<td class=num>{len(warnings.get(r.name, []))}</td>' for r in runs)}</tr>"]
+    body = [
+        f"<tr><th>kind</th>{''.join(f'<td>{e(r.kind)}</td>' for r in runs)}</tr>",
+        f"<tr><th>folder</th>{''.join(f'<td>{e(r.path)}</td>' for r in runs)}</tr>",
+        f"<tr><th>warning signs</th>{''.join(f'<td class=num>{len(warnings.get(r.name, []))}</td>' for r in runs)}</tr>",
+    ]
     for key in keys:
         cells = "".join(f"<td class=num>{e(fmt(flat.get(key)))}</td>" for flat in flats)
         body.append(f"<tr><th>{e(label(key))}</th>{cells}</tr>")
@@ -150,16 +159,23 @@ def warnings_block(warnings: list[health.HealthWarning], plot_anchor: str = "", 
     """The warning signs that fired, then every rule in words (what was checked); ``shaded``: the plots
     below mark them."""
     rules = "".join(f"<li>{e(text)}</li>" for text, _ in health.RULES.values())
-    rules_html = (f"<details><summary>The rules checked</summary><ul>{rules}</ul>"
-                  "<p class=muted>Trend rules compare thirds of the logged points and need at least "
-                  f"{health.MIN_POINTS} of them.</p></details>")
+    rules_html = (
+        f"<details><summary>The rules checked</summary><ul>{rules}</ul>"
+        "<p class=muted>Trend rules compare thirds of the logged points and need at least "
+        f"{health.MIN_POINTS} of them.</p></details>"
+    )
     if not warnings:
         return f'<div class="ok">No warning sign fired.{rules_html}</div>'
-    items = "".join(f'<li><b>{e(health.RULES[w.rule][0].split(":")[0])}</b> ({e(label(w.metric))}, steps '
-                    f"{w.first_step}-{w.last_step}): {e(w.message)}</li>" for w in warnings)
+    items = "".join(
+        f"<li><b>{e(health.RULES[w.rule][0].split(':')[0])}</b> ({e(label(w.metric))}, steps "
+        f"{w.first_step}-{w.last_step}): {e(w.message)}</li>"
+        for w in warnings
+    )
     where = " (shaded red on the plots)" if shaded else ""
-    return (f'<div class="warnings" id="{e(plot_anchor)}warning-signs"><b>Warning signs</b>{where}'
-            f"<ul>{items}</ul>{rules_html}</div>")
+    return (
+        f'<div class="warnings" id="{e(plot_anchor)}warning-signs"><b>Warning signs</b>{where}'
+        f"<ul>{items}</ul>{rules_html}</div>"
+    )
 
 
 def figures_block(figs: list[Plot], warned: set[str] = frozenset(), prefix: str = "") -> str:
@@ -168,29 +184,40 @@ def figures_block(figs: list[Plot], warned: set[str] = frozenset(), prefix: str 
     for p in figs:
         data = base64.b64encode(p.png).decode("ascii")
         cls = ' class="warn"' if p.name in warned else ""
-        cells.append(f'<figure id="{e(prefix + p.name)}"{cls}><img alt="{e(p.title)}" '
-                     f'src="data:image/png;base64,{data}"><figcaption>{e(p.title)}</figcaption></figure>')
+        cells.append(
+            f'<figure id="{e(prefix + p.name)}"{cls}><img alt="{e(p.title)}" '
+            f'src="data:image/png;base64,{data}"><figcaption>{e(p.title)}</figcaption></figure>'
+        )
     return f'<div class="grid">{"".join(cells)}</div>' if cells else ""
 
 
 def last_step_block(run: Run) -> str:
     last = run.rows[-1]
-    rows = "".join(f"<tr><th>{e(label(k))}</th><td class=num>{e(fmt(v))}</td><td class=muted>{e(k)}</td></tr>"
-                   for k, v in last.items() if k != "step")
-    return (f"<details><summary>Every metric of the last logged step ({last['step']})</summary>"
-            f'<table><tr><th>metric</th><th>value</th><th>key in metrics.jsonl</th></tr>{rows}</table></details>')
+    rows = "".join(
+        f"<tr><th>{e(label(k))}</th><td class=num>{e(fmt(v))}</td><td class=muted>{e(k)}</td></tr>"
+        for k, v in last.items()
+        if k != "step"
+    )
+    return (
+        f"<details><summary>Every metric of the last logged step ({last['step']})</summary>"
+        f"<table><tr><th>metric</th><th>value</th><th>key in metrics.jsonl</th></tr>{rows}</table></details>"
+    )
 
 
 def samples_block(runs: list[Run]) -> str:
     """The sample browser over the runs' ``samples.jsonl``: filter by step (and run), sort by a column."""
     rows = []
     for run in runs:
-        rows += [{**s.to_json(), "prompt": printable(s.prompt), "response": printable(s.response),
-                  "run": run.name} for s in run.samples.samples]
+        rows += [
+            {**s.to_json(), "prompt": printable(s.prompt), "response": printable(s.response), "run": run.name}
+            for s in run.samples.samples
+        ]
     skipped = sum(r.samples.skipped_lines for r in runs)
     if not rows:
-        return ('<p class="muted">No samples.jsonl in this run (the online trainer writes one: '
-                "<code>logging.samples_per_step</code>).</p>")
+        return (
+            '<p class="muted">No samples.jsonl in this run (the online trainer writes one: '
+            "<code>logging.samples_per_step</code>).</p>"
+        )
     dropped = max(0, len(rows) - MAX_SAMPLES)
     rows = rows[-MAX_SAMPLES:]
     data = json.dumps(rows, ensure_ascii=False, allow_nan=False).replace("<", "\\u003c")
@@ -198,29 +225,50 @@ def samples_block(runs: list[Run]) -> str:
     run_select = ""
     if many:
         opts = "".join(f'<option value="{e(r.name)}">{e(r.name)}</option>' for r in runs)
-        run_select = f'<label>run <select id="sample-run"><option value="all">all</option>{opts}</select></label>'
-    sort_opts = "".join(f'<option value="{k}">{t}</option>' for k, t in (
-        ("score", "proxy score"), ("gold", "gold score"), ("kl", "KL"), ("length", "length"), ("step", "step")))
+        run_select = (
+            f'<label>run <select id="sample-run"><option value="all">all</option>{opts}</select></label>'
+        )
+    sort_opts = "".join(
+        f'<option value="{k}">{t}</option>'
+        for k, t in (
+            ("score", "proxy score"),
+            ("gold", "gold score"),
+            ("kl", "KL"),
+            ("length", "length"),
+            ("step", "step"),
+        )
+    )
     notes = []
     if dropped:
         notes.append(f"the {dropped} oldest rows are left out of the page")
     if skipped:
         notes.append(f"{skipped} line(s) of samples.jsonl were not JSON objects and are skipped")
-    head = "".join(f"<th>{t}</th>" for t in (["run"] if many else []) + [
-        "step", "proxy score", "gold", "KL", "length", "ended", "reward parts", "prompt", "response"])
-    return (f'<div id="samples-controls">{run_select}<label>step <select id="sample-step"><option value="all">all'
-            f'</option></select></label><label>sort by <select id="sample-sort">{sort_opts}</select></label>'
-            '<label>order <select id="sample-order"><option value="desc">highest first</option>'
-            '<option value="asc">lowest first</option></select></label><span id="sample-count" class="muted">'
-            f"</span></div>{'<p class=muted>' + e('; '.join(notes)) + '</p>' if notes else ''}"
-            f'<table id="samples-table"><thead><tr>{head}</tr></thead><tbody></tbody></table>'
-            f'<script type="application/json" id="samples-data">{data}</script>')
+    head = "".join(
+        f"<th>{t}</th>"
+        for t in (["run"] if many else [])
+        + ["step", "proxy score", "gold", "KL", "length", "ended", "reward parts", "prompt", "response"]
+    )
+    return (
+        f'<div id="samples-controls">{run_select}<label>step <select id="sample-step"><option value="all">all'
+        f'</option></select></label><label>sort by <select id="sample-sort">{sort_opts}</select></label>'
+        '<label>order <select id="sample-order"><option value="desc">highest first</option>'
+        '<option value="asc">lowest first</option></select></label><span id="sample-count" class="muted">'
+        f"</span></div>{'<p class=muted>' + e('; '.join(notes)) + '</p>' if notes else ''}"
+        f'<table id="samples-table"><thead><tr>{head}</tr></thead><tbody></tbody></table>'
+        f'<script type="application/json" id="samples-data">{data}</script>'
+    )
 
 
 def examples_block(examples: list[dict[str, Any]]) -> str:
     """The quickstart's side-by-side examples: prompt, SFT response, PPO response."""
-    rows = "".join(f'<tr><td class="text">{e(printable(str(x.get("prompt", ""))))}</td>'
-                   f'<td class="text">{e(printable(str(x.get("sft", ""))))}</td>'
-                   f'<td class="text">{e(printable(str(x.get("ppo", ""))))}</td></tr>' for x in examples)
-    return (f'<table id="examples-table"><tr><th>prompt (held out)</th><th>SFT</th><th>PPO</th></tr>{rows}</table>'
-            if rows else "")
+    rows = "".join(
+        f'<tr><td class="text">{e(printable(str(x.get("prompt", ""))))}</td>'
+        f'<td class="text">{e(printable(str(x.get("sft", ""))))}</td>'
+        f'<td class="text">{e(printable(str(x.get("ppo", ""))))}</td></tr>'
+        for x in examples
+    )
+    return (
+        f'<table id="examples-table"><tr><th>prompt (held out)</th><th>SFT</th><th>PPO</th></tr>{rows}</table>'
+        if rows
+        else ""
+    )

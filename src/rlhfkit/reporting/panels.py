@@ -29,36 +29,98 @@ class Spec:
 
 
 PANEL: tuple[Spec, ...] = (
-    Spec("scores", "Score per response", "score", (
-        ("score/mean", "proxy (reward model), training", False), ("gold/mean", "gold, training", False),
-        ("eval/score/mean", "proxy, held out", True), ("eval/gold/mean", "gold, held out", True))),
-    Spec("kl", "KL to the reference policy", "nats per response", (
-        ("kl/mean", "training (trained estimator)", False), ("eval/kl/mean", "held out", True))),
+    Spec(
+        "scores",
+        "Score per response",
+        "score",
+        (
+            ("score/mean", "proxy (reward model), training", False),
+            ("gold/mean", "gold, training", False),
+            ("eval/score/mean", "proxy, held out", True),
+            ("eval/gold/mean", "gold, held out", True),
+        ),
+    ),
+    Spec(
+        "kl",
+        "KL to the reference policy",
+        "nats per response",
+        (("kl/mean", "training (trained estimator)", False), ("eval/kl/mean", "held out", True)),
+    ),
     Spec("entropy", "Policy entropy", "nats per token", (("entropy/mean", "entropy", False),)),
-    Spec("response_length", "Response length", "tokens", (
-        ("response_length/mean", "training", False), ("eval/response_length/mean", "held out", True))),
-    Spec("ended", "Responses that end with a stop token", "fraction", (
-        ("response/ended_frac", "training", False), ("eval/response/ended_frac", "held out", True)),
-         (health.ENDED_LOW,)),
-    Spec("clipfrac", "Clip fraction", "fraction of tokens clipped", (
-        ("clipfrac", "policy", False), ("value/clipfrac", "value", False)), (health.CLIPFRAC_HIGH,)),
-    Spec("approx_kl", "Approx. KL between updates", "nats per token", (("approx_kl", "approx. KL", False),),
-         (health.APPROX_KL_HIGH,)),
-    Spec("ratio", "Probability ratio pi / pi_old", "mean ratio", (("ratio/mean", "ratio", False),),
-         (1 - health.RATIO_BAND, 1 + health.RATIO_BAND)),
+    Spec(
+        "response_length",
+        "Response length",
+        "tokens",
+        (("response_length/mean", "training", False), ("eval/response_length/mean", "held out", True)),
+    ),
+    Spec(
+        "ended",
+        "Responses that end with a stop token",
+        "fraction",
+        (("response/ended_frac", "training", False), ("eval/response/ended_frac", "held out", True)),
+        (health.ENDED_LOW,),
+    ),
+    Spec(
+        "clipfrac",
+        "Clip fraction",
+        "fraction of tokens clipped",
+        (("clipfrac", "policy", False), ("value/clipfrac", "value", False)),
+        (health.CLIPFRAC_HIGH,),
+    ),
+    Spec(
+        "approx_kl",
+        "Approx. KL between updates",
+        "nats per token",
+        (("approx_kl", "approx. KL", False),),
+        (health.APPROX_KL_HIGH,),
+    ),
+    Spec(
+        "ratio",
+        "Probability ratio pi / pi_old",
+        "mean ratio",
+        (("ratio/mean", "ratio", False),),
+        (1 - health.RATIO_BAND, 1 + health.RATIO_BAND),
+    ),
     Spec("policy_loss", "Policy loss", "loss", (("loss/policy", "policy", False),)),
     Spec("value_loss", "Value loss", "loss", (("loss/value", "value", False),)),
-    Spec("explained_variance", "Value explained variance", "1 - Var(returns - values) / Var(returns)", (
-        ("value/explained_variance", "explained variance", False),), (0.0,)),
+    Spec(
+        "explained_variance",
+        "Value explained variance",
+        "1 - Var(returns - values) / Var(returns)",
+        (("value/explained_variance", "explained variance", False),),
+        (0.0,),
+    ),
     Spec("losses", "Loss", "loss", (("loss", "training", False), ("eval/loss", "held out", True))),
-    Spec("accuracy", "Reward-model accuracy", "accuracy", (
-        ("accuracy", "train", False), ("eval/accuracy", "held out vs labels", True),
-        ("eval/gold_accuracy", "held out vs gold", True))),
-    Spec("grad_norm", "Gradient norm (before clipping)", "L2 norm", (
-        ("grad_norm", "model", False), ("grad_norm/actor", "actor", False), ("grad_norm/critic", "critic", False))),
-    Spec("learning_rate", "Learning rate", "learning rate", (
-        ("learning_rate", "model", False), ("learning_rate/actor", "actor", False),
-        ("learning_rate/critic", "critic", False))),
+    Spec(
+        "accuracy",
+        "Reward-model accuracy",
+        "accuracy",
+        (
+            ("accuracy", "train", False),
+            ("eval/accuracy", "held out vs labels", True),
+            ("eval/gold_accuracy", "held out vs gold", True),
+        ),
+    ),
+    Spec(
+        "grad_norm",
+        "Gradient norm (before clipping)",
+        "L2 norm",
+        (
+            ("grad_norm", "model", False),
+            ("grad_norm/actor", "actor", False),
+            ("grad_norm/critic", "critic", False),
+        ),
+    ),
+    Spec(
+        "learning_rate",
+        "Learning rate",
+        "learning rate",
+        (
+            ("learning_rate", "model", False),
+            ("learning_rate/actor", "actor", False),
+            ("learning_rate/critic", "critic", False),
+        ),
+    ),
     Spec("kl_coef", "KL coefficient", "kl_coef", (("kl_coef", "kl_coef", False),)),
 )
 
@@ -89,12 +151,16 @@ def line_plots(runs: list[Run], warnings: list[health.HealthWarning] | None = No
                 if xs:
                     color = plots.COLORS[(r if many else k) % len(plots.COLORS)]
                     style = "--" if heldout else STYLES[k % len(STYLES)] if many else "-"
-                    lines.append(plots.Line(f"{run.name}: {legend}" if many else legend, xs, ys, color, style))
+                    lines.append(
+                        plots.Line(f"{run.name}: {legend}" if many else legend, xs, ys, color, style)
+                    )
         if not lines:
             continue
         keys = {key for key, _, _ in spec.keys}
         marks = [(w.first_step, w.last_step) for w in warnings or [] if w.metric in keys]
-        png = plots.line_figure(plots.Figure(spec.title, spec.ylabel, xlabel, lines, marks, list(spec.thresholds)))
+        png = plots.line_figure(
+            plots.Figure(spec.title, spec.ylabel, xlabel, lines, marks, list(spec.thresholds))
+        )
         out.append(Plot(spec.name, spec.title, png))
     return out
 
@@ -104,12 +170,19 @@ def gold_vs_kl_points(rows: list[dict]) -> dict[str, tuple[list[float], list[flo
     ``{"gold": (sqrt_kl, score, steps), "proxy": ...}``, held-out figures when there are any; empty without a
     gold score (nothing to compare the proxy with). A negative k1 KL counts as 0."""
     out = {}
-    for kl_key, score_key, name in (("eval/kl/mean", "eval/gold/mean", "gold"), ("eval/kl/mean", "eval/score/mean", "proxy"),
-                                    ("kl/mean", "gold/mean", "gold"), ("kl/mean", "score/mean", "proxy")):
+    for kl_key, score_key, name in (
+        ("eval/kl/mean", "eval/gold/mean", "gold"),
+        ("eval/kl/mean", "eval/score/mean", "proxy"),
+        ("kl/mean", "gold/mean", "gold"),
+        ("kl/mean", "score/mean", "proxy"),
+    ):
         if name in out:
             continue
-        pts = [(math.sqrt(max(r[kl_key], 0.0)), r[score_key], r["step"]) for r in rows
-               if _finite(r.get(kl_key)) and _finite(r.get(score_key))]
+        pts = [
+            (math.sqrt(max(r[kl_key], 0.0)), r[score_key], r["step"])
+            for r in rows
+            if _finite(r.get(kl_key)) and _finite(r.get(score_key))
+        ]
         if pts:
             out[name] = ([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts])
     return out if "gold" in out else {}
@@ -120,13 +193,27 @@ def gold_vs_kl_plot(runs: list[Run]) -> Plot | None:
     series = []
     for r, run in enumerate(runs):
         for name, (xs, ys, steps) in gold_vs_kl_points(run.rows).items():
-            series.append(plots.Points(f"{run.name}: {name}" if many else name, xs, ys, steps,
-                                       plots.COLORS[r % len(plots.COLORS)], "o" if name == "gold" else "^"))
+            series.append(
+                plots.Points(
+                    f"{run.name}: {name}" if many else name,
+                    xs,
+                    ys,
+                    steps,
+                    plots.COLORS[r % len(plots.COLORS)],
+                    "o" if name == "gold" else "^",
+                )
+            )
     if not series:
         return None
     title = "Gold (o) and proxy (^) score against sqrt(KL)"
-    png = plots.scatter_figure(title, "sqrt(KL to the reference, nats per response)", "score", series,
-                               step_label=runs[0].step_label, color_by_step=not many)
+    png = plots.scatter_figure(
+        title,
+        "sqrt(KL to the reference, nats per response)",
+        "score",
+        series,
+        step_label=runs[0].step_label,
+        color_by_step=not many,
+    )
     return Plot("gold_vs_sqrt_kl", title + " (Gao et al. 2022)", png)
 
 
@@ -139,20 +226,41 @@ def reward_model_plots(run: Run) -> list[Plot]:
     rows = [r for r in run.heldout_scores if _finite(r.get("chosen")) and _finite(r.get("rejected"))]
     if rows:
         chosen, rejected = [r["chosen"] for r in rows], [r["rejected"] for r in rows]
-        out.append(Plot("score_histogram", "Held-out reward-model scores", plots.histogram_figure(
-            "Held-out scores: chosen vs rejected", "raw reward-model score",
-            [("chosen", chosen, plots.COLORS[2]), ("rejected", rejected, plots.COLORS[3])])))
+        out.append(
+            Plot(
+                "score_histogram",
+                "Held-out reward-model scores",
+                plots.histogram_figure(
+                    "Held-out scores: chosen vs rejected",
+                    "raw reward-model score",
+                    [("chosen", chosen, plots.COLORS[2]), ("rejected", rejected, plots.COLORS[3])],
+                ),
+            )
+        )
         margins = [c - r for c, r in zip(chosen, rejected, strict=True)]
         gold = [r for r in rows if _finite(r.get("gold_chosen")) and _finite(r.get("gold_rejected"))]
         if len(gold) == len(rows):
             agree = [m for m, r in zip(margins, rows, strict=True) if r["gold_chosen"] >= r["gold_rejected"]]
-            disagree = [m for m, r in zip(margins, rows, strict=True) if r["gold_chosen"] < r["gold_rejected"]]
-            groups = [("label agrees with gold", agree, plots.COLORS[0]),
-                      ("label disagrees with gold", disagree, plots.COLORS[1])]
+            disagree = [
+                m for m, r in zip(margins, rows, strict=True) if r["gold_chosen"] < r["gold_rejected"]
+            ]
+            groups = [
+                ("label agrees with gold", agree, plots.COLORS[0]),
+                ("label disagrees with gold", disagree, plots.COLORS[1]),
+            ]
         else:
             groups = [("all pairs", margins, plots.COLORS[0])]
-        out.append(Plot("margin_histogram", "Held-out score margins", plots.histogram_figure(
-            "Held-out margin r_chosen - r_rejected", "margin (> 0: the model agrees with the label)", groups)))
+        out.append(
+            Plot(
+                "margin_histogram",
+                "Held-out score margins",
+                plots.histogram_figure(
+                    "Held-out margin r_chosen - r_rejected",
+                    "margin (> 0: the model agrees with the label)",
+                    groups,
+                ),
+            )
+        )
     return out
 
 

@@ -67,8 +67,16 @@ def line_figure(spec: Figure) -> bytes:
     for y in spec.thresholds:
         ax.axhline(y, color="#555555", linestyle=":", linewidth=1)
     for line in spec.lines:
-        ax.plot(line.xs, line.ys, label=line.label, color=line.color, linestyle=line.style,
-                marker="o" if len(line.xs) < MARKERS_BELOW else None, markersize=4, linewidth=1.5)
+        ax.plot(
+            line.xs,
+            line.ys,
+            label=line.label,
+            color=line.color,
+            linestyle=line.style,
+            marker="o" if len(line.xs) < MARKERS_BELOW else None,
+            markersize=4,
+            linewidth=1.5,
+        )
     if spec.integer_x:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(spec.title, fontsize=11)
@@ -92,19 +100,42 @@ class Points:
     marker: str = "o"
 
 
-def scatter_figure(title: str, xlabel: str, ylabel: str, series: list[Points], step_label: str = "step",
-                   color_by_step: bool = True) -> bytes:
+def scatter_figure(
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    series: list[Points],
+    step_label: str = "step",
+    color_by_step: bool = True,
+) -> bytes:
     """Points, not joined (their order along x is not the order in time); with ``color_by_step`` the
     colour says when each point was taken, otherwise each series has its own colour."""
     fig, ax = _new()
     mappable = None
     for s in series:
         if color_by_step:
-            mappable = ax.scatter(s.xs, s.ys, c=s.steps, cmap="viridis", marker=s.marker, s=36, label=s.label,
-                                  edgecolors="black", linewidths=0.4)
+            mappable = ax.scatter(
+                s.xs,
+                s.ys,
+                c=s.steps,
+                cmap="viridis",
+                marker=s.marker,
+                s=36,
+                label=s.label,
+                edgecolors="black",
+                linewidths=0.4,
+            )
         else:
-            ax.scatter(s.xs, s.ys, color=s.color, marker=s.marker, s=36, label=s.label, edgecolors="black",
-                       linewidths=0.4)
+            ax.scatter(
+                s.xs,
+                s.ys,
+                color=s.color,
+                marker=s.marker,
+                s=36,
+                label=s.label,
+                edgecolors="black",
+                linewidths=0.4,
+            )
     if mappable is not None:
         bar = fig.colorbar(mappable, ax=ax)
         bar.set_label(step_label)
@@ -125,16 +156,37 @@ def calibration_figure(bins: list[dict]) -> bytes:
     response is the chosen one, per bin (marker area ~ pairs in the bin); the diagonal is perfect."""
     fig, ax = _new(4.6, 3.8)
     ax.plot([0.5, 1.0], [0.5, 1.0], color="#555555", linestyle=":", linewidth=1, label="perfectly calibrated")
-    full = [b for b in bins if b.get("count") and b.get("confidence") is not None and b.get("observed") is not None]
+    full = [
+        b
+        for b in bins
+        if b.get("count") and b.get("confidence") is not None and b.get("observed") is not None
+    ]
     if full:
         total = sum(b["count"] for b in full)
-        ax.plot([b["confidence"] for b in full], [b["observed"] for b in full], color=COLORS[0], linewidth=1,
-                label="reward model")
-        ax.scatter([b["confidence"] for b in full], [b["observed"] for b in full],
-                   s=[20 + 250 * b["count"] / total for b in full], color=COLORS[0], zorder=3, alpha=0.8)
+        ax.plot(
+            [b["confidence"] for b in full],
+            [b["observed"] for b in full],
+            color=COLORS[0],
+            linewidth=1,
+            label="reward model",
+        )
+        ax.scatter(
+            [b["confidence"] for b in full],
+            [b["observed"] for b in full],
+            s=[20 + 250 * b["count"] / total for b in full],
+            color=COLORS[0],
+            zorder=3,
+            alpha=0.8,
+        )
         for b in full:
-            ax.annotate(str(b["count"]), (b["confidence"], b["observed"]), textcoords="offset points",
-                        xytext=(0, 11), ha="center", fontsize=7)
+            ax.annotate(
+                str(b["count"]),
+                (b["confidence"], b["observed"]),
+                textcoords="offset points",
+                xytext=(0, 11),
+                ha="center",
+                fontsize=7,
+            )
     ax.set_xlim(0.48, 1.02)
     ax.set_ylim(min([0.0] + [b["observed"] - 0.05 for b in full]), 1.05)
     ax.set_title("Reward-model calibration (held out)", fontsize=11)
@@ -145,7 +197,9 @@ def calibration_figure(bins: list[dict]) -> bytes:
     return _png(fig)
 
 
-def histogram_figure(title: str, xlabel: str, groups: list[tuple[str, list[float], str]], bins: int = 30) -> bytes:
+def histogram_figure(
+    title: str, xlabel: str, groups: list[tuple[str, list[float], str]], bins: int = 30
+) -> bytes:
     """Overlaid histograms on shared bins: ``groups`` = [(label, values, colour)]."""
     import numpy as np
 

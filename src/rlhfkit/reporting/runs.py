@@ -74,7 +74,7 @@ def label(key: str) -> str:
         head = head[: -len("eval")].rstrip(".")
     words = LABELS.get(tail) or LABELS.get(tail.replace("_", "/")) or tail.replace("/", " ").replace("_", " ")
     if tail.startswith("eval/") and tail not in LABELS:
-        words = "held-out " + tail[len("eval/"):].replace("/", " ").replace("_", " ")
+        words = "held-out " + tail[len("eval/") :].replace("/", " ").replace("_", " ")
     return f"{head.replace('.', ' ').replace('_', ' ')}: {words}" if head else words
 
 
@@ -147,8 +147,16 @@ def load_run(run_dir: str | Path, name: str | None = None) -> Run:
     summary = _json(path / "summary.json")
     config = _yaml(path / "config.yaml")
     kind = str(config.get("kind") or summary.get("kind") or _guess_kind(rows))
-    return Run(path=path, name=name or path.resolve().name, kind=kind, rows=rows, summary=summary, config=config,
-               samples=read_samples(path / "samples.jsonl"), heldout_scores=_jsonl(path / HELDOUT_SCORES))
+    return Run(
+        path=path,
+        name=name or path.resolve().name,
+        kind=kind,
+        rows=rows,
+        summary=summary,
+        config=config,
+        samples=read_samples(path / "samples.jsonl"),
+        heldout_scores=_jsonl(path / HELDOUT_SCORES),
+    )
 
 
 def _guess_kind(rows: list[dict[str, Any]]) -> str:

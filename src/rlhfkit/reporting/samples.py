@@ -38,8 +38,17 @@ class Sample:
     parts: dict[str, float | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "prompt": self.prompt, "response": self.response, "score": self.score,
-                "gold": self.gold, "kl": self.kl, "length": self.length, "ended": self.ended, "parts": self.parts}
+        return {
+            "step": self.step,
+            "prompt": self.prompt,
+            "response": self.response,
+            "score": self.score,
+            "gold": self.gold,
+            "kl": self.kl,
+            "length": self.length,
+            "ended": self.ended,
+            "parts": self.parts,
+        }
 
 
 @dataclass
@@ -82,11 +91,17 @@ def _sample(row: dict[str, Any]) -> Sample:
     step = row.get("step")
     length = row.get("length")
     ended = row.get("ended")
-    return Sample(step=step if isinstance(step, int) and not isinstance(step, bool) else None,
-                  prompt=as_text(row.get("prompt")), response=as_text(row.get("response")),
-                  score=_number(row.get("score")), gold=_number(row.get("gold")), kl=_number(row.get("kl")),
-                  length=int(length) if _number(length) is not None else None,
-                  ended=ended if isinstance(ended, bool) else None, parts=parts)
+    return Sample(
+        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        prompt=as_text(row.get("prompt")),
+        response=as_text(row.get("response")),
+        score=_number(row.get("score")),
+        gold=_number(row.get("gold")),
+        kl=_number(row.get("kl")),
+        length=int(length) if _number(length) is not None else None,
+        ended=ended if isinstance(ended, bool) else None,
+        parts=parts,
+    )
 
 
 def _number(value: Any) -> float | None:

@@ -92,10 +92,20 @@ def sample_and_score(
         chunk = examples[start : start + batch_size]
         batch = collate(chunk)
         r = generate_responses(
-            policy, batch["input_ids"].to(device), batch["attention_mask"].to(device), max_new_tokens=max_new_tokens,
-            stop_token_ids=stops, pad_token_id=tokenizer.pad_token_id, sampling=sampling, greedy=greedy)
+            policy,
+            batch["input_ids"].to(device),
+            batch["attention_mask"].to(device),
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stops,
+            pad_token_id=tokenizer.pad_token_id,
+            sampling=sampling,
+            greedy=greedy,
+        )
         prompts = [_prompt_text(ex, tokenizer) for ex in chunk]
-        texts = [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(r.response_ids, r.mask, strict=True)]
+        texts = [
+            tokenizer.decode(ids[m], skip_special_tokens=True)
+            for ids, m in zip(r.response_ids, r.mask, strict=True)
+        ]
         out.prompts += prompts
         out.responses += texts
         out.ended += r.ended.tolist()
@@ -105,8 +115,12 @@ def sample_and_score(
             raw = sequence_scores(reward_model, r.input_ids, r.attention_mask).float()  # (B,)
             out.proxy += (raw * gain + bias).tolist()
         if reference is not None and not greedy:
-            logprobs = response_logprobs(policy, r.input_ids, r.attention_mask, r.response_start, sampling)  # (B, R)
-            ref = response_logprobs(reference, r.input_ids, r.attention_mask, r.response_start, sampling)  # (B, R)
+            logprobs = response_logprobs(
+                policy, r.input_ids, r.attention_mask, r.response_start, sampling
+            )  # (B, R)
+            ref = response_logprobs(
+                reference, r.input_ids, r.attention_mask, r.response_start, sampling
+            )  # (B, R)
             out.kl += (kl_k1(logprobs, ref) * r.mask).sum(1).tolist()
         if gold_score is not None:
             out.gold += [float(gold_score(p, t)) for p, t in zip(prompts, texts, strict=True)]
@@ -118,7 +132,11 @@ def sample_and_score(
 def _prompt_text(example: dict, tokenizer) -> str:
     record = example.get("record") or {}
     prompt = record.get("prompt")
-    return prompt if isinstance(prompt, str) else tokenizer.decode(example["prompt_ids"], skip_special_tokens=True)
+    return (
+        prompt
+        if isinstance(prompt, str)
+        else tokenizer.decode(example["prompt_ids"], skip_special_tokens=True)
+    )
 
 
 def win_rate(gold_a: list[float], gold_b: list[float]) -> float:

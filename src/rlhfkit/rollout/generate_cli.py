@@ -23,9 +23,17 @@ from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.rollout.evaluate import sample_and_score
 
 
-def generate(model_dir: str, prompts_file: str, *, out: str | None = None, temperature: float = 0.7,
-             max_new_tokens: int = 64, seed: int = 0, trust_remote_code: bool = False,
-             reward_model: str | None = None) -> list[dict]:
+def generate(
+    model_dir: str,
+    prompts_file: str,
+    *,
+    out: str | None = None,
+    temperature: float = 0.7,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    reward_model: str | None = None,
+) -> list[dict]:
     """Load the policy in ``model_dir``, sample for every prompt of ``prompts_file``, write JSON Lines (with each
     response's score when ``reward_model``, a reward-model folder, is given)."""
     seed_everything(seed)
@@ -38,14 +46,26 @@ def generate(model_dir: str, prompts_file: str, *, out: str | None = None, tempe
         from rlhfkit.trainers.online_roles import check_same_vocabulary
 
         check_same_vocabulary(tokenizer, reward_model, "--reward-model", trust_remote_code)
-        scorer = load_scalar_model(reward_model, trust_remote_code=trust_remote_code, tokenizer=tokenizer,
-                                   frozen=True).to(device)
+        scorer = load_scalar_model(
+            reward_model, trust_remote_code=trust_remote_code, tokenizer=tokenizer, frozen=True
+        ).to(device)
         scorer.eval()
-    model = load_causal_lm(model_dir, trust_remote_code=trust_remote_code, tokenizer=tokenizer, frozen=True).to(device)
-    samples = sample_and_score(model, tokenizer, examples, temperature=max(temperature, 1e-6),
-                               max_new_tokens=max_new_tokens, greedy=temperature == 0, reward_model=scorer)
-    rows = [{"prompt": ex["record"]["prompt"], "response": response, "ended": bool(ended)}
-            for ex, response, ended in zip(examples, samples.responses, samples.ended, strict=True)]
+    model = load_causal_lm(
+        model_dir, trust_remote_code=trust_remote_code, tokenizer=tokenizer, frozen=True
+    ).to(device)
+    samples = sample_and_score(
+        model,
+        tokenizer,
+        examples,
+        temperature=max(temperature, 1e-6),
+        max_new_tokens=max_new_tokens,
+        greedy=temperature == 0,
+        reward_model=scorer,
+    )
+    rows = [
+        {"prompt": ex["record"]["prompt"], "response": response, "ended": bool(ended)}
+        for ex, response, ended in zip(examples, samples.responses, samples.ended, strict=True)
+    ]
     for row, score in zip(rows, samples.proxy, strict=False):  # proxy is empty without a reward model
         row["score"] = score
     stream = open(out, "w", encoding="utf-8") if out else sys.stdout  # noqa: SIM115

@@ -63,7 +63,9 @@ def truncate_at_stop(
     """
     if len(stop_token_ids) == 0:
         raise ValueError("stop_token_ids is empty")
-    is_stop = torch.isin(response_ids, torch.as_tensor(list(stop_token_ids), device=response_ids.device))  # (B, R)
+    is_stop = torch.isin(
+        response_ids, torch.as_tensor(list(stop_token_ids), device=response_ids.device)
+    )  # (B, R)
     ended = is_stop.any(dim=1)  # (B,)
     # Number of stop tokens strictly before column t; a column is kept while none came before it.
     stops_before = torch.cumsum(is_stop.int(), dim=1) - is_stop.int()  # (B, R)

@@ -89,21 +89,34 @@ def sample_response_pairs(
         torch.manual_seed(seed)
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
-            rows = [ids for p in chunk for ids in [encode_prompt(tokenizer, p)] * 2]  # prompt i -> rows 2i, 2i+1
+            rows = [
+                ids for p in chunk for ids in [encode_prompt(tokenizer, p)] * 2
+            ]  # prompt i -> rows 2i, 2i+1
             ids, mask = pad_sequences(rows, pad, "left")
             responses = generate_responses(
-                model, ids.to(device), mask.to(device), max_new_tokens=max_new_tokens, stop_token_ids=[eos],
-                pad_token_id=pad, sampling=sampling_for(pad, [eos], temperature))
-            texts = [tokenizer.decode(r[m].tolist(), skip_special_tokens=True)
-                     for r, m in zip(responses.response_ids.cpu(), responses.mask.cpu(), strict=True)]
+                model,
+                ids.to(device),
+                mask.to(device),
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=[eos],
+                pad_token_id=pad,
+                sampling=sampling_for(pad, [eos], temperature),
+            )
+            texts = [
+                tokenizer.decode(r[m].tolist(), skip_special_tokens=True)
+                for r, m in zip(responses.response_ids.cpu(), responses.mask.cpu(), strict=True)
+            ]
             ended = responses.ended.cpu().tolist()
             for i, prompt in enumerate(chunk):
-                out.append(SampledPair(prompt, texts[2 * i], texts[2 * i + 1], ended[2 * i], ended[2 * i + 1]))
+                out.append(
+                    SampledPair(prompt, texts[2 * i], texts[2 * i + 1], ended[2 * i], ended[2 * i + 1])
+                )
     return out
 
 
-def annotate_records(task, pairs: list[SampledPair], seed: int = 0,
-                     temperature: float | None = None) -> list[dict]:
+def annotate_records(
+    task, pairs: list[SampledPair], seed: int = 0, temperature: float | None = None
+) -> list[dict]:
     """Label pairs with the task's noisy annotators; records carry the gold fields of the module docstring.
 
     Args:
@@ -137,9 +150,11 @@ def _pick_prompts(prompts: list[str], n: int, rng: random.Random) -> list[str]:
 
 def drop_uninformative(pairs: list[SampledPair]) -> tuple[list[SampledPair], dict[str, int]]:
     kept = [p for p in pairs if p.a.strip() and p.b.strip() and p.a != p.b]
-    counts = {"dropped_identical": sum(p.a == p.b and bool(p.a.strip()) for p in pairs),
-              "dropped_empty": sum(not (p.a.strip() and p.b.strip()) for p in pairs),
-              "truncated_responses": sum((not p.ended_a) + (not p.ended_b) for p in kept)}
+    counts = {
+        "dropped_identical": sum(p.a == p.b and bool(p.a.strip()) for p in pairs),
+        "dropped_empty": sum(not (p.a.strip() and p.b.strip()) for p in pairs),
+        "truncated_responses": sum((not p.ended_a) + (not p.ended_b) for p in kept),
+    }
     return kept, counts
 
 
@@ -199,7 +214,9 @@ def label_pairs(
     from rlhfkit.tasks.files import write_jsonl
 
     if num_pairs < 1 or num_eval_pairs < 0:
-        raise UserError(f"need at least one training pair and no negative count, got {num_pairs} / {num_eval_pairs}")
+        raise UserError(
+            f"need at least one training pair and no negative count, got {num_pairs} / {num_eval_pairs}"
+        )
     if not (temperature > 0 and math.isfinite(temperature)):
         raise UserError(f"the sampling temperature must be a positive number, got {temperature}")
     out = Path(out_dir)
@@ -208,29 +225,50 @@ def label_pairs(
     if existing and not overwrite:
         raise UserError(f"{existing[0]} exists; pass --overwrite to replace it, or choose another --out")
     the_task = get_task(task, seed=task_seed)
-    t = the_task.annotator_temperature if annotator_temperature is None else check_temperature(annotator_temperature)
+    t = (
+        the_task.annotator_temperature
+        if annotator_temperature is None
+        else check_temperature(annotator_temperature)
+    )
 
     start = time.perf_counter()
     tokenizer = load_tokenizer(policy)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_causal_lm(policy, tokenizer=tokenizer, frozen=True).to(device)
     rng = random.Random(f"label-pairs-{task}-{seed}")
-    prompts = {"train": _pick_prompts(the_task.prompts("train"), num_pairs, rng),
-               "eval": _pick_prompts(the_task.prompts("eval"), num_eval_pairs, rng) if num_eval_pairs else []}
-    sampled = sample_response_pairs(model, tokenizer, prompts["train"] + prompts["eval"],
-                                    max_new_tokens=max_new_tokens, temperature=temperature,
-                                    batch_size=batch_size, seed=seed)
+    prompts = {
+        "train": _pick_prompts(the_task.prompts("train"), num_pairs, rng),
+        "eval": _pick_prompts(the_task.prompts("eval"), num_eval_pairs, rng) if num_eval_pairs else [],
+    }
+    sampled = sample_response_pairs(
+        model,
+        tokenizer,
+        prompts["train"] + prompts["eval"],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        batch_size=batch_size,
+        seed=seed,
+    )
     generation_seconds = time.perf_counter() - start
 
-    meta: dict[str, Any] = {"task": task, "task_seed": task_seed, "policy": str(policy), "seed": seed, "temperature": temperature,
-                            "max_new_tokens": max_new_tokens, "annotator_temperature": t}
+    meta: dict[str, Any] = {
+        "task": task,
+        "task_seed": task_seed,
+        "policy": str(policy),
+        "seed": seed,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "annotator_temperature": t,
+    }
     out.mkdir(parents=True, exist_ok=True)
     split_at = len(prompts["train"])
     for offset, split in enumerate(("train", "eval")):
         pairs = sampled[:split_at] if split == "train" else sampled[split_at:]
         kept, counts = drop_uninformative(pairs)
         if split == "train" and not kept:
-            raise UserError(f"every pair sampled from {policy} had identical or empty responses; nothing to label")
+            raise UserError(
+                f"every pair sampled from {policy} had identical or empty responses; nothing to label"
+            )
         records = annotate_records(the_task, kept, seed=2 * seed + offset, temperature=t)
         write_jsonl(paths[split], records)
         meta[split] = {"file": str(paths[split]), **_stats(the_task, records, counts)}

@@ -35,9 +35,16 @@ def _number(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def rollout_samples(step: int, records: list[dict], rollout, response_mask: torch.Tensor,
-                    parts: dict[str, torch.Tensor], tokenizer, count: int, responses: list[str] | None = None
-                    ) -> list[dict[str, Any]]:
+def rollout_samples(
+    step: int,
+    records: list[dict],
+    rollout,
+    response_mask: torch.Tensor,
+    parts: dict[str, torch.Tensor],
+    tokenizer,
+    count: int,
+    responses: list[str] | None = None,
+) -> list[dict[str, Any]]:
     """The first ``count`` responses of ``rollout`` as ``samples.jsonl`` rows (module docstring).
 
     Args:
@@ -52,9 +59,10 @@ def rollout_samples(step: int, records: list[dict], rollout, response_mask: torc
     if n <= 0:
         return []
     if responses is None:
-        responses = tokenizer.batch_decode([row[m].tolist() for row, m in zip(rollout.response_ids[:n],
-                                                                                response_mask[:n], strict=True)],
-                                           skip_special_tokens=True)
+        responses = tokenizer.batch_decode(
+            [row[m].tolist() for row, m in zip(rollout.response_ids[:n], response_mask[:n], strict=True)],
+            skip_special_tokens=True,
+        )
     scores, kl = rollout.scores[:n].tolist(), rollout.kl[:n].sum(1).tolist()
     trained = rollout.mask[:n].any(1).tolist()
     lengths, ended = response_mask[:n].sum(1).tolist(), rollout.ended[:n].tolist()
@@ -62,10 +70,18 @@ def rollout_samples(step: int, records: list[dict], rollout, response_mask: torc
     out = []
     for i in range(n):
         unscored = all(math.isnan(v[i]) for v in values.values())
-        out.append({"step": int(step), "prompt": records[i].get("prompt"), "response": responses[i],
-                    "score": None if unscored else _number(scores[i]),
-                    "parts": {name: _number(v[i]) for name, v in values.items()},
-                    "kl": _number(kl[i]) if trained[i] else None, "length": int(lengths[i]), "ended": bool(ended[i])})
+        out.append(
+            {
+                "step": int(step),
+                "prompt": records[i].get("prompt"),
+                "response": responses[i],
+                "score": None if unscored else _number(scores[i]),
+                "parts": {name: _number(v[i]) for name, v in values.items()},
+                "kl": _number(kl[i]) if trained[i] else None,
+                "length": int(lengths[i]),
+                "ended": bool(ended[i]),
+            }
+        )
     return out
 
 
@@ -86,7 +102,9 @@ class SamplesWriter:
         if self.path.is_file():
             kept = [row for row in read_samples(self.path) if row["step"] <= keep_until]
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8")
+            tmp.write_text(
+                "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8"
+            )
             tmp.replace(self.path)
         self._file = self.path.open("a", encoding="utf-8")
 
@@ -121,6 +139,11 @@ def pick_samples(rows: list[dict[str, Any]], count: int = 3) -> dict[str, list[d
     if not rows:
         return {}
     last = max(row["step"] for row in rows)
-    scored = sorted((row for row in rows if isinstance(row.get("score"), int | float)), key=lambda r: r["score"])
-    return {"newest": [row for row in rows if row["step"] == last][:count],
-            "best": scored[::-1][:count], "worst": scored[:count]}
+    scored = sorted(
+        (row for row in rows if isinstance(row.get("score"), int | float)), key=lambda r: r["score"]
+    )
+    return {
+        "newest": [row for row in rows if row["step"] == last][:count],
+        "best": scored[::-1][:count],
+        "worst": scored[:count],
+    }

@@ -114,7 +114,9 @@ def _import_file(path: str, spec: str, where: str):
         module_spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[module_name]
-        raise ConfigError(f"{where}: importing {path} (from '{spec}') failed: {type(e).__name__}: {e}") from None
+        raise ConfigError(
+            f"{where}: importing {path} (from '{spec}') failed: {type(e).__name__}: {e}"
+        ) from None
     return module
 
 
@@ -141,7 +143,9 @@ def accepted_keywords(fn: Callable) -> tuple[set[str] | None, set[str]]:
 CALL_KEYWORDS = ("prompts", "completions", "completion_ids")
 
 
-def check_signature(name: str, fn: Callable, columns: Sequence[str], where: str = "online.reward_functions") -> None:
+def check_signature(
+    name: str, fn: Callable, columns: Sequence[str], where: str = "online.reward_functions"
+) -> None:
     """A ConfigError, before any model loads, when ``fn`` requires a keyword that no call will have."""
     _, required = accepted_keywords(fn)
     missing = sorted(required - set(CALL_KEYWORDS) - set(columns))
@@ -150,10 +154,13 @@ def check_signature(name: str, fn: Callable, columns: Sequence[str], where: str 
         raise ConfigError(
             f"{where}: reward function '{name}' requires {', '.join(repr(m) for m in missing)}, but it is called with "
             f"keywords prompts=, completions=, completion_ids= and the prompt data's other columns ({shown}), "
-            "TRL's convention: def fn(prompts, completions, **kwargs) -> list[float | None]")
+            "TRL's convention: def fn(prompts, completions, **kwargs) -> list[float | None]"
+        )
 
 
-def check_function_scores(values: Any, count: int, name: str, prompts: list, responses: list[str]) -> torch.Tensor:
+def check_function_scores(
+    values: Any, count: int, name: str, prompts: list, responses: list[str]
+) -> torch.Tensor:
     """``values`` returned by reward function ``name`` as a ``(B,)`` float32 tensor with NaN where it returned
     None (no opinion), or a RewardFunctionError."""
     if isinstance(values, torch.Tensor):
@@ -161,10 +168,14 @@ def check_function_scores(values: Any, count: int, name: str, prompts: list, res
     elif hasattr(values, "tolist") and getattr(values, "ndim", 1) <= 1:  # numpy
         values = values.tolist()
     if not isinstance(values, list | tuple):
-        raise RewardFunctionError(f"reward function '{name}' returned {type(values).__name__}; expected one number "
-                                  f"(or None) per response: a list of {count}")
+        raise RewardFunctionError(
+            f"reward function '{name}' returned {type(values).__name__}; expected one number "
+            f"(or None) per response: a list of {count}"
+        )
     if len(values) != count:
-        raise RewardFunctionError(f"reward function '{name}' returned {len(values)} values for {count} responses")
+        raise RewardFunctionError(
+            f"reward function '{name}' returned {len(values)} values for {count} responses"
+        )
     out = []
     for i, v in enumerate(values):
         if v is None:
@@ -174,7 +185,8 @@ def check_function_scores(values: Any, count: int, name: str, prompts: list, res
         if not ok:
             raise RewardFunctionError(
                 f"reward function '{name}' returned {v!r} for response {i} (prompt {_short(prompts[i])}, "
-                f"response {_short(responses[i])}); every value must be a finite number, or None for no opinion")
+                f"response {_short(responses[i])}); every value must be a finite number, or None for no opinion"
+            )
         out.append(float(v))
     return torch.tensor(out, dtype=torch.float32)
 
@@ -207,20 +219,27 @@ class Scorer:
 
     def __post_init__(self) -> None:
         if self.reward_model is None and not self.functions:
-            raise ConfigError("nothing scores the responses: set online.reward_model and/or online.reward_functions")
+            raise ConfigError(
+                "nothing scores the responses: set online.reward_model and/or online.reward_functions"
+            )
 
     @staticmethod
     def load_functions(specs: Sequence[str]) -> list[tuple[str, RewardFunction]]:
         """The functions named in ``specs`` (``online.reward_functions``), each named after its function
         (``fn`` of ``"pkg.module:fn"``), with ``_<index>`` when two share a name."""
         short = [spec.rpartition(":")[2] for spec in specs]
-        return [(name if short.count(name) == 1 else f"{name}_{i}",
-                 load_reward_function(spec, f"online.reward_functions[{i}]"))
-                for i, (spec, name) in enumerate(zip(specs, short, strict=True))]
+        return [
+            (
+                name if short.count(name) == 1 else f"{name}_{i}",
+                load_reward_function(spec, f"online.reward_functions[{i}]"),
+            )
+            for i, (spec, name) in enumerate(zip(specs, short, strict=True))
+        ]
 
     @classmethod
-    def from_specs(cls, reward_model: torch.nn.Module | None, specs: Sequence[str],
-                   batch_size: int | None = None) -> Scorer:
+    def from_specs(
+        cls, reward_model: torch.nn.Module | None, specs: Sequence[str], batch_size: int | None = None
+    ) -> Scorer:
         """A scorer with the functions named in ``specs`` (see :meth:`load_functions`)."""
         return cls(reward_model, cls.load_functions(specs), batch_size)
 
@@ -236,10 +255,15 @@ class Scorer:
             check_signature(name, fn, columns, f"online.reward_functions[{i}]")
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompts: list | None = None,
-                 responses: list[str] | None = None, records: list[dict] | None = None,
-                 completion_ids: list[list[int]] | None = None
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompts: list | None = None,
+        responses: list[str] | None = None,
+        records: list[dict] | None = None,
+        completion_ids: list[list[int]] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """Score B responses.
 
         Args:
@@ -258,8 +282,12 @@ class Scorer:
         if self.reward_model is not None:
             size = self.batch_size or batch
             gain, bias = reward_normalization(self.reward_model)
-            raw = torch.cat([sequence_scores(self.reward_model, input_ids[i : i + size], attention_mask[i : i + size])
-                             for i in range(0, batch, size)])  # (B,)
+            raw = torch.cat(
+                [
+                    sequence_scores(self.reward_model, input_ids[i : i + size], attention_mask[i : i + size])
+                    for i in range(0, batch, size)
+                ]
+            )  # (B,)
             parts["reward_model"] = raw.float() * gain + bias
         if self.functions:
             if prompts is None or responses is None or records is None:
@@ -271,22 +299,34 @@ class Scorer:
                 try:
                     values = fn(**{k: list(v) for k, v in given.items()})
                 except Exception as e:  # the user's code: any error stops the run, named
-                    raise RewardFunctionError(f"reward function '{name}' raised {type(e).__name__}: {e}"
-                                              f"{_raised_at(e)}") from e
-                parts[name] = check_function_scores(values, batch, name, prompts, responses).to(input_ids.device)
+                    raise RewardFunctionError(
+                        f"reward function '{name}' raised {type(e).__name__}: {e}{_raised_at(e)}"
+                    ) from e
+                parts[name] = check_function_scores(values, batch, name, prompts, responses).to(
+                    input_ids.device
+                )
         stacked = torch.stack(list(parts.values()))  # (K, B)
         scored = ~stacked.isnan().all(0)  # (B,)
         scores = stacked.nan_to_num(0.0).sum(0)  # (B,): NaN (no opinion) adds nothing
         return scores, parts, scored
 
     @staticmethod
-    def keywords(prompts: list, responses: list[str], records: list[dict],
-                 completion_ids: list[list[int]] | None = None) -> dict[str, list]:
+    def keywords(
+        prompts: list,
+        responses: list[str],
+        records: list[dict],
+        completion_ids: list[list[int]] | None = None,
+    ) -> dict[str, list]:
         """The keyword arguments of a reward-function call (TRL's convention; module docstring)."""
-        completions = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
-                       for prompt, text in zip(prompts, responses, strict=True)]
-        out = {"prompts": list(prompts), "completions": completions,
-               "completion_ids": completion_ids if completion_ids is not None else [[] for _ in responses]}
+        completions = [
+            [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+            for prompt, text in zip(prompts, responses, strict=True)
+        ]
+        out = {
+            "prompts": list(prompts),
+            "completions": completions,
+            "completion_ids": completion_ids if completion_ids is not None else [[] for _ in responses],
+        }
         for column in data_columns(records):
             out[column] = [record.get(column) for record in records]
         return out

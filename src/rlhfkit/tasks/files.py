@@ -29,8 +29,9 @@ def write_jsonl(path: str | Path, records: list[dict]) -> Path:
     return path
 
 
-def prepare_task_files(task: Task, out_dir: str | Path, preset: str = "tiny", num_sft: int = 4096,
-                       num_sft_eval: int = 256) -> dict[str, Path]:
+def prepare_task_files(
+    task: Task, out_dir: str | Path, preset: str = "tiny", num_sft: int = 4096, num_sft_eval: int = 256
+) -> dict[str, Path]:
     """Write the task's model, tokenizer, SFT data and prompt splits under ``out_dir``; return the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -40,6 +41,10 @@ def prepare_task_files(task: Task, out_dir: str | Path, preset: str = "tiny", nu
 
     paths["sft_train"] = write_jsonl(out / "sft_train.jsonl", task.sft_records(num_sft))
     paths["sft_eval"] = write_jsonl(out / "sft_eval.jsonl", task.sft_records(num_sft_eval, split="eval"))
-    paths["prompts_train"] = write_jsonl(out / "prompts_train.jsonl", [{"prompt": p} for p in task.prompts("train")])
-    paths["prompts_eval"] = write_jsonl(out / "prompts_eval.jsonl", [{"prompt": p} for p in task.prompts("eval")])
+    paths["prompts_train"] = write_jsonl(
+        out / "prompts_train.jsonl", [{"prompt": p} for p in task.prompts("train")]
+    )
+    paths["prompts_eval"] = write_jsonl(
+        out / "prompts_eval.jsonl", [{"prompt": p} for p in task.prompts("eval")]
+    )
     return paths

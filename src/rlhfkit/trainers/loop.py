@@ -60,8 +60,12 @@ def run_tokenizer(cfg):
     """The run's tokenizer: ``model.name_or_path``'s, with ``model.missing_pad`` and ``data.chat_template``."""
     from rlhfkit.models import load_tokenizer
 
-    return load_tokenizer(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
-                          missing_pad=cfg.model.missing_pad, chat_template=cfg.data.chat_template)
+    return load_tokenizer(
+        cfg.model.name_or_path,
+        trust_remote_code=cfg.model.trust_remote_code,
+        missing_pad=cfg.model.missing_pad,
+        chat_template=cfg.data.chat_template,
+    )
 
 
 def router_aux_coef(model: torch.nn.Module, configured: float | None) -> float:
@@ -80,12 +84,16 @@ def router_aux_coef(model: torch.nn.Module, configured: float | None) -> float:
     if configured is None:
         return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if has_router else 0.0
     if configured > 0 and not has_router:
-        raise ConfigError(f"model.router_aux_loss_coef={configured}, but {type(unwrap_model(model)).__name__} is "
-                          "not a mixture of experts (it has no router); remove the key")
+        raise ConfigError(
+            f"model.router_aux_loss_coef={configured}, but {type(unwrap_model(model)).__name__} is "
+            "not a mixture of experts (it has no router); remove the key"
+        )
     return float(configured)
 
 
-def batch_indices(num_examples: int, batch_size: int, step: int, seed: int, shuffle: bool = True) -> list[int]:
+def batch_indices(
+    num_examples: int, batch_size: int, step: int, seed: int, shuffle: bool = True
+) -> list[int]:
     """The example indices of optimizer step ``step`` (1-based): a stateless function of (seed, step).
 
     The data is one endless stream of epochs, each a permutation seeded by (seed, epoch); step k takes
@@ -141,7 +149,9 @@ def train_offline(
     if t.batch_size % world:
         from rlhfkit.errors import ConfigError
 
-        raise ConfigError(f"train.batch_size ({t.batch_size}) must be a multiple of the number of processes ({world})")
+        raise ConfigError(
+            f"train.batch_size ({t.batch_size}) must be a multiple of the number of processes ({world})"
+        )
     local_batch = t.batch_size // world
     micro = t.micro_batch_size or local_batch
     optimizer, scheduler = optimizer_and_scheduler(model, t)
@@ -149,8 +159,12 @@ def train_offline(
 
     state: dict[str, Any] = {"step": 0}
     if run.resume_checkpoint is not None:
-        state = load_checkpoint(run.resume_checkpoint, {"model": accelerator.unwrap_model(model)},
-                                {"model": optimizer}, {"model": scheduler})
+        state = load_checkpoint(
+            run.resume_checkpoint,
+            {"model": accelerator.unwrap_model(model)},
+            {"model": optimizer},
+            {"model": scheduler},
+        )
     last_eval: dict[str, float] = dict(state.get("last_eval", {}))
     start_time, seen, loss_value = time.perf_counter(), 0, float("nan")
     last_step = state["step"]
@@ -188,7 +202,11 @@ def train_offline(
         summed = all_sum(accelerator, [loss_sum, *(totals[n] for n in names)]).tolist()
         loss_value = summed[0]
 
-        metrics: dict[str, Any] = {"loss": loss_value, "learning_rate": lr, "time/step_seconds": time.perf_counter() - step_start}
+        metrics: dict[str, Any] = {
+            "loss": loss_value,
+            "learning_rate": lr,
+            "time/step_seconds": time.perf_counter() - step_start,
+        }
         metrics.update(zip(names, summed[1:], strict=True))
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
@@ -205,16 +223,25 @@ def train_offline(
         if step % t.save_steps == 0 or step == t.max_steps or stop:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
-                save_checkpoint(run.checkpoints_dir, step, {"model": accelerator.unwrap_model(model)},
-                                {"model": optimizer}, {"model": scheduler},
-                                {"last_eval": last_eval}, keep_last=t.keep_last_checkpoints)
+                save_checkpoint(
+                    run.checkpoints_dir,
+                    step,
+                    {"model": accelerator.unwrap_model(model)},
+                    {"model": optimizer},
+                    {"model": scheduler},
+                    {"last_eval": last_eval},
+                    keep_last=t.keep_last_checkpoints,
+                )
             if on_save is not None:
                 on_save(step)
         last_step = step
         if stop:
             break
     elapsed = time.perf_counter() - start_time
-    return {"step": last_step, "loss": loss_value, "eval": last_eval, "wall_seconds": elapsed,
-            "examples_per_second": seen / elapsed if elapsed > 0 else None}
-
-
+    return {
+        "step": last_step,
+        "loss": loss_value,
+        "eval": last_eval,
+        "wall_seconds": elapsed,
+        "examples_per_second": seen / elapsed if elapsed > 0 else None,
+    }

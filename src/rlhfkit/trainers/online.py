@@ -143,7 +143,9 @@ class OnlineHooks:
     refresh_steps: int = 0
 
 
-def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks | None = None) -> dict[str, Any]:
+def train(
+    cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks | None = None
+) -> dict[str, Any]:
     """Run ppo / grpo / rloo as configured; write ``final/``, ``final_critic/`` and ``summary.json``.
 
     Args:
@@ -169,15 +171,22 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
     for i, (name, fn) in enumerate(functions):
         check_signature(name, fn, columns, f"online.reward_functions[{i}]")
     run = open_run(cfg, accelerator, resume, overwrite)
-    ctx = build_context(cfg, accelerator, tokenizer, functions,
-                        train_reward_model=hooks.refresh_reward_model is not None)
+    ctx = build_context(
+        cfg, accelerator, tokenizer, functions, train_reward_model=hooks.refresh_reward_model is not None
+    )
     if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
         raise ConfigError("a reward-model refresh needs online.reward_model")
 
     result = train_online(ctx, run, examples, hooks, eval_examples)
-    summary = {"kind": cfg.kind, "steps": result["step"], **result["last"], "eval": result["eval"],
-               "wall_seconds": result["wall_seconds"], "seconds_per_rollout": result["seconds_per_rollout"],
-               "train_prompts": len(examples)}
+    summary = {
+        "kind": cfg.kind,
+        "steps": result["step"],
+        **result["last"],
+        "eval": result["eval"],
+        "wall_seconds": result["wall_seconds"],
+        "seconds_per_rollout": result["seconds_per_rollout"],
+        "train_prompts": len(examples),
+    }
     if accelerator.is_main_process:
         save_hf_folder(ctx.roles.actor, tokenizer, run.final_dir, dtype=cfg.model.save_dtype)
         if ctx.roles.critic is not None:
@@ -189,8 +198,9 @@ def train(cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks
     return summary
 
 
-def build_context(cfg, accelerator, tokenizer, functions: list | None = None,
-                  train_reward_model: bool = False) -> OnlineContext:
+def build_context(
+    cfg, accelerator, tokenizer, functions: list | None = None, train_reward_model: bool = False
+) -> OnlineContext:
     """Load the roles, build the optimizers, the scorer, the KL controller and the sampling, and prepare for
     accelerate.
 
@@ -204,15 +214,30 @@ def build_context(cfg, accelerator, tokenizer, functions: list | None = None,
     trained = dict(zip(names, prepared[: len(names)], strict=True))
     optimizers = dict(zip(names, prepared[len(names) :], strict=True))
     o = cfg.online
-    kl_ctl = (AdaptiveKLController(o.kl_coef, o.kl_target, o.kl_horizon) if o.kl_target is not None
-              else FixedKLController(o.kl_coef))
+    kl_ctl = (
+        AdaptiveKLController(o.kl_coef, o.kl_target, o.kl_horizon)
+        if o.kl_target is not None
+        else FixedKLController(o.kl_coef)
+    )
     if functions is None:
         functions = Scorer.load_functions(o.reward_functions)
     scorer = Scorer(roles.reward_model, functions, o.rollout_batch_size)
     stops = stop_token_ids(cfg, tokenizer)
     sampling = sampling_for(tokenizer.pad_token_id, stops, o.temperature, o.top_k, o.top_p)
-    return OnlineContext(cfg, accelerator, tokenizer, roles, trained, optimizers, schedulers, scorer, kl_ctl,
-                         stops, sampling, router_aux_coef(roles.actor, cfg.model.router_aux_loss_coef))
+    return OnlineContext(
+        cfg,
+        accelerator,
+        tokenizer,
+        roles,
+        trained,
+        optimizers,
+        schedulers,
+        scorer,
+        kl_ctl,
+        stops,
+        sampling,
+        router_aux_coef(roles.actor, cfg.model.router_aux_loss_coef),
+    )
 
 
 def stop_token_ids(cfg, tokenizer) -> list[int]:
@@ -224,16 +249,23 @@ def stop_token_ids(cfg, tokenizer) -> list[int]:
         if token is None or token == tokenizer.unk_token_id:
             encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(encoded) != 1:
-                raise ConfigError(f"online.stop_token: {text!r} is not one token of the tokenizer "
-                                  f"(it encodes to {len(encoded)} tokens)")
+                raise ConfigError(
+                    f"online.stop_token: {text!r} is not one token of the tokenizer "
+                    f"(it encodes to {len(encoded)} tokens)"
+                )
             token = encoded[0]
         if token not in ids:
             ids.append(token)
     return ids
 
 
-def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: OnlineHooks,
-                 eval_examples: list[dict] | None = None) -> dict[str, Any]:
+def train_online(
+    ctx: OnlineContext,
+    run: RunDir,
+    examples: list[dict],
+    hooks: OnlineHooks,
+    eval_examples: list[dict] | None = None,
+) -> dict[str, Any]:
     """The loop: ``train.max_steps`` rollouts of the five stages, with logging, evaluation and checkpoints."""
     cfg, acc = ctx.cfg, ctx.accelerator
     o, t = cfg.online, cfg.train
@@ -242,8 +274,11 @@ def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: O
     if state["step"] == 0 and hooks.evaluate_at_start and (hooks.evaluate or eval_examples):
         last_eval = evaluate(ctx, hooks, eval_examples, 0)
         run.metrics.log(0, last_eval)
-    samples = SamplesWriter(run.path / "samples.jsonl", keep_until=run.resume_step if run.resume_checkpoint else -1,
-                            enabled=acc.is_main_process and cfg.logging.samples_per_step > 0)
+    samples = SamplesWriter(
+        run.path / "samples.jsonl",
+        keep_until=run.resume_step if run.resume_checkpoint else -1,
+        enabled=acc.is_main_process and cfg.logging.samples_per_step > 0,
+    )
     start_time, step_seconds, last = time.perf_counter(), [], {}
     for step in run.progress(range(state["step"] + 1, t.max_steps + 1), total=t.max_steps, desc=cfg.kind):
         clock, step_start, rng_at_start = StageClock(acc.device), time.perf_counter(), get_rng_state()
@@ -256,16 +291,27 @@ def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: O
         # nothing scored (every function said None) leaves the loss. A failing reward function stops the run
         # after a checkpoint of the last completed rollout.
         with clock("score"):
-            scored = score_or_stop(ctx, run, hooks, rollout, response_mask, batch["records"], step,
-                                   first_step=state["step"] + 1, last_eval=last_eval, rng_state=rng_at_start)
+            scored = score_or_stop(
+                ctx,
+                run,
+                hooks,
+                rollout,
+                response_mask,
+                batch["records"],
+                step,
+                first_step=state["step"] + 1,
+                last_eval=last_eval,
+                rng_state=rng_at_start,
+            )
         rollout.scores, raw_scores, parts, is_scored, responses = scored
         rollout.mask = rollout.mask & is_scored[:, None]
         entropy = fill_masked(entropy, rollout.mask)
 
         # 3. KL-shaped rewards: -kl_coef * kl_t per token, the score on the last real token
         kl_coef = ctx.kl_ctl.value
-        rollout.rewards, rollout.kl = shape_rewards(rollout.scores, rollout.logprobs, rollout.ref_logprobs,
-                                                    rollout.mask, kl_coef, o.kl_estimator)
+        rollout.rewards, rollout.kl = shape_rewards(
+            rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask, kl_coef, o.kl_estimator
+        )
 
         # 4. advantages (and the critic's returns)
         rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
@@ -275,15 +321,28 @@ def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: O
             update = ppo_update(ctx, rollout, step, train_actor=step > o.critic_warmup_steps)
 
         # the rollout's and the update's statistics, summed over processes in one all-reduce
-        metrics = rollout_stats(ctx, rollout, response_mask, raw_scores, parts, entropy,
-                                is_scored).merge(update.stats).means(ctx)
+        metrics = (
+            rollout_stats(ctx, rollout, response_mask, raw_scores, parts, entropy, is_scored)
+            .merge(update.stats)
+            .means(ctx)
+        )
         if rollout.values is not None:  # of the values the advantages were computed from, before the update
             explained = float(explained_variance(rollout.values, rollout.returns, rollout.mask, ctx.all_sum))
             if math.isfinite(explained):  # undefined (not logged) when the returns are constant
                 metrics["value/explained_variance"] = explained
         metrics["kl_coef"] = kl_coef
-        samples.write(rollout_samples(step, batch["records"], rollout, response_mask, parts, ctx.tokenizer,
-                                      cfg.logging.samples_per_step, responses))
+        samples.write(
+            rollout_samples(
+                step,
+                batch["records"],
+                rollout,
+                response_mask,
+                parts,
+                ctx.tokenizer,
+                cfg.logging.samples_per_step,
+                responses,
+            )
+        )
         metrics.update(update.metrics())
         ctx.kl_ctl.update(metrics["kl/mean"], t.batch_size * o.group_size)
         step_schedulers(ctx, metrics)
@@ -296,7 +355,9 @@ def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: O
         metrics.update({f"time/{k}": v for k, v in clock.seconds.items()})
         metrics["time/step_seconds"] = seconds
         metrics["tokens_per_second"] = metrics["response_length/mean"] * t.batch_size * o.group_size / seconds
-        evaluated = bool(hooks.evaluate or eval_examples) and (step % t.eval_steps == 0 or step == t.max_steps)
+        evaluated = bool(hooks.evaluate or eval_examples) and (
+            step % t.eval_steps == 0 or step == t.max_steps
+        )
         if evaluated:
             last_eval = evaluate(ctx, hooks, eval_examples, step)
             metrics.update(last_eval)
@@ -308,14 +369,28 @@ def train_online(ctx: OnlineContext, run: RunDir, examples: list[dict], hooks: O
     samples.close()
     wall = time.perf_counter() - start_time
     summary_keys = ("score/mean", "kl/mean", "kl_coef", "response_length/mean", "tokens_per_second")
-    return {"step": t.max_steps, "last": {k.replace("/", "_"): last[k] for k in summary_keys if k in last},
-            "eval": last_eval, "wall_seconds": wall,
-            "seconds_per_rollout": sum(step_seconds) / len(step_seconds) if step_seconds else None}
+    return {
+        "step": t.max_steps,
+        "last": {k.replace("/", "_"): last[k] for k in summary_keys if k in last},
+        "eval": last_eval,
+        "wall_seconds": wall,
+        "seconds_per_rollout": sum(step_seconds) / len(step_seconds) if step_seconds else None,
+    }
 
 
-def score_or_stop(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, rollout: Rollout, response_mask: torch.Tensor,
-                  records: list[dict], step: int, *, first_step: int, last_eval: dict[str, float],
-                  rng_state: dict[str, Any]) -> tuple:
+def score_or_stop(
+    ctx: OnlineContext,
+    run: RunDir,
+    hooks: OnlineHooks,
+    rollout: Rollout,
+    response_mask: torch.Tensor,
+    records: list[dict],
+    step: int,
+    *,
+    first_step: int,
+    last_eval: dict[str, float],
+    rng_state: dict[str, Any],
+) -> tuple:
     """:func:`score_rollout`, or, when a reward function fails (on any process), a checkpoint of rollout
     ``step - 1`` (unless one exists: the resume point, or a ``save_steps`` multiple) with the RNG as it was when
     that rollout ended, then a RewardFunctionError naming the rollout, so that ``--resume`` continues from there
@@ -334,8 +409,14 @@ def score_or_stop(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, rollout: 
     if done >= first_step and done % ctx.cfg.train.save_steps != 0:
         set_rng_state(rng_state)
         save(ctx, run, hooks, done, last_eval)
-    where = (f"the newest checkpoint is rollout {done}; fix the function and run the same command with --resume to "
-             f"continue from rollout {step}") if done > 0 else "no rollout was completed; fix the function and run again"
+    where = (
+        (
+            f"the newest checkpoint is rollout {done}; fix the function and run the same command with --resume to "
+            f"continue from rollout {step}"
+        )
+        if done > 0
+        else "no rollout was completed; fix the function and run again"
+    )
     reason = str(failure) if failure is not None else "a reward function failed on another process"
     raise RewardFunctionError(f"rollout {step}: {reason}; {where}") from failure
 
@@ -349,7 +430,9 @@ def step_schedulers(ctx: OnlineContext, metrics: dict[str, float]) -> None:
     for name, scheduler in ctx.schedulers.items():
         metrics[f"learning_rate/{name}"] = scheduler.get_last_lr()[0]
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
+            )
             scheduler.step()
 
 
@@ -361,16 +444,28 @@ def estimate_advantages(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Ten
     """
     o = ctx.cfg.online
     first, _, _ = ctx.rows()
-    rows = first + torch.arange(rollout.batch_size, device=rollout.group_ids.device)  # (B,) global row numbers
-    group_ids = torch.where(rollout.mask.any(1), rollout.group_ids, -1 - rows)  # (B,); -1 - row: distinct, alone
+    rows = first + torch.arange(
+        rollout.batch_size, device=rollout.group_ids.device
+    )  # (B,) global row numbers
+    group_ids = torch.where(
+        rollout.mask.any(1), rollout.group_ids, -1 - rows
+    )  # (B,); -1 - row: distinct, alone
     if o.advantage_estimator in ("grpo", "rloo"):
         check_groups_on_one_process(ctx, group_ids)
     # grpo's division by the group std is its own switch (off = Dr. GRPO); for gae and reinforce_pp the
     # estimator's normalisation is whitening over the batch (all processes: all_sum); rloo has none.
     norm_by_std = o.norm_by_std if o.advantage_estimator == "grpo" else o.whiten_advantages
     return ADVANTAGE_ESTIMATORS[o.advantage_estimator](
-        rollout.rewards, rollout.mask, rollout.values, group_ids,
-        gamma=o.gamma, lam=o.lam, norm_by_std=norm_by_std, eps=o.advantage_eps, all_sum=ctx.all_sum)
+        rollout.rewards,
+        rollout.mask,
+        rollout.values,
+        group_ids,
+        gamma=o.gamma,
+        lam=o.lam,
+        norm_by_std=norm_by_std,
+        eps=o.advantage_eps,
+        all_sum=ctx.all_sum,
+    )
 
 
 def check_groups_on_one_process(ctx: OnlineContext, group_ids: torch.Tensor) -> None:
@@ -384,12 +479,21 @@ def check_groups_on_one_process(ctx: OnlineContext, group_ids: torch.Tensor) -> 
     held[ids.to(ctx.device)] = 1.0
     split = (ctx.all_sum(held) > 1).nonzero().flatten().tolist()
     if split:
-        raise RuntimeError(f"the groups of prompts {split[:5]} are split between processes; each group's "
-                           "responses must be on one process (rlhfkit.trainers.online_steps.prompt_batch)")
+        raise RuntimeError(
+            f"the groups of prompts {split[:5]} are split between processes; each group's "
+            "responses must be on one process (rlhfkit.trainers.online_steps.prompt_batch)"
+        )
 
 
-def rollout_stats(ctx: OnlineContext, rollout: Rollout, response_mask: torch.Tensor, raw_scores: torch.Tensor,
-                  parts: dict[str, torch.Tensor], entropy: torch.Tensor, scored: torch.Tensor) -> StatSums:
+def rollout_stats(
+    ctx: OnlineContext,
+    rollout: Rollout,
+    response_mask: torch.Tensor,
+    raw_scores: torch.Tensor,
+    parts: dict[str, torch.Tensor],
+    entropy: torch.Tensor,
+    scored: torch.Tensor,
+) -> StatSums:
     """Per-rollout statistics (names in the module docstring), as sums to be reduced over processes
     (``.means(ctx)``).
 
@@ -425,7 +529,9 @@ def rollout_stats(ctx: OnlineContext, rollout: Rollout, response_mask: torch.Ten
     return s
 
 
-def evaluate(ctx: OnlineContext, hooks: OnlineHooks, eval_examples: list[dict] | None, step: int) -> dict[str, float]:
+def evaluate(
+    ctx: OnlineContext, hooks: OnlineHooks, eval_examples: list[dict] | None, step: int
+) -> dict[str, float]:
     """The caller's ``evaluate`` hook and, with ``data.eval_file``, the built-in held-out figures.
 
     Runs with every global RNG seeded from (seed, step) and restored afterwards: evaluation never changes
@@ -462,12 +568,22 @@ def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, floa
     collate = PromptCollator(ctx.tokenizer.pad_token_id)
     for chunk in micro_batches(mine, size):
         b = collate(list(chunk))
-        batch = {"query_ids": b["input_ids"].to(ctx.device), "query_mask": b["attention_mask"].to(ctx.device),
-                 "records": b["records"], "group_ids": torch.arange(len(chunk), device=ctx.device)}
+        batch = {
+            "query_ids": b["input_ids"].to(ctx.device),
+            "query_mask": b["attention_mask"].to(ctx.device),
+            "records": b["records"],
+            "group_ids": torch.arange(len(chunk), device=ctx.device),
+        }
         rollout, response_mask, _ = sample_rollout(ctx, batch)
         _, raw_scores, _, scored, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
-        _, kl = shape_rewards(torch.zeros_like(raw_scores), rollout.logprobs, rollout.ref_logprobs,
-                              rollout.mask, 0.0, o.kl_estimator)
+        _, kl = shape_rewards(
+            torch.zeros_like(raw_scores),
+            rollout.logprobs,
+            rollout.ref_logprobs,
+            rollout.mask,
+            0.0,
+            o.kl_estimator,
+        )
         s.add_sum("eval/score/mean", raw_scores[scored].sum(), scored.sum())
         s.add_sum("eval/kl/mean", kl.sum(), len(chunk))
         s.add_sum("eval/response_length/mean", response_mask.sum(), len(chunk))
@@ -508,21 +624,33 @@ def save(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, step: int, last_ev
     acc.wait_for_everyone()
     if not acc.is_main_process:
         return
-    state = {"kl_controller": ctx.kl_ctl.state_dict(), "prompts_seen": step * ctx.cfg.train.batch_size,
-             "last_eval": last_eval}
+    state = {
+        "kl_controller": ctx.kl_ctl.state_dict(),
+        "prompts_seen": step * ctx.cfg.train.batch_size,
+        "last_eval": last_eval,
+    }
     if hooks.refresh_reward_model is not None:  # a refresh may re-fit the normalisation in the model's config
         state["reward_normalization"] = list(reward_normalization(ctx.roles.reward_model))
     if hasattr(hooks.refresh_reward_model, "state_dict"):
         state["reward_refresh"] = hooks.refresh_reward_model.state_dict()
-    save_checkpoint(run.checkpoints_dir, step, _checkpoint_models(ctx, hooks), ctx.optimizers, ctx.schedulers,
-                    state, keep_last=ctx.cfg.train.keep_last_checkpoints)
+    save_checkpoint(
+        run.checkpoints_dir,
+        step,
+        _checkpoint_models(ctx, hooks),
+        ctx.optimizers,
+        ctx.schedulers,
+        state,
+        keep_last=ctx.cfg.train.keep_last_checkpoints,
+    )
 
 
 def resume_state(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks) -> dict[str, Any]:
     """Restore the newest complete checkpoint when resuming; ``{"step": 0}`` for a fresh start."""
     if run.resume_checkpoint is None:
         return {"step": 0}
-    state = load_checkpoint(run.resume_checkpoint, _checkpoint_models(ctx, hooks), ctx.optimizers, ctx.schedulers)
+    state = load_checkpoint(
+        run.resume_checkpoint, _checkpoint_models(ctx, hooks), ctx.optimizers, ctx.schedulers
+    )
     ctx.kl_ctl.load_state_dict(state["kl_controller"])
     if "reward_normalization" in state:
         config = unwrap_model(ctx.roles.reward_model).config

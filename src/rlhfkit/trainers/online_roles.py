@@ -56,7 +56,9 @@ def critic_source(cfg) -> str | None:
     return o.critic_model or o.reward_model or cfg.model.name_or_path
 
 
-def build_roles(cfg, tokenizer, device: torch.device | str = "cpu", train_reward_model: bool = False) -> Roles:
+def build_roles(
+    cfg, tokenizer, device: torch.device | str = "cpu", train_reward_model: bool = False
+) -> Roles:
     """Load the actor, the reference, the reward model and the critic as ``cfg`` says, on ``device``.
 
     ``train_reward_model``: the reward model is trained in place between rollouts (a refresh hook), so it
@@ -77,17 +79,28 @@ def build_roles(cfg, tokenizer, device: torch.device | str = "cpu", train_reward
     dropout = not m.disable_dropout
     lora = m.lora_rank > 0
     actor = prepare_trained(load_causal_lm(m.name_or_path, dropout=dropout, **common), m).to(device)
-    reference = (AdapterDisabled(actor) if lora
-                 else _frozen(load_causal_lm(m.name_or_path, frozen=True, **common).to(device)))
+    reference = (
+        AdapterDisabled(actor)
+        if lora
+        else _frozen(load_causal_lm(m.name_or_path, frozen=True, **common).to(device))
+    )
     source = critic_source(cfg)
     # LoRA: the critic's adapters and trained head copy live on the reward model's own weights (unless a
     # refresh trains the reward model in place), so that shared base is a trained role's: float32 weights
-    share = lora and not train_reward_model and bool(cfg.online.reward_model) and source == cfg.online.reward_model
+    share = (
+        lora
+        and not train_reward_model
+        and bool(cfg.online.reward_model)
+        and source == cfg.online.reward_model
+    )
     reward_model = None
     if cfg.online.reward_model:
         check_same_vocabulary(tokenizer, cfg.online.reward_model, "online.reward_model", m.trust_remote_code)
-        reward_model = _frozen(load_scalar_model(cfg.online.reward_model, frozen=not (train_reward_model or share),
-                                                 **common).to(device))
+        reward_model = _frozen(
+            load_scalar_model(cfg.online.reward_model, frozen=not (train_reward_model or share), **common).to(
+                device
+            )
+        )
     critic = None
     if source is not None:
         if source != m.name_or_path:
@@ -118,11 +131,17 @@ def check_same_vocabulary(tokenizer, other_path: str, key: str, trust_remote_cod
     except Exception:  # a folder without tokenizer files: nothing to compare
         return
     mine, theirs = tokenizer.get_vocab(), other.get_vocab()
-    differ = [tok for tok, i in mine.items() if theirs.get(tok) != i and tok != getattr(tokenizer, "pad_token", None)]
+    differ = [
+        tok
+        for tok, i in mine.items()
+        if theirs.get(tok) != i and tok != getattr(tokenizer, "pad_token", None)
+    ]
     if differ:
-        raise ConfigError(f"{key}: the tokenizer in {other_path} numbers {len(differ)} of the policy's tokens "
-                          f"differently (e.g. {differ[0]!r}); the reward model and critic must use the policy's "
-                          "tokenizer")
+        raise ConfigError(
+            f"{key}: the tokenizer in {other_path} numbers {len(differ)} of the policy's tokens "
+            f"differently (e.g. {differ[0]!r}); the reward model and critic must use the policy's "
+            "tokenizer"
+        )
 
 
 def build_optimizers(cfg, roles: Roles) -> tuple[dict, dict]:
@@ -143,15 +162,23 @@ def check_online_config(cfg, num_processes: int = 1) -> None:
     o, t = cfg.online, cfg.train
     if o.advantage_estimator != "gae":
         if o.critic_model:
-            raise ConfigError(f"online.critic_model is set, but advantage_estimator={o.advantage_estimator} has no "
-                              "critic; remove it or use advantage_estimator=gae")
+            raise ConfigError(
+                f"online.critic_model is set, but advantage_estimator={o.advantage_estimator} has no "
+                "critic; remove it or use advantage_estimator=gae"
+            )
         if o.critic_warmup_steps:
-            raise ConfigError(f"online.critic_warmup_steps={o.critic_warmup_steps}, but advantage_estimator="
-                              f"{o.advantage_estimator} has no critic to warm up; set it to 0")
+            raise ConfigError(
+                f"online.critic_warmup_steps={o.critic_warmup_steps}, but advantage_estimator="
+                f"{o.advantage_estimator} has no critic to warm up; set it to 0"
+            )
     if t.batch_size % num_processes:
-        raise ConfigError(f"train.batch_size ({t.batch_size}) must be a multiple of the number of processes "
-                          f"({num_processes}): each process samples whole prompt groups")
+        raise ConfigError(
+            f"train.batch_size ({t.batch_size}) must be a multiple of the number of processes "
+            f"({num_processes}): each process samples whole prompt groups"
+        )
     responses = t.batch_size * o.group_size
     if responses % o.num_minibatches:
-        raise ConfigError(f"online.num_minibatches ({o.num_minibatches}) must divide the responses per rollout "
-                          f"(train.batch_size x online.group_size = {responses})")
+        raise ConfigError(
+            f"online.num_minibatches ({o.num_minibatches}) must divide the responses per rollout "
+            f"(train.batch_size x online.group_size = {responses})"
+        )

@@ -119,8 +119,9 @@ class StatSums:
 
     def add_sum(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
         """Add ``total`` to the numerator and ``count`` to the denominator of ``name``."""
-        pair = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.device).detach()
-                            for x in (total, count)])  # (2,)
+        pair = torch.stack(
+            [torch.as_tensor(x, dtype=torch.float64, device=self.device).detach() for x in (total, count)]
+        )  # (2,)
         self.sums[name] = self.sums[name] + pair if name in self.sums else pair
 
     def merge(self, other: StatSums) -> StatSums:
@@ -161,8 +162,9 @@ def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int) -> dict[st
     }
 
 
-def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  response_start: int) -> torch.Tensor:
+def critic_values(
+    critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int
+) -> torch.Tensor:
     """V(x, y_<t) for every response position, (b, R) float32: the head's output under the normalisation
     stored in the critic's config, as the reward model's scores are read (a critic made from a reward model
     then starts at the normalised scores; Huang et al. 2024 initialise the critic from the reward model)."""
@@ -170,8 +172,9 @@ def critic_values(critic: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return response_values(critic, input_ids, attention_mask, response_start).float() * gain + bias
 
 
-def model_inputs(query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor,
-                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+def model_inputs(
+    query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Prompt + response as one model input, without the columns that no row uses.
 
     Args:
@@ -209,8 +212,9 @@ class StageClock:
 
 
 @torch.no_grad()
-def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock | None = None
-                   ) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+def sample_rollout(
+    ctx: OnlineContext, batch: dict[str, Any], clock: StageClock | None = None
+) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
     """Stage 1: sample one response per row of ``batch`` and read log-probs and values at sampling time.
 
     The responses are cut after their first stop token (the token is inside the mask, also when pad ==
@@ -231,11 +235,18 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     pad = ctx.tokenizer.pad_token_id
     clock = clock or StageClock()
     with clock("generate"):
-        pieces = [generate_responses(
-        roles.actor, batch["query_ids"][i : i + size], batch["query_mask"][i : i + size],
-            max_new_tokens=o.response_length, stop_token_ids=ctx.stop_token_ids, pad_token_id=pad,
-            sampling=ctx.sampling)
-            for i in range(0, n, size)]
+        pieces = [
+            generate_responses(
+                roles.actor,
+                batch["query_ids"][i : i + size],
+                batch["query_mask"][i : i + size],
+                max_new_tokens=o.response_length,
+                stop_token_ids=ctx.stop_token_ids,
+                pad_token_id=pad,
+                sampling=ctx.sampling,
+            )
+            for i in range(0, n, size)
+        ]
     response_mask = torch.cat([p.mask for p in pieces])  # (B, R)
     width = max(int(response_mask.sum(1).max()), 1)  # T: the longest response
     response_mask = response_mask[:, :width]
@@ -243,7 +254,9 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     ended = torch.cat([p.ended for p in pieces])  # (B,)
     mask = response_mask & ended[:, None] if o.missing_eos == "mask" else response_mask
 
-    zeros = lambda: torch.zeros(n, width, device=ctx.device)  # noqa: E731
+    def zeros():
+        return torch.zeros(n, width, device=ctx.device)
+
     logprobs, ref_logprobs, entropy = zeros(), zeros(), zeros()
     values = zeros() if roles.critic is not None else None
     for model in (roles.actor, roles.critic):
@@ -252,8 +265,9 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     with clock("forward"):
         for i in range(0, n, size):
             rows = slice(i, i + size)
-            ids, attn, start, w = model_inputs(batch["query_ids"][rows], batch["query_mask"][rows],
-                                               response_ids[rows], mask[rows])
+            ids, attn, start, w = model_inputs(
+                batch["query_ids"][rows], batch["query_mask"][rows], response_ids[rows], mask[rows]
+            )
             labels = response_ids[rows, :w]
             logits = response_logits(roles.actor, ids, attn, start)  # (b, w, V)
             logprobs[rows, :w] = sampled_logprobs(logits, labels, ctx.sampling)
@@ -263,14 +277,22 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
             if values is not None:
                 values[rows, :w] = critic_values(roles.critic, ids, attn, start)
     rollout = Rollout(
-        query_ids=batch["query_ids"], query_mask=batch["query_mask"], response_ids=response_ids, mask=mask,
-        logprobs=fill_masked(logprobs, mask), ref_logprobs=fill_masked(ref_logprobs, mask),
-        values=None if values is None else fill_masked(values, mask), group_ids=batch["group_ids"], ended=ended)
+        query_ids=batch["query_ids"],
+        query_mask=batch["query_mask"],
+        response_ids=response_ids,
+        mask=mask,
+        logprobs=fill_masked(logprobs, mask),
+        ref_logprobs=fill_masked(ref_logprobs, mask),
+        values=None if values is None else fill_masked(values, mask),
+        group_ids=batch["group_ids"],
+        ended=ended,
+    )
     return rollout, response_mask, fill_masked(entropy, mask)
 
 
-def score_rollout(ctx: OnlineContext, rollout: Rollout, response_mask: torch.Tensor, records: list[dict]
-                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor, list[str] | None]:
+def score_rollout(
+    ctx: OnlineContext, rollout: Rollout, response_mask: torch.Tensor, records: list[dict]
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor, list[str] | None]:
     """Stage 2: score each response; apply ``online.missing_eos`` and ``online.score_clip``.
 
     The reward model reads each response up to its stop token (``response_mask``), also one that
@@ -289,8 +311,12 @@ def score_rollout(ctx: OnlineContext, rollout: Rollout, response_mask: torch.Ten
     if ctx.scorer.needs_text:
         kept = [row[m].tolist() for row, m in zip(rollout.response_ids, response_mask, strict=True)]
         responses = ctx.tokenizer.batch_decode(kept, skip_special_tokens=True)
-        texts = {"prompts": [r["prompt"] for r in records], "records": records, "responses": responses,
-                 "completion_ids": kept}
+        texts = {
+            "prompts": [r["prompt"] for r in records],
+            "records": records,
+            "responses": responses,
+            "completion_ids": kept,
+        }
     raw_scores, parts, scored = ctx.scorer(ids, attn, **texts)
     scores = raw_scores
     if o.missing_eos == "penalty":
@@ -306,7 +332,9 @@ def derived_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def minibatch_order(n: int, seed: int, step: int, epoch: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def minibatch_order(
+    n: int, seed: int, step: int, epoch: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """A permutation of ``n`` rows, a stateless function of (seed, step, epoch): resume needs no sampler state."""
     g = torch.Generator().manual_seed(derived_seed("minibatches", seed, step, epoch))
     return torch.randperm(n, generator=g).to(device)
@@ -385,15 +413,24 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
                 with _no_sync(ctx, names, last=j == len(starts) - 1):
                     if start is None:  # the same all-reduce as the others, adding nothing to the gradient
                         ignored = StatSums(ctx.device)
-                        loss, parts, _ = micro_batch_loss(ctx, rollout.select(slice(0, 1)), normalizer, ignored,
-                                                          train_actor, tokens)
+                        loss, parts, _ = micro_batch_loss(
+                            ctx, rollout.select(slice(0, 1)), normalizer, ignored, train_actor, tokens
+                        )
                         ctx.accelerator.backward(loss * 0.0)
-                        parts = {key: value * 0.0 for key, value in parts.items()}  # nothing of the loss either
+                        parts = {
+                            key: value * 0.0 for key, value in parts.items()
+                        }  # nothing of the loss either
                         for key in ignored.sums:  # the same statistics on every process, weighing nothing
                             result.stats.add_sum(key, 0.0, 0.0)
                     else:
-                        loss, parts, diff = micro_batch_loss(ctx, minibatch.select(slice(start, start + micro)),
-                                                             normalizer, result.stats, train_actor, tokens)
+                        loss, parts, diff = micro_batch_loss(
+                            ctx,
+                            minibatch.select(slice(start, start + micro)),
+                            normalizer,
+                            result.stats,
+                            train_actor,
+                            tokens,
+                        )
                         ctx.accelerator.backward(loss * dp_scale(ctx.accelerator))
                         first_diff = torch.maximum(first_diff, diff.double())
                 for key, value in parts.items():
@@ -409,8 +446,14 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
     return result
 
 
-def micro_batch_loss(ctx: OnlineContext, mb: Rollout, normalizer: float, stats: StatSums, train_actor: bool,
-                     minibatch_tokens: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+def micro_batch_loss(
+    ctx: OnlineContext,
+    mb: Rollout,
+    normalizer: float,
+    stats: StatSums,
+    train_actor: bool,
+    minibatch_tokens: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The loss of one micro-batch, already divided by the whole minibatch's ``normalizer``.
 
     ``vf_coef * value loss + policy loss - ent_coef * entropy``, each per-token loss from
@@ -435,7 +478,9 @@ def micro_batch_loss(ctx: OnlineContext, mb: Rollout, normalizer: float, stats: 
     parts: dict[str, torch.Tensor] = {}
     diff = torch.zeros((), device=ctx.device)
     if train_actor:
-        logits, aux = response_forward(ctx.trained["actor"], ids, attn, start, router_aux=ctx.router_aux_coef > 0)
+        logits, aux = response_forward(
+            ctx.trained["actor"], ids, attn, start, router_aux=ctx.router_aux_coef > 0
+        )
         logprobs = sampled_logprobs(logits, mb.response_ids[:, :w], ctx.sampling)  # (b, w)
         old = mb.logprobs[:, :w]
         per_token, pg = ppo_policy_loss(logprobs, old, mb.advantages[:, :w], o.clip_eps, mask=mask)
@@ -445,8 +490,9 @@ def micro_batch_loss(ctx: OnlineContext, mb: Rollout, normalizer: float, stats: 
         for key, name in (("clip_frac", "clipfrac"), ("approx_kl", "approx_kl"), ("ratio", "ratio/mean")):
             stats.add(name, pg[key], tokens)
         if o.ent_coef > 0:
-            parts["loss/entropy"] = aggregate(entropy_from_logits(processed_logits(logits, ctx.sampling,
-                                                                                  mb.response_ids[:, :w])))
+            parts["loss/entropy"] = aggregate(
+                entropy_from_logits(processed_logits(logits, ctx.sampling, mb.response_ids[:, :w]))
+            )
             loss = loss - o.ent_coef * parts["loss/entropy"]
         if aux is not None:
             parts["loss/router_aux"] = aux * (float(tokens) / max(minibatch_tokens, 1.0))

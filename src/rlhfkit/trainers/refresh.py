@@ -100,8 +100,10 @@ class RefreshConfig:
 
     def __post_init__(self):
         if self.pairs < 1 or self.steps < 0 or self.batch_size < 1 or self.normalize_max_pairs < 1:
-            raise ConfigError(f"refresh: pairs, batch_size and normalize_max_pairs must be >= 1 and steps >= 0, "
-                              f"got {self.pairs}, {self.batch_size}, {self.normalize_max_pairs}, {self.steps}")
+            raise ConfigError(
+                f"refresh: pairs, batch_size and normalize_max_pairs must be >= 1 and steps >= 0, "
+                f"got {self.pairs}, {self.batch_size}, {self.normalize_max_pairs}, {self.steps}"
+            )
         if not 0.0 <= self.fresh_fraction <= 1.0:
             raise ConfigError(f"refresh.fresh_fraction must be in [0, 1], got {self.fresh_fraction}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -125,12 +127,24 @@ class RewardRefresh:
             that keeps its own reference to the proxy).
     """
 
-    def __init__(self, tokenizer, prompts: Sequence[str], *, task=None, label_fn: LabelFunction | None = None,
-                 initial_pairs: Sequence[dict] = (), config: RefreshConfig | None = None, seed: int = 0,
-                 limits: TokenLimits | None = None, on_refresh: Callable[[torch.nn.Module], None] | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        prompts: Sequence[str],
+        *,
+        task=None,
+        label_fn: LabelFunction | None = None,
+        initial_pairs: Sequence[dict] = (),
+        config: RefreshConfig | None = None,
+        seed: int = 0,
+        limits: TokenLimits | None = None,
+        on_refresh: Callable[[torch.nn.Module], None] | None = None,
+    ):
         if (task is None) == (label_fn is None):
-            raise ConfigError("a reward-model refresh needs exactly one labeller: a task's annotators or a "
-                              "labelling function (prompt, a, b) -> bool")
+            raise ConfigError(
+                "a reward-model refresh needs exactly one labeller: a task's annotators or a "
+                "labelling function (prompt, a, b) -> bool"
+            )
         if not prompts:
             raise ConfigError("a reward-model refresh needs training prompts to sample from")
         self.tokenizer, self.prompts, self.task, self.label_fn = tokenizer, list(prompts), task, label_fn
@@ -146,11 +160,17 @@ class RewardRefresh:
     # --- state (checkpointed by the online trainer) --------------------------------------------------
     def state_dict(self) -> dict:
         """The pairs labelled so far (plain records) and the steps of the refreshes."""
-        return {"pairs": [dict(r) for r in self.collected], "calls": list(self.calls), "anchor_size": self.anchor_size}
+        return {
+            "pairs": [dict(r) for r in self.collected],
+            "calls": list(self.calls),
+            "anchor_size": self.anchor_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.collected = [dict(r) for r in state["pairs"]]
-        self._collected_examples = [self._tokenize(r, f"collected pair {i}") for i, r in enumerate(self.collected)]
+        self._collected_examples = [
+            self._tokenize(r, f"collected pair {i}") for i, r in enumerate(self.collected)
+        ]
         self.calls = [int(s) for s in state["calls"]]
         self.anchor_size = state["anchor_size"]
 
@@ -160,14 +180,21 @@ class RewardRefresh:
         with torch.random.fork_rng(devices=[]):
             records = self.label(self.sample(policy, step), step)
             examples = [self._tokenize(r, f"pair of rollout {step}") for r in records]
-            metrics = {f"refresh/{k}_before": v for k, v in self.measure(reward_model, examples, records).items()}
+            metrics = {
+                f"refresh/{k}_before": v for k, v in self.measure(reward_model, examples, records).items()
+            }
             self.collected += records
             self._collected_examples += examples
             self.calls.append(int(step))
             metrics.update(self.train(reward_model, step))
             metrics.update(self.renormalize(reward_model))
-        metrics.update({"refresh/new_pairs": len(records), "refresh/pairs": len(self.collected),
-                        "time/refresh": time.perf_counter() - start})
+        metrics.update(
+            {
+                "refresh/new_pairs": len(records),
+                "refresh/pairs": len(self.collected),
+                "time/refresh": time.perf_counter() - start,
+            }
+        )
         if self.on_refresh is not None:
             self.on_refresh(reward_model)
         return metrics
@@ -176,39 +203,61 @@ class RewardRefresh:
         """``config.pairs`` prompts (without repeats when there are enough) and two responses each."""
         rng = random.Random(derived_seed("refresh-prompts", self.seed, step))
         n = self.config.pairs
-        picked = rng.sample(self.prompts, n) if n <= len(self.prompts) else [rng.choice(self.prompts) for _ in range(n)]
-        pairs = sample_response_pairs(policy, self.tokenizer, picked, max_new_tokens=self.config.max_new_tokens,
-                                      temperature=self.config.temperature, batch_size=self.config.sample_batch_size,
-                                      seed=derived_seed("refresh-sampling", self.seed, step))
+        picked = (
+            rng.sample(self.prompts, n)
+            if n <= len(self.prompts)
+            else [rng.choice(self.prompts) for _ in range(n)]
+        )
+        pairs = sample_response_pairs(
+            policy,
+            self.tokenizer,
+            picked,
+            max_new_tokens=self.config.max_new_tokens,
+            temperature=self.config.temperature,
+            batch_size=self.config.sample_batch_size,
+            seed=derived_seed("refresh-sampling", self.seed, step),
+        )
         return drop_uninformative(pairs)[0]
 
     def label(self, pairs: list[SampledPair], step: int) -> list[dict]:
         """Preference records for ``pairs``: the task's annotators (with gold fields) or ``label_fn``."""
         if self.task is not None:
-            return annotate_records(self.task, pairs, seed=derived_seed("refresh-annotators", self.seed, step))
+            return annotate_records(
+                self.task, pairs, seed=derived_seed("refresh-annotators", self.seed, step)
+            )
         records = []
         for p in pairs:
             a_preferred = self.label_fn(p.prompt, p.a, p.b)
-            if not isinstance(a_preferred, bool) and type(a_preferred).__name__ != "bool_":  # numpy's bool too
+            if (
+                not isinstance(a_preferred, bool) and type(a_preferred).__name__ != "bool_"
+            ):  # numpy's bool too
                 name = getattr(self.label_fn, "__name__", repr(self.label_fn))
-                raise UserError(f"the labelling function {name} returned {type(a_preferred).__name__} for the prompt "
-                                f"{p.prompt!r}; it must return True when the first response is preferred, else False")
+                raise UserError(
+                    f"the labelling function {name} returned {type(a_preferred).__name__} for the prompt "
+                    f"{p.prompt!r}; it must return True when the first response is preferred, else False"
+                )
             chosen, rejected = (p.a, p.b) if a_preferred else (p.b, p.a)
             records.append({"prompt": p.prompt, "chosen": chosen, "rejected": rejected})
         return records
 
     @torch.no_grad()
-    def measure(self, reward_model: torch.nn.Module, examples: list[dict], records: list[dict]) -> dict[str, float]:
+    def measure(
+        self, reward_model: torch.nn.Module, examples: list[dict], records: list[dict]
+    ) -> dict[str, float]:
         """The reward model's accuracy on ``examples`` against the labels (and gold, when known)."""
         if not examples:
             return {}
         device = next(reward_model.parameters()).device
-        chosen, rejected = score_examples(reward_model, self.collate, examples, self.config.sample_batch_size, device)
+        chosen, rejected = score_examples(
+            reward_model, self.collate, examples, self.config.sample_batch_size, device
+        )
         lengths = [torch.tensor([len(e[f"{side}_ids"]) for e in examples]) for side in ("chosen", "rejected")]
         gold = (None, None)
         if all(r.get("gold_chosen") is not None and r.get("gold_rejected") is not None for r in records):
-            gold = tuple(torch.tensor([r[f] for r in records], dtype=torch.float64)
-                         for f in ("gold_chosen", "gold_rejected"))
+            gold = tuple(
+                torch.tensor([r[f] for r in records], dtype=torch.float64)
+                for f in ("gold_chosen", "gold_rejected")
+            )
         figures, _ = heldout_metrics(chosen, rejected, *lengths, torch.zeros(len(examples)), *gold)
         keep = ("accuracy", "gold_accuracy", "loss")
         return {k: v for k, v in figures.items() if k in keep and math.isfinite(v)}
@@ -220,9 +269,14 @@ class RewardRefresh:
         g = torch.Generator().manual_seed(derived_seed("refresh-batch", self.seed, step, k))
         fresh, initial = self._collected_examples, self.initial
         n_fresh = c.batch_size if not initial else 0 if not fresh else round(c.batch_size * c.fresh_fraction)
-        picks = [fresh[i] for i in torch.randint(len(fresh), (n_fresh,), generator=g).tolist()] if n_fresh else []
+        picks = (
+            [fresh[i] for i in torch.randint(len(fresh), (n_fresh,), generator=g).tolist()] if n_fresh else []
+        )
         if c.batch_size - n_fresh:
-            picks += [initial[i] for i in torch.randint(len(initial), (c.batch_size - n_fresh,), generator=g).tolist()]
+            picks += [
+                initial[i]
+                for i in torch.randint(len(initial), (c.batch_size - n_fresh,), generator=g).tolist()
+            ]
         return picks
 
     def train(self, reward_model: torch.nn.Module, step: int) -> dict[str, float]:
@@ -249,19 +303,26 @@ class RewardRefresh:
             accuracies.append(stats["accuracy"])
         reward_model.eval()
         reward_model.requires_grad_(False)
-        return {"refresh/loss": sum(losses) / len(losses), "refresh/train_accuracy": sum(accuracies) / len(accuracies)}
+        return {
+            "refresh/loss": sum(losses) / len(losses),
+            "refresh/train_accuracy": sum(accuracies) / len(accuracies),
+        }
 
     @torch.no_grad()
     def renormalize(self, reward_model: torch.nn.Module) -> dict[str, float]:
         """Re-fit (gain, bias) on the anchor responses so that they keep mean 0 and std 1."""
         if self.anchor_size is None:  # fixed once: the initial pairs, else the first refresh's pairs
-            self.anchor_size = min(len(self.initial or self._collected_examples), self.config.normalize_max_pairs)
+            self.anchor_size = min(
+                len(self.initial or self._collected_examples), self.config.normalize_max_pairs
+            )
         anchor = (self.initial or self._collected_examples)[: self.anchor_size]
         if not anchor:
             self.anchor_size = None  # nothing labelled yet: fix the anchor at the next refresh
             return {}
         device = next(reward_model.parameters()).device
-        chosen, rejected = score_examples(reward_model, self.collate, anchor, self.config.sample_batch_size, device)
+        chosen, rejected = score_examples(
+            reward_model, self.collate, anchor, self.config.sample_batch_size, device
+        )
         gain, bias = fit_normalization(torch.cat([chosen, rejected]))
         config = unwrap_model(reward_model).config
         setattr(config, GAIN_KEY, gain)
@@ -272,7 +333,9 @@ class RewardRefresh:
         try:
             return tokenize_preference(record, self.tokenizer, self.limits)
         except FieldError as error:  # e.g. a prompt over the limit
-            raise UserError(f"reward-model refresh: {where}, field '{error.field}': {error.message}") from None
+            raise UserError(
+                f"reward-model refresh: {where}, field '{error.field}': {error.message}"
+            ) from None
 
 
 __all__ = ["LabelFunction", "RefreshConfig", "RewardRefresh"]

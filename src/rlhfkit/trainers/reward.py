@@ -100,8 +100,9 @@ class PairCollator:
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         batch = self.pairs(examples)
-        batch["margin"] = torch.tensor([ex.get("margin", self.default_margin) for ex in examples],
-                                       dtype=torch.float32)
+        batch["margin"] = torch.tensor(
+            [ex.get("margin", self.default_margin) for ex in examples], dtype=torch.float32
+        )
         for side in ("chosen", "rejected"):
             batch[f"{side}_length"] = torch.tensor([len(ex[f"{side}_ids"]) for ex in examples])
         return batch
@@ -169,9 +170,13 @@ def pair_loss(
     per_pair, bt = bradley_terry_loss(chosen, rejected, margin, center_coef)  # (n,)
     loss = aggregate_loss(per_pair[:, None], torch.ones_like(per_pair[:, None]), "token-mean", normalizer)
     share = per_pair.shape[0] / normalizer
-    stats = {"loss/bradley_terry": float(loss.detach()), "accuracy": float(bt["accuracy"]) * share,
-             "margin": float(bt["margin"]) * share, "score/chosen": float(bt["chosen"]) * share,
-             "score/rejected": float(bt["rejected"]) * share}
+    stats = {
+        "loss/bradley_terry": float(loss.detach()),
+        "accuracy": float(bt["accuracy"]) * share,
+        "margin": float(bt["margin"]) * share,
+        "score/chosen": float(bt["chosen"]) * share,
+        "score/rejected": float(bt["rejected"]) * share,
+    }
     if length_bias_coef:
         if chosen_length is None or rejected_length is None:
             raise ValueError("length_bias_coef > 0 needs chosen_length and rejected_length")
@@ -188,14 +193,21 @@ def pair_loss(
 
 
 @torch.no_grad()
-def score_examples(model, collate, examples: list[dict], batch_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def score_examples(
+    model, collate, examples: list[dict], batch_size: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw scores of both sides of ``examples`` (in micro-batches sorted by length, to pad little).
 
     Returns:
         (chosen (n,), rejected (n,)) float32 on the CPU, in the order of ``examples``.
     """
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i]["prompt_ids"]) + max(
-        len(examples[i]["chosen_ids"]), len(examples[i]["rejected_ids"])))
+    order = sorted(
+        range(len(examples)),
+        key=lambda i: (
+            len(examples[i]["prompt_ids"])
+            + max(len(examples[i]["chosen_ids"]), len(examples[i]["rejected_ids"]))
+        ),
+    )
     chosen, rejected = torch.empty(len(examples)), torch.empty(len(examples))
     for chunk in micro_batches(order, batch_size):
         batch = {k: v.to(device) for k, v in collate([examples[i] for i in chunk]).items()}
@@ -301,11 +313,14 @@ class HeldOut:
     gold_length_correlation: float | None = None
 
 
-def evaluate_heldout(model, collate: PairCollator, heldout: HeldOut, batch_size: int, device
-                     ) -> tuple[dict[str, float], list[dict]]:
+def evaluate_heldout(
+    model, collate: PairCollator, heldout: HeldOut, batch_size: int, device
+) -> tuple[dict[str, float], list[dict]]:
     """:func:`heldout_metrics` of ``model`` on ``heldout`` (scored in micro-batches of ``batch_size``)."""
     chosen, rejected = score_examples(model, collate, heldout.examples, batch_size, device)
-    lengths = [torch.tensor([len(e[f"{side}_ids"]) for e in heldout.examples]) for side in ("chosen", "rejected")]
+    lengths = [
+        torch.tensor([len(e[f"{side}_ids"]) for e in heldout.examples]) for side in ("chosen", "rejected")
+    ]
     margin = torch.tensor([e.get("margin", collate.default_margin) for e in heldout.examples])
     return heldout_metrics(chosen, rejected, *lengths, margin, *(heldout.gold or (None, None)))
 
@@ -315,7 +330,9 @@ def _number(records, index: int, name: str, allow_null: bool = False) -> float |
     if value is None and allow_null:
         return None
     if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-        got = "missing" if name not in records[index] else type(value).__name__ if value is not None else "null"
+        got = (
+            "missing" if name not in records[index] else type(value).__name__ if value is not None else "null"
+        )
         raise records.error(index, f"expected a number, got {got}", field=name)
     return float(value)
 
@@ -338,8 +355,12 @@ def heldout_pairs(examples: Examples) -> HeldOut:
     for i, record in enumerate(records):
         for f in GOLD_FIELDS:
             if record.get(f) is None:
-                raise records.error(i, "is missing, but other records have gold scores; give both gold fields "
-                                       "in every record or in none", field=f)
+                raise records.error(
+                    i,
+                    "is missing, but other records have gold scores; give both gold fields "
+                    "in every record or in none",
+                    field=f,
+                )
     gold = [[_number(records, i, f) for i in range(len(records))] for f in GOLD_FIELDS]
     held.gold = (torch.tensor(gold[0], dtype=torch.float64), torch.tensor(gold[1], dtype=torch.float64))
     lengths = torch.tensor([len(e[f"{side}_ids"]) for side in ("chosen", "rejected") for e in examples])
@@ -419,7 +440,9 @@ def _write_json(path: Path, obj: Any) -> None:
 # Normalisation
 
 
-def normalized_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def normalized_scores(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
     """``gain * sequence_scores + bias`` with the model's stored normalisation (what
     :class:`rlhfkit.rollout.scoring.Scorer` gives PPO).
 
@@ -444,8 +467,15 @@ def fit_normalization(scores: torch.Tensor) -> tuple[float, float]:
 # The trainer
 
 
-def reward_objective(cfg, collate: PairCollator, heldout: HeldOut | None, keeper: BestKeeper, device,
-                     counters: dict[str, float], latest: dict[str, Any]) -> Objective:
+def reward_objective(
+    cfg,
+    collate: PairCollator,
+    heldout: HeldOut | None,
+    keeper: BestKeeper,
+    device,
+    counters: dict[str, float],
+    latest: dict[str, Any],
+) -> Objective:
     """The loss, evaluation and early stopping of a reward-model run (``counters`` collects tokens and
     evaluation time for the throughput figures; ``latest`` receives the last evaluation, with its calibration
     bins)."""
@@ -454,10 +484,19 @@ def reward_objective(cfg, collate: PairCollator, heldout: HeldOut | None, keeper
 
     def loss(model, batch, normalizer):
         chosen, rejected = pair_scores(model, batch)
-        counters["tokens"] += float(batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum())
-        return pair_loss(chosen, rejected, batch["margin"], normalizer, center_coef=r.center_coef,
-                         length_bias_coef=r.length_bias_coef, chosen_length=batch["chosen_length"],
-                         rejected_length=batch["rejected_length"])
+        counters["tokens"] += float(
+            batch["chosen_attention_mask"].sum() + batch["rejected_attention_mask"].sum()
+        )
+        return pair_loss(
+            chosen,
+            rejected,
+            batch["margin"],
+            normalizer,
+            center_coef=r.center_coef,
+            length_bias_coef=r.length_bias_coef,
+            chosen_length=batch["chosen_length"],
+            rejected_length=batch["rejected_length"],
+        )
 
     def evaluate(model, step):
         if heldout is None:
@@ -469,8 +508,9 @@ def reward_objective(cfg, collate: PairCollator, heldout: HeldOut | None, keeper
         counters["eval_seconds"] += time.perf_counter() - start
         return metrics
 
-    return Objective(collate=collate, loss=loss, normalizer=len, evaluate=evaluate,
-                     should_stop=patience_stop(cfg, keeper))
+    return Objective(
+        collate=collate, loss=loss, normalizer=len, evaluate=evaluate, should_stop=patience_stop(cfg, keeper)
+    )
 
 
 def patience_stop(cfg, keeper: BestKeeper):
@@ -492,8 +532,10 @@ def scoring_batch_size(cfg) -> int:
 
 def _check(cfg) -> None:
     if not (cfg.data.eval_file or cfg.data.eval_split) and cfg.reward.early_stopping_patience is not None:
-        raise ConfigError("reward.early_stopping_patience: early stopping watches the held-out accuracy, so it "
-                          "needs data.eval_file (or data.eval_split)")
+        raise ConfigError(
+            "reward.early_stopping_patience: early stopping watches the held-out accuracy, so it "
+            "needs data.eval_file (or data.eval_split)"
+        )
 
 
 @dataclass
@@ -525,14 +567,26 @@ def _start_run(cfg, session: _Session, resume: bool, overwrite: bool) -> RunDir:
 
 def _scalar_model(cfg, session: _Session) -> torch.nn.Module:
     """The backbone with a fresh scalar head (N+ init, :func:`rlhfkit.models.load_scalar_model`), dropout off."""
-    model = load_scalar_model(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
-                              dtype=cfg.model.dtype, tokenizer=session.tokenizer,
-                              dropout=not cfg.model.disable_dropout)
+    model = load_scalar_model(
+        cfg.model.name_or_path,
+        trust_remote_code=cfg.model.trust_remote_code,
+        dtype=cfg.model.dtype,
+        tokenizer=session.tokenizer,
+        dropout=not cfg.model.disable_dropout,
+    )
     return prepare_trained(model, cfg.model).to(session.accelerator.device)  # LoRA / gradient checkpointing
 
 
-def _fit(cfg, session: _Session, model, examples, objective: Objective, keeper: BestKeeper, heldout: bool,
-         counters: dict[str, float]) -> tuple[dict[str, Any], torch.nn.Module]:
+def _fit(
+    cfg,
+    session: _Session,
+    model,
+    examples,
+    objective: Objective,
+    keeper: BestKeeper,
+    heldout: bool,
+    counters: dict[str, float],
+) -> tuple[dict[str, Any], torch.nn.Module]:
     """Step-0 evaluation, the shared offline loop, then the best model back in place (eval mode)."""
     run, accelerator = session.run, session.accelerator
     if heldout and run.resume_checkpoint is None:  # the untrained model's held-out figures, as step 0
@@ -558,13 +612,17 @@ def keep_best_warnings(keeper: BestKeeper, eval_steps: int, last_step: int) -> l
     out, best = [], keeper.best
     first = min(eval_steps, last_step)
     if best["step"] == first and last_step > first:
-        out.append(f"reward.keep_best: the best held-out accuracy came at the first evaluation (step {first}) and "
-                   f"none of the later ones up to step {last_step} beat it, so final/ is step {first}'s model; "
-                   "a lower train.learning_rate, more data or more frequent train.eval_steps may help")
+        out.append(
+            f"reward.keep_best: the best held-out accuracy came at the first evaluation (step {first}) and "
+            f"none of the later ones up to step {last_step} beat it, so final/ is step {first}'s model; "
+            "a lower train.learning_rate, more data or more frequent train.eval_steps may help"
+        )
     if keeper.untrained is not None and BestKeeper.better(keeper.untrained, best["eval"]):
-        out.append(f"reward.keep_best: the untrained model's held-out accuracy ({keeper.untrained['accuracy']:.4g}) "
-                   f"is above the best trained one's ({best['eval']['accuracy']:.4g}, step {best['step']}); "
-                   "final/ is the trained model, but training did not help")
+        out.append(
+            f"reward.keep_best: the untrained model's held-out accuracy ({keeper.untrained['accuracy']:.4g}) "
+            f"is above the best trained one's ({best['eval']['accuracy']:.4g}, step {best['step']}); "
+            "final/ is the trained model, but training did not help"
+        )
     return out
 
 
@@ -579,8 +637,11 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     # 2. model, loss, evaluation, best model.
     model = _scalar_model(cfg, session)
     collate = PairCollator(session.tokenizer.pad_token_id, cfg.reward.margin)
-    keeper = BestKeeper(run.path / "best", keep_existing=run.resume_checkpoint is not None,
-                        main_process=accelerator.is_main_process)
+    keeper = BestKeeper(
+        run.path / "best",
+        keep_existing=run.resume_checkpoint is not None,
+        main_process=accelerator.is_main_process,
+    )
     counters, latest = {"tokens": 0.0, "eval_seconds": 0.0}, {"step": None}
     objective = reward_objective(cfg, collate, heldout, keeper, accelerator.device, counters, latest)
 
@@ -588,8 +649,9 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     result, model = _fit(cfg, session, model, examples, objective, keeper, heldout is not None, counters)
     final_eval, bins = {}, []
     if heldout is not None:  # the final model's figures, with its calibration bins
-        final_eval, bins = final_figures(cfg, model, collate, heldout, keeper, latest, result["step"],
-                                         accelerator.device)
+        final_eval, bins = final_figures(
+            cfg, model, collate, heldout, keeper, latest, result["step"], accelerator.device
+        )
 
     # 4. normalisation on training responses; save final/ (raw weights + gain/bias in config.json).
     gain, bias, fitted = 1.0, 0.0, 0
@@ -598,22 +660,43 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     setattr(model.config, GAIN_KEY, gain)
     setattr(model.config, BIAS_KEY, bias)
 
-    summary = _summary(cfg, "reward", "pairs", result, len(examples), len(heldout.examples) if heldout else 0,
-                       keeper, final_eval, counters, accelerator)
+    summary = _summary(
+        cfg,
+        "reward",
+        "pairs",
+        result,
+        len(examples),
+        len(heldout.examples) if heldout else 0,
+        keeper,
+        final_eval,
+        counters,
+        accelerator,
+    )
     if heldout is not None:
-        summary.update({"bayes_ceiling": heldout.bayes_ceiling,
-                        "heldout_gold_length_correlation": heldout.gold_length_correlation,
-                        "calibration_bins": bins})
-    summary["normalization"] = {"gain": gain, "bias": bias, "fit_responses": fitted,
-                                "config_keys": [GAIN_KEY, BIAS_KEY]}
+        summary.update(
+            {
+                "bayes_ceiling": heldout.bayes_ceiling,
+                "heldout_gold_length_correlation": heldout.gold_length_correlation,
+                "calibration_bins": bins,
+            }
+        )
+    summary["normalization"] = {
+        "gain": gain,
+        "bias": bias,
+        "fit_responses": fitted,
+        "config_keys": [GAIN_KEY, BIAS_KEY],
+    }
     if heldout is not None and accelerator.is_main_process:
-        write_heldout_scores(run.path / HELDOUT_SCORES, model, collate, heldout, scoring_batch_size(cfg),
-                             accelerator.device)
+        write_heldout_scores(
+            run.path / HELDOUT_SCORES, model, collate, heldout, scoring_batch_size(cfg), accelerator.device
+        )
     _finish(session, model, summary)
     return summary
 
 
-def write_heldout_scores(path: Path, model, collate: PairCollator, heldout: HeldOut, batch_size: int, device) -> None:
+def write_heldout_scores(
+    path: Path, model, collate: PairCollator, heldout: HeldOut, batch_size: int, device
+) -> None:
     """The final model's raw scores of each held-out pair, one JSON object per line (``chosen``, ``rejected``,
     and ``gold_chosen`` / ``gold_rejected`` when known), for the report's score histograms."""
     chosen, rejected = score_examples(model, collate, heldout.examples, batch_size, device)
@@ -629,18 +712,24 @@ def write_heldout_scores(path: Path, model, collate: PairCollator, heldout: Held
     os.replace(tmp, path)
 
 
-def final_figures(cfg, model, collate, heldout: HeldOut, keeper: BestKeeper, latest: dict[str, Any], step: int,
-                  device) -> tuple[dict[str, float], list[dict]]:
+def final_figures(
+    cfg, model, collate, heldout: HeldOut, keeper: BestKeeper, latest: dict[str, Any], step: int, device
+) -> tuple[dict[str, float], list[dict]]:
     """The held-out figures of the final model: those of the evaluation it comes from (the best one, or the
     last step's), else (a resumed run with nothing left to train) evaluated again."""
     done = keeper.best if cfg.reward.keep_best and keeper.best is not None else latest
-    if done.get("step") is not None and done.get("extra") is not None and (done is keeper.best or done["step"] == step):
+    if (
+        done.get("step") is not None
+        and done.get("extra") is not None
+        and (done is keeper.best or done["step"] == step)
+    ):
         return done["eval"], done["extra"]
     return evaluate_heldout(model, collate, heldout, scoring_batch_size(cfg), device)
 
 
-def fit_on_training_responses(model, collate: PairCollator, examples: list[dict], cfg, device
-                              ) -> tuple[float, float, int]:
+def fit_on_training_responses(
+    model, collate: PairCollator, examples: list[dict], cfg, device
+) -> tuple[float, float, int]:
     """(gain, bias, responses used) fitted on both responses of up to ``reward.normalize_max_pairs``
     training pairs drawn with the run's seed."""
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -651,8 +740,18 @@ def fit_on_training_responses(model, collate: PairCollator, examples: list[dict]
     return gain, bias, 2 * len(fit)
 
 
-def _summary(cfg, kind: str, unit: str, result, num_train: int, num_eval: int, keeper: BestKeeper,
-             final_eval: dict, counters: dict[str, float], accelerator) -> dict[str, Any]:
+def _summary(
+    cfg,
+    kind: str,
+    unit: str,
+    result,
+    num_train: int,
+    num_eval: int,
+    keeper: BestKeeper,
+    final_eval: dict,
+    counters: dict[str, float],
+    accelerator,
+) -> dict[str, Any]:
     """summary.json: the final model's held-out figures, and the training throughput (held-out evaluations
     excluded; this session's steps when resumed)."""
     train_seconds = max(result["wall_seconds"] - counters["eval_seconds"], 1e-9)
@@ -663,7 +762,9 @@ def _summary(cfg, kind: str, unit: str, result, num_train: int, num_eval: int, k
         "kind": kind,
         "steps": result["step"],
         "early_stopped": result["step"] < cfg.train.max_steps,
-        "final_step": keeper.step if num_eval and cfg.reward.keep_best and keeper.step is not None else result["step"],
+        "final_step": keeper.step
+        if num_eval and cfg.reward.keep_best and keeper.step is not None
+        else result["step"],
         f"train_{unit}": num_train,
         f"eval_{unit}": num_eval,
         "train_loss": result["loss"],
@@ -701,8 +802,9 @@ def step_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
     return scores.gather(1, batch["step_positions"])  # (B, S)
 
 
-def step_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, normalizer: float
-              ) -> tuple[torch.Tensor, dict[str, float]]:
+def step_loss(
+    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, normalizer: float
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Binary cross-entropy per step, averaged over the whole batch's steps (Lightman et al. 2023, "Let's
     Verify Step by Step": a PRM predicts each step's correctness at the step's last token).
 
@@ -726,9 +828,12 @@ def prm_metrics(logits: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[
     loss = F.binary_cross_entropy_with_logits(flat_logits, flat_labels)
     step_right = ((flat_logits > 0).double() == flat_labels).double()
     solutions = [bool((lg > 0).all()) == bool(lb.bool().all()) for lg, lb in zip(logits, labels, strict=True)]
-    return {"loss": float(loss), "accuracy": float(step_right.mean()),
-            "solution_accuracy": sum(solutions) / len(solutions),
-            "correct_step_rate": float(flat_labels.mean())}
+    return {
+        "loss": float(loss),
+        "accuracy": float(step_right.mean()),
+        "solution_accuracy": sum(solutions) / len(solutions),
+        "correct_step_rate": float(flat_labels.mean()),
+    }
 
 
 @torch.no_grad()
@@ -744,8 +849,9 @@ def evaluate_prm(model, collate, examples: list[dict], batch_size: int, device) 
     return prm_metrics(logits, labels)
 
 
-def prm_objective(cfg, collate, heldout: list[dict] | None, keeper: BestKeeper, device,
-                  counters: dict[str, float]) -> Objective:
+def prm_objective(
+    cfg, collate, heldout: list[dict] | None, keeper: BestKeeper, device, counters: dict[str, float]
+) -> Objective:
     """Loss, evaluation and early stopping of a process-reward-model run."""
     eval_batch = scoring_batch_size(cfg)
 
@@ -762,8 +868,13 @@ def prm_objective(cfg, collate, heldout: list[dict] | None, keeper: BestKeeper, 
         counters["eval_seconds"] += time.perf_counter() - start
         return metrics
 
-    return Objective(collate=collate, loss=loss, normalizer=lambda exs: float(sum(len(e["labels"]) for e in exs)),
-                     evaluate=evaluate, should_stop=patience_stop(cfg, keeper))
+    return Objective(
+        collate=collate,
+        loss=loss,
+        normalizer=lambda exs: float(sum(len(e["labels"]) for e in exs)),
+        evaluate=evaluate,
+        should_stop=patience_stop(cfg, keeper),
+    )
 
 
 def train_prm(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
@@ -776,13 +887,28 @@ def train_prm(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, A
     run, accelerator = _start_run(cfg, session, resume, overwrite), session.accelerator
     model = _scalar_model(cfg, session)
     collate = PRMCollator(session.tokenizer.pad_token_id)
-    keeper = BestKeeper(run.path / "best", keep_existing=run.resume_checkpoint is not None,
-                        main_process=accelerator.is_main_process)
+    keeper = BestKeeper(
+        run.path / "best",
+        keep_existing=run.resume_checkpoint is not None,
+        main_process=accelerator.is_main_process,
+    )
     counters = {"tokens": 0.0, "eval_seconds": 0.0}
     objective = prm_objective(cfg, collate, heldout, keeper, accelerator.device, counters)
     result, model = _fit(cfg, session, model, examples, objective, keeper, bool(heldout), counters)
-    final_eval = evaluate_prm(model, collate, heldout, scoring_batch_size(cfg), accelerator.device) if heldout else {}
-    summary = _summary(cfg, "prm", "solutions", result, len(examples), len(heldout or []), keeper, final_eval,
-                       counters, accelerator)
+    final_eval = (
+        evaluate_prm(model, collate, heldout, scoring_batch_size(cfg), accelerator.device) if heldout else {}
+    )
+    summary = _summary(
+        cfg,
+        "prm",
+        "solutions",
+        result,
+        len(examples),
+        len(heldout or []),
+        keeper,
+        final_eval,
+        counters,
+        accelerator,
+    )
     _finish(session, model, summary)
     return summary

@@ -38,8 +38,9 @@ from rlhfkit.report import write_report
 from rlhfkit.trainers.loop import Objective, micro_batches, router_aux_coef, run_tokenizer, train_offline
 
 
-def completion_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], router_aux: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def completion_nll(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], router_aux: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-token negative log-likelihood of the labels, its mask, and the router load-balancing loss.
 
     Args:
@@ -56,8 +57,13 @@ def completion_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor], route
     return -logprobs, mask, (out.aux_loss if router_aux else None)
 
 
-def sft_objective(collate: SFTCollator, eval_examples: list[dict] | None, eval_batch_size: int, device,
-                  aux_coef: float = 0.0) -> Objective:
+def sft_objective(
+    collate: SFTCollator,
+    eval_examples: list[dict] | None,
+    eval_batch_size: int,
+    device,
+    aux_coef: float = 0.0,
+) -> Objective:
     """The SFT loss (token-mean over the whole batch, plus ``aux_coef`` times a mixture of experts' router
     load-balancing loss) and an evaluation loss on held-out examples."""
 
@@ -101,19 +107,35 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     examples, eval_examples = prepare_run_data(cfg.data, "sft", tokenizer, limits, accelerator)
     run = open_run(cfg, accelerator, resume, overwrite)
 
-    model = load_causal_lm(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
-                           dtype=cfg.model.dtype, tokenizer=tokenizer, dropout=not cfg.model.disable_dropout)
+    model = load_causal_lm(
+        cfg.model.name_or_path,
+        trust_remote_code=cfg.model.trust_remote_code,
+        dtype=cfg.model.dtype,
+        tokenizer=tokenizer,
+        dropout=not cfg.model.disable_dropout,
+    )
     model = prepare_trained(model, cfg.model).to(accelerator.device)  # LoRA / gradient checkpointing
     collate = SFTCollator(tokenizer.pad_token_id)
     eval_batch = cfg.train.micro_batch_size or cfg.train.batch_size
-    objective = sft_objective(collate, eval_examples, eval_batch, accelerator.device,
-                              router_aux_coef(model, cfg.model.router_aux_loss_coef))
+    objective = sft_objective(
+        collate,
+        eval_examples,
+        eval_batch,
+        accelerator.device,
+        router_aux_coef(model, cfg.model.router_aux_loss_coef),
+    )
     result = train_offline(cfg, run, model, examples, objective, accelerator)
 
-    summary = {"kind": "sft", "steps": result["step"], "train_loss": result["loss"],
-               "eval_loss": result["eval"].get("loss"), "eval_perplexity": result["eval"].get("perplexity"),
-               "train_examples": len(examples), "wall_seconds": result["wall_seconds"],
-               "examples_per_second": result["examples_per_second"]}
+    summary = {
+        "kind": "sft",
+        "steps": result["step"],
+        "train_loss": result["loss"],
+        "eval_loss": result["eval"].get("loss"),
+        "eval_perplexity": result["eval"].get("perplexity"),
+        "train_examples": len(examples),
+        "wall_seconds": result["wall_seconds"],
+        "examples_per_second": result["examples_per_second"],
+    }
     if accelerator.is_main_process:
         save_hf_folder(accelerator.unwrap_model(model), tokenizer, run.final_dir, dtype=cfg.model.save_dtype)
         run.write_summary(summary)
