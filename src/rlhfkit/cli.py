@@ -7,8 +7,10 @@
     rlhfkit report RUN_DIR [RUN_DIR ...] [--out FILE]
 
 A user's mistake (a :class:`rlhfkit.errors.UserError`: bad configuration, bad data, an occupied output
-folder) prints one line ``rlhfkit: error: <message>`` on stderr and exits with code 2; any other exception is
-a bug and keeps its traceback. :func:`main` takes ``argv`` and returns the exit code, so tests call it
+folder) prints one line ``rlhfkit: error: <message>`` on stderr and exits with code 2. A run that stops on
+purpose prints ``rlhfkit: stopped: <message>``: exit 3 when it diverged (a non-finite loss, gradient, reward
+or value: :mod:`rlhfkit.engine.guards`), 130 / 143 after SIGINT / SIGTERM (:mod:`rlhfkit.engine.signals`).
+A full disk gives one line and exit 1. Any other exception is a bug and keeps its traceback. :func:`main` takes ``argv`` and returns the exit code, so tests call it
 in-process.
 
 Each command runs a function named in :data:`TARGETS` (``module:function``), imported only when that
@@ -24,6 +26,7 @@ group at the end (:func:`rlhfkit.engine.accel.end_processes`).
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
 import sys
@@ -32,7 +35,7 @@ from pathlib import Path
 
 from rlhfkit import __version__
 from rlhfkit.config import KINDS, config_help, load_config
-from rlhfkit.errors import UserError
+from rlhfkit.errors import RunStopped, UserError
 
 # Command -> "module:function". Trainers are called as train(cfg: RunConfig, resume: bool).
 TARGETS: dict[str, str] = {
@@ -84,6 +87,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(e).split("\n"))
         print(f"rlhfkit: error: {message}", file=sys.stderr)
         return 2
+    except RunStopped as e:  # diverged (3), or a signal asked to stop (128 + signal)
+        print(f"rlhfkit: stopped: {' '.join(str(e).split())}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"rlhfkit: error: {e.strerror} while writing {e.filename or 'a file'}", file=sys.stderr)
+        return 1
     finally:
         _leave_process_group(wait=ok)
 
@@ -248,13 +259,27 @@ def _train(args: argparse.Namespace) -> int:
     _set_threads()
     from rlhfkit.engine.accel import launch_rank
     from rlhfkit.engine.run import prepare_output_dir  # imports torch
+    from rlhfkit.engine.signals import graceful_stop
 
     train = resolve(TARGETS[args.kind])
     if (
         launch_rank() == 0
     ):  # one process checks (and with --overwrite empties) the folder; the others wait for it
         prepare_output_dir(cfg.output_dir, resume=args.resume, overwrite=args.overwrite)
-    train(cfg, resume=args.resume)
+    if args.resume:
+        from rlhfkit.engine.folder import finished_run
+
+        done = finished_run(cfg.output_dir, cfg.train.max_steps)
+        if done is not None:  # its final/ and summary.json stay as they are
+            if launch_rank() == 0:
+                print(
+                    f"rlhfkit: {cfg.output_dir} is a finished run (step {done}); nothing to resume. A larger "
+                    "train.max_steps continues it",
+                    file=sys.stderr,
+                )
+            return 0
+    with graceful_stop():  # SIGTERM / SIGINT: finish the step, checkpoint, exit 128 + signal
+        train(cfg, resume=args.resume)
     return 0
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -205,6 +206,12 @@ class TrainConfig:
     log_steps: int = option(1, "Write a line to metrics.jsonl every N steps.", gt=0)
     keep_last_checkpoints: int | None = option(
         None, "Keep only the newest N complete checkpoints; none = keep all.", gt=0
+    )
+    skip_nonfinite_steps: int = option(
+        0,
+        "A step whose loss, gradient norm, rewards or values are not finite stops the run (exit 3); skip up "
+        "to N such steps instead (no optimizer step; counted as guard/skipped_steps).",
+        ge=0,
     )
 
 
@@ -668,6 +675,8 @@ def _check_bounds(obj: Any, prefix: str, fail) -> None:
             continue
         if value is None or isinstance(value, bool) or not isinstance(value, int | float):
             continue
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(prefix + f.name, f"must be a finite number, got {value}")
         for bound, holds in (
             ("gt", value.__gt__),
             ("ge", value.__ge__),

@@ -11,6 +11,7 @@ import torch
 
 from rlhfkit.config import load_config
 from rlhfkit.engine.checkpoint import save_checkpoint
+from rlhfkit.engine.folder import LOCK_FILE
 from rlhfkit.engine.run import (
     RUN_MARKER,
     MetricsWriter,
@@ -41,7 +42,7 @@ def test_output_dir_rules(tmp_path):
     prepare_output_dir(run, resume=True)
     assert (run / "metrics.jsonl").exists()
     prepare_output_dir(run, overwrite=True)
-    assert [p.name for p in run.iterdir()] == [RUN_MARKER]
+    assert sorted(p.name for p in run.iterdir()) == [RUN_MARKER, LOCK_FILE]  # the marker and the lock
 
     foreign = tmp_path / "home"
     foreign.mkdir()
