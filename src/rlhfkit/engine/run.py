@@ -157,7 +157,8 @@ class RunDir:
         """Write ``config.yaml``. When resuming, first refuse changes that would make the run differ."""
         if not self.main_process:
             return
-        if resume and self.config_path.is_file():
+        # Without a checkpoint a resumed run starts again from step 0: any settings may change then.
+        if resume and self.config_path.is_file() and getattr(self, "resume_checkpoint", None) is not None:
             import yaml
 
             old = flatten_dict(yaml.safe_load(self.config_path.read_text()) or {})
