@@ -311,6 +311,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError(f"--temperature must be >= 0, got {temperature}")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.out is not None and not Path(args.out).absolute().parent.is_dir():
+        raise UserError(f"--out {args.out}: its folder {Path(args.out).absolute().parent} does not exist")
     if args.reward_model is not None and not Path(args.reward_model).is_dir():
         raise UserError(f"--reward-model: folder not found: {args.reward_model}")
     _set_threads()

@@ -271,7 +271,7 @@ def verify_checkpoint(path: str | Path) -> dict:
         )
     if _read_marker(path) is None:
         raise CheckpointError(
-            f"{path}: incomplete (a file listed in {MARKER} is missing or has another size)"
+            f"{path}: not a complete rlhfkit checkpoint (a file listed in {MARKER} is missing or truncated)"
         )
     sums = marker.get("sha256") or {}
     for name in sorted(sums):
