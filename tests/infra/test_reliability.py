@@ -631,3 +631,64 @@ def test_a_second_signal_stops_at_once(monkeypatch):
         signals._handler(signal.SIGTERM, None)
         assert exits == [143]
     assert signals.requested() is None
+
+
+def _worker_with_rank(parent: int, rank: str, timeout: float = 60) -> int:
+    """The PID of the child of ``parent`` (torchrun) whose environment says RANK=``rank``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = (entry / "status").read_text()
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+            if ppid == parent and f"RANK={rank}".encode() in environ:
+                return int(entry.name)
+        time.sleep(0.2)
+    raise AssertionError(f"no worker with RANK={rank} under {parent}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the workers through /proc")
+def test_under_two_processes_a_signal_to_one_stops_both_after_the_same_step(problem, tmp_path):
+    """SIGTERM to rank 1 only: the guard's all-reduce carries the stop, both processes finish the same step,
+    rank 0 checkpoints it, both exit 143 with the same line."""
+    out = tmp_path / "run"
+    args = sft(problem, out, "train.max_steps=100000", "train.save_steps=100000")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "rlhfkit.cli",
+            *args,
+        ],
+        env=_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.is_file() and metrics.read_text().count("\n") >= 2:
+                break
+            time.sleep(0.2)
+        os.kill(_worker_with_rank(proc.pid, "1"), signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    last = read_metrics(out / "metrics.jsonl")[-1]["step"]
+    stopped = [line for line in err.splitlines() if "rlhfkit: stopped: " in line]
+    assert len(stopped) == 2, err  # one per process, the same step
+    assert all(f"stopped after step {last}, which is checkpointed" in line for line in stopped), err
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == [f"step-{last}"]
+    assert "exitcode  : 143" in err, err  # torchrun reports the first to end (its own report has a traceback)
