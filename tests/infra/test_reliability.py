@@ -692,3 +692,22 @@ def test_under_two_processes_a_signal_to_one_stops_both_after_the_same_step(prob
     assert all(f"stopped after step {last}, which is checkpointed" in line for line in stopped), err
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == [f"step-{last}"]
     assert "exitcode  : 143" in err, err  # torchrun reports the first to end (its own report has a traceback)
+
+
+def test_installed_versions_meet_the_security_floors_of_pyproject():
+    """SECURITY.md's floors (torch >= 2.6 for CVE-2025-32434, transformers >= 5.3 for CVE-2026-4372) are in
+    pyproject.toml, and what this environment runs satisfies them."""
+    from importlib.metadata import version
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    requirements = pytest.importorskip("packaging.requirements")
+    Requirement = requirements.Requirement
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    floors = {r.name: r for r in map(Requirement, project["dependencies"])}
+    assert floors["torch"].specifier.contains("2.6.0") and not floors["torch"].specifier.contains("2.5.1")
+    assert floors["transformers"].specifier.contains("5.3.0")
+    assert not floors["transformers"].specifier.contains("5.2.9")
+    for name in ("torch", "transformers"):
+        installed = version(name).split("+")[0]
+        assert floors[name].specifier.contains(installed, prereleases=True), (name, installed)
