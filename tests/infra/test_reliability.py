@@ -711,3 +711,26 @@ def test_installed_versions_meet_the_security_floors_of_pyproject():
     for name in ("torch", "transformers"):
         installed = version(name).split("+")[0]
         assert floors[name].specifier.contains(installed, prereleases=True), (name, installed)
+
+
+@pytest.mark.parametrize("truncation", ["error", "right"])
+def test_a_huge_prompt_is_measured_on_a_bounded_prefix(monkeypatch, truncation):
+    """No text longer than PREFIX_CHARS_PER_TOKEN * (max_prompt_length + 2) characters is tokenised for a
+    prompt far over the limit, and "right" truncation gives what cutting the whole prompt's ids gives."""
+    from rlhfkit.data import tokenize
+    from rlhfkit.data.records import FieldError
+
+    tokenizer = tiny_tokenizer()
+    prompt = "the cat sat on a mat . " * 200_000  # 4.6 MB
+    whole = tokenize._ids(tokenizer, prompt, special=True)
+    longest = []
+    real_ids = tokenize._ids
+    monkeypatch.setattr(
+        tokenize, "_ids", lambda tok, text, special: longest.append(len(text)) or real_ids(tok, text, special)
+    )
+    if truncation == "error":
+        with pytest.raises(FieldError, match=r"is at least \d+ tokens, longer than max_prompt_length=16"):
+            tokenize.encode_prompt(tokenizer, prompt, 16, truncation)
+    else:
+        assert tokenize.encode_prompt(tokenizer, prompt, 16, truncation) == whole[:16]
+    assert max(longest) <= tokenize.PREFIX_CHARS_PER_TOKEN * 18
