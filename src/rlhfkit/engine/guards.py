@@ -129,7 +129,9 @@ class FiniteGuard:
             if newest is not None
             else "no checkpoint was written yet"
         )
-        if not can_skip:
+        if bad == ["reward-model score"]:
+            advice = "the reward model (online.reward_model) scores responses as NaN or infinite: check its weights"
+        elif not can_skip:
             advice = "lower train.learning_rate or check the data"
         elif self.skip_budget:
             advice = f"all {self.skip_budget} skips of train.skip_nonfinite_steps are used"
