@@ -25,8 +25,12 @@ from pathlib import Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quickstart", required=True, help="a finished `rlhfkit quickstart --out DIR` folder")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quickstart", required=True, help="a finished `rlhfkit quickstart --out DIR` folder"
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--alpha", type=float, default=16.0)
@@ -68,7 +72,9 @@ def main() -> None:
     for name, overrides in variants:
         out = Path(args.out) / name.replace(" ", "_")
         cfg = load_config(
-            str(qs / "ppo" / "config.yaml"), [f"output_dir={out}", "logging.progress_bar=false", *overrides], "ppo"
+            str(qs / "ppo" / "config.yaml"),
+            [f"output_dir={out}", "logging.progress_bar=false", *overrides],
+            "ppo",
         )
         meter = HackingMeter(task, sft_dir, rm_dir, qs / "task" / "prompts_eval.jsonl", preset, seed)
         start = time.perf_counter()
