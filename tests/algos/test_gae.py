@@ -15,7 +15,7 @@ NAN, INF = float("nan"), float("inf")
 
 
 def close(actual, expected, rel=1e-5):
-    """Within rel * (1 + |expected|) everywhere (the accuracy bound of docs/design.md, "The algorithm core")."""
+    """Within rel * (1 + |expected|) everywhere (docs/design.md, "The algorithm core": the accuracy bound)."""
     err = (actual.double() - expected.double()).abs()
     assert bool((err <= rel * (1 + expected.double().abs())).all()), f"max error {err.max().item()}"
 

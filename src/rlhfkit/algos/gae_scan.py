@@ -152,7 +152,7 @@ def compute_gae(
     lam: float = 0.95,
     dones: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over the valid tokens of each row: :func:`rlhfkit.algos.gae_loop`, fast.
+    """Generalized advantage estimation over the valid tokens of each row: what ``gae_loop`` computes, fast.
 
     For a valid t with next valid position n(t) in its row (V_{n(t)} = A_{n(t)} = 0 after the row's last
     valid token)::
