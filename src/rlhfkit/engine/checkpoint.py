@@ -17,7 +17,7 @@ checksum first (:func:`verify_checkpoint`), so a flipped byte is a named :class:
 silently loaded weights; :func:`resume_checkpoint` picks the newest checkpoint that verifies and says on
 stderr which newer ones it passed over and why. Model weights are checked to be finite before they are
 written (a diverged run never leaves a checkpoint to resume into NaN). Loading restores models, optimizers,
-schedulers and RNG streams so that a resumed run continues bit-identically on CPU (REFERENCES.md, bug 11;
+schedulers and RNG streams so that a resumed run continues bit-identically on CPU (docs/known-bugs.md, 11;
 huggingface/transformers#39215).
 
 Every non-model state is stored with one encoder (:func:`_encode`): JSON for the structure (dicts with any
@@ -26,7 +26,8 @@ Python objects outside that set (a lambda's closure in a scheduler, a custom cla
 message naming their place, rather than pickled.
 
 One process writes: under data parallelism, call :func:`save_checkpoint` on the main process only (the
-other processes' RNG streams are not captured yet). FSDP / DeepSpeed runs use their native checkpoints.
+other processes' RNG streams are not captured yet). Sharded training (FSDP, DeepSpeed) is refused at start-up
+(:func:`rlhfkit.engine.accel.check_supported`).
 """
 
 from __future__ import annotations
