@@ -82,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         _leave_process_group(wait=ok)
+        if "rlhfkit.engine.folder" in sys.modules:  # the command is over: so is its hold on run folders
+            sys.modules["rlhfkit.engine.folder"].release_locks()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -542,10 +542,9 @@ def test_a_second_writer_is_refused_naming_the_first_and_a_kill_releases_the_loc
     out = tmp_path / "run"
     assert main(sft(problem, out, "train.max_steps=2")) == 0
     before = tree(out)
-    # this process holds the lock of `out` from that run: let it go, as another process would not have it
     from rlhfkit.engine import folder
 
-    folder._held.pop(str(out.resolve())).close()
+    assert not folder.holds_lock(out)  # main() let go of it when the command ended
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -600,8 +599,11 @@ def test_sigterm_during_a_step_finishes_it_checkpoints_it_and_exits_143(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT])
-def test_a_signal_finishes_the_step_checkpoints_it_and_exits_128_plus_the_signal(problem, tmp_path, sig):
-    """Ctrl-C on a real process: one line, no traceback, exit 130, the last step checkpointed."""
+def test_a_signal_finishes_the_step_checkpoints_it_and_exits_128_plus_the_signal(
+    problem, tmp_path, capsys, sig
+):
+    """Ctrl-C on a real process: one line, no traceback, exit 130, the last step checkpointed. While it
+    runs, a --resume of its folder is refused, naming its PID."""
     out = tmp_path / "run"
     args = sft(problem, out, "train.max_steps=100000", "train.save_steps=100000")
     proc = subprocess.Popen(
@@ -613,6 +615,10 @@ def test_a_signal_finishes_the_step_checkpoints_it_and_exits_128_plus_the_signal
         if metrics.is_file() and metrics.read_text().count("\n") >= 2:
             break
         time.sleep(0.2)
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 2
+    refused = capsys.readouterr().err
+    assert f"is in use by another rlhfkit process (PID {proc.pid})" in refused, refused
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, err
@@ -721,7 +727,7 @@ def test_a_huge_prompt_is_measured_on_a_bounded_prefix(monkeypatch, truncation):
     from rlhfkit.data.records import FieldError
 
     tokenizer = tiny_tokenizer()
-    prompt = "the cat sat on a mat . " * 200_000  # 4.6 MB
+    prompt = "the cat sat on a mat . " * 10_000  # 230 kB, 200 x the characters a 16-token check reads
     whole = tokenize._ids(tokenizer, prompt, special=True)
     longest = []
     real_ids = tokenize._ids

@@ -65,6 +65,13 @@ def lock_run_folder(folder: str | Path) -> None:
     _held[key] = f
 
 
+def release_locks() -> None:
+    """Let go of every run-folder lock this process holds: at the end of a command run in-process
+    (:func:`rlhfkit.cli.main`), which for the ``rlhfkit`` program is the end of the process anyway."""
+    while _held:
+        _held.popitem()[1].close()
+
+
 def holds_lock(folder: str | Path) -> bool:
     """Whether this process holds the lock of ``folder``."""
     return str(Path(folder).resolve()) in _held
