@@ -54,6 +54,7 @@ QUICKSTART_STAGES: dict[str, str] = {
     "SFT trainer": "rlhfkit.trainers.sft",
     "reward-model trainer": "rlhfkit.trainers.reward",
     "PPO trainer": "rlhfkit.trainers.online",
+    "DPO trainer": "rlhfkit.trainers.dpo",
     "pipeline": "rlhfkit.pipeline",
     "report": "rlhfkit.report",
 }
@@ -126,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     quick = commands.add_parser(
         "quickstart",
         help="the whole pipeline on the built-in task",
-        description="SFT -> preference labelling -> reward model -> PPO -> evaluation on the built-in "
-        "offline task; writes summary.json and a report.",
+        description="SFT -> preference labelling -> reward model -> PPO, and DPO on the same pairs -> "
+        "evaluation on the built-in offline task; writes summary.json and a report.",
     )
     quick.add_argument(
         "--out", default="runs/quickstart", metavar="DIR", help="output folder (default: %(default)s)"
