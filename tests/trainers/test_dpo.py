@@ -231,3 +231,10 @@ def test_bad_pairs_exit_2_naming_file_line_and_field(tmp_path, capsys, which, fi
     err = capsys.readouterr().err
     assert f"{which}.jsonl" in err and "line 3" in err and field in err and "Traceback" not in err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_example_configuration_loads():
+    from rlhfkit.config import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "examples" / "configs" / "dpo.yaml", [], "dpo")
+    assert cfg.kind == "dpo" and cfg.dpo.loss == "sigmoid" and cfg.dpo.beta == 0.1
