@@ -27,9 +27,11 @@ class DPOPreset:
     beta: float
 
 
+# tiny: measured on a tiny quickstart's pairs (seed 0), 40 steps at 3e-4 reach about PPO's KL to SFT (1.5 nats per
+# response) and most of its gold gain; small: scaled like the other stages, not tuned.
 DPO_PRESETS: dict[str, DPOPreset] = {
-    "tiny": DPOPreset(steps=60, batch=32, lr=1e-4, beta=0.1),
-    "small": DPOPreset(steps=150, batch=64, lr=2e-5, beta=0.1),
+    "tiny": DPOPreset(steps=40, batch=32, lr=3e-4, beta=0.1),
+    "small": DPOPreset(steps=150, batch=64, lr=5e-5, beta=0.1),
     "smoke": DPOPreset(steps=2, batch=8, lr=1e-4, beta=0.1),
 }
 
@@ -55,7 +57,7 @@ def dpo_stage(
         "train.lr_schedule": "linear",
         "train.warmup_steps": max(1, d.steps // 10),
         "train.save_steps": d.steps,
-        "train.eval_steps": max(1, d.steps // 4),
+        "train.eval_steps": max(1, d.steps // 2),
         "train.log_steps": 5,
         "dpo.beta": d.beta,
     }
