@@ -124,10 +124,15 @@ def policy_samples(
     out = {"responses": int(mask.shape[0]), "tokens": int(mask.sum()), "temperature": temperature}
     out["kl_exact_mean"] = float((exact["kl"] * mask).sum(1).mean())
     out["chi2_minus_kl_exact_mean"] = float((exact["k3_rev"] * mask).sum(1).mean())
+    n = mask.sum()
     for name, v in values.items():
         per_response = (v * mask).sum(1)  # (B,)
         out[f"{name}_mean"] = float(per_response.mean())
         out[f"{name}_std"] = float(per_response.std())
+        # per token, the estimator minus its exact expectation given the prefix: mean and standard error
+        error = (v - exact[name])[r.mask]
+        out[f"{name}_token_error"] = float(error.sum() / n)
+        out[f"{name}_token_error_se"] = float(error.std() / n.sqrt())
     out["k1_negative_token_share"] = float(((values["k1"] < 0) & r.mask).double().sum() / mask.sum())
     return out
 
@@ -164,14 +169,17 @@ def markdown(summary: list[dict[str, float]], samples: int, policy: dict | None)
             f"The policy's own samples ({policy['responses']} responses, {policy['tokens']} tokens, temperature "
             f"{policy['temperature']:g}): per response, the sum over its tokens.",
             "",
-            "| figure | mean | std over responses |",
-            "|---|---|---|",
-            f"| exact KL (sum of per-token KL) | {policy['kl_exact_mean']:.4f} | |",
-            f"| exact chi^2 - KL | {policy['chi2_minus_kl_exact_mean']:.4f} | |",
+            "| figure | mean | std over responses | per token: mean of (estimate - its exact target) +- s.e. |",
+            "|---|---|---|---|",
+            f"| exact KL (sum of per-token KL) | {policy['kl_exact_mean']:.4f} | | |",
+            f"| exact chi^2 - KL | {policy['chi2_minus_kl_exact_mean']:.4f} | | |",
         ]
         for name in ESTIMATORS:
-            lines.append(f"| {name} | {policy[f'{name}_mean']:.4f} | {policy[f'{name}_std']:.4f} |")
-        lines.append(f"| share of tokens with k1 < 0 | {policy['k1_negative_token_share']:.3f} | |")
+            lines.append(
+                f"| {name} | {policy[f'{name}_mean']:.4f} | {policy[f'{name}_std']:.4f} "
+                f"| {policy[f'{name}_token_error']:+.4f} +- {policy[f'{name}_token_error_se']:.4f} |"
+            )
+        lines.append(f"| share of tokens with k1 < 0 | {policy['k1_negative_token_share']:.3f} | | |")
     return "\n".join(lines) + "\n"
 
 
