@@ -198,6 +198,9 @@ def test_train_dpo_starts_at_ln2_learns_the_pairs_and_saves_a_policy(tmp_path, l
     final = tmp_path / "run" / "final"
     assert (final / "model.safetensors").is_file() and (final / "adapter").is_dir() == lora
     assert (tmp_path / "run" / "report.html").is_file()
+    assert {"dpo_logratios.png", "accuracy.png", "losses.png"} <= {
+        p.name for p in (tmp_path / "run" / "report").iterdir()
+    }
 
 
 @pytest.mark.parametrize(
