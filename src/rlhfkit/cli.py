@@ -1,6 +1,6 @@
 """The ``rlhfkit`` command.
 
-    rlhfkit train {sft,reward,prm,ppo,grpo,rloo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
+    rlhfkit train {sft,reward,prm,ppo,grpo,rloo,dpo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
     rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite] [--refresh-steps K]
     rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE] [--reward-model DIR]
     rlhfkit label-pairs --policy DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
@@ -43,6 +43,7 @@ TARGETS: dict[str, str] = {
     "ppo": "rlhfkit.trainers.online:train",
     "grpo": "rlhfkit.trainers.online:train",
     "rloo": "rlhfkit.trainers.online:train",
+    "dpo": "rlhfkit.trainers.dpo:train",
     "quickstart": "rlhfkit.pipeline:quickstart",  # quickstart(out_dir, preset, overwrite)
     "generate": "rlhfkit.rollout.generate_cli:generate",  # see _generate
     "report": "rlhfkit.report:write_reports",  # write_reports(run_dirs, out)
@@ -104,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument(
-        "kind", choices=KINDS, help="sft, reward (Bradley-Terry), prm (process reward), ppo, grpo, rloo"
+        "kind",
+        choices=KINDS,
+        help="sft, reward (Bradley-Terry), prm (process reward), ppo, grpo, rloo, dpo (direct preference "
+        "optimization)",
     )
     train.add_argument("--config", required=True, metavar="FILE", help="the run's YAML configuration")
     folder = train.add_mutually_exclusive_group()
@@ -120,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     quick = commands.add_parser(
         "quickstart",
         help="the whole pipeline on the built-in task",
-        description="SFT -> preference labelling -> reward model -> PPO -> evaluation on the built-in "
-        "offline task; writes summary.json and a report.",
+        description="SFT -> preference labelling -> reward model -> PPO, and DPO on the same pairs -> "
+        "evaluation on the built-in offline task; writes summary.json and a report.",
     )
     quick.add_argument(
         "--out", default="runs/quickstart", metavar="DIR", help="output folder (default: %(default)s)"
