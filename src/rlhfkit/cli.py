@@ -39,7 +39,7 @@ from rlhfkit.errors import RunStopped, UserError
 TARGETS: dict[str, str] = {
     "sft": "rlhfkit.trainers.sft:train",
     "reward": "rlhfkit.trainers.reward:train",
-    "prm": "rlhfkit.trainers.reward:train_prm",
+    "prm": "rlhfkit.trainers.prm:train_prm",
     "ppo": "rlhfkit.trainers.online:train",
     "grpo": "rlhfkit.trainers.online:train",
     "rloo": "rlhfkit.trainers.online:train",
@@ -87,8 +87,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.modules["rlhfkit.engine.folder"].release_locks()
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose epilog may be a function, called only when the help is printed: the
+    configuration keys' help names the choices ``rlhfkit.algos`` declares, and importing it imports torch,
+    which argument errors and the other commands need not wait for."""
+
+    def format_help(self) -> str:
+        if callable(self.epilog):
+            self.epilog = self.epilog()
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rlhfkit",
         description="Classic RLHF on Hugging Face language models: SFT, reward models, PPO "
         "(and GRPO / RLOO / REINFORCE++).",
@@ -101,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train one model from a YAML configuration",
         description="Train one model. Every configuration key can be set in the YAML file or overridden "
         "here as dotted.key=value (parsed as YAML: 1e-5, true, null, [a, b]).",
-        epilog="configuration keys:\n" + config_help(),
+        epilog=lambda: "configuration keys:\n" + config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument(
