@@ -29,7 +29,6 @@ standard deviations over seeds), ``OUT/table.md`` and ``OUT/temperature.png``. E
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -37,11 +36,8 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
-
-TEMPERATURES = (0.0, 0.3, 0.7, 1.0)
-FIGURES = ("gold", "proxy", "valid_rate", "length", "distinct_rate", "kl", "entropy", "top_mass")
-FIGURES += ("ref_entropy", "ref_top_mass", "top_agree")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the report beside this script
+from temperature_report import TEMPERATURES, TRAIN_TEMPERATURE, report  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -79,10 +75,6 @@ SIZES = {
         eval_prompts=6,
     ),
 }
-
-
-RUN_ORDER = ("sft", "ppo", "ppo-T1", "ppo-kl/4")
-TRAIN_TEMPERATURE = {"sft": 0.7, "ppo": 0.7, "ppo-T1": 1.0, "ppo-kl/4": 0.7}  # SFT: the usual sampling T
 
 
 def runs_of(sizes: Sizes) -> dict[str, dict]:
@@ -282,177 +274,6 @@ def run_seed(seed: int, s: Sizes, args) -> list[dict]:
         r["rm_accuracy"] = info["rm_accuracy"]
     cache.write_text(json.dumps(rows, indent=1))
     return rows
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The table
-
-
-def aggregate(rows: list[dict]) -> list[dict]:
-    """Mean and standard deviation over seeds of every figure, per (run, rollout, temperature); with each
-    checkpoint's KL at its training temperature (``kl_train``)."""
-    keys = sorted({(r["run"], r["rollout"], r["temperature"]) for r in rows}, key=_order)
-    out = []
-    for run, rollout, t in keys:
-        cell = [r for r in rows if (r["run"], r["rollout"], r["temperature"]) == (run, rollout, t)]
-        at_train = [
-            r["kl"]
-            for r in rows
-            if (r["run"], r["rollout"], r["temperature"]) == (run, rollout, TRAIN_TEMPERATURE[run])
-            and r["kl"] is not None
-        ]
-        row = {"run": run, "rollout": rollout, "temperature": t, "seeds": len(cell)}
-        row["kl_train"] = float(np.mean(at_train)) if at_train and run != "sft" else 0.0
-        for f in FIGURES:
-            values = [r[f] for r in cell if r.get(f) is not None]
-            row[f] = float(np.mean(values)) if values else None
-            row[f + "_sd"] = float(np.std(values, ddof=1)) if len(values) > 1 else None
-        out.append(row)
-    return out
-
-
-def _order(key):
-    run, rollout, t = key
-    return (RUN_ORDER.index(run), rollout, t)
-
-
-def best_temperature_counts(rows: list[dict]) -> dict[tuple[str, int], dict[float, int]]:
-    """Per checkpoint: in how many seeds each temperature gave the highest mean gold."""
-    out: dict[tuple[str, int], dict[float, int]] = {}
-    for seed in sorted({r["seed"] for r in rows}):
-        for run, rollout in sorted({(r["run"], r["rollout"]) for r in rows}):
-            cell = [r for r in rows if (r["seed"], r["run"], r["rollout"]) == (seed, run, rollout)]
-            if cell:
-                best = max(cell, key=lambda r: r["gold"])["temperature"]
-                counts = out.setdefault((run, rollout), {})
-                counts[best] = counts.get(best, 0) + 1
-    return out
-
-
-def _pm(row, f, digits=2):
-    m, sd = row.get(f), row.get(f + "_sd")
-    if m is None:
-        return "–"
-    return f"{m:.{digits}f}" + ("" if sd is None else f" ± {sd:.{digits}f}")
-
-
-def markdown_tables(table: list[dict], rows: list[dict], temperatures) -> str:
-    """Two tables: gold at each temperature per checkpoint; every figure for each run's last checkpoint."""
-    counts = best_temperature_counts(rows)
-    checkpoints = list(dict.fromkeys((r["run"], r["rollout"]) for r in table))
-    temps = " | ".join(f"gold T={t:g}" for t in temperatures)
-    lines = [
-        f"| policy | rollout | KL (nats, train T) | {temps} | best T (seeds) | greedy − T=0.7 |",
-        "|---|---|---|" + "---|" * len(temperatures) + "---|---|",
-    ]
-    for run, rollout in checkpoints:
-        cells = {r["temperature"]: r for r in table if (r["run"], r["rollout"]) == (run, rollout)}
-        golds = " | ".join(_pm(cells[t], "gold") if t in cells else "–" for t in temperatures)
-        best = ", ".join(f"{t:g}: {n}" for t, n in sorted(counts.get((run, rollout), {}).items()))
-        gap = f"{cells[0.0]['gold'] - cells[0.7]['gold']:+.2f}" if 0.0 in cells and 0.7 in cells else "–"
-        kl = "0" if run == "sft" else f"{cells[temperatures[-1]]['kl_train']:.2f}"
-        lines.append(f"| {run} | {rollout} | {kl} | {golds} | {best} | {gap} |")
-    lines += [
-        "",
-        "| policy | rollout | T | gold | proxy | valid | length | distinct | KL at T | entropy | top mass"
-        " | SFT entropy | SFT top mass | top-1 agrees |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    last = {}
-    for run, rollout in checkpoints:
-        last[run] = max(rollout, last.get(run, 0))
-    for r in table:
-        if r["rollout"] != last[r["run"]]:
-            continue
-        figures = " | ".join(
-            _pm(r, f, 1 if f in ("length",) else 2)
-            for f in ("gold", "proxy", "valid_rate", "length", "distinct_rate", "kl", "entropy", "top_mass")
-        )
-        sft_side = " | ".join(_pm(r, f) for f in ("ref_entropy", "ref_top_mass", "top_agree"))
-        lines.append(f"| {r['run']} | {r['rollout']} | {r['temperature']:g} | {figures} | {sft_side} |")
-    return "\n".join(lines)
-
-
-def write_csv(path: Path, records: list[dict]) -> None:
-    fields = list(dict.fromkeys(k for r in records for k in r))
-    with path.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        for r in records:
-            writer.writerow({k: ("" if v is None else v) for k, v in r.items()})
-
-
-def plot(path: Path, table: list[dict], temperatures) -> None:
-    """Gold against temperature (last checkpoints); greedy minus T=0.7 gold, entropy and top-token mass
-    against KL (every checkpoint); validity against temperature."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 4, figsize=(19.0, 4.3), dpi=100)
-    last: dict[str, int] = {}
-    for r in table:
-        last[r["run"]] = max(r["rollout"], last.get(r["run"], 0))
-    for i, run in enumerate(r for r in RUN_ORDER if r in last):
-        mine = [r for r in table if r["run"] == run]
-        final = sorted((r for r in mine if r["rollout"] == last[run]), key=lambda r: r["temperature"])
-        label = f"{run} (rollout {last[run]}, KL {final[0]['kl_train']:.1f})" if run != "sft" else "sft"
-        for ax, f in ((axes[0], "gold"), (axes[3], "valid_rate")):
-            sd = [r.get(f + "_sd") or 0.0 for r in final]
-            ax.errorbar([r["temperature"] for r in final], [r[f] for r in final], sd, marker="o", capsize=3,
-                        color=f"C{i}", label=label)  # fmt: skip
-        by_ckpt: dict[int, dict[float, dict]] = {}
-        for r in mine:
-            by_ckpt.setdefault(r["rollout"], {})[r["temperature"]] = r
-        points = sorted(
-            (c[0.7]["kl_train"], c[0.0]["gold"] - c[0.7]["gold"], c[0.7]["entropy"], c[0.7]["top_mass"])
-            for c in by_ckpt.values()
-            if 0.0 in c and 0.7 in c
-        )
-        if points:
-            kl, gap, ent, top = (np.array(x) for x in zip(*points, strict=True))
-            axes[1].plot(kl, gap, "o-", color=f"C{i}", label=run)
-            axes[2].plot(kl, ent, "o-", color=f"C{i}", label=f"{run}: entropy")
-            axes[2].plot(kl, top, "s--", color=f"C{i}", alpha=0.6, label=f"{run}: top-token mass")
-    axes[0].set(title="Gold score by sampling temperature (held out)", xlabel="temperature (0 = greedy)")
-    axes[1].set(title="Greedy minus T=0.7 gold, along the runs", xlabel="KL to SFT (nats/response)")
-    axes[2].set(title="Sharpness on T=0.7 samples (policy at T=1)", xlabel="KL to SFT (nats/response)")
-    axes[3].set(title="Valid responses", xlabel="temperature (0 = greedy)", ylim=(0, 1.05))
-    axes[1].axhline(0.0, color="black", linewidth=0.6)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def report(out: Path, temperatures) -> list[dict]:
-    rows = []
-    for folder in sorted(out.glob("seed-*")):
-        if (folder / "rows.json").is_file():
-            rows += json.loads((folder / "rows.json").read_text())
-    if not rows:
-        raise SystemExit(f"no finished seed in {out}")
-    table = aggregate(rows)
-    write_csv(out / "rows.csv", rows)
-    write_csv(out / "table.csv", table)
-    text = markdown_tables(table, rows, temperatures)
-    seeds = sorted({r["seed"] for r in rows})
-    accuracy = ", ".join(
-        "n/a" if r["rm_accuracy"] is None else f"{r['rm_accuracy']:.3f}"
-        for r in rows
-        if r["run"] == "sft" and r["temperature"] == 0
-    )
-    header = (
-        f"Seeds {seeds}; mean ± sd over seeds; reward-model held-out gold accuracy per seed: {accuracy}.\n\n"
-    )
-    (out / "table.md").write_text(header + text + "\n", encoding="utf-8")
-    plot(out / "temperature.png", table, temperatures)
-    print(header + text, flush=True)
-    print(f"\nwrote {out / 'table.md'}, table.csv, rows.csv, temperature.png", flush=True)
-    return table
 
 
 def parse_args(argv=None):

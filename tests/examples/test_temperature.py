@@ -13,10 +13,11 @@ import pytest
 from tests.examples.loader import load_example
 
 ex = load_example("experiments/temperature")
+rep = load_example("experiments/temperature_report")
 
 
 def _row(seed, run, rollout, t, gold, kl=None, **more):
-    figures = {f: 0.5 for f in ex.FIGURES}
+    figures = {f: 0.5 for f in rep.FIGURES}
     figures.update(gold=gold, kl=kl, **more)
     return {"seed": seed, "run": run, "rollout": rollout, "temperature": t, "rm_accuracy": 0.8, **figures}
 
@@ -31,7 +32,7 @@ def test_aggregate_means_and_sds_over_seeds_with_the_kl_at_the_training_temperat
         _row(0, "ppo-T1", 10, 0.7, 0.0, kl=9.0),
         _row(0, "sft", 0, 0.7, 0.4, kl=0.01),
     ]
-    table = {(r["run"], r["rollout"], r["temperature"]): r for r in ex.aggregate(rows)}
+    table = {(r["run"], r["rollout"], r["temperature"]): r for r in rep.aggregate(rows)}
     greedy = table[("ppo", 10, 0.0)]
     assert (
         greedy["gold"] == 2.0 and greedy["gold_sd"] == pytest.approx(math.sqrt(2.0)) and greedy["seeds"] == 2
@@ -40,9 +41,9 @@ def test_aggregate_means_and_sds_over_seeds_with_the_kl_at_the_training_temperat
     assert greedy["kl_train"] == 2.0 == table[("ppo", 10, 0.7)]["kl_train"]  # mean KL at T = 0.7
     assert table[("ppo-T1", 10, 0.7)]["kl_train"] == 5.0  # trained at T = 1: its KL there, not at 0.7
     assert table[("sft", 0, 0.7)]["kl_train"] == 0.0 and table[("sft", 0, 0.7)]["gold_sd"] is None
-    assert [r["run"] for r in ex.aggregate(rows)][:1] == ["sft"]  # SFT first, then the runs in order
-    assert ex.best_temperature_counts(rows)[("ppo", 10)] == {0.7: 1, 0.0: 1}  # seed 0: T=0.7; seed 1: greedy
-    text = ex.markdown_tables(ex.aggregate(rows), rows, [0.0, 0.7])
+    assert [r["run"] for r in rep.aggregate(rows)][:1] == ["sft"]  # SFT first, then the runs in order
+    assert rep.best_temperature_counts(rows)[("ppo", 10)] == {0.7: 1, 0.0: 1}  # seed 0: T=0.7; seed 1: greedy
+    text = rep.markdown_tables(rep.aggregate(rows), rows, [0.0, 0.7])
     assert "| ppo | 10 | 2.00 | 2.00 ± 1.41 | 2.25 ± 0.35 | 0: 1, 0.7: 1 | -0.25 |" in text
 
 
@@ -53,7 +54,7 @@ def test_the_best_temperature_is_counted_per_seed():
         for seed, gs in golds.items()
         for t, g in zip((0.0, 0.7, 1.0), gs, strict=True)
     ]
-    assert ex.best_temperature_counts(rows) == {("ppo", 40): {0.7: 2, 0.0: 1}}
+    assert rep.best_temperature_counts(rows) == {("ppo", 40): {0.7: 2, 0.0: 1}}
 
 
 def test_the_child_command_of_a_seed_carries_every_setting():
@@ -75,7 +76,7 @@ def test_the_script_runs_end_to_end_at_the_smoke_size(tmp_path, capsys):
     # SFT at rollout 0; ppo and ppo-T1 at rollout 2; ppo-kl/4 (twice as long) at 2 and 4; four temperatures each.
     cells = {(r["run"], int(r["rollout"]), float(r["temperature"])) for r in rows}
     checkpoints = [("sft", 0), ("ppo", 2), ("ppo-T1", 2), ("ppo-kl/4", 2), ("ppo-kl/4", 4)]
-    assert len(rows) == 20 and cells == {(run, k, t) for run, k in checkpoints for t in ex.TEMPERATURES}
+    assert len(rows) == 20 and cells == {(run, k, t) for run, k in checkpoints for t in rep.TEMPERATURES}
     for r in rows:
         assert 0.0 <= float(r["valid_rate"]) <= 1.0 and 0.0 < float(r["distinct_rate"]) <= 1.0
         assert (
