@@ -36,8 +36,10 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the report beside this script
-from temperature_report import TEMPERATURES, TRAIN_TEMPERATURE, report  # noqa: E402
+from temperature_report import TEMPERATURES, TERMS, TRAIN_TEMPERATURE, report, terms_report  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -276,6 +278,57 @@ def run_seed(seed: int, s: Sizes, args) -> list[dict]:
     return rows
 
 
+def gold_terms_of_finals(out: Path, s: Sizes, temperatures) -> list[dict]:
+    """The gold score term by term (the task's five terms, means over valid responses), the valid rate and the
+    sentences per response of the SFT policy and each run's final policy at every temperature, sampled as
+    :class:`Evaluator` samples; one row per seed, policy and temperature."""
+    import torch
+
+    from rlhfkit.data import TokenLimits, prepare_examples
+    from rlhfkit.models import load_causal_lm, load_tokenizer
+    from rlhfkit.rollout.evaluate import sample_and_score
+    from rlhfkit.tasks.reviews import gold_terms, parse_response
+
+    rows = []
+    for root in sorted(out.glob("seed-*")):
+        seed = int(root.name.split("-")[1])
+        tokenizer = load_tokenizer(str(root / "sft" / "final"))
+        examples = prepare_examples(
+            str(root / "task" / "prompts_eval.jsonl"), "prompts", tokenizer, TokenLimits(32, None, "left")
+        )[: s.eval_prompts]
+        policies = {"sft": (root / "sft" / "final", 0)}
+        policies.update(
+            {n: (root / n.replace("/", "-") / "final", r["rollouts"]) for n, r in runs_of(s).items()}
+        )
+        for name, (folder, rollout) in policies.items():
+            if not folder.is_dir():
+                continue
+            policy = load_causal_lm(str(folder), tokenizer=tokenizer, frozen=True).eval()
+            for i, t in enumerate(temperatures):
+                torch.manual_seed(1000 * seed + i)
+                samples = sample_and_score(
+                    policy,
+                    tokenizer,
+                    examples,
+                    temperature=t or 1.0,
+                    greedy=t == 0,
+                    max_new_tokens=s.response_length,
+                )
+                pairs = zip(samples.prompts, samples.responses, strict=True)
+                valid = [
+                    (gold_terms(p, r), parse_response(r)) for p, r in pairs if parse_response(r) is not None
+                ]
+                row = {"seed": seed, "run": name, "rollout": rollout, "temperature": t}
+                row["valid_rate"] = len(valid) / max(len(samples.responses), 1)
+                for term in TERMS:
+                    row[term] = float(np.mean([getattr(g, term) for g, _ in valid])) if valid else None
+                row["sentences"] = (
+                    float(np.mean([len(sentences) for _, sentences in valid])) if valid else None
+                )
+                rows.append(row)
+    return rows
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -290,6 +343,11 @@ def parse_args(argv=None):
     p.add_argument("--jobs", type=int, default=1, help="seeds run at once, each in its own process")
     p.add_argument("--overwrite", action="store_true", help="rerun finished stages")
     p.add_argument("--report-only", action="store_true", help="only the table and plot from OUT")
+    p.add_argument(
+        "--terms",
+        action="store_true",
+        help="also the gold score term by term of the final policies (terms.md)",
+    )
     p.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if 0.7 not in args.temperatures or 0.0 not in args.temperatures:
@@ -339,6 +397,9 @@ def main(argv=None) -> int:
                 run_seed(seed, s, args)
     if not args.no_report:
         report(args.out, args.temperatures)
+    if args.terms:
+        terms = gold_terms_of_finals(args.out, sizes_of(args), args.temperatures)
+        print(terms_report(args.out, terms), flush=True)
     return 0
 
 

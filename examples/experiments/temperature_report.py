@@ -16,6 +16,7 @@ import numpy as np
 TEMPERATURES = (0.0, 0.3, 0.7, 1.0)
 FIGURES = ("gold", "proxy", "valid_rate", "length", "distinct_rate", "kl", "entropy", "top_mass")
 FIGURES += ("ref_entropy", "ref_top_mass", "top_agree")
+TERMS = ("relevance", "sentiment", "informativeness", "length", "enthusiasm")  # the reviews task's gold terms
 RUN_ORDER = ("sft", "ppo", "ppo-T1", "ppo-kl/4")
 TRAIN_TEMPERATURE = {"sft": 0.7, "ppo": 0.7, "ppo-T1": 1.0, "ppo-kl/4": 0.7}  # SFT: the usual sampling T
 
@@ -185,3 +186,26 @@ def report(out: Path, temperatures) -> list[dict]:
     print(header + text, flush=True)
     print(f"\nwrote {out / 'table.md'}, table.csv, rows.csv, temperature.png", flush=True)
     return table
+
+
+def terms_report(out: Path, rows: list[dict]) -> str:
+    """``terms.csv`` (per seed) and ``terms.md`` (means over seeds) of the gold score term by term; returns the
+    markdown."""
+    write_csv(out / "terms.csv", rows)
+    keys = sorted({(r["run"], r["rollout"], r["temperature"]) for r in rows}, key=_order)
+    lines = [
+        "| policy | rollout | T | valid | " + " | ".join(TERMS) + " | sentences |",
+        "|---|---|---|---|" + "---|" * len(TERMS) + "---|",
+    ]
+    for key in keys:
+        cell = [r for r in rows if (r["run"], r["rollout"], r["temperature"]) == key]
+
+        def mean(f, cell=cell):
+            values = [r[f] for r in cell if r[f] is not None]
+            return f"{np.mean(values):.2f}" if values else "–"
+
+        figures = " | ".join(mean(f) for f in ("valid_rate", *TERMS, "sentences"))
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]:g} | {figures} |")
+    text = "Gold terms: means over valid responses, then over seeds.\n\n" + "\n".join(lines) + "\n"
+    (out / "terms.md").write_text(text, encoding="utf-8")
+    return text

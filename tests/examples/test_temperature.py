@@ -69,7 +69,7 @@ def test_the_child_command_of_a_seed_carries_every_setting():
 @pytest.mark.slow
 def test_the_script_runs_end_to_end_at_the_smoke_size(tmp_path, capsys):
     out = tmp_path / "out"
-    assert ex.main(["--out", str(out), "--size", "smoke", "--seeds", "0"]) == 0
+    assert ex.main(["--out", str(out), "--size", "smoke", "--seeds", "0", "--terms"]) == 0
     assert "| policy | rollout | KL (nats, train T) |" in capsys.readouterr().out
     with (out / "rows.csv").open() as fh:
         rows = list(csv.DictReader(fh))
@@ -93,5 +93,17 @@ def test_the_script_runs_end_to_end_at_the_smoke_size(tmp_path, capsys):
     assert table.count("\n| ppo-kl/4 | 2 |") == 1 and table.count("\n| ppo-kl/4 | 4 |") == 1 + 4
     assert "gold T=0.3" in table and "top-1 agrees" in table
     assert (out / "temperature.png").stat().st_size > 20_000
+    # The gold terms of the final policies: the same samples as the rows (same seeds), so the same valid rates.
+    with (out / "terms.csv").open() as fh:
+        terms = list(csv.DictReader(fh))
+    finals = [("sft", 0), ("ppo", 2), ("ppo-T1", 2), ("ppo-kl/4", 4)]
+    assert {(r["run"], int(r["rollout"]), float(r["temperature"])) for r in terms} == {
+        (run, k, t) for run, k in finals for t in rep.TEMPERATURES
+    }
+    valid = {(r["run"], int(r["rollout"]), float(r["temperature"])): r["valid_rate"] for r in rows}
+    assert all(
+        valid[(r["run"], int(r["rollout"]), float(r["temperature"]))] == r["valid_rate"] for r in terms
+    )
+    assert (out / "terms.md").read_text().count("\n| ppo-T1 | 2 |") == 4
     assert ex.main(["--out", str(out), "--report-only"]) == 0
     assert (out / "table.md").read_text() == table
