@@ -116,49 +116,58 @@ def write_csv(path: Path, records: list[dict]) -> None:
 
 
 def plot(path: Path, table: list[dict], temperatures) -> None:
-    """Gold against temperature (last checkpoints); greedy minus T=0.7 gold, entropy and top-token mass
-    against KL (every checkpoint); validity against temperature."""
+    """Top row: gold, distinct responses and validity against temperature (each run's last checkpoint; error
+    bars = sd over seeds). Bottom row, along each run from the SFT policy (rollout order): greedy minus T=0.7
+    gold, and the policy's per-token entropy and top-token mass on its T=0.7 samples, against KL."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(19.0, 4.3), dpi=100)
+    fig, axes = plt.subplots(2, 3, figsize=(16.0, 8.6), dpi=100)
     last: dict[str, int] = {}
     for r in table:
         last[r["run"]] = max(r["rollout"], last.get(r["run"], 0))
+    cells = {(r["run"], r["rollout"], r["temperature"]): r for r in table}
     for i, run in enumerate(r for r in RUN_ORDER if r in last):
-        mine = [r for r in table if r["run"] == run]
-        final = sorted((r for r in mine if r["rollout"] == last[run]), key=lambda r: r["temperature"])
+        final = sorted((r for r in table if (r["run"], r["rollout"]) == (run, last[run])), key=_by_t)
         label = f"{run} (rollout {last[run]}, KL {final[0]['kl_train']:.1f})" if run != "sft" else "sft"
-        for ax, f in ((axes[0], "gold"), (axes[3], "valid_rate")):
+        for ax, f in zip(axes[0], ("gold", "distinct_rate", "valid_rate"), strict=True):
             sd = [r.get(f + "_sd") or 0.0 for r in final]
             ax.errorbar([r["temperature"] for r in final], [r[f] for r in final], sd, marker="o", capsize=3,
                         color=f"C{i}", label=label)  # fmt: skip
-        by_ckpt: dict[int, dict[float, dict]] = {}
-        for r in mine:
-            by_ckpt.setdefault(r["rollout"], {})[r["temperature"]] = r
-        points = sorted(
-            (c[0.7]["kl_train"], c[0.0]["gold"] - c[0.7]["gold"], c[0.7]["entropy"], c[0.7]["top_mass"])
-            for c in by_ckpt.values()
-            if 0.0 in c and 0.7 in c
-        )
-        if points:
-            kl, gap, ent, top = (np.array(x) for x in zip(*points, strict=True))
-            axes[1].plot(kl, gap, "o-", color=f"C{i}", label=run)
-            axes[2].plot(kl, ent, "o-", color=f"C{i}", label=f"{run}: entropy")
-            axes[2].plot(kl, top, "s--", color=f"C{i}", alpha=0.6, label=f"{run}: top-token mass")
-    axes[0].set(title="Gold score by sampling temperature (held out)", xlabel="temperature (0 = greedy)")
-    axes[1].set(title="Greedy minus T=0.7 gold, along the runs", xlabel="KL to SFT (nats/response)")
-    axes[2].set(title="Sharpness on T=0.7 samples (policy at T=1)", xlabel="KL to SFT (nats/response)")
-    axes[3].set(title="Valid responses", xlabel="temperature (0 = greedy)", ylim=(0, 1.05))
-    axes[1].axhline(0.0, color="black", linewidth=0.6)
-    for ax in axes:
+        rollouts = sorted({k for r, k, _ in cells if r == run})
+        path_ = [("sft", 0)] * (run != "sft") + [(run, k) for k in rollouts]
+        path_ = [c for c in path_ if (*c, 0.0) in cells and (*c, 0.7) in cells]
+        kl = [cells[(*c, 0.7)]["kl_train"] for c in path_]
+        gap = [cells[(*c, 0.0)]["gold"] - cells[(*c, 0.7)]["gold"] for c in path_]
+        for ax, y in zip(
+            axes[1],
+            (gap, *([cells[(*c, 0.7)][f] for c in path_] for f in ("entropy", "top_mass"))),
+            strict=True,
+        ):
+            ax.plot(kl, y, "o-", color=f"C{i}", label=run, markersize=4)
+            if len(kl) > 1:
+                ax.plot(kl[-1:], y[-1:], "*", color=f"C{i}", markersize=12)
+    titles = ("Gold score (held out)", "Distinct responses / prompts", "Valid responses")
+    for ax, title in zip(axes[0], titles, strict=True):
+        ax.set(title=title, xlabel="sampling temperature (0 = greedy)")
+    axes[1][0].set(title="Greedy minus T=0.7 gold (star: last checkpoint)", ylabel="gold difference")
+    axes[1][1].set(title="Per-token entropy of the policy (T=1), on T=0.7 samples", ylabel="nats")
+    axes[1][2].set(title="Top-token probability, on T=0.7 samples", ylabel="probability")
+    axes[1][0].axhline(0.0, color="black", linewidth=0.6)
+    for ax in axes[1]:
+        ax.set_xlabel("KL to the SFT policy (nats per response, training T)")
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _by_t(row: dict) -> float:
+    return row["temperature"]
 
 
 def report(out: Path, temperatures) -> list[dict]:
