@@ -281,7 +281,7 @@ def run_seed(seed: int, s: Sizes, args) -> list[dict]:
 def gold_terms_of_finals(out: Path, s: Sizes, temperatures) -> list[dict]:
     """The gold score term by term (the task's five terms, means over valid responses), the valid rate and the
     sentences per response of the SFT policy and each run's final policy at every temperature, sampled as
-    :class:`Evaluator` samples; one row per seed, policy and temperature."""
+    :class:`Evaluator` samples; one row per seed, policy and temperature (cached in ``seed-N/terms.json``)."""
     import torch
 
     from rlhfkit.data import TokenLimits, prepare_examples
@@ -291,7 +291,11 @@ def gold_terms_of_finals(out: Path, s: Sizes, temperatures) -> list[dict]:
 
     rows = []
     for root in sorted(out.glob("seed-*")):
-        seed = int(root.name.split("-")[1])
+        cache = root / "terms.json"  # written once the seed has finished (its rows.json exists)
+        if cache.is_file():
+            rows += json.loads(cache.read_text())
+            continue
+        seed, mine = int(root.name.split("-")[1]), []
         tokenizer = load_tokenizer(str(root / "sft" / "final"))
         examples = prepare_examples(
             str(root / "task" / "prompts_eval.jsonl"), "prompts", tokenizer, TokenLimits(32, None, "left")
@@ -325,7 +329,10 @@ def gold_terms_of_finals(out: Path, s: Sizes, temperatures) -> list[dict]:
                 row["sentences"] = (
                     float(np.mean([len(sentences) for _, sentences in valid])) if valid else None
                 )
-                rows.append(row)
+                mine.append(row)
+        if (root / "rows.json").is_file():
+            cache.write_text(json.dumps(mine, indent=1))
+        rows += mine
     return rows
 
 

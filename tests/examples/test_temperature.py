@@ -105,5 +105,6 @@ def test_the_script_runs_end_to_end_at_the_smoke_size(tmp_path, capsys):
         valid[(r["run"], int(r["rollout"]), float(r["temperature"]))] == r["valid_rate"] for r in terms
     )
     assert (out / "terms.md").read_text().count("\n| ppo-T1 | 2 |") == 4
-    assert ex.main(["--out", str(out), "--report-only"]) == 0
-    assert (out / "table.md").read_text() == table
+    terms_md = (out / "terms.md").read_text()
+    assert ex.main(["--out", str(out), "--report-only", "--terms"]) == 0  # from rows.json and terms.json
+    assert (out / "table.md").read_text() == table and (out / "terms.md").read_text() == terms_md
