@@ -50,7 +50,7 @@ class VerifiablePreset:
 
 
 VERIFIABLE_PRESETS: dict[str, VerifiablePreset] = {
-    "tiny": VerifiablePreset("tiny", 1200, 64, 2e-3, 300, 64, 1e-3, 60, 8, 8, 3e-4, 40, 256),
+    "tiny": VerifiablePreset("tiny", 1200, 64, 2e-3, 150, 64, 1e-3, 40, 8, 8, 3e-4, 40, 256),
     "smoke": VerifiablePreset("tiny", 6, 8, 2e-3, 4, 8, 1e-3, 2, 2, 2, 3e-4, 12, 8),
 }
 
