@@ -1,6 +1,6 @@
 """examples/cartpole_ppo.py: the PPO loop runs on rlhfkit.algos, maps episode ends right, and learns.
 
-Tiers (STYLE.md rule 10): hand-checked rollout bookkeeping (truncation bootstraps, dones), a smoke run
+Tiers (docs/design.md, "Tests"): hand-checked rollout bookkeeping (truncation bootstraps, dones), a smoke run
 whose parameters must change with finite losses, a short run that must beat a random policy, and the
 command line in-process. The full run (mean return >= 475 within 500k steps) takes minutes and is not
 part of the suite; see examples/README.md.
@@ -123,11 +123,15 @@ def _random_policy_mean_return(episodes: int, seed: int) -> float:
 
 
 @pytest.mark.slow
-def test_short_run_beats_a_random_policy():
+@pytest.mark.learning
+def test_short_run_beats_a_random_policy(learning_seed, learning_figures):
     """16k steps (16 PPO updates) roughly double the random policy's ~22: learning goes the right way."""
-    random_mean = _random_policy_mean_return(200, seed=0)
+    random_mean = _random_policy_mean_return(200, seed=learning_seed)
     assert 15 < random_mean < 30
-    result = cp.train(cp.Args(seed=0, total_steps=16_384, log_every=0))
+    result = cp.train(cp.Args(seed=learning_seed, total_steps=16_384, log_every=0))
+    learning_figures(
+        random_mean=random_mean, trained_mean=result.mean_return, ratio=result.mean_return / random_mean
+    )
     assert result.mean_return > 1.5 * random_mean, (result.mean_return, random_mean)
 
 

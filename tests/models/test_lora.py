@@ -332,3 +332,88 @@ def test_lora_reward_model_final_and_adapter_folder_score_alike(tmp_path):
         )
     for key in ("rlhfkit_reward_gain", "rlhfkit_reward_bias"):
         assert getattr(adapter.config, key) == getattr(merged.config, key) != getattr(base.config, key, None)
+
+
+def test_lora_grpo_holds_no_critic_and_no_reference_copy_and_trains_only_the_adapter(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    paths = write_online_problem(tmp_path, reward_model=False)
+    cfg = online_config(paths, tmp_path / "grpo", "model.lora_rank=4", kind="grpo")
+    roles = make_context(cfg).roles
+    assert roles.critic is None and isinstance(roles.reference, AdapterDisabled)
+    assert {p.data_ptr() for p in roles.reference.parameters()} <= {
+        p.data_ptr() for p in roles.actor.parameters()
+    }
+    trained = {n for n, p in roles.actor.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+
+    cfg = online_config(
+        paths,
+        tmp_path / "grpo",
+        "model.lora_rank=4",
+        "train.max_steps=2",
+        "train.learning_rate=3e-2",
+        kind="grpo",
+    )
+    from rlhfkit.trainers import online
+
+    online.train(cfg)
+    out = tmp_path / "grpo"
+    base = AutoModelForCausalLM.from_pretrained(paths["policy"]).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "final").eval()  # plain transformers, merged
+    adapter = load_causal_lm(str(out / "final" / "adapter"), tokenizer=load_tokenizer(str(out / "final")))
+    ids, attn = _batch(load_tokenizer(str(out / "final")).pad_token_id)
+    with torch.no_grad():
+        want = response_logprobs(adapter, ids, attn, 3)
+        assert (response_logprobs(merged, ids, attn, 3) - want).abs().max() <= 1e-5
+        assert (response_logprobs(base, ids, attn, 3) - want).abs().max() > 1e-4  # the adapter trained
+
+
+@pytest.mark.slow
+def test_lora_prm_final_and_adapter_folder_score_alike(tmp_path):
+    import random
+
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.helpers import tiny_tokenizer
+    from tests.trainers.test_reward import BODY_WORDS
+
+    tokenizer = tiny_tokenizer()
+    tiny_llama(seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id).save_pretrained(
+        tmp_path / "model"
+    )
+    tokenizer.save_pretrained(tmp_path / "model")
+    rng = random.Random(0)
+    rows = []
+    for _ in range(32):
+        labels = [rng.random() < 0.5 for _ in range(rng.randint(1, 3))]
+        steps = [" ".join(rng.choices(BODY_WORDS, k=2)) + (" good" if ok else " bad") for ok in labels]
+        rows.append({"prompt": " ".join(rng.choices(BODY_WORDS, k=2)), "steps": steps, "labels": labels})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "prm"
+    (tmp_path / "prm.yaml").write_text("seed: 0\n")
+    args = [
+        "train",
+        "prm",
+        "--config",
+        str(tmp_path / "prm.yaml"),
+        f"output_dir={out}",
+        f"model.name_or_path={tmp_path / 'model'}",
+    ]
+    args += [f"data.train_file={tmp_path / 'train.jsonl'}", "train.max_steps=3", "train.batch_size=8"]
+    args += [
+        "train.learning_rate=3e-2",
+        "model.lora_rank=4",
+        "logging.progress_bar=false",
+        "data.max_length=32",
+        "data.max_prompt_length=8",
+    ]
+    assert main(args) == 0
+    plain = AutoModelForSequenceClassification.from_pretrained(out / "final").eval()
+    adapter = load_scalar_model(str(out / "final" / "adapter"), tokenizer=load_tokenizer(str(out / "final")))
+    base = load_scalar_model(str(tmp_path / "model"), tokenizer=load_tokenizer(str(tmp_path / "model")))
+    ids, attn = _batch(tokenizer.pad_token_id)
+    with torch.no_grad():
+        want = sequence_scores(adapter, ids, attn)
+        assert (sequence_scores(plain, ids, attn) - want).abs().max() <= 1e-5
+        assert (sequence_scores(base, ids, attn) - want).abs().max() > 1e-4

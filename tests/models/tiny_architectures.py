@@ -55,15 +55,25 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
             num_attention_heads=2,
             word_embed_proj_dim=16,
             max_position_embeddings=64,
+            layerdrop=0.5,
         ),
     ),
     "qwen2_moe": (
         "Qwen2MoeConfig",
         dict(_DECODER, **_MOE, num_experts=4, shared_expert_intermediate_size=16),
     ),
-    "mixtral": ("MixtralConfig", dict(_DECODER, num_local_experts=4, num_experts_per_tok=2)),
+    # The train-mode randomness that is not dropout, turned up so that a tiny model shows it: Mixtral's router
+    # jitter, PhiMoE's sampled expert choice (its jitter sets how close two experts must be to be sampled
+    # between), OPT's layerdrop. The PPO update must not switch it on (rlhfkit.models.set_update_mode).
+    "mixtral": (
+        "MixtralConfig",
+        dict(_DECODER, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1),
+    ),
     "qwen3_moe": ("Qwen3MoeConfig", dict(_DECODER, **_MOE, num_experts=4, head_dim=8)),
-    "phimoe": ("PhimoeConfig", dict(_DECODER, num_local_experts=4, num_experts_per_tok=2)),
+    "phimoe": (
+        "PhimoeConfig",
+        dict(_DECODER, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.5),
+    ),
 }
 
 

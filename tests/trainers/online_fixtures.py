@@ -51,7 +51,7 @@ def slow_cat_count(prompts, completions, **kwargs):
 
 
 def write_online_problem(
-    root: Path, pad: str = "<pad>", policy: str = "llama", reward_model: bool = True
+    root: Path, pad: str = "<pad>", policy: str = "llama", reward_model: bool = True, seed: int = 0
 ) -> dict[str, Path]:
     """Write ``policy/``, ``reward/`` (optional), ``prompts.jsonl`` and ``rewards.py`` under ``root``.
 
@@ -64,9 +64,9 @@ def write_online_problem(
     tokenizer = tiny_tokenizer(pad=pad)
     ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     if policy == "llama":
-        model = tiny_llama(seed=0, **ids)
+        model = tiny_llama(seed=seed, **ids)
     else:
-        model = tiny_gpt2(seed=0, **ids)
+        model = tiny_gpt2(seed=seed, **ids)
         assert model.config.attn_pdrop > 0 and model.config.resid_pdrop > 0
     paths = {"policy": root / "policy", "prompts": root / "prompts.jsonl", "rewards": root / "rewards.py"}
     model.save_pretrained(paths["policy"])
@@ -74,7 +74,9 @@ def write_online_problem(
     if reward_model:
         paths["reward"] = root / "reward"
         scalar = (
-            tiny_llama("scalar", seed=1, **ids) if policy == "llama" else tiny_gpt2("scalar", seed=1, **ids)
+            tiny_llama("scalar", seed=seed + 1, **ids)
+            if policy == "llama"
+            else tiny_gpt2("scalar", seed=seed + 1, **ids)
         )
         scalar.save_pretrained(paths["reward"])
         tokenizer.save_pretrained(paths["reward"])

@@ -17,10 +17,10 @@ PAIRS = [
 ]
 
 
-def write_sft_problem(root: Path, pad: str = "<pad>") -> dict[str, Path]:
+def write_sft_problem(root: Path, pad: str = "<pad>", seed: int = 0) -> dict[str, Path]:
     """Write ``model/`` (tokenizer + random tiny Llama), ``train.jsonl`` and ``eval.jsonl`` under ``root``."""
     tokenizer = tiny_tokenizer(pad=pad)
-    model = tiny_llama(seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    model = tiny_llama(seed=seed, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     model_dir = root / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
@@ -31,9 +31,9 @@ def write_sft_problem(root: Path, pad: str = "<pad>") -> dict[str, Path]:
     return {"model": model_dir, "train": train, "eval": evalf}
 
 
-def sft_args(paths: dict[str, Path], out: Path, *extra: str) -> list[str]:
+def sft_args(paths: dict[str, Path], out: Path, *extra: str, seed: int = 0) -> list[str]:
     config = out.parent / f"{out.name}.yaml"
-    config.write_text("seed: 0\n")
+    config.write_text(f"seed: {seed}\n")
     return [
         "train",
         "sft",

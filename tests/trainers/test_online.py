@@ -561,13 +561,15 @@ def test_reward_model_refresh_hook_is_checkpointed_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_learns_a_toy_reward(tmp_path):
+@pytest.mark.learning
+def test_ppo_learns_a_toy_reward(tmp_path, learning_seed, learning_figures):
     """+1 per 'cat' token: the mean score rises far above the random policy's (a learning signal, not a benchmark)."""
-    paths = write_online_problem(tmp_path, reward_model=False)
+    paths = write_online_problem(tmp_path, reward_model=False, seed=learning_seed)
     out = tmp_path / "run"
     cfg = online_config(
         paths,
         out,
+        f"seed={learning_seed}",
         "train.max_steps=24",
         "train.learning_rate=3e-3",
         "train.batch_size=8",
@@ -583,6 +585,7 @@ def test_ppo_learns_a_toy_reward(tmp_path):
     online.train(cfg)
     scores = [r["score/mean"] for r in read_metrics(out / "metrics.jsonl")]
     first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
+    learning_figures(score_first=first, score_last=last, score_rise=last - first)
     assert last > first + 2.0, scores  # from ~0.1 to ~6 (of 6 tokens) on this seed
 
 

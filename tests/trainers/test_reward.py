@@ -271,15 +271,15 @@ def _easy_record(rng):
 
 
 def write_reward_problem(
-    root: Path, pad: str = "eos", n_train: int = 64, n_eval: int = 48, gold: bool = True
+    root: Path, pad: str = "eos", n_train: int = 64, n_eval: int = 48, gold: bool = True, seed: int = 0
 ):
     """``model/`` (a tiny causal Llama + tokenizer), ``train.jsonl`` and ``eval.jsonl`` (with gold fields)."""
     tokenizer = tiny_tokenizer(pad=pad)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    model = tiny_llama(seed=0, vocab_size=len(tokenizer), pad_token_id=pad_id)
+    model = tiny_llama(seed=seed, vocab_size=len(tokenizer), pad_token_id=pad_id)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    rng = random.Random(0)
+    rng = random.Random(seed)
     train = [_easy_record(rng) for _ in range(n_train)]
     held = [_easy_record(rng) for _ in range(n_eval)]
     if gold:  # gold says the same as the labels, except for two ties
@@ -292,9 +292,9 @@ def write_reward_problem(
     return {"model": root / "model", "train": root / "train.jsonl", "eval": root / "eval.jsonl"}
 
 
-def reward_args(paths, out: Path, *extra: str) -> list[str]:
+def reward_args(paths, out: Path, *extra: str, seed: int = 0) -> list[str]:
     config = out.parent / f"{out.name}.yaml"
-    config.write_text("seed: 0\nlogging:\n  progress_bar: false\n")
+    config.write_text(f"seed: {seed}\nlogging:\n  progress_bar: false\n")
     return [
         "train",
         "reward",
@@ -336,15 +336,24 @@ def test_untrained_model_scores_ln2_and_half_accuracy_on_unrelated_labels(tmp_pa
 
 
 @pytest.mark.slow
-def test_train_reward_learns_keeps_the_best_normalises_and_loads_in_plain_transformers(tmp_path):
+@pytest.mark.learning
+def test_train_reward_learns_keeps_the_best_normalises_and_loads_in_plain_transformers(
+    tmp_path, learning_seed, learning_figures
+):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    paths = write_reward_problem(tmp_path)  # pad == EOS: final/ must get a distinct pad token
+    # pad == EOS: final/ must get a distinct pad token
+    paths = write_reward_problem(tmp_path, seed=learning_seed)
     out = tmp_path / "run"
     assert (
         main(
             reward_args(
-                paths, out, "train.max_steps=12", "reward.center_coef=0.01", "reward.length_bias_coef=0.1"
+                paths,
+                out,
+                "train.max_steps=12",
+                "reward.center_coef=0.01",
+                "reward.length_bias_coef=0.1",
+                seed=learning_seed,
             )
         )
         == 0
@@ -359,6 +368,11 @@ def test_train_reward_learns_keeps_the_best_normalises_and_loads_in_plain_transf
     best = max(evals, key=lambda r: (r["eval/accuracy"], -r["eval/loss"]))
     assert summary["final_step"] == best["step"] and summary["steps"] == 12 and not summary["early_stopped"]
     assert summary["heldout_accuracy"] == pytest.approx(best["eval/accuracy"])
+    learning_figures(
+        start_accuracy=evals[0]["eval/accuracy"],
+        heldout_accuracy=summary["heldout_accuracy"],
+        heldout_gold_accuracy=summary["heldout_gold_accuracy"],
+    )
     assert summary["heldout_accuracy"] >= 0.9 > evals[0]["eval/accuracy"]
     assert summary["heldout_gold_pairs"] == 46 and summary["heldout_gold_accuracy"] >= 0.9
     assert summary["bayes_ceiling"] == pytest.approx(0.9)

@@ -62,12 +62,13 @@ def test_prm_metrics_by_hand():
 
 
 @pytest.mark.slow
-def test_train_prm_learns_which_steps_are_wrong(tmp_path):
+@pytest.mark.learning
+def test_train_prm_learns_which_steps_are_wrong(tmp_path, learning_seed, learning_figures):
     tokenizer = tiny_tokenizer()
-    model = tiny_llama(seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    model = tiny_llama(seed=learning_seed, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    rng = random.Random(0)
+    rng = random.Random(learning_seed)
 
     def record():
         steps, labels = [], []
@@ -80,7 +81,7 @@ def test_train_prm_learns_which_steps_are_wrong(tmp_path):
     for name, n in (("train", 64), ("eval", 32)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(record()) + "\n" for _ in range(n)))
     config = tmp_path / "prm.yaml"
-    config.write_text("seed: 0\nlogging:\n  progress_bar: false\n")
+    config.write_text(f"seed: {learning_seed}\nlogging:\n  progress_bar: false\n")
     out = tmp_path / "run"
     args = [
         "train",
@@ -105,6 +106,7 @@ def test_train_prm_learns_which_steps_are_wrong(tmp_path):
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 6, 12]
     summary = json.loads((out / "summary.json").read_text())
+    learning_figures(start_accuracy=evals[0]["eval/accuracy"], heldout_accuracy=summary["heldout_accuracy"])
     assert summary["kind"] == "prm" and summary["heldout_accuracy"] >= 0.9 > evals[0]["eval/accuracy"]
     assert summary["train_solutions"] == 64 and summary["eval_solutions"] == 32
     from transformers import AutoModelForSequenceClassification

@@ -30,13 +30,16 @@ def test_completion_nll_is_computed_on_completion_tokens_only_by_hand():
 
 
 @pytest.mark.slow
-def test_sft_lowers_eval_loss_writes_run_folder_and_resumes_bit_identically(tmp_path):
-    paths = write_sft_problem(tmp_path)
+@pytest.mark.learning
+def test_sft_lowers_eval_loss_writes_run_folder_and_resumes_bit_identically(
+    tmp_path, learning_seed, learning_figures
+):
+    paths = write_sft_problem(tmp_path, seed=learning_seed)
     full, part = tmp_path / "full", tmp_path / "part"
-    assert main(sft_args(paths, full, "train.max_steps=6")) == 0
+    assert main(sft_args(paths, full, "train.max_steps=6", seed=learning_seed)) == 0
     # The same run, stopped after its step-3 checkpoint, then resumed.
-    assert main(sft_args(paths, part, "train.max_steps=3")) == 0
-    assert main([*sft_args(paths, part, "train.max_steps=6"), "--resume"]) == 0
+    assert main(sft_args(paths, part, "train.max_steps=3", seed=learning_seed)) == 0
+    assert main([*sft_args(paths, part, "train.max_steps=6", seed=learning_seed), "--resume"]) == 0
 
     a = load_file(str(full / "checkpoints/step-6/model.model.safetensors"))
     b = load_file(str(part / "checkpoints/step-6/model.model.safetensors"))
@@ -51,6 +54,7 @@ def test_sft_lowers_eval_loss_writes_run_folder_and_resumes_bit_identically(tmp_
     assert [r["step"] for r in rows_full] == [1, 2, 3, 4, 5, 6]
 
     evals = [r["eval/loss"] for r in rows_full if "eval/loss" in r]
+    learning_figures(eval_loss_first=evals[0], eval_loss_last=evals[-1], eval_loss_fall=evals[0] - evals[-1])
     assert len(evals) == 2 and evals[1] < evals[0]
     summary = json.loads((full / "summary.json").read_text())
     assert summary["kind"] == "sft" and summary["eval_loss"] == pytest.approx(evals[-1])
