@@ -218,7 +218,7 @@ class OnlineConfig:
     )
     process_reward_model: str | None = option(
         None,
-        "Process reward model folder (from `rlhfkit train prm`): 2 * P(step correct) - 1 on every step-end "
+        "Process reward model folder (from `rlhfkit train prm`): P(step correct) - 1 on every step-end "
         "token of a response, beside the outcome score on its last token (rlhfkit.rollout.process_rewards).",
     )
     critic_model: str | None = option(

@@ -53,12 +53,12 @@ def test_prm_scores_land_on_the_trainers_step_ends_whatever_the_padding(setup, l
         # the positions the PRM was trained to read: tokenize_prm's step ends
         record = tokenize_prm({"prompt": prompt, "steps": steps, "labels": [True] * len(steps)}, tok)
         assert ends[i].nonzero().flatten().tolist() == record["step_ends"]
-        # the values of the unpadded sequence there, 2 * sigmoid - 1, and exactly 0 elsewhere
+        # the values of the unpadded sequence there, sigmoid - 1, and exactly 0 elsewhere
         alone = torch.tensor([record["prompt_ids"] + record["completion_ids"]])
         with torch.no_grad():
             logits = token_scores(prm, alone, torch.ones_like(alone))[0, len(record["prompt_ids"]) :]
         at = record["step_ends"]
-        assert torch.allclose(dense[i, at], 2 * torch.sigmoid(logits[at]) - 1, atol=1e-5)
+        assert torch.allclose(dense[i, at], torch.sigmoid(logits[at]) - 1, atol=1e-5)
         others = torch.ones(dense.shape[1], dtype=torch.bool)
         others[at] = False
         assert (dense[i, others] == 0).all()

@@ -4,8 +4,13 @@ A PRM is trained to read P(step correct) at the last token of every step, each s
 separator (``"\\n"``, :class:`rlhfkit.data.TokenLimits`), as Lightman et al. 2023 ("Let's Verify Step by Step")
 read it. On a sampled response the same convention marks the step ends: every response token whose text
 ends with the separator (the separator token itself, or a token it was merged into). There the PRM's score
-becomes a reward, ``2 * P(correct) - 1`` in (-1, 1) (a confident right step +1, a confident wrong one -1,
-an unsure one about 0), and nothing elsewhere.
+becomes a reward, ``P(correct) - 1`` in (-1, 0] (a confident right step costs nothing, a confident wrong one
+-1), and nothing elsewhere. The reward is never positive on purpose: with ``2 * P - 1`` (a bonus for a
+right-looking step) PPO learns to write extra lines the PRM has never seen and calls right (``\n\n\n``,
+``8=8``), the step count and the PRM reward climb while exact match collapses (measured on the arithmetic
+task: 0.29 -> 0.01 greedy exact match in 40 rollouts). Capping each step reward at 0 is the "Clip"
+mechanism of Gao et al. 2024 ("On Designing Effective RL Reward at Training Time for LLM Reasoning"), which
+removes the gain from adding steps.
 
 Which reward lands where (stage 3 of the online loop, one call to ``shape_rewards``' dense form):
 
@@ -57,7 +62,7 @@ def process_rewards(
     response_start: int,
     ends: torch.Tensor,
 ) -> torch.Tensor:
-    """The PRM's step rewards ``2 * sigmoid(logit) - 1`` at ``ends``, 0 elsewhere.
+    """The PRM's step rewards ``sigmoid(logit) - 1`` at ``ends``, 0 elsewhere.
 
     Args:
         prm: a scalar model from ``rlhfkit train prm`` (its token scores are logits of P(step correct)).
@@ -71,7 +76,7 @@ def process_rewards(
     width = input_ids.shape[1] - response_start
     logits = token_scores(prm, input_ids, attention_mask)[:, response_start:].float()  # (B, W)
     out = torch.zeros(ends.shape, dtype=torch.float32, device=ends.device)
-    out[:, :width] = torch.where(ends[:, :width], 2.0 * torch.sigmoid(logits) - 1.0, 0.0)
+    out[:, :width] = torch.where(ends[:, :width], torch.sigmoid(logits) - 1.0, 0.0)
     return out
 
 
