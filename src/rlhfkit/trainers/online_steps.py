@@ -87,6 +87,7 @@ class OnlineContext:
     stop_token_ids: list[int]
     sampling: Sampling
     router_aux_coef: float = 0.0
+    guard: Any = None  # the run's rlhfkit.engine.guards.FiniteGuard (its state is checkpointed)
     process_reward_model: torch.nn.Module | None = None
     step_end_table: torch.Tensor | None = None
 
