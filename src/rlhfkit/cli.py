@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         "smoke (every stage, seconds each: for tests)",
     )
     quick.add_argument("--seed", type=int, default=0, help="seeds the task, every model and every sample")
+    quick.add_argument(
+        "--task",
+        choices=("reviews", "arithmetic"),
+        default="reviews",
+        help="built-in task: reviews (SFT, reward model, PPO) or arithmetic (checkable answers: SFT, PRM, "
+        "GRPO on the exact-match reward, PPO with and without the PRM's step rewards) (default: %(default)s)",
+    )
     quick.add_argument("--overwrite", action="store_true", help="delete DIR's previous quickstart first")
     quick.add_argument(
         "--refresh-steps",
@@ -294,6 +301,16 @@ def _quickstart(args: argparse.Namespace) -> int:
         raise UserError(
             f"--refresh-steps must be 0 (off) or a positive number of rollouts, got {args.refresh_steps}"
         )
+    if args.task != "reviews":
+        from rlhfkit.verifiable import VERIFIABLE_PRESETS, quickstart_verifiable
+
+        if args.preset not in VERIFIABLE_PRESETS or args.refresh_steps:
+            raise UserError(
+                f"--task {args.task} runs the presets {sorted(VERIFIABLE_PRESETS)} and no reward-model refresh"
+            )
+        prepare_output_dir(args.out, overwrite=args.overwrite)
+        quickstart_verifiable(args.out, args.task, args.preset, args.overwrite, seed=args.seed)
+        return 0
     prepare_output_dir(args.out, overwrite=args.overwrite)
     quickstart(args.out, args.preset, args.overwrite, seed=args.seed, refresh_steps=args.refresh_steps)
     return 0

@@ -227,6 +227,11 @@ class OnlineConfig:
     reward_functions: list[str] = option(
         [], "Reward functions 'pkg.module:fn' or 'path/to/file.py:fn', added to the reward model's score."
     )
+    process_reward_model: str | None = option(
+        None,
+        "Process reward model folder (from `rlhfkit train prm`): P(step correct) - 1 on every step-end "
+        "token of a response, beside the outcome score on its last token (rlhfkit.rollout.process_rewards).",
+    )
     critic_model: str | None = option(
         None,
         "Initial critic (value model) for gae; none = the reward model, else the policy "
@@ -255,6 +260,11 @@ class OnlineConfig:
     kl_estimator: KLEstimator = option(
         "k1",
         "Per-token KL estimator (Schulman, 'Approximating KL divergence'), used in the reward and logged.",
+    )
+    kl_in_loss: bool = option(
+        False,
+        "Put the KL in the loss, kl_coef * k3(pi, pi_ref) per token against the reference (Shao et al. 2024, "
+        "DeepSeekMath's GRPO), instead of -kl_coef * kl_t in the reward; kl_estimator is then what is logged.",
     )
     kl_target: float | None = option(
         None,
