@@ -135,7 +135,8 @@ def quickstart_verifiable(
     """Run every stage into ``out_dir`` (see the module docstring); return the summary."""
     from rlhfkit.tasks import get_task
     from rlhfkit.tasks.files import prepare_task_files, write_jsonl
-    from rlhfkit.trainers import online, reward, sft
+    from rlhfkit.trainers import online, sft
+    from rlhfkit.trainers.prm import train_prm
 
     p = VERIFIABLE_PRESETS[preset]
     out = Path(out_dir)
@@ -187,7 +188,7 @@ def quickstart_verifiable(
     seconds["sft"] = time.perf_counter() - t
 
     t = stage("PRM", f"{p.prm_steps} steps of {p.prm_batch} labelled solutions")
-    prm_summary = reward.train_prm(
+    prm_summary = train_prm(
         _config(
             "prm",
             out / "prm",
