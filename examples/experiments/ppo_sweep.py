@@ -1,0 +1,263 @@
+"""PPO on the built-in task at several values of one setting: the KL coefficient or the discount gamma.
+
+Two claims of the classic RLHF chapter, one piece of code (``--sweep``):
+
+- ``--sweep kl_coef`` (``kl_penalty.py``): the per-token reward is r_t = -beta * KL_t, plus the reward
+  model's score at the last token; the KL coefficient beta trades reward for staying close to the SFT policy.
+  PPO at beta in {0, 0.02, 0.05, 0.2}.
+- ``--sweep gamma`` (``gamma.py``): with the score only at the last token, the return of token t is
+  gamma^(T-t) * score (plus the discounted KL terms): gamma < 1 makes a score that comes sooner worth more, so
+  it favours short answers (when the score is positive). PPO at gamma in {1, 0.99, 0.9}.
+
+For each seed: one SFT policy and one reward model, trained as ``temperature.py`` trains them (the quickstart's
+tiny preset with 1,024 labelled pairs and 150 reward-model steps), shared by every PPO run of both sweeps (a
+run is named by its KL coefficient and gamma, so gamma = 1 of the gamma sweep is kl_coef = 0.05 of the KL
+sweep, run once). Every ``--eval-every`` rollouts (PPO's evaluation hook: its own seeded RNG, nothing of
+training changes) and for the SFT policy: one response at T = 0.7 to each of ``--eval-prompts`` held-out
+prompts, the same sampling seed for every checkpoint, measured for gold (the task's annotators'
+criterion), proxy (the reward model), KL to the SFT policy (k1, nats per response), length, validity and
+the share of responses that end with the stop token. The training figures of every rollout (proxy score,
+KL, response length) come from the run's ``metrics.jsonl``.
+
+Writes ``OUT/<sweep>.md`` (means ± sd over seeds), ``OUT/<sweep>_rows.csv`` (per seed and checkpoint),
+``OUT/<sweep>_train.csv`` (per seed and rollout) and ``OUT/<sweep>.png``. A finished stage or run is reused
+(``--overwrite`` reruns them)::
+
+    RLHFKIT_NUM_THREADS=1 python examples/experiments/kl_penalty.py --out runs/ppo_sweep --jobs 2
+    RLHFKIT_NUM_THREADS=1 python examples/experiments/gamma.py --out runs/ppo_sweep --jobs 2
+    python examples/experiments/ppo_sweep.py --sweep gamma --out runs/ppo_sweep --report-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stages and report beside this script
+from ppo_sweep_report import report  # noqa: E402
+from temperature import SIZES, Sizes, _config, train_sft_and_reward  # noqa: E402
+
+SWEEPS = {"kl_coef": (0.0, 0.02, 0.05, 0.2), "gamma": (1.0, 0.99, 0.9)}
+BASE = {"kl_coef": 0.05, "gamma": 1.0}  # the library's defaults; the other setting of each sweep
+EVAL_TEMPERATURE = 0.7  # PPO's sampling temperature, the quickstart's
+TRAIN_KEYS = ("score/mean", "kl/mean", "response_length/mean")  # from metrics.jsonl, every rollout
+
+
+def runs_of(sweep: str, values) -> list[dict]:
+    """The PPO runs of a sweep: ``BASE`` with the swept setting at each value."""
+    return [{**BASE, sweep: float(v)} for v in values]
+
+
+def run_name(run: dict) -> str:
+    return f"kl{run['kl_coef']:g}-gamma{run['gamma']:g}"
+
+
+class Meter:
+    """Gold, proxy and KL of a policy on the held-out prompts at T = 0.7 (one row per measurement)."""
+
+    def __init__(self, stage: dict, s: Sizes, seed: int):
+        from rlhfkit.data import TokenLimits, prepare_examples
+        from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
+
+        self.stage, self.sizes, self.seed = stage, s, seed
+        self.tokenizer = load_tokenizer(str(stage["sft"]))
+        self.reference = load_causal_lm(str(stage["sft"]), tokenizer=self.tokenizer, frozen=True).eval()
+        self.reward_model = load_scalar_model(
+            str(stage["reward"]), tokenizer=self.tokenizer, frozen=True
+        ).eval()
+        examples = prepare_examples(
+            str(stage["files"]["prompts_eval"]), "prompts", self.tokenizer, TokenLimits(32, None, "left")
+        )
+        self.examples = examples[: s.eval_prompts]
+
+    def measure(self, policy) -> dict[str, float]:
+        import torch
+
+        from rlhfkit.rollout.evaluate import sample_and_score
+
+        torch.manual_seed(1000 * self.seed + 7)  # the same sampling seed for every checkpoint
+        s = sample_and_score(
+            policy,
+            self.tokenizer,
+            self.examples,
+            temperature=EVAL_TEMPERATURE,
+            max_new_tokens=self.sizes.response_length,
+            reward_model=self.reward_model,
+            reference=self.reference,
+            gold_score=self.stage["task"].gold_score,
+            is_valid=self.stage["task"].is_valid,
+        ).summary()
+        return {
+            "gold": s["gold_mean"],
+            "proxy": s["proxy_mean"],
+            "kl": s["kl_mean"],
+            "length": s["response_length_mean"],
+            "ended": s["ended_rate"],
+            "valid_rate": s.get("valid_rate"),
+        }
+
+
+def train_rows(folder: Path) -> list[dict]:
+    """The training figures of every rollout of a finished run (``metrics.jsonl``)."""
+    rows = []
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if all(k in record for k in TRAIN_KEYS):
+            rows.append({"rollout": record["step"], **{k.split("/")[0]: record[k] for k in TRAIN_KEYS}})
+    return rows
+
+
+def run_seed(seed: int, s: Sizes, sweep: str, values, args) -> dict:
+    """The SFT policy, reward model and PPO runs of one seed; each run's rows cached in its folder."""
+    from rlhfkit.trainers import online
+
+    root = args.out / f"seed-{seed}"
+    stage = train_sft_and_reward(root, seed, s, args)
+    meter = None
+    sft_cache = root / "sft_meter.json"
+    if sft_cache.is_file() and not args.overwrite:
+        sft = json.loads(sft_cache.read_text())
+    else:
+        meter = Meter(stage, s, seed)
+        sft = meter.measure(meter.reference)
+        sft_cache.write_text(json.dumps(sft, indent=1))
+    out = {"seed": seed, "rm_accuracy": stage["rm_accuracy"], "sft": sft, "runs": {}}
+    for run in runs_of(sweep, values):
+        folder = root / run_name(run)
+        cache = folder / "sweep_rows.json"
+        if cache.is_file() and not args.overwrite:
+            out["runs"][run_name(run)] = json.loads(cache.read_text())
+            continue
+        meter = meter or Meter(stage, s, seed)
+        print(f"seed {seed}: PPO {run}, {s.rollouts} rollouts", flush=True)
+        evals: list[dict] = []
+
+        def hook(policy, step, evals=evals, meter=meter):
+            figures = meter.measure(policy)
+            evals.append({"rollout": step, **figures})
+            return {"eval/gold/mean": figures["gold"], "eval/score/mean": figures["proxy"]}
+
+        cfg = _config(
+            "ppo",
+            folder,
+            {
+                "seed": seed,
+                "model.name_or_path": stage["sft"],
+                "data.train_file": stage["files"]["prompts_train"],
+                "data.max_prompt_length": 32,
+                "online.reward_model": stage["reward"],
+                "online.response_length": s.response_length,
+                "online.temperature": EVAL_TEMPERATURE,
+                "online.kl_coef": run["kl_coef"],
+                "online.gamma": run["gamma"],
+                "train.max_steps": s.rollouts,
+                "train.batch_size": s.ppo_batch,
+                "train.learning_rate": s.ppo_lr,
+                "train.lr_schedule": "linear",
+                "train.save_steps": s.rollouts,
+                "train.eval_steps": s.eval_every,
+                "train.log_steps": 1,
+            },
+        )
+        online.train(cfg, overwrite=True, hooks=online.OnlineHooks(evaluate=hook, evaluate_at_start=False))
+        record = {**run, "eval": evals, "train": train_rows(folder)}
+        cache.write_text(json.dumps(record, indent=1))
+        out["runs"][run_name(run)] = record
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--sweep", choices=sorted(SWEEPS), required=True, help="the setting PPO is run at")
+    p.add_argument(
+        "--values", type=float, nargs="+", help="default: kl_coef 0 0.02 0.05 0.2, gamma 1 0.99 0.9"
+    )
+    p.add_argument("--out", type=Path, required=True, help="output folder (both sweeps can share it)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--size", choices=sorted(SIZES), default="default", help="smoke: seconds, for the tests")
+    for field, value in asdict(Sizes()).items():
+        if field != "model":
+            p.add_argument("--" + field.replace("_", "-"), type=type(value), help=f"default {value}")
+    p.add_argument("--jobs", type=int, default=1, help="seeds run at once, each in its own process")
+    p.add_argument("--overwrite", action="store_true", help="rerun finished stages and runs")
+    p.add_argument("--report-only", action="store_true", help="only the table and plot from OUT")
+    p.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.values = tuple(args.values or SWEEPS[args.sweep])
+    bounds = {"kl_coef": (0.0, float("inf")), "gamma": (0.0, 1.0)}[args.sweep]
+    if any(not bounds[0] <= v <= bounds[1] for v in args.values):
+        p.error(f"--values of {args.sweep} must lie in [{bounds[0]:g}, {bounds[1]:g}]")
+    return args
+
+
+def sizes_of(args) -> Sizes:
+    s = SIZES[args.size]
+    return replace(s, **{k: getattr(args, k) for k in asdict(s) if getattr(args, k, None) is not None})
+
+
+def child_argv(args, seed: int) -> list[str]:
+    argv = ["--sweep", args.sweep, "--values", *map(str, args.values), "--out", str(args.out)]
+    argv += ["--seeds", str(seed), "--size", args.size, "--no-report"]
+    for field, value in asdict(sizes_of(args)).items():
+        if field != "model":
+            argv += ["--" + field.replace("_", "-"), str(value)]
+    return argv + (["--overwrite"] if args.overwrite else [])
+
+
+def main(argv=None) -> int:
+    from rlhfkit.engine.threads import set_num_threads
+
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    s = sizes_of(args)
+    results = []
+    if args.report_only:
+        pass
+    elif args.jobs > 1 and len(args.seeds) > 1:
+        env = {**os.environ, "RLHFKIT_NUM_THREADS": os.environ.get("RLHFKIT_NUM_THREADS", "1")}
+        pending, running = list(args.seeds), []
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                cmd = [sys.executable, os.path.abspath(__file__), *child_argv(args, pending.pop(0))]
+                running.append(subprocess.Popen(cmd, env=env))
+            running[0].wait()
+            if running[0].returncode != 0:
+                print(f"a seed failed: {' '.join(running[0].args)}", file=sys.stderr)
+                return 1
+            running.pop(0)
+    else:
+        set_num_threads()
+        results = [run_seed(seed, s, args.sweep, args.values, args) for seed in args.seeds]
+    if not args.no_report:
+        if not results:  # every run is cached: read the seeds back
+            args.overwrite = False
+            results = [collect(args.out / f"seed-{seed}", seed, args) for seed in args.seeds]
+            results = [r for r in results if r is not None]
+        report(args.out, args.sweep, results)
+    return 0
+
+
+def collect(root: Path, seed: int, args) -> dict | None:
+    """A seed's cached measurements, or None when it has not finished."""
+    sft = root / "sft_meter.json"
+    runs = {run_name(r): root / run_name(r) / "sweep_rows.json" for r in runs_of(args.sweep, args.values)}
+    if not sft.is_file() or not all(p.is_file() for p in runs.values()):
+        return None
+    summary = json.loads((root / "reward" / "summary.json").read_text())
+    return {
+        "seed": seed,
+        "rm_accuracy": summary.get("heldout_gold_accuracy"),
+        "sft": json.loads(sft.read_text()),
+        "runs": {name: json.loads(p.read_text()) for name, p in runs.items()},
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The tables and the figure of ``ppo_sweep.py`` (PPO at several KL coefficients or discounts), from its
+per-seed results: :func:`aggregate` averages the held-out measurements over seeds, :func:`train_curves` the
+training figures of every rollout, :func:`markdown` and :func:`plot` present them, :func:`report` writes
+``<sweep>.md``, ``<sweep>_rows.csv``, ``<sweep>_train.csv`` and ``<sweep>.png``."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+FIGURES = ("gold", "proxy", "kl", "length", "ended", "valid_rate")
+LABEL = {"kl_coef": "β (kl_coef)", "gamma": "γ"}
+
+
+def _mean_sd(values) -> tuple[float | None, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return float(np.mean(values)), (float(np.std(values, ddof=1)) if len(values) > 1 else None)
+
+
+def eval_rows(results: list[dict], sweep: str) -> list[dict]:
+    """One row per seed, run and held-out measurement; the SFT policy is rollout 0 of every run."""
+    rows = []
+    for res in results:
+        for run in res["runs"].values():
+            head = {"seed": res["seed"], "setting": run[sweep], "rm_accuracy": res["rm_accuracy"]}
+            rows.append({**head, "rollout": 0, **res["sft"]})
+            rows += [{**head, **e} for e in run["eval"]]
+    return rows
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Mean and sd over seeds of every figure per (setting, rollout); ``proxy_minus_gold`` per seed first."""
+    out = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        for rollout in sorted({r["rollout"] for r in rows if r["setting"] == setting}):
+            cell = [r for r in rows if (r["setting"], r["rollout"]) == (setting, rollout)]
+            row = {"setting": setting, "rollout": rollout, "seeds": len(cell)}
+            for f in FIGURES:
+                row[f], row[f + "_sd"] = _mean_sd([r.get(f) for r in cell])
+            row["gap"], row["gap_sd"] = _mean_sd([r["proxy"] - r["gold"] for r in cell])
+            row["gold_per_seed"] = [r["gold"] for r in sorted(cell, key=lambda r: r["seed"])]
+            out.append(row)
+    return out
+
+
+def train_curves(results: list[dict], sweep: str) -> list[dict]:
+    """Per seed, setting and rollout: the training figures (proxy score, KL, response length)."""
+    return [
+        {"seed": res["seed"], "setting": run[sweep], **t}
+        for res in results
+        for run in res["runs"].values()
+        for t in run["train"]
+    ]
+
+
+def _pm(row, f, digits=2) -> str:
+    m, sd = row.get(f), row.get(f + "_sd")
+    if m is None:
+        return "–"
+    return f"{m:.{digits}f}" + ("" if sd is None else f" ± {sd:.{digits}f}")
+
+
+def markdown(table: list[dict], train: list[dict], sweep: str) -> str:
+    """The last checkpoint of each run (and the SFT policy), then every checkpoint along the runs."""
+    last = {}
+    for r in table:
+        last[r["setting"]] = max(r["rollout"], last.get(r["setting"], 0))
+    sft = next(r for r in table if r["rollout"] == 0)
+    lines = [
+        "| policy | gold | proxy | proxy − gold | KL (nats) | length (tokens) | ended | valid | gold per seed"
+        " | train length, last 5 rollouts |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def line(name, r, train_length="–"):
+        seeds = " / ".join(f"{g:.2f}" for g in r["gold_per_seed"])
+        figures = " | ".join(
+            _pm(r, f, 1 if f == "length" else 2) for f in ("gold", "proxy", "gap", "kl", "length", "ended")
+        )
+        return f"| {name} | {figures} | {_pm(r, 'valid_rate')} | {seeds} | {train_length} |"
+
+    lines.append(line("SFT", sft))
+    for setting, rollout in last.items():
+        r = next(x for x in table if (x["setting"], x["rollout"]) == (setting, rollout))
+        tail = [t["response_length"] for t in train if t["setting"] == setting and t["rollout"] > rollout - 5]
+        lines.append(line(f"{LABEL[sweep]} = {setting:g}, rollout {rollout}", r, f"{np.mean(tail):.1f}"))
+    lines += [
+        "",
+        f"| {LABEL[sweep]} | rollout | gold | proxy | KL (nats) | length |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        figures = " | ".join(_pm(r, f, 1 if f == "length" else 2) for f in ("gold", "proxy", "kl", "length"))
+        lines.append(f"| {r['setting']:g} | {r['rollout']} | {figures} |")
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, records: list[dict]) -> None:
+    fields = list(dict.fromkeys(k for r in records for k in r))
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for r in records:
+            writer.writerow({k: ("" if v is None else v) for k, v in r.items()})
+
+
+def plot(path: Path, table: list[dict], train: list[dict], sweep: str) -> None:
+    """Held-out gold, proxy, KL and length against rollouts (error bars: sd over seeds); the training
+    response length of every rollout (mean over seeds); gold (solid) and proxy (dashed) against KL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16.0, 8.6), dpi=100)
+    panels = [("gold", "Gold score (held out, T = 0.7)"), ("proxy", "Proxy score (the reward model)")]
+    panels += [("kl", "KL to the SFT policy (nats per response)"), ("length", "Response length (held out)")]
+    for i, setting in enumerate(dict.fromkeys(r["setting"] for r in table)):
+        rows = [r for r in table if r["setting"] == setting]
+        label = f"{LABEL[sweep]} = {setting:g}"
+        x = [r["rollout"] for r in rows]
+        for ax, (f, title) in zip(axes.flat[:4], panels, strict=True):
+            ax.errorbar(x, [r[f] for r in rows], [r.get(f + "_sd") or 0.0 for r in rows], marker="o",
+                        capsize=3, color=f"C{i}", label=label)  # fmt: skip
+            ax.set(title=title, xlabel="rollout")
+        curve = sorted({t["rollout"] for t in train if t["setting"] == setting})
+        lengths = [
+            np.mean([t["response_length"] for t in train if (t["setting"], t["rollout"]) == (setting, k)])
+            for k in curve
+        ]
+        axes[1][1].plot(curve, lengths, color=f"C{i}", label=label)
+        kl = [r["kl"] for r in rows]
+        axes[1][2].plot(kl, [r["gold"] for r in rows], "o-", color=f"C{i}", label=label + " gold")
+        axes[1][2].plot(kl, [r["proxy"] for r in rows], "x--", color=f"C{i}", alpha=0.6)
+    axes[1][1].set(title="Response length in training (mean over seeds)", xlabel="rollout")
+    axes[1][2].set(title="Gold (solid) and proxy (dashed) against KL", xlabel="KL to the SFT policy (nats)")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def report(out: Path, sweep: str, results: list[dict]) -> list[dict]:
+    if not results:
+        raise SystemExit(f"no finished seed of the {sweep} sweep in {out}")
+    rows = eval_rows(results, sweep)
+    table = aggregate(rows)
+    train = train_curves(results, sweep)
+    write_csv(out / f"{sweep}_rows.csv", rows)
+    write_csv(out / f"{sweep}_train.csv", train)
+    accuracy = ", ".join("n/a" if r["rm_accuracy"] is None else f"{r['rm_accuracy']:.3f}" for r in results)
+    header = (
+        f"Seeds {[r['seed'] for r in results]}; mean ± sd over seeds; held-out prompts at T = 0.7; "
+        f"reward-model held-out gold accuracy per seed: {accuracy}.\n\n"
+    )
+    text = header + markdown(table, train, sweep) + "\n"
+    (out / f"{sweep}.md").write_text(text, encoding="utf-8")
+    plot(out / f"{sweep}.png", table, train, sweep)
+    print(text, flush=True)
+    print(f"wrote {out / (sweep + '.md')}, {sweep}_rows.csv, {sweep}_train.csv, {sweep}.png", flush=True)
+    return table
