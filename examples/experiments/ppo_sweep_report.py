@@ -86,8 +86,14 @@ def markdown(table: list[dict], train: list[dict], sweep: str) -> str:
     lines.append(line("SFT", sft))
     for setting, rollout in last.items():
         r = next(x for x in table if (x["setting"], x["rollout"]) == (setting, rollout))
-        tail = [t["response_length"] for t in train if t["setting"] == setting and t["rollout"] > rollout - 5]
-        lines.append(line(f"{LABEL[sweep]} = {setting:g}, rollout {rollout}", r, f"{np.mean(tail):.1f}"))
+        mine = [t for t in train if t["setting"] == setting]
+        end = max((t["rollout"] for t in mine), default=0)
+        tail = [t["response_length"] for t in mine if t["rollout"] > end - 5]
+        lines.append(
+            line(
+                f"{LABEL[sweep]} = {setting:g}, rollout {rollout}", r, f"{np.mean(tail):.1f}" if tail else "–"
+            )
+        )
     lines += [
         "",
         f"| {LABEL[sweep]} | rollout | gold | proxy | KL (nats) | length |",
