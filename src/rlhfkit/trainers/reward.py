@@ -70,6 +70,7 @@ import torch.nn.functional as F
 
 from rlhfkit.algos import aggregate_loss, bradley_terry_loss
 from rlhfkit.data import Examples, PreferenceCollator, TokenLimits, prepare_examples, prepare_run_data
+from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir, open_run
 from rlhfkit.engine.seed import seed_everything
@@ -408,13 +409,18 @@ class BestKeeper:
         if not self.better(metrics, None if self.best is None else self.best["eval"]):
             return False
         self.best = {"step": step, "eval": metrics, "extra": extra}
+        # a sharded model's whole weights: gathered by every process (a collective), written by the main one
+        whole = sharded.full_state_dict(model) if sharded.is_sharded(model) else None
         if self.main_process:
-            from safetensors.torch import save_model
+            from safetensors.torch import save_file, save_model
 
             self.folder.mkdir(parents=True, exist_ok=True)
             (self.folder / "best.json").unlink(missing_ok=True)
             tmp = self.folder / "model.safetensors.tmp"
-            save_model(model, str(tmp))
+            if whole is None:
+                save_model(model, str(tmp))
+            else:
+                save_file({k: v.detach().cpu().contiguous() for k, v in whole.items()}, str(tmp))
             os.replace(tmp, self.folder / "model.safetensors")
             _write_json(self.folder / "best.json", self.best)
         return True
@@ -553,7 +559,7 @@ def _open(cfg, kind: str) -> tuple[_Session, Examples, Examples | None]:
     """Processes, tokenizer and all data of the run (bad data stops here, before the run folder is written)."""
     _check(cfg)
     seed_everything(cfg.seed)
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(sharding=True)
     tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
     examples, heldout = prepare_run_data(cfg.data, kind, tokenizer, limits, accelerator)
@@ -595,7 +601,7 @@ def _fit(
             run.metrics.log(0, {f"eval/{k}": v for k, v in objective.evaluate(model, 0).items()})
         counters["eval_seconds"] = 0.0  # before the loop's clock starts
     result = train_offline(cfg, run, model, examples, objective, accelerator)
-    model = accelerator.unwrap_model(model)
+    model = accelerator.unwrap_model(result["model"])  # whole again after sharded training
     model.eval()
     accelerator.wait_for_everyone()
     if heldout and cfg.reward.keep_best and keeper.best is not None:
