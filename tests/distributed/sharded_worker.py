@@ -78,15 +78,8 @@ def runs(root: Path, out: Path, sharded: bool) -> list[list[str]]:
     """The command lines of the runs listed above (``sharded=False``: the one-process references)."""
     full = ("train.sharding=full_shard",) if sharded else ()
     grad_op = ("train.sharding=shard_grad_op",) if sharded else ()
-    return [
+    straight = [
         sft_run(root / "sft", out / "sft", "train.max_steps=2", "train.save_steps=1", *full),
-        sft_run(root / "sft", out / "sft-resumed", "train.max_steps=1", "train.save_steps=1", *full),
-        [
-            *sft_run(root / "sft", out / "sft-resumed", "train.max_steps=2", "train.save_steps=1", *full)[
-                :-1
-            ],
-            "--resume",
-        ],
         reward_run(
             root / "reward",
             out / "reward",
@@ -97,6 +90,11 @@ def runs(root: Path, out: Path, sharded: bool) -> list[list[str]]:
             *grad_op,
         ),
     ]
+    if not sharded:  # the reference needs no stop and resume
+        return straight
+    stopped = sft_run(root / "sft", out / "sft-resumed", "train.max_steps=1", "train.save_steps=1", *full)
+    resumed = sft_run(root / "sft", out / "sft-resumed", "train.max_steps=2", "train.save_steps=1", *full)
+    return [*straight, stopped, [*resumed[:-1], "--resume"]]
 
 
 def main(root: Path, out: Path) -> int:
