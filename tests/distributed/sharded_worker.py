@@ -9,7 +9,7 @@ Under ``OUT`` it trains, all in one launch (the process group is shared by the r
     sft-resumed  the same run stopped after step 1, then resumed (--resume) to step 2
     reward       reward, train.sharding=shard_grad_op, 2 steps, only the last checkpoint kept
 
-Every model is float64 (:func:`float64_models`), so that the comparison with one process is exact up to
+Every model is float64 (:func:`tests.distributed.cli_runs.float64_models`), so that the comparison with one process is exact up to
 summation order.
 """
 
@@ -18,16 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
-import rlhfkit.cli as cli
-from rlhfkit.engine.accel import end_processes
-from rlhfkit.models import loading
-
-
-def float64_models() -> None:
-    """``model.dtype=float32`` loads float64 weights (the config offers no float64: a test-only switch)."""
-    loading.DTYPES["float32"] = torch.float64
+from tests.distributed.cli_runs import run_all
 
 
 def _args(kind: str, root: Path, out: Path, settings: tuple[str, ...], extra: tuple[str, ...]) -> list[str]:
@@ -98,17 +89,7 @@ def runs(root: Path, out: Path, sharded: bool) -> list[list[str]]:
 
 
 def main(root: Path, out: Path) -> int:
-    float64_models()
-    cli._leave_process_group = lambda wait: None  # one group for all the runs of this launch
-    try:
-        for argv in runs(root, out, sharded=True):
-            code = cli.main(argv)
-            if code:
-                print(f"sharded_worker: {' '.join(argv)} exited {code}", file=sys.stderr)
-                return code
-    finally:
-        end_processes()
-    return 0
+    return run_all(runs(root, out, sharded=True), float64=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from rlhfkit.cli import main
 from rlhfkit.engine import sharded
 from rlhfkit.engine.checkpoint import complete_checkpoints
 from rlhfkit.errors import CheckpointError
+from rlhfkit.models import loading
 from tests.distributed import sharded_worker
 from tests.distributed.test_data_parallel import torchrun
 from tests.trainers.sft_fixtures import write_sft_problem
@@ -44,7 +45,7 @@ def runs(tmp_path_factory):
     assert "terminate called" not in proc.stderr
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RLHFKIT_NUM_THREADS", "1")
-        patch.setitem(sharded_worker.loading.DTYPES, "float32", torch.float64)
+        patch.setitem(loading.DTYPES, "float32", torch.float64)
         for argv in sharded_worker.runs(root, one, sharded=False):
             assert main(argv) == 0
     return two, one
