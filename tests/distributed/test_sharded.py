@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhfkit.cli import main
+from rlhfkit.config import read_run_info
 from rlhfkit.engine import sharded
 from rlhfkit.engine.checkpoint import complete_checkpoints
 from rlhfkit.errors import CheckpointError
@@ -43,6 +44,15 @@ def runs(tmp_path_factory):
     proc = torchrun("-m", "tests.distributed.sharded_worker", str(root), str(two))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "terminate called" not in proc.stderr
+    assert (
+        proc.stderr.count("1 torch thread each, model sharded (full_shard, FSDP2)") == 3
+    )  # sft, stop, resume
+    assert (
+        proc.stderr.count(
+            "reward on 2 processes (torchrun, gloo, cpu), 1 torch thread each, model sharded (shard_grad_op"
+        )
+        == 1
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RLHFKIT_NUM_THREADS", "1")
         patch.setitem(loading.DTYPES, "float32", torch.float64)
@@ -84,6 +94,7 @@ def test_a_sharded_run_checkpoints_its_shards_and_resumes_exactly(runs):
     assert [p.name for p in complete_checkpoints(checkpoints)] == ["step-1", "step-2"]
     step = checkpoints / "step-2"
     assert not list(step.glob("model.*")) and not list(step.glob("optimizer.*"))  # they are the shards
+    assert read_run_info(two / "sft" / "config.yaml")["sharding"] == "full_shard"
     state = json.loads((step / "trainer_state.json").read_text())
     assert state["sharded"]["folder"] == "step-2.sharded" and state["sharded"]["world_size"] == 2
     assert (checkpoints / "step-2.sharded" / ".metadata").is_file()

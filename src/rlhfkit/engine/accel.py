@@ -137,7 +137,8 @@ def announce(info: dict[str, Any], kind: str) -> None:
     print(
         f"rlhfkit: {kind} on {n} process{'es' if n > 1 else ''} ({info['launcher']}"
         f"{', ' + info['backend'] if info['backend'] else ''}, {info['device']}), "
-        f"{info['threads_per_process']} torch thread{'s' if info['threads_per_process'] > 1 else ''} each",
+        f"{info['threads_per_process']} torch thread{'s' if info['threads_per_process'] > 1 else ''} each"
+        + (f", model sharded ({info['sharding']}, FSDP2)" if info.get("sharding", "none") != "none" else ""),
         file=sys.stderr,
         flush=True,
     )
