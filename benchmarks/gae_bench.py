@@ -2,7 +2,7 @@
 
 Compared, on the same float32 inputs (B rows, T steps):
 
-* ``compute_gae`` from rlhfkit (DESIGN.md, "The algorithm core");
+* ``compute_gae`` from rlhfkit (docs/design.md, "The algorithm core");
 * a per-time-step torch loop over the batch, the form most RLHF libraries ship:
   ``for t in reversed(range(T))``, a few vector operations per step over the B rows. On contiguous
   (right-padded) masks it is TRL's ``PPOTrainer`` form (padding zeroed, plain recursion: the cheapest

@@ -9,12 +9,12 @@ only the environment loop and the network here. Hyper-parameters follow CleanRL'
 
 Data layout is rlhfkit's ``(B, T)`` = ``(num_envs, steps)``: row ``b`` is env ``b``'s fragment
 of ``steps`` consecutive transitions, which may hold several episodes. ``dones[b, t] = 1`` means
-the episode ended after action ``t`` (DESIGN.md's convention). Gymnasium separates two endings:
+the episode ended after action ``t`` (rlhfkit's convention, docs/design.md). Gymnasium separates two endings:
 
 * ``terminated`` (the pole fell): the true value after it is 0, so nothing is added;
 * ``truncated`` (the 500-step time limit): the state still has value, so ``gamma * V(s_final)``
-  is added to that step's reward before the episode is cut with ``done = 1`` (DESIGN.md,
-  "to bootstrap a truncated fragment"; Pardo et al. 2018, "Time Limits in RL").
+  is added to that step's reward before the episode is cut with ``done = 1`` (docs/design.md,
+  "The algorithm core": "to bootstrap a truncated fragment"; Pardo et al. 2018, "Time Limits in RL").
 
 The end of each rollout fragment is a truncation too: the last reward of a row whose episode
 goes on gets ``gamma * V(s_T)``.

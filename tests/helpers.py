@@ -1,8 +1,7 @@
 """Shared test builders: a tiny word-level tokenizer and tiny random Llama / GPT-2 models.
 
-Owned by the data/models helper (issue 3, items 5 and 6); other tests may import it
-(``from helpers import ...``: pytest puts ``tests/`` on ``sys.path`` through its conftest).
-Everything is built locally in well under a second; nothing is downloaded.
+Other tests may import it (``from helpers import ...``: pytest puts ``tests/`` on ``sys.path`` through
+its conftest). Everything is built locally in well under a second; nothing is downloaded.
 """
 
 from __future__ import annotations

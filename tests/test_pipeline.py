@@ -1,5 +1,6 @@
 """The quickstart's smoke preset: every stage runs, every file of the report exists, summary.json has the
-fields DESIGN.md names (the figures themselves are measured by the tiny preset, not here)."""
+fields that docs/design.md, "The run folder", names (the figures themselves are measured by the tiny preset,
+not here)."""
 
 import json
 

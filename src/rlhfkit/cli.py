@@ -12,8 +12,7 @@ a bug and keeps its traceback. :func:`main` takes ``argv`` and returns the exit 
 in-process.
 
 Each command runs a function named in :data:`TARGETS` (``module:function``), imported only when that
-command runs, so a new trainer plugs in with one line here and ``rlhfkit --help`` stays fast. A target
-whose module is not written yet gives "not built yet: ..." and exit code 2.
+command runs, so a new trainer plugs in with one line here and ``rlhfkit --help`` stays fast.
 
 One process: ``rlhfkit train ppo --config ppo.yaml``. Several (data parallel): ``torchrun --standalone
 --nproc_per_node N -m rlhfkit.cli train ppo --config ppo.yaml`` (CPU or GPUs), or on GPUs ``accelerate launch
@@ -25,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,20 +45,7 @@ TARGETS: dict[str, str] = {
     "report": "rlhfkit.report:write_reports",  # write_reports(run_dirs, out)
     "label-pairs": "rlhfkit.rollout.pairs:label_pairs",  # see _label_pairs
 }
-# What `quickstart` runs, for the message that says which stages are still missing.
-QUICKSTART_STAGES: dict[str, str] = {
-    "built-in task": "rlhfkit.tasks",
-    "SFT trainer": "rlhfkit.trainers.sft",
-    "reward-model trainer": "rlhfkit.trainers.reward",
-    "PPO trainer": "rlhfkit.trainers.online",
-    "pipeline": "rlhfkit.pipeline",
-    "report": "rlhfkit.report",
-}
 DEFAULT_TEMPERATURE = 0.7  # as online.temperature (Huang et al. 2024)
-
-
-class NotBuiltError(UserError):
-    """A command whose code is not written yet (not the user's mistake, but reported the same way)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -262,11 +247,7 @@ def _quickstart(args: argparse.Namespace) -> int:
     from rlhfkit.engine.run import prepare_output_dir
 
     _set_threads()
-    try:
-        quickstart = resolve(TARGETS["quickstart"])
-    except NotBuiltError as e:
-        missing = [stage for stage, module in QUICKSTART_STAGES.items() if not _module_exists(module)]
-        raise NotBuiltError(f"{e}; stages still missing: {', '.join(missing) or 'none'}") from None
+    quickstart = resolve(TARGETS["quickstart"])
     if args.refresh_steps < 0:
         raise UserError(
             f"--refresh-steps must be 0 (off) or a positive number of rollouts, got {args.refresh_steps}"
@@ -354,8 +335,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _set_threads() -> None:
-    """Every command sets torch's thread count before any work (DESIGN.md, "Threads"); after the checks
-    of its arguments, so that a mistake is reported without waiting for torch to import."""
+    """Every command sets torch's thread count before any work (docs/design.md, "Threads"); after the
+    checks of its arguments, so that a mistake is reported without waiting for torch to import."""
     from rlhfkit.engine import threads
 
     threads.set_num_threads()
@@ -378,27 +359,9 @@ def _leave_process_group(wait: bool) -> None:
 
 
 def resolve(target: str) -> Callable:
-    """Import ``"module:function"``; :class:`NotBuiltError` when the module or function does not exist yet.
-
-    An import error from inside an existing module (a missing dependency) is a bug and propagates.
-    """
+    """Import ``"module:function"`` and return the function (an import error is a bug and propagates)."""
     module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise
-        raise NotBuiltError(f"not built yet: {target}") from None
-    if not hasattr(module, attr):
-        raise NotBuiltError(f"not built yet: {target}")
-    return getattr(module, attr)
-
-
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
+    return getattr(importlib.import_module(module_name), attr)
 
 
 if __name__ == "__main__":

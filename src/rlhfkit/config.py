@@ -123,7 +123,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Training and evaluation data (formats: DESIGN.md, 'Data formats')."""
+    """Training and evaluation data (formats: docs/design.md, 'Data formats')."""
 
     train_file: str = option(
         "",

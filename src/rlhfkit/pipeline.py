@@ -361,8 +361,8 @@ class HackingMeter:
 
 
 def task_refresh(task, meter: HackingMeter, pairs_file: str | Path, preset: Preset, seed: int, **settings):
-    """The online reward-model refresh on the task's annotators (issue 7, item 5), replaying the reward
-    model's training pairs; the meter's proxy follows the refreshed model (the trainer's own object).
+    """The online reward-model refresh (:mod:`rlhfkit.trainers.refresh`) on the task's annotators,
+    replaying the reward model's training pairs; the meter's proxy follows the refreshed model (the trainer's own object).
     ``settings`` override :class:`rlhfkit.trainers.refresh.RefreshConfig` fields."""
     from rlhfkit.data import load_dataset_records
     from rlhfkit.trainers.refresh import RefreshConfig, RewardRefresh

@@ -1,6 +1,7 @@
-"""Plain reference loops (float64, one row and one step at a time) that the vectorised algos must match.
+"""Plain reference loops (float64, one row and one step at a time) that the vectorised estimators must match.
 
-Each is the definition in DESIGN.md written as directly as possible, with no tensor tricks.
+Each is an estimator's definition (docs/design.md, "The algorithm core") written as directly as possible,
+with no tensor tricks. GAE's reference loop is not here: it ships in the package, ``rlhfkit.algos.gae_loop``.
 """
 
 from __future__ import annotations
@@ -8,26 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-
-def gae_loop(rewards, values, mask, gamma, lam, dones=None):
-    """GAE by the definition: walk each row backwards over its valid positions only. Returns float64."""
-    r, v, m = rewards.double().tolist(), values.double().tolist(), mask.bool().tolist()
-    d = dones.bool().tolist() if dones is not None else None
-    B, T = len(r), len(r[0]) if len(r) else 0
-    adv = [[0.0] * T for _ in range(B)]
-    for b in range(B):
-        next_value, next_adv = 0.0, 0.0  # after the row's last valid token
-        for t in reversed(range(T)):
-            if not m[b][t]:
-                continue
-            not_done = 0.0 if (d is not None and d[b][t]) else 1.0
-            delta = r[b][t] + gamma * not_done * next_value - v[b][t]
-            adv[b][t] = delta + gamma * lam * not_done * next_adv
-            next_value, next_adv = v[b][t], adv[b][t]
-    adv = torch.tensor(adv, dtype=torch.float64).reshape(B, T)
-    ret = torch.where(mask.bool(), adv + values.double().nan_to_num(0.0, 0.0, 0.0), 0.0)
-    return adv, ret
 
 
 def reward_to_go_loop(rewards, mask, gamma):

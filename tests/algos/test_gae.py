@@ -7,16 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhfkit.algos import compute_gae, discounted_cumsum
+from rlhfkit.algos import compute_gae, discounted_cumsum, gae_loop
 
-from .reference import gae_loop
 from .strategies import add_junk, batches
 
 NAN, INF = float("nan"), float("inf")
 
 
 def close(actual, expected, rel=1e-5):
-    """Within rel * (1 + |expected|) everywhere (DESIGN.md's accuracy bound)."""
+    """Within rel * (1 + |expected|) everywhere (docs/design.md, "The algorithm core": the accuracy bound)."""
     err = (actual.double() - expected.double()).abs()
     assert bool((err <= rel * (1 + expected.double().abs())).all()), f"max error {err.max().item()}"
 
@@ -34,6 +33,16 @@ def test_hand_computed_full_row():
     adv, ret = compute_gae(torch.tensor([HAND_R]), torch.tensor([HAND_V]), torch.ones(1, 3), 0.5, 0.5)
     assert torch.equal(adv, torch.tensor([HAND_A]))
     assert torch.equal(ret, torch.tensor([HAND_RET]))
+
+
+def test_reference_loop_hand_computed_with_a_hole():
+    """gae_loop, the definition the scan is held to, gives the hand-computed numbers and skips a hole."""
+    m = torch.tensor([[1, 0, 1, 1]])
+    r, v = torch.tensor([[1.0, NAN, 0.0, 2.0]]), torch.tensor([[0.5, INF, 1.0, -1.0]])
+    adv, ret = gae_loop(r, v, m, 0.5, 0.5)
+    assert adv.dtype == ret.dtype == torch.float64
+    assert torch.equal(adv, torch.tensor([[HAND_A[0], 0.0, *HAND_A[1:]]], dtype=torch.float64))
+    assert torch.equal(ret, torch.tensor([[HAND_RET[0], 0.0, *HAND_RET[1:]]], dtype=torch.float64))
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""rlhfkit.algos stays pure (DESIGN.md, "The layers"); the batch dataclasses in rlhfkit.types."""
+"""rlhfkit.algos stays pure (docs/design.md, "The layers"); the batch dataclasses in rlhfkit.types."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """examples/cartpole_ppo.py: the PPO loop runs on rlhfkit.algos, maps episode ends right, and learns.
 
-Tiers (STYLE.md rule 10): hand-checked rollout bookkeeping (truncation bootstraps, dones), a smoke run
+Tiers (docs/design.md, "Tests"): hand-checked rollout bookkeeping (truncation bootstraps, dones), a smoke run
 whose parameters must change with finite losses, a short run that must beat a random policy, and the
 command line in-process. The full run (mean return >= 475 within 500k steps) takes minutes and is not
 part of the suite; see examples/README.md.

@@ -136,22 +136,6 @@ def test_config_errors_are_one_line(tmp_path, fake, capsys):
     assert not fake
 
 
-def test_not_built_yet(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(cli.TARGETS, "sft", "rlhfkit.trainers.not_written_yet:train")
-    assert cli.main(["train", "sft", "--config", str(config_file(tmp_path))]) == 2
-    assert "not built yet: rlhfkit.trainers.not_written_yet:train" in error_line(capsys)
-    assert not (tmp_path / "run").exists()  # nothing was touched
-    monkeypatch.setitem(cli.TARGETS, "sft", "rlhfkit.config:no_such_function")
-    assert cli.main(["train", "sft", "--config", str(config_file(tmp_path))]) == 2
-    assert "not built yet: rlhfkit.config:no_such_function" in error_line(capsys)
-    monkeypatch.setitem(cli.TARGETS, "quickstart", "rlhfkit.not_written_pipeline:quickstart")
-    monkeypatch.setitem(cli.QUICKSTART_STAGES, "pipeline", "rlhfkit.not_written_pipeline")
-    assert cli.main(["quickstart", "--out", str(tmp_path / "q")]) == 2
-    err = error_line(capsys)
-    assert "not built yet: rlhfkit.not_written_pipeline:quickstart" in err and "stages still missing:" in err
-    assert "pipeline" in err.split("stages still missing:")[1] and "built-in task" not in err
-
-
 def test_bugs_keep_their_traceback(tmp_path, monkeypatch):
     broken = tmp_path / "broken_trainer.py"
     broken.write_text("import a_dependency_that_is_not_installed\n")

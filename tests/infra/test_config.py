@@ -18,7 +18,7 @@ from rlhfkit.errors import ConfigError, UserError
 REQUIRED = ["output_dir=runs/x", "model.name_or_path=m", "data.train_file=d.jsonl"]
 ONLINE = REQUIRED + ["online.reward_model=rm"]
 
-# The YAML of DESIGN.md's "Configuration" section, verbatim in its keys: a contract other code relies on.
+# The YAML of docs/design.md's "Configuration" section, verbatim in its keys: a contract other code relies on.
 DESIGN_YAML = """\
 output_dir: runs/ppo-demo
 seed: 0

@@ -1,19 +1,20 @@
 """rlhfkit.algos: the pure algorithm core (tensors and plain scalars in, tensors out).
 
 Imports nothing of the project but :mod:`rlhfkit.types`, and no transformers, accelerate, datasets or
-I/O. DESIGN.md, "The algorithm core", defines every function here.
+I/O. docs/design.md, "The algorithm core", states the conventions every function here shares (shapes, masks,
+the ``done`` convention, KL units); each function's docstring cites its paper.
 """
 
 from rlhfkit.algos.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
-    compute_gae,
-    discounted_cumsum,
     gae_advantages,
+    gae_loop,
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from rlhfkit.algos.gae_scan import compute_gae, discounted_cumsum
 from rlhfkit.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -59,6 +60,7 @@ __all__ = [
     "explained_variance",
     "FixedKLController",
     "gae_advantages",
+    "gae_loop",
     "grpo_advantages",
     "kl_estimator",
     "KL_ESTIMATORS",

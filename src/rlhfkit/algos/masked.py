@@ -182,7 +182,7 @@ def aggregate_loss(
     normalizer: float | torch.Tensor | None = None,
     max_length: int | None = None,
 ) -> torch.Tensor:
-    """The one place where per-token losses become a scalar (DESIGN.md, "The algorithm core").
+    """The one place where per-token losses become a scalar (docs/design.md, "The algorithm core").
 
     - ``token-mean``: ``sum(l * m) / N_tok``;
     - ``seq-mean-token-mean``: ``sum_i(sum_t l_it * m_it / n_i) / N_seq``, n_i the valid tokens of row i;

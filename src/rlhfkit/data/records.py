@@ -1,4 +1,4 @@
-"""Validating records of the four kinds of DESIGN.md "Data formats", with errors that name the
+"""Validating records of the four kinds of docs/design.md, "Data formats", with errors that name the
 file, the line (or row) and the field.
 
 Kinds and the shapes each accepts (detected from each row; extra fields are kept, e.g. an ``answer``

@@ -13,7 +13,7 @@ A checkpoint is a folder ``checkpoints/step-N/`` holding
 It is written into a temporary folder beside it and renamed into place once the marker is on disk, so
 ``step-N/`` is either complete or absent; a folder whose marker is missing or whose files do not match it
 (an interrupted copy) is ignored by :func:`latest_checkpoint`. Loading restores models, optimizers,
-schedulers and RNG streams so that a resumed run continues bit-identically on CPU (REFERENCES.md, bug 11;
+schedulers and RNG streams so that a resumed run continues bit-identically on CPU (docs/known-bugs.md, 11;
 huggingface/transformers#39215).
 
 Every non-model state is stored with one encoder (:func:`_encode`): JSON for the structure (dicts with any
@@ -22,7 +22,8 @@ Python objects outside that set (a lambda's closure in a scheduler, a custom cla
 message naming their place, rather than pickled.
 
 One process writes: under data parallelism, call :func:`save_checkpoint` on the main process only (the
-other processes' RNG streams are not captured yet). FSDP / DeepSpeed runs use their native checkpoints.
+other processes' RNG streams are not captured yet). Sharded training (FSDP, DeepSpeed) is refused at start-up
+(:func:`rlhfkit.engine.accel.check_supported`).
 """
 
 from __future__ import annotations

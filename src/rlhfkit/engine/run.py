@@ -1,4 +1,4 @@
-"""The run folder every command writes (DESIGN.md, "Command line").
+"""The run folder every command writes (docs/design.md, "The run folder").
 
     <output_dir>/
       .rlhfkit          marks the folder as an rlhfkit run (so that --overwrite deletes nothing else)

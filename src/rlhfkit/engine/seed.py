@@ -2,7 +2,7 @@
 
 The streams are python's ``random``, numpy's legacy global generator, torch's CPU generator and, when CUDA
 is available, every CUDA device's generator. A resumed run restores them from its checkpoint so that it
-draws the same numbers an uninterrupted run would have drawn (REFERENCES.md, bug 11). Generators a trainer
+draws the same numbers an uninterrupted run would have drawn (docs/known-bugs.md, 11). Generators a trainer
 owns (a ``torch.Generator`` for its sampler, say) belong in its trainer state instead.
 
 The captured state is plain data: ints, floats, lists and CPU tensors, so that the checkpoint engine can

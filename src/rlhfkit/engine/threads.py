@@ -1,4 +1,4 @@
-"""Torch thread count: every command sets it at start-up (DESIGN.md, "Threads").
+"""Torch thread count: every command sets it at start-up (docs/design.md, "Threads").
 
 Two processes with two threads each on a two-core machine run small tensors 25-40x slower than one
 thread each, so the count is max(1, cores // local processes), unless the user set

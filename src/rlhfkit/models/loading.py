@@ -1,6 +1,6 @@
 """Loading tokenizers, causal LMs and scalar (reward / value) models from a folder or a hub id.
 
-Rules (DESIGN.md, "Models"):
+Rules (docs/design.md, "Models"):
 - ``trust_remote_code`` is False unless the caller sets it, so no code from a model folder runs
   by default;
 - weights come from safetensors only (``use_safetensors=True``): a folder with nothing but

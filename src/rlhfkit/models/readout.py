@@ -6,7 +6,7 @@ Every read-out here is padding independent: position ids come from the attention
 mask is 1, never at "the last token that is not the pad id", which breaks when pad == EOS
 (huggingface/transformers#30004, huggingface/trl#2778).
 
-Alignment (DESIGN.md, "Models"): for ``input_ids = [prompt | response]`` with the response
+Alignment (docs/design.md, "Models"): for ``input_ids = [prompt | response]`` with the response
 starting at column ``p0``, ``logprobs[:, t]`` and ``values[:, t]`` come from the model's output at
 column ``p0 + t - 1``, the state before response token ``y_t``; the score comes from the last
 valid column.

@@ -14,7 +14,7 @@ writes, under ``--out``:
     pairs_eval.jsonl   pairs on its held-out prompts (disjoint from train)
     labels.json        counts, the annotators' Bayes ceiling of each file, settings, timing
 
-Each line is a preference record ``{"prompt", "chosen", "rejected"}`` (DESIGN.md, "Data formats") with
+Each line is a preference record ``{"prompt", "chosen", "rejected"}`` (docs/design.md, "Data formats") with
 three extra fields that only evaluation reads: ``gold_chosen`` and ``gold_rejected`` (the noiseless gold
 scores) and ``gold_agreement`` (the probability that an annotator's label agrees with the gold order,
 sigmoid(|gold_chosen - gold_rejected| / T), null for a gold tie; its mean over a file's non-tied pairs is

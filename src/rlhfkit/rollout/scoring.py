@@ -30,7 +30,7 @@ tuple, numpy array or 1-D tensor): a finite number, or ``None`` for "no opinion"
 asked about a poem). A response that no part scores (every function said None and there is no reward
 model) is left out of the loss and counted (``score/unscored``). A function that raises, or returns a
 wrong count, NaN, inf or a non-number, stops the run with a :class:`RewardFunctionError` that names the
-function and the response (REFERENCES.md, bug 9: NaN rewards must never train silently).
+function and the response (docs/known-bugs.md, 9: NaN rewards must never train silently).
 
 Shapes: ``B`` responses, ``L`` prompt + response length.
 """

@@ -7,8 +7,8 @@
       prompts_train.jsonl  {"prompt"} records for online RL
       prompts_eval.jsonl   held-out prompts for evaluation
 
-With these, ``rlhfkit train sft`` trains on the task like on any dataset (``rlhfkit task prepare``
-writes them; the quickstart does it as its first stage).
+With these, ``rlhfkit train sft`` trains on the task like on any dataset (the quickstart writes them as
+its first stage, ``<out>/task/``; :func:`prepare_task_files` from Python).
 """
 
 from __future__ import annotations

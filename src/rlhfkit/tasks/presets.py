@@ -1,7 +1,7 @@
 """Model presets for the built-in tasks: standard Llama configurations, built fresh from scratch.
 
-`tiny` is the size of the classic-PPO reference in ../shared/REFERENCES.md (hidden 128, 4 layers, FFN 512,
-~1.3M parameters at a vocabulary of ~1,000): fast on two CPU cores. `small` (~15M) is for a GPU or for
+`tiny` (hidden 128, 4 layers, FFN 512, ~1.3M parameters at a vocabulary of ~1,000) is fast on two CPU
+cores. `small` (~15M) is for a GPU or for
 patience. Dropout is 0 everywhere: the PPO ratio must be exactly 1 before the first update (Huang et al.
 2024, "The N+ Implementation Details of RLHF with PPO", detail on disabling dropout).
 """

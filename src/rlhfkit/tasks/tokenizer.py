@@ -4,7 +4,7 @@ Byte-level BPE (the GPT-2 scheme, Radford et al. 2019): the 256 byte symbols plu
 task's text, run until no pair is left to merge, so every word of a task's language becomes one token
 while any other text still encodes (as bytes) and ``decode(encode(x)) == x`` for every string. Special
 tokens: ``<pad>`` (distinct from EOS, so that last-token pooling and EOS masking cannot confuse the two;
-../shared/REFERENCES.md items 2 and 3), ``<bos>`` (added in front of every encoded text, as Llama
+docs/known-bugs.md, 2 and 3), ``<bos>`` (added in front of every encoded text, as Llama
 tokenizers do) and ``<eos>`` (never added by the tokenizer: the trainers append it to completions).
 """
 

@@ -4,10 +4,10 @@ Both are "minimise a loss over a fixed dataset": what differs is how a batch is 
 computed and what evaluation reports. This module owns the rest, once:
 
 - the data order: a stateless function of (seed, step), so resuming needs only the step
-  (no sampler state to save: REFERENCES.md bug 11, huggingface/accelerate#2016);
+  (no sampler state to save: docs/known-bugs.md, 11; huggingface/accelerate#2016);
 - micro-batching and gradient accumulation, with the loss normalised by the *whole* batch
   (``normalizer``), so micro-batch and process counts do not change the gradient
-  (REFERENCES.md bug 10; STYLE.md rule 8);
+  (docs/known-bugs.md, 10; docs/design.md, "The algorithm core");
 - gradient clipping, the optimizer and schedule, metrics, evaluation, checkpoints, resume, ``final/``.
 
 A trainer passes a :class:`Objective`. Launch: one process with ``rlhfkit train ...``; several with

@@ -129,9 +129,9 @@ class OnlineHooks:
             so it never changes what training samples.
         evaluate_at_start: also evaluate the initial policy, logged as step 0.
         refresh_reward_model: ``(policy, reward_model, step) -> {name: number}``, called after the update
-            of every ``refresh_steps``-th rollout; it may train the reward model in place (issue 7's online
-            refresh). The reward model is then saved in every checkpoint, and when the callable has
-            ``state_dict()`` / ``load_state_dict()`` (e.g. its accumulated pairs, as plain data) that state is
+            of every ``refresh_steps``-th rollout; it may train the reward model in place
+            (:mod:`rlhfkit.trainers.refresh`). The reward model is then saved in every checkpoint, and when the
+            callable has ``state_dict()`` / ``load_state_dict()`` (e.g. its accumulated pairs, as plain data) that state is
             checkpointed too, and so is the model's normalisation (gain, bias in its config), which a refresh
             may re-fit. It is frozen again (eval mode, no gradients) after each call.
         refresh_steps: how often ``refresh_reward_model`` runs (in rollouts; 0 = never).

@@ -1,4 +1,4 @@
-"""The four roles of PPO and their optimizers (DESIGN.md, "Models"; Huang et al. 2024).
+"""The four roles of PPO and their optimizers (docs/design.md, "Models"; Huang et al. 2024).
 
 - **actor**: the policy, trained, loaded from ``model.name_or_path`` (the SFT policy);
 - **reference**: a frozen copy of the same weights; the KL penalty is measured against it;

@@ -141,7 +141,8 @@ class StatSums:
 def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int) -> dict[str, Any]:
     """This process's prompts of rollout ``step`` (1-based), each repeated ``online.group_size`` times.
 
-    The batch is ``loop.batch_indices`` of (seed, step): resuming needs only the step (REFERENCES.md, bug 11).
+    The batch is ``loop.batch_indices`` of (seed, step): resuming needs only the step
+    (docs/known-bugs.md, 11).
     Each process takes a contiguous slice, so a prompt's group lives on one process.
 
     Returns:
