@@ -127,8 +127,14 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def unshard(model: torch.nn.Module) -> torch.nn.Module:
     """A plain copy of a sharded model with its whole weights, on every process (a collective)."""
-    # each weight in its own storage (the gathered ones can be views of one buffer, which safetensors refuses)
-    full = {name: t.detach().clone() for name, t in full_state_dict(model).items()}
+    # each weight in its own storage: a gathered one can be a view of a larger buffer, which safetensors
+    # refuses to save (copied only then, so that the whole model is not held twice)
+    full = {
+        name: t.detach()
+        if t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        else t.detach().clone()
+        for name, t in full_state_dict(model).items()
+    }
     plain_class = getattr(model, _PLAIN_CLASS)
     with torch.device("meta"):
         plain = plain_class(model.config)
