@@ -8,6 +8,7 @@ process here are the reference. Everything is float64, so that the comparison is
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 
@@ -172,3 +173,18 @@ def test_sharding_without_processes_or_with_deepspeed_or_online_is_refused_namin
             ["output_dir=x", "model.name_or_path=m", "data.train_file=t", "train.sharding=full_shard"],
             "ppo",
         )
+
+
+def test_under_an_accelerate_fsdp_config_every_process_loads_the_weights_and_accelerate_does_not_wrap(
+    monkeypatch,
+):
+    """transformers loads real weights on the first process only when FSDP_CPU_RAM_EFFICIENT_LOADING is set
+    (the others would wait for a broadcast that rlhfkit's own sharding never makes)."""
+    from rlhfkit.engine.accel import make_accelerator
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    accelerator = make_accelerator(sharding=True)
+    assert str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)) != "FSDP"
+    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true"  # still read by sharding_mode

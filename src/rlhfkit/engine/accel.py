@@ -52,6 +52,10 @@ def make_accelerator(cpu: bool | None = None, sharding: bool = False):
     if cpu is None:
         cpu = not torch.cuda.is_available()
     hidden = os.environ.pop("ACCELERATE_USE_FSDP", None) if sharding else None
+    if hidden is not None:
+        # transformers would then load the weights on the first process only and leave the others' for
+        # accelerate's FSDP wrapper to broadcast, which is not used here: every process loads them.
+        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
     try:
         accelerator = Accelerator(cpu=cpu, mixed_precision="no", step_scheduler_with_optimizer=False)
     finally:
