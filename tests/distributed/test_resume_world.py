@@ -1,7 +1,8 @@
 """A one-process checkpoint resumes under torchrun with two processes, from the same global sample position.
 
-(The reverse, two processes resumed on one, is in test_launch.py.) SFT in float64 gives the weights of an
-uninterrupted one-process run up to summation order: the data order is a function of (seed, step) and the
+(The reverse, two processes resumed on one, is in test_launch.py.) SFT in float64, data parallel or sharded
+(FSDP2: the checkpoint's shards re-cut for two processes), gives the weights of an uninterrupted one-process
+run up to summation order: the data order is a function of (seed, step) and the
 loss normaliser counts the whole batch, so only the order of the gradient sum differs. PPO continues from the
 next global prompt with the restored KL controller; its responses differ from a one-process continuation
 because sampling is seeded per (seed, rollout, process), so the comparison there is of positions, not values.
@@ -44,28 +45,42 @@ def test_one_process_checkpoints_resume_on_two_processes(tmp_path, monkeypatch):
     def sft(out, steps, *extra):
         return sft_run(tmp_path / "sft", out, f"train.max_steps={steps}", "train.save_steps=1", *extra)
 
-    with monkeypatch.context() as patch:  # one process, here: the first step, and the uninterrupted reference
+    sharded_out = tmp_path / "sft-sharded"
+    sharding = "train.sharding=full_shard"
+    with monkeypatch.context() as patch:  # the uninterrupted one-process reference, here
         patch.setitem(loading.DTYPES, "float32", torch.float64)
-        assert main(sft(sft_out, 1)) == 0
         assert main(sft(ref_out, 2)) == 0
-        assert main(online_cli_args(paths, ppo_out, *ppo, "train.max_steps=1")) == 0
 
-    resumed_sft = [*sft(sft_out, 2)[:-1], "--resume"]
+    def launch(nproc, runs):
+        plan = tmp_path / f"plan-{nproc}.json"
+        plan.write_text(json.dumps({"float64": True, "runs": runs}))
+        proc = torchrun("-m", "tests.distributed.cli_runs", str(plan), nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "terminate called" not in proc.stderr
+
+    # one process (under torchrun, so that the sharded run has its process group of one): the first step
+    first_ppo = online_cli_args(paths, ppo_out, *ppo, "train.max_steps=1")
+    launch(1, [sft(sft_out, 1), first_ppo, sft(sharded_out, 1, sharding)])
+    # two processes: the second step, resumed from those checkpoints
     resumed_ppo = [*online_cli_args(paths, ppo_out, *ppo, "train.max_steps=2"), "--resume"]
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"float64": True, "runs": [resumed_sft, resumed_ppo]}))
-    proc = torchrun("-m", "tests.distributed.cli_runs", str(plan))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "terminate called" not in proc.stderr
+    resumed_sft = [*sft(sft_out, 2)[:-1], "--resume"]
+    resumed_sharded = [*sft(sharded_out, 2, sharding)[:-1], "--resume"]
+    launch(2, [resumed_sft, resumed_ppo, resumed_sharded])
 
-    for out in (sft_out, ppo_out):
+    one = load_file(str(ref_out / "final" / "model.safetensors"))
+    for out in (sft_out, sharded_out):
+        two = load_file(str(out / "final" / "model.safetensors"))
+        assert sorted(two) == sorted(one)
+        assert max(float((two[k] - one[k]).abs().max()) for k in one) <= 1e-10
+    worlds = [
+        json.loads((sharded_out / "checkpoints" / f"step-{n}" / "trainer_state.json").read_text())["sharded"]
+        for n in (1, 2)
+    ]
+    assert [w["world_size"] for w in worlds] == [1, 2]  # the shards of one process, re-cut for two
+
+    for out in (sft_out, ppo_out, sharded_out):
         assert read_run_info(out / "config.yaml")["world_size"] == 2
         assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
-    two = load_file(str(sft_out / "final" / "model.safetensors"))
-    one = load_file(str(ref_out / "final" / "model.safetensors"))
-    assert sorted(two) == sorted(one)
-    assert max(float((two[k] - one[k]).abs().max()) for k in one) <= 1e-10
-
     state = json.loads((ppo_out / "checkpoints" / "step-2" / "trainer_state.json").read_text())
     assert state["prompts_seen"] == 2 * 4  # the global prompt position, whatever the process count
     rows = read_metrics(ppo_out / "metrics.jsonl")
