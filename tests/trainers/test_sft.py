@@ -55,7 +55,8 @@ def test_sft_lowers_eval_loss_writes_run_folder_and_resumes_bit_identically(
 
     evals = [r["eval/loss"] for r in rows_full if "eval/loss" in r]
     learning_figures(eval_loss_first=evals[0], eval_loss_last=evals[-1], eval_loss_fall=evals[0] - evals[-1])
-    assert len(evals) == 2 and evals[1] < evals[0]
+    # 6 steps lower the eval loss by 0.33-0.35 nats over seeds 0-4 x 1 and 2 threads: half of it is the floor
+    assert len(evals) == 2 and evals[0] - evals[1] > 0.15
     summary = json.loads((full / "summary.json").read_text())
     assert summary["kind"] == "sft" and summary["eval_loss"] == pytest.approx(evals[-1])
 
