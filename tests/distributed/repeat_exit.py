@@ -8,6 +8,7 @@ problem (one optimizer step or rollout, a checkpoint, ``final/``); ``sft-fsdp`` 
 neither process printed "terminate called" (the C++ abort of a process group left behind), and the run
 folder holds one metrics line. Too slow for the suite (a launch costs seconds); run it after changing how
 processes start or end. Prints one line per run and a count per trainer; exits 1 unless every run was clean.
+The whole stderr of a run that was not clean is kept as ``WORK/not-clean-KIND-I.stderr``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             lines = len(read_metrics(out / "metrics.jsonl")) if (out / "metrics.jsonl").exists() else 0
             ok = proc.returncode == 0 and not aborted and lines == 1
             clean[kind] += ok
+            if not ok:  # the whole stderr of both processes, for the cause (the line below shows its end)
+                (args.work / f"not-clean-{kind}-{i}.stderr").write_text(proc.stderr)
             print(
                 f"{kind} run {i}: exit {proc.returncode}, abort {aborted}, metrics lines {lines}, "
                 f"{time.perf_counter() - start:.1f} s"
