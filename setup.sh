@@ -8,7 +8,7 @@ cd "$(dirname "$0")"
 PY="${PYTHON:-python3}"
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     if command -v nvidia-smi >/dev/null 2>&1; then
-        "$PY" -m pip install --quiet "torch>=2.4"
+        "$PY" -m pip install --quiet "torch>=2.6"
     else
         "$PY" -m pip install --quiet "torch==2.13.0"
     fi

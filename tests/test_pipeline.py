@@ -15,27 +15,30 @@ def test_quickstart_smoke_writes_every_stage_report_and_summary(tmp_path, capsys
     assert main(["quickstart", "--out", str(out), "--preset", "smoke"]) == 0
     printed = capsys.readouterr().out
     for stage in (
-        "[1/7] task",
-        "[2/7] SFT",
-        "[3/7] preference pairs",
-        "[4/7] reward model",
-        "[5/7] PPO",
-        "[6/7] evaluation",
-        "[7/7] report",
+        "[1/8] task",
+        "[2/8] SFT",
+        "[3/8] preference pairs",
+        "[4/8] reward model",
+        "[5/8] PPO",
+        "[6/8] DPO",
+        "[7/8] evaluation",
+        "[8/8] report",
     ):
         assert stage in printed
     assert "PPO win rate vs SFT" in printed and " nan" not in printed
+    assert "gold win rate vs SFT" in printed  # the SFT / DPO / PPO table
 
     summary = json.loads((out / "summary.json").read_text())
     for key in ("gold_mean",):
         assert isinstance(summary["sft"][key], float)
     assert "heldout_accuracy" in summary["reward_model"]
     for key in ("gold_mean", "proxy_mean", "kl_mean"):
-        assert isinstance(summary["ppo"][key], float)
+        assert isinstance(summary["ppo"][key], float) and isinstance(summary["dpo"][key], float)
+    assert 0.0 <= summary["dpo_win_rate_vs_sft"] <= 1.0 and "heldout_accuracy" in summary["dpo_training"]
     assert 0.0 <= summary["win_rate_vs_sft"] <= 1.0 and 0.0 <= summary["win_rate_vs_sft_greedy"] <= 1.0
     assert summary["wall_seconds"] > 0
 
-    for run in ("sft", "reward", "ppo"):
+    for run in ("sft", "reward", "ppo", "dpo"):
         assert (out / run / "final" / "config.json").is_file()
         assert (out / run / "report.md").is_file() and (out / run / "report.html").is_file()
         assert (out / run / "metrics.jsonl").read_text().strip()
@@ -56,6 +59,7 @@ def test_quickstart_smoke_writes_every_stage_report_and_summary(tmp_path, capsys
     }
     report = (out / "report.md").read_text()
     assert "ppo/report/gold_vs_sqrt_kl.png" in report and "sft/report/losses.png" in report
+    assert "| gold score |" in report and "dpo/report/losses.png" in report
     # One page for every stage: each stage's section, the PPO health panel, the examples.
     page = (out / "report.html").read_text()
     for anchor in (
@@ -65,6 +69,8 @@ def test_quickstart_smoke_writes_every_stage_report_and_summary(tmp_path, capsys
         'id="ppo-curves"',
         'id="reward-calibration"',
         'id="examples-table"',
+        'id="dpo"',
+        'id="policies-table"',
     ):
         assert anchor in page
     # The reward-hacking meter: gold beside proxy on held-out prompts, logged during PPO.

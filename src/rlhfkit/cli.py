@@ -1,14 +1,16 @@
 """The ``rlhfkit`` command.
 
-    rlhfkit train {sft,reward,prm,ppo,grpo,rloo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
+    rlhfkit train {sft,reward,prm,ppo,grpo,rloo,dpo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
     rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite] [--refresh-steps K]
     rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE] [--reward-model DIR]
     rlhfkit label-pairs --policy DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
     rlhfkit report RUN_DIR [RUN_DIR ...] [--out FILE]
 
 A user's mistake (a :class:`rlhfkit.errors.UserError`: bad configuration, bad data, an occupied output
-folder) prints one line ``rlhfkit: error: <message>`` on stderr and exits with code 2; any other exception is
-a bug and keeps its traceback. :func:`main` takes ``argv`` and returns the exit code, so tests call it
+folder) prints one line ``rlhfkit: error: <message>`` on stderr and exits with code 2. A run that stops on
+purpose prints ``rlhfkit: stopped: <message>``: exit 3 when it diverged (a non-finite loss, gradient, reward
+or value: :mod:`rlhfkit.engine.guards`), 130 / 143 after SIGINT / SIGTERM (:mod:`rlhfkit.engine.signals`).
+A full disk gives one line and exit 1. Any other exception is a bug and keeps its traceback. :func:`main` takes ``argv`` and returns the exit code, so tests call it
 in-process.
 
 Each command runs a function named in :data:`TARGETS` (``module:function``), imported only when that
@@ -23,6 +25,7 @@ group at the end (:func:`rlhfkit.engine.accel.end_processes`).
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from rlhfkit import __version__
 from rlhfkit.config import KINDS, config_help, load_config
-from rlhfkit.errors import UserError
+from rlhfkit.errors import RunStopped, UserError
 
 # Command -> "module:function". Trainers are called as train(cfg: RunConfig, resume: bool).
 TARGETS: dict[str, str] = {
@@ -40,6 +43,7 @@ TARGETS: dict[str, str] = {
     "ppo": "rlhfkit.trainers.online:train",
     "grpo": "rlhfkit.trainers.online:train",
     "rloo": "rlhfkit.trainers.online:train",
+    "dpo": "rlhfkit.trainers.dpo:train",
     "quickstart": "rlhfkit.pipeline:quickstart",  # quickstart(out_dir, preset, overwrite)
     "generate": "rlhfkit.rollout.generate_cli:generate",  # see _generate
     "report": "rlhfkit.report:write_reports",  # write_reports(run_dirs, out)
@@ -69,8 +73,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(e).split("\n"))
         print(f"rlhfkit: error: {message}", file=sys.stderr)
         return 2
+    except RunStopped as e:  # diverged (3), or a signal asked to stop (128 + signal)
+        print(f"rlhfkit: stopped: {' '.join(str(e).split())}", file=sys.stderr)
+        return e.exit_code
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"rlhfkit: error: {e.strerror} while writing {e.filename or 'a file'}", file=sys.stderr)
+        return 1
     finally:
         _leave_process_group(wait=ok)
+        if "rlhfkit.engine.folder" in sys.modules:  # the command is over: so is its hold on run folders
+            sys.modules["rlhfkit.engine.folder"].release_locks()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument(
-        "kind", choices=KINDS, help="sft, reward (Bradley-Terry), prm (process reward), ppo, grpo, rloo"
+        "kind",
+        choices=KINDS,
+        help="sft, reward (Bradley-Terry), prm (process reward), ppo, grpo, rloo, dpo (direct preference "
+        "optimization)",
     )
     train.add_argument("--config", required=True, metavar="FILE", help="the run's YAML configuration")
     folder = train.add_mutually_exclusive_group()
@@ -107,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     quick = commands.add_parser(
         "quickstart",
         help="the whole pipeline on the built-in task",
-        description="SFT -> preference labelling -> reward model -> PPO -> evaluation on the built-in "
-        "offline task; writes summary.json and a report.",
+        description="SFT -> preference labelling -> reward model -> PPO, and DPO on the same pairs -> "
+        "evaluation on the built-in offline task; writes summary.json and a report.",
     )
     quick.add_argument(
         "--out", default="runs/quickstart", metavar="DIR", help="output folder (default: %(default)s)"
@@ -233,13 +250,27 @@ def _train(args: argparse.Namespace) -> int:
     _set_threads()
     from rlhfkit.engine.accel import launch_rank
     from rlhfkit.engine.run import prepare_output_dir  # imports torch
+    from rlhfkit.engine.signals import graceful_stop
 
     train = resolve(TARGETS[args.kind])
     if (
         launch_rank() == 0
     ):  # one process checks (and with --overwrite empties) the folder; the others wait for it
         prepare_output_dir(cfg.output_dir, resume=args.resume, overwrite=args.overwrite)
-    train(cfg, resume=args.resume)
+    if args.resume:
+        from rlhfkit.engine.folder import finished_run
+
+        done = finished_run(cfg.output_dir, cfg.train.max_steps)
+        if done is not None:  # its final/ and summary.json stay as they are
+            if launch_rank() == 0:
+                print(
+                    f"rlhfkit: {cfg.output_dir} is a finished run (step {done}); nothing to resume. A larger "
+                    "train.max_steps continues it",
+                    file=sys.stderr,
+                )
+            return 0
+    with graceful_stop():  # SIGTERM / SIGINT: finish the step, checkpoint, exit 128 + signal
+        train(cfg, resume=args.resume)
     return 0
 
 
@@ -267,6 +298,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError(f"--temperature must be >= 0, got {temperature}")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.out is not None and not Path(args.out).absolute().parent.is_dir():
+        raise UserError(f"--out {args.out}: its folder {Path(args.out).absolute().parent} does not exist")
     if args.reward_model is not None and not Path(args.reward_model).is_dir():
         raise UserError(f"--reward-model: folder not found: {args.reward_model}")
     _set_threads()

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from rlhfkit.errors import ConfigError
 
-Kind = Literal["sft", "reward", "prm", "ppo", "grpo", "rloo"]
+Kind = Literal["sft", "reward", "prm", "ppo", "grpo", "rloo", "dpo"]
 KINDS: tuple[str, ...] = get_args(Kind)
 ONLINE_KINDS = ("ppo", "grpo", "rloo")
 
@@ -59,7 +60,8 @@ class ModelConfig:
     """The model being trained."""
 
     name_or_path: str = option(
-        "", "The policy (sft/ppo/grpo/rloo) or backbone (reward/prm): a local folder or a hub id. Required."
+        "",
+        "The policy (sft/dpo/ppo/grpo/rloo) or backbone (reward/prm): a local folder or a hub id. Required.",
     )
     trust_remote_code: bool = option(
         False, "Run code shipped with a hub model. Off unless you trust its author."
@@ -132,7 +134,7 @@ class DataConfig:
     )
     eval_file: str | None = option(None, "Evaluation data in the same format; none = no evaluation.")
     max_prompt_length: int = option(256, "Longest prompt, in tokens.", gt=0)
-    max_length: int = option(512, "Longest prompt + response, in tokens (sft/reward/prm).", gt=0)
+    max_length: int = option(512, "Longest prompt + response, in tokens (sft/reward/prm/dpo).", gt=0)
     truncation: Literal["error", "left", "right"] = option(
         "error",
         "A prompt longer than max_prompt_length: stop with an error naming the row, or drop tokens "
@@ -212,6 +214,12 @@ class TrainConfig:
         "(full_shard: parameters, gradients and optimizer state; shard_grad_op: gradients and optimizer "
         "state, parameters kept whole between forward and backward). none = each process holds the whole "
         "model (data parallel). An accelerate FSDP config sets it too.",
+    )
+    skip_nonfinite_steps: int = option(
+        0,
+        "A step whose loss, gradient norm, rewards or values are not finite stops the run (exit 3); skip up "
+        "to N such steps instead (no optimizer step; counted as guard/skipped_steps).",
+        ge=0,
     )
 
 
@@ -357,6 +365,35 @@ class RewardConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Direct Preference Optimization (dpo): the policy learns from preference pairs against a frozen
+    reference, with no reward model (Rafailov et al. 2023)."""
+
+    beta: float = option(
+        0.1,
+        "KL strength: the implicit reward is beta * (log pi - log pi_ref) (sigmoid), or IPO's target "
+        "margin is 1 / (2 beta) nats.",
+        gt=0,
+    )
+    loss: Literal["sigmoid", "ipo"] = option(
+        "sigmoid",
+        "sigmoid = DPO's -log sigmoid(beta * h) (Rafailov et al. 2023, eq. 7); ipo = (h - 1 / (2 beta))^2 "
+        "(Azar et al. 2023, eq. 17); h = chosen log-ratio minus rejected log-ratio.",
+    )
+    label_smoothing: float = option(
+        0.0,
+        "Conservative DPO (Mitchell 2023): the assumed probability that a label is flipped (sigmoid only).",
+        ge=0,
+        lt=0.5,
+    )
+    reference_model: str | None = option(
+        None,
+        "The frozen reference; none = model.name_or_path (the SFT model), or under LoRA the policy with its "
+        "adapter disabled.",
+    )
+
+
+@dataclass
 class LoggingConfig:
     """Where metrics go besides metrics.jsonl."""
 
@@ -389,6 +426,7 @@ class RunConfig:
     train: TrainConfig = option(TrainConfig, "The optimisation loop.")
     online: OnlineConfig = option(OnlineConfig, "Online RL (ppo / grpo / rloo only).")
     reward: RewardConfig = option(RewardConfig, "Reward-model training (reward / prm only).")
+    dpo: DPOConfig = option(DPOConfig, "Direct Preference Optimization (dpo only).")
     logging: LoggingConfig = option(LoggingConfig, "Extra metric sinks.")
 
 
@@ -639,13 +677,15 @@ def _validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
             f"must be below data.max_length ({run.data.max_length}) to leave room "
             f"for a response, got {run.data.max_prompt_length}",
         )
-    if kind in ONLINE_KINDS and t.sharding != "none":
+    if kind not in ("sft", "reward", "prm") and t.sharding != "none":
         fail(
             "train.sharding",
-            f"{t.sharding} is not supported by the online trainers yet (sft, reward and prm only); "
+            f"{t.sharding} is not supported by `train {kind}` yet (sft, reward and prm only); "
             "use train.sharding=none (data parallel: each process holds the whole model) with LoRA "
             "(model.lora_rank) to fit a larger policy",
         )
+    if kind == "dpo" and run.dpo.loss == "ipo" and run.dpo.label_smoothing:
+        fail("dpo.label_smoothing", "applies to the sigmoid loss only; set it to 0 with dpo.loss=ipo")
     if kind in ONLINE_KINDS:
         o = run.online
         if run.model.lora_rank and run.model.lora_dropout and run.model.disable_dropout:
@@ -682,6 +722,8 @@ def _check_bounds(obj: Any, prefix: str, fail) -> None:
             continue
         if value is None or isinstance(value, bool) or not isinstance(value, int | float):
             continue
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(prefix + f.name, f"must be a finite number, got {value}")
         for bound, holds in (
             ("gt", value.__gt__),
             ("ge", value.__ge__),

@@ -45,3 +45,25 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint that is incomplete or does not match the run resuming from it."""
+
+
+class RunStopped(Exception):
+    """A run that stopped on purpose before its end: it diverged, or a signal asked it to stop.
+
+    Not a user's input mistake, and not a bug: the command line prints the message as one line
+    (``rlhfkit: stopped: <message>``) and exits with :attr:`exit_code`, without a traceback.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class NonFiniteError(RunStopped):
+    """A non-finite loss, gradient norm, reward, value or weight: the run stops before it is saved
+    (exit code 3)."""
+
+    exit_code = 3

@@ -11,9 +11,11 @@ Stages (Ouyang et al. 2022, figure 2), each in its own run folder under ``DIR``:
 4. ``reward/``  the reward model on those pairs (``rlhfkit train reward``), normalised on SFT samples;
 5. ``ppo/``     PPO against the reward model (``rlhfkit train ppo``), logging the gold score on
                 held-out prompts beside the proxy as it goes (the reward-hacking meter);
-6. evaluation   SFT and PPO policies on held-out prompts: gold and proxy scores, KL, the gold win rate
-                of PPO over SFT (at the training temperature, and greedy);
-7. report       ``summary.json``, ``report.html`` (every stage on one page), ``report.md`` with plots, and a
+6. ``dpo/``     DPO on the same pairs from the same SFT policy (``rlhfkit train dpo``,
+                :mod:`rlhfkit.pipeline_dpo`): the next chapter's baseline, no reward model;
+7. evaluation   SFT, DPO and PPO policies on held-out prompts: gold and proxy scores, KL, the gold win rate
+                over SFT (at the training temperature, and greedy);
+8. report       ``summary.json``, ``report.html`` (every stage on one page), ``report.md`` with plots, and a
                 table in the terminal.
 
 This module holds no training code: only configurations, the order of the stages, and the evaluation.
@@ -29,8 +31,9 @@ from typing import Any
 
 from rlhfkit.config import load_config
 from rlhfkit.engine.run import write_summary_json
+from rlhfkit.pipeline_dpo import comparison_markdown, comparison_rows, format_comparison
 
-STAGES = ("task", "SFT", "preference pairs", "reward model", "PPO", "evaluation", "report")
+STAGES = ("task", "SFT", "preference pairs", "reward model", "PPO", "DPO", "evaluation", "report")
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ def quickstart(
     ``refresh_steps`` = K > 0: during PPO, every K rollouts the reward model is refreshed on new pairs
     from the current policy, labelled by the task's annotators (:func:`task_refresh`).
     """
+    from rlhfkit.pipeline_dpo import DPO_PRESETS, dpo_stage
     from rlhfkit.rollout.pairs import label_pairs
     from rlhfkit.tasks import get_task
     from rlhfkit.tasks.files import prepare_task_files
@@ -232,11 +236,16 @@ def quickstart(
     online.train(ppo_cfg, hooks=hooks)
     seconds["ppo"] = time.perf_counter() - t
 
-    t = _stage(6, "evaluation", f"SFT and PPO on {p.num_eval_prompts} held-out prompts")
-    evaluation = meter.compare(out / "ppo" / "final")
+    d = DPO_PRESETS[preset]
+    t = _stage(6, "DPO", f"{d.steps} steps of {d.batch} pairs (the reward model's pairs), beta {d.beta}")
+    dpo_summary = dpo_stage(out / "dpo", preset, seed, sft_dir, labels["paths"], p.response_length)
+    seconds["dpo"] = time.perf_counter() - t
+
+    t = _stage(7, "evaluation", f"SFT, DPO and PPO on {p.num_eval_prompts} held-out prompts")
+    evaluation = meter.compare(out / "ppo" / "final", out / "dpo" / "final")
     seconds["evaluation"] = time.perf_counter() - t
 
-    t = _stage(7, "report")
+    t = _stage(8, "report")
     summary = {
         "preset": preset,
         "seed": seed,
@@ -249,15 +258,20 @@ def quickstart(
             "train_pairs": labels.get("train", {}).get("pairs"),
         },
         "ppo": evaluation["ppo"],
+        "dpo": evaluation["dpo"],
+        "dpo_training": {k: v for k, v in dpo_summary.items() if k.startswith("heldout_")},
         "examples": evaluation["examples"],
         "win_rate_vs_sft": evaluation["win_rate_vs_sft"],
         "win_rate_vs_sft_greedy": evaluation["win_rate_vs_sft_greedy"],
+        "dpo_win_rate_vs_sft": evaluation["dpo_win_rate_vs_sft"],
+        "dpo_win_rate_vs_sft_greedy": evaluation["dpo_win_rate_vs_sft_greedy"],
         "stage_seconds": seconds,
     }
     summary["wall_seconds"] = time.perf_counter() - start
     write_summary_json(out / "summary.json", summary)
     write_quickstart_report(out, summary)
     print(format_table(summary), flush=True)
+    print("\n" + format_comparison(comparison_rows(summary)), flush=True)
     return summary
 
 
@@ -323,17 +337,20 @@ class HackingMeter:
             "eval/response_length/mean": s["response_length_mean"],
         }
 
-    def compare(self, ppo_dir: Path) -> dict[str, Any]:
-        """SFT and PPO on the held-out prompts, sampled at the training temperature and greedy."""
+    def compare(self, ppo_dir: Path, dpo_dir: Path | None = None) -> dict[str, Any]:
+        """SFT, PPO (and DPO) on the held-out prompts, sampled at the training temperature and greedy."""
         import torch
 
         from rlhfkit.models import load_causal_lm
         from rlhfkit.rollout.evaluate import win_rate
 
-        ppo = load_causal_lm(str(ppo_dir), tokenizer=self.tokenizer, frozen=True).eval()
+        policies = {"sft": self.reference}
+        for name, folder in (("ppo", ppo_dir), ("dpo", dpo_dir)):
+            if folder is not None:
+                policies[name] = load_causal_lm(str(folder), tokenizer=self.tokenizer, frozen=True).eval()
         out: dict[str, Any] = {}
         samples = {}
-        for name, policy in (("sft", self.reference), ("ppo", ppo)):
+        for name, policy in policies.items():
             torch.manual_seed(self.seed)
             sampled = self._measure(policy, self.examples)
             greedy = self._measure(policy, self.examples, greedy=True)
@@ -343,19 +360,15 @@ class HackingMeter:
             out[name] = figures
         out["sft"].pop("kl_mean", None)  # the reference against itself
         sft_std = out["sft"]["gold_std"]
-        out["ppo"]["gold_gain_in_sft_std"] = (out["ppo"]["gold_mean"] - out["sft"]["gold_mean"]) / max(
-            sft_std, 1e-8
-        )
-        out["win_rate_vs_sft"] = win_rate(samples["ppo"][0].gold, samples["sft"][0].gold)
-        out["win_rate_vs_sft_greedy"] = win_rate(samples["ppo"][1].gold, samples["sft"][1].gold)
+        for name in policies.keys() - {"sft"}:
+            gain = (out[name]["gold_mean"] - out["sft"]["gold_mean"]) / max(sft_std, 1e-8)
+            out[name]["gold_gain_in_sft_std"] = gain
+            prefix = "" if name == "ppo" else f"{name}_"
+            out[f"{prefix}win_rate_vs_sft"] = win_rate(samples[name][0].gold, samples["sft"][0].gold)
+            out[f"{prefix}win_rate_vs_sft_greedy"] = win_rate(samples[name][1].gold, samples["sft"][1].gold)
         out["examples"] = [
-            {"prompt": p, "sft": a, "ppo": b}
-            for p, a, b in zip(
-                samples["sft"][0].prompts[:5],
-                samples["sft"][0].responses[:5],
-                samples["ppo"][0].responses[:5],
-                strict=True,
-            )
+            {"prompt": p, **{name: samples[name][0].responses[i] for name in policies}}
+            for i, p in enumerate(samples["sft"][0].prompts[:5])
         ]
         return out
 
@@ -419,7 +432,8 @@ def write_quickstart_report(out: Path, summary: dict[str, Any]) -> Path:
     from rlhfkit.report import write_quickstart_page
     from rlhfkit.reporting.samples import printable
 
-    write_quickstart_page(out, summary_rows(summary), summary)
+    stages = (("sft", "SFT"), ("reward", "Reward model"), ("ppo", "PPO"), ("dpo", "DPO"))
+    write_quickstart_page(out, summary_rows(summary), summary, stages, comparison_rows(summary))
     lines = [
         "# rlhfkit quickstart",
         "",
@@ -429,8 +443,12 @@ def write_quickstart_report(out: Path, summary: dict[str, Any]) -> Path:
         format_table(summary),
         "```",
         "",
+        "## SFT, DPO and PPO on the same held-out prompts",
+        "",
+        *comparison_markdown(comparison_rows(summary)),
+        "",
     ]
-    for name, title in (("sft", "SFT"), ("reward", "Reward model"), ("ppo", "PPO")):
+    for name, title in stages:
         lines += [f"## {title} (`{name}/`, full report: [{name}/report.md]({name}/report.md))", ""]
         for png in sorted((out / name / "report").glob("*.png")):
             lines.append(f"![{name} {png.stem}]({name}/report/{png.name})")
@@ -438,8 +456,11 @@ def write_quickstart_report(out: Path, summary: dict[str, Any]) -> Path:
     if summary.get("examples"):
         lines += ["## What the policies write (held-out prompts, sampled)", ""]
         for ex in summary["examples"]:
-            prompt, sft, ppo = (printable(str(ex[k]), keep_newlines=False) for k in ("prompt", "sft", "ppo"))
-            lines += [f"- **{prompt}**", f"  - SFT: {sft}", f"  - PPO: {ppo}"]
+            prompt = printable(str(ex["prompt"]), keep_newlines=False)
+            lines.append(f"- **{prompt}**")
+            for key, title in (("sft", "SFT"), ("dpo", "DPO"), ("ppo", "PPO")):
+                if key in ex:
+                    lines.append(f"  - {title}: {printable(str(ex[key]), keep_newlines=False)}")
     path = out / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path

@@ -171,9 +171,11 @@ def write_quickstart_page(
     rows: list[tuple[str, str]],
     summary: dict[str, Any],
     stages: tuple[tuple[str, str], ...] = (("sft", "SFT"), ("reward", "Reward model"), ("ppo", "PPO")),
+    comparison: list[list[str]] | None = None,
 ) -> Path:
-    """The quickstart's ``report.html``: its figures (``rows``: [(figure, value)]), then each stage's run as
-    on that run's own page, and SFT's and PPO's responses to the same held-out prompts."""
+    """The quickstart's ``report.html``: its figures (``rows``: [(figure, value)]), the policies side by side
+    (``comparison``: a header row, then one row per figure), then each stage's run as on that run's own page,
+    and the policies' responses to the same held-out prompts."""
     out = Path(out)
     table = "".join(
         f"<tr><th>{page.e(name)}</th><td class=num>{page.e(value)}</td><td>"
@@ -182,6 +184,19 @@ def write_quickstart_page(
     )
     blocks = [page.heading(2, "Summary", "summary"), f"<table>{table}</table>"]
     nav = [("summary", "Summary")]
+    if comparison:
+        head = "".join(f"<th>{page.e(cell)}</th>" for cell in comparison[0])
+        body = "".join(
+            f"<tr><th>{page.e(row[0])}</th>"
+            + "".join(f"<td class=num>{page.e(c)}</td>" for c in row[1:])
+            + "</tr>"
+            for row in comparison[1:]
+        )
+        blocks += [
+            page.heading(2, "The policies side by side", "policies"),
+            f'<table id="policies-table"><tr>{head}</tr>{body}</table>',
+        ]
+        nav.append(("policies", "Policies"))
     for folder, title in stages:
         if not (out / folder / "metrics.jsonl").is_file():
             continue

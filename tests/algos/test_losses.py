@@ -169,6 +169,43 @@ def test_dpo_at_start_is_ln2_and_by_hand():
     assert smooth.item() == pytest.approx(expected)
 
 
+def _published_dpo(pc, pr, rc, rr, beta, eps=0.0, ipo=False):
+    """One pair, as the papers write it: h = log pi/pi_ref (y_w) - log pi/pi_ref (y_l); DPO (Rafailov et al.
+    2023, eq. 7) with conservative smoothing eps (Mitchell 2023), or IPO (Azar et al. 2023, eq. 17)."""
+    h = (pc - rc) - (pr - rr)
+    if ipo:
+        return (h - 1.0 / (2.0 * beta)) ** 2
+    sig = 1.0 / (1.0 + math.exp(-beta * h))
+    return -(1 - eps) * math.log(sig) - eps * math.log(1.0 - sig)
+
+
+@pytest.mark.parametrize(
+    "beta, eps, ipo", [(0.1, 0.0, False), (0.5, 0.2, False), (0.1, 0.0, True), (2.0, 0.0, True)]
+)
+def test_dpo_and_ipo_match_the_published_formulas(beta, eps, ipo):
+    gen = torch.Generator().manual_seed(5)
+    logps = [-20 * torch.rand(6, generator=gen, dtype=torch.float64) for _ in range(4)]
+    loss, stats = dpo_loss(*logps, beta=beta, label_smoothing=eps, loss_type="ipo" if ipo else "sigmoid")
+    expected = [_published_dpo(*(float(x[i]) for x in logps), beta, eps, ipo) for i in range(6)]
+    torch.testing.assert_close(loss, torch.tensor(expected, dtype=torch.float64))
+    rewards = beta * ((logps[0] - logps[2]) - (logps[1] - logps[3]))
+    assert stats["margin"].item() == pytest.approx(float(rewards.mean()), rel=1e-5)
+    # IPO at the start (policy == reference) is 1 / (4 beta^2); its gradient pushes h towards 1 / (2 beta)
+    same = torch.tensor([-4.0])
+    start, _ = dpo_loss(same, same - 1, same, same - 1, beta=beta, loss_type="ipo")
+    assert start.item() == pytest.approx(1 / (4 * beta**2))
+
+
+def test_dpo_refuses_bad_settings():
+    x = torch.zeros(2)
+    with pytest.raises(ValueError, match="loss_type"):
+        dpo_loss(x, x, x, x, loss_type="hinge")
+    with pytest.raises(ValueError, match="IPO takes none"):
+        dpo_loss(x, x, x, x, label_smoothing=0.1, loss_type="ipo")
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        dpo_loss(x, x, x, x, beta=0.0)
+
+
 def test_shape_mismatch_raises():
     with pytest.raises(ValueError, match="shapes must match"):
         ppo_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 4))

@@ -167,12 +167,13 @@ def test_sharding_without_processes_or_with_deepspeed_or_online_is_refused_namin
     from rlhfkit.config import load_config
     from rlhfkit.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="train.sharding.*not supported by the online trainers"):
-        load_config(
-            None,
-            ["output_dir=x", "model.name_or_path=m", "data.train_file=t", "train.sharding=full_shard"],
-            "ppo",
-        )
+    for kind in ("ppo", "dpo"):
+        with pytest.raises(ConfigError, match=f"train.sharding.*not supported by `train {kind}`"):
+            load_config(
+                None,
+                ["output_dir=x", "model.name_or_path=m", "data.train_file=t", "train.sharding=full_shard"],
+                kind,
+            )
 
 
 def test_under_an_accelerate_fsdp_config_every_process_loads_the_weights_and_accelerate_does_not_wrap(

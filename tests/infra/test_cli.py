@@ -80,7 +80,7 @@ def test_help(capsys):
     [
         [],
         ["train"],
-        ["train", "dpo", "--config", "x"],
+        ["train", "kto", "--config", "x"],
         ["train", "sft"],
         ["train", "sft", "--config", "c", "--resume", "--overwrite"],
         ["fly"],

@@ -227,8 +227,8 @@ def test_kinds_set_the_advantage_estimator():
     assert load_config(None, REQUIRED + ["online.reward_functions=[m:f]"], "ppo").online.reward_model is None
     with pytest.raises(ConfigError, match="online.num_minibatches.*= 32\\), got 3"):
         load_config(None, ONLINE + ["online.num_minibatches=3"], "ppo")
-    with pytest.raises(ConfigError, match="unknown kind 'dpo'"):
-        load_config(None, REQUIRED, "dpo")
+    with pytest.raises(ConfigError, match="unknown kind 'kto'"):
+        load_config(None, REQUIRED, "kto")
 
 
 @pytest.mark.parametrize("kind", KINDS)

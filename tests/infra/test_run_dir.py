@@ -11,6 +11,7 @@ import torch
 
 from rlhfkit.config import load_config
 from rlhfkit.engine.checkpoint import save_checkpoint
+from rlhfkit.engine.folder import LOCK_FILE
 from rlhfkit.engine.run import (
     RUN_MARKER,
     MetricsWriter,
@@ -41,7 +42,7 @@ def test_output_dir_rules(tmp_path):
     prepare_output_dir(run, resume=True)
     assert (run / "metrics.jsonl").exists()
     prepare_output_dir(run, overwrite=True)
-    assert [p.name for p in run.iterdir()] == [RUN_MARKER]
+    assert sorted(p.name for p in run.iterdir()) == [RUN_MARKER, LOCK_FILE]  # the marker and the lock
 
     foreign = tmp_path / "home"
     foreign.mkdir()
@@ -140,6 +141,11 @@ def test_resume_refuses_a_changed_configuration(tmp_path):
     out = tmp_path / "run"
     RunDir(out, config=config(out)).close()
     assert load_config(out / "config.yaml", [], "sft") == config(out)
+    # Without a checkpoint a resume starts again from step 0: any change is fine (a run stopped by bad data
+    # is rerun with the fixed file without --overwrite).
+    RunDir(out, resume=True, config=config(out, "data.train_file=fixed.jsonl")).close()
+    RunDir(out, resume=True, config=config(out)).close()
+    save_checkpoint(out / "checkpoints", 1, {"m": torch.nn.Linear(2, 1)})
     with pytest.raises(ConfigError, match=r"train\.learning_rate: 1e-05 -> 0\.001.*--overwrite"):
         RunDir(out, resume=True, config=config(out, "train.learning_rate=1e-3"))
     RunDir(out, resume=True, config=config(out, "train.max_steps=500", "logging.progress_bar=false")).close()

@@ -135,9 +135,10 @@ def test_a_function_that_needs_a_missing_column_is_refused_before_any_model_load
     assert main(online_cli_args(paths, out, kind="grpo", reward="cat_or_nothing")) == 2
     err = capsys.readouterr().err
     assert "online.reward_functions[0]: reward function 'cat_or_nothing' requires 'answer'" in err
-    assert [p.name for p in out.iterdir()] == [
-        ".rlhfkit"
-    ]  # nothing to --overwrite: the same command runs again
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".rlhfkit",
+        ".rlhfkit.lock",
+    ]  # nothing to --overwrite (the marker and the lock): the same command runs again
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -181,13 +181,18 @@ def dpo_loss(
     ref_rejected_logps: torch.Tensor,
     beta: float = 0.1,
     label_smoothing: float = 0.0,
+    loss_type: str = "sigmoid",
 ) -> tuple[torch.Tensor, Stats]:
     """Direct Preference Optimization loss, one value per pair (Rafailov et al. 2023, eq. 7).
 
     With ``h = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))``:
-    ``-(1 - label_smoothing) * logsigmoid(beta * h) - label_smoothing * logsigmoid(-beta * h)``
-    (the smoothing is conservative DPO, Mitchell 2023, as in TRL's ``sigmoid`` loss). At the start
-    (policy == reference) it is ln 2.
+
+    - ``sigmoid`` (DPO): ``-(1 - label_smoothing) * logsigmoid(beta * h) - label_smoothing *
+      logsigmoid(-beta * h)`` (the smoothing is conservative DPO, Mitchell 2023, as in TRL's ``sigmoid``
+      loss). At the start (policy == reference) it is ln 2;
+    - ``ipo`` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
+      Preferences", eq. 17): ``(h - 1 / (2 * beta))^2``, a regression of h on a fixed target instead of a
+      push to infinity (``label_smoothing`` must be 0). At the start it is ``1 / (4 beta^2)``.
 
     Args:
         policy_chosen_logps: ``(B,)`` summed log-probs of the chosen responses under the policy.
@@ -195,7 +200,8 @@ def dpo_loss(
         ref_chosen_logps: ``(B,)`` chosen, under the frozen reference.
         ref_rejected_logps: ``(B,)`` rejected, under the frozen reference.
         beta: the KL strength (temperature of the implicit reward).
-        label_smoothing: assumed probability that a label is flipped, in [0, 0.5).
+        label_smoothing: assumed probability that a label is flipped, in [0, 0.5) (``sigmoid`` only).
+        loss_type: ``"sigmoid"`` or ``"ipo"``.
 
     Returns:
         ``(loss (B,), stats)`` with stats ``reward_chosen`` and ``reward_rejected`` (means of the
@@ -210,12 +216,21 @@ def dpo_loss(
     )
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if loss_type not in ("sigmoid", "ipo"):
+        raise ValueError(f"loss_type must be 'sigmoid' or 'ipo', got {loss_type!r}")
+    if loss_type == "ipo" and label_smoothing:
+        raise ValueError("label_smoothing is for the sigmoid loss; IPO takes none")
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
     chosen = policy_chosen_logps - ref_chosen_logps  # (B,)
     rejected = policy_rejected_logps - ref_rejected_logps  # (B,)
-    logits = beta * (chosen - rejected)  # (B,)
-    loss = -(1.0 - label_smoothing) * F.logsigmoid(logits)
-    if label_smoothing:
-        loss = loss - label_smoothing * F.logsigmoid(-logits)
+    if loss_type == "ipo":
+        loss = (chosen - rejected - 1.0 / (2.0 * beta)).pow(2)  # (B,)
+    else:
+        logits = beta * (chosen - rejected)  # (B,)
+        loss = -(1.0 - label_smoothing) * F.logsigmoid(logits)
+        if label_smoothing:
+            loss = loss - label_smoothing * F.logsigmoid(-logits)
     rc, rr = (beta * chosen).detach().float(), (beta * rejected).detach().float()
     stats = {
         "reward_chosen": rc.mean(),

@@ -30,6 +30,7 @@ a Parquet column) are reported alike.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Literal
@@ -324,6 +325,10 @@ def _validate_preferences(record: dict) -> dict:
     margin = record.get("margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)):
         raise FieldError("margin", f"expected a number, got {_type_name(margin)}")
+    if margin is not None and not math.isfinite(margin):
+        raise FieldError("margin", f"must be a finite number, got {margin}")
+    if chosen == rejected:  # the loss is stuck at ln 2 and the pair teaches nothing
+        raise FieldError("rejected", "is the same as chosen; a preference pair needs two different responses")
     return out
 
 

@@ -15,7 +15,9 @@ Conventions (one place for all trainers):
   DataError that names the record; ``"left"`` drops tokens from the start (keeps the end of the
   prompt, next to the response; a leading BOS is kept); ``"right"`` drops them from the end.
   Responses longer than the room ``max_length`` leaves are cut at the right (such an example then
-  ends without EOS).
+  ends without EOS). A plain prompt far over ``max_prompt_length`` is measured on a bounded prefix
+  (``PREFIX_CHARS_PER_TOKEN`` characters per allowed token), so one huge line cannot cost minutes and
+  gigabytes before it is refused or cut (``"left"`` truncation still tokenises the whole prompt).
 """
 
 from __future__ import annotations
@@ -82,15 +84,17 @@ def encode_prompt(
         )
         ids = _ids(tokenizer, text, special=False)
     else:
-        ids = _ids(tokenizer, prompt, special=True)
+        ids = _bounded_ids(tokenizer, prompt, max_prompt_length, truncation)
     if not ids:
         raise FieldError("prompt", "tokenizes to no tokens")
     if max_prompt_length is None or len(ids) <= max_prompt_length:
         return ids
     if truncation == "error":
+        cut = not isinstance(prompt, list) and len(prompt) > PREFIX_CHARS_PER_TOKEN * (max_prompt_length + 2)
+        count = f"at least {len(ids) - 1}" if cut else str(len(ids))  # counted on a prefix when cut
         raise FieldError(
             "prompt",
-            f"is {len(ids)} tokens, longer than max_prompt_length={max_prompt_length} "
+            f"is {count} tokens, longer than max_prompt_length={max_prompt_length} "
             "(set data.truncation to left or right to cut it)",
         )
     if truncation == "right":
@@ -101,6 +105,22 @@ def encode_prompt(
     if bos is not None and ids[0] == bos and max_prompt_length > 1:
         return [bos] + ids[len(ids) - max_prompt_length + 1 :]
     return ids[len(ids) - max_prompt_length :]
+
+
+# A plain prompt over max_prompt_length is found on a prefix of this many characters per allowed token, so
+# that one huge line costs a bounded amount of time and memory (a 50 MB line is refused in milliseconds).
+PREFIX_CHARS_PER_TOKEN = 64
+
+
+def _bounded_ids(tokenizer, text: str, max_tokens: int | None, truncation: Truncation) -> list[int]:
+    """The ids of a plain prompt, or of its first ``PREFIX_CHARS_PER_TOKEN * (max_tokens + 2)`` characters
+    when they are already over ``max_tokens + 1`` tokens (then the whole prompt is over ``max_tokens``
+    whatever the tokenizer merges at the cut, and "error" or "right" truncation need nothing more)."""
+    limit = None if max_tokens is None else PREFIX_CHARS_PER_TOKEN * (max_tokens + 2)
+    if limit is None or truncation == "left" or len(text) <= limit:
+        return _ids(tokenizer, text, special=True)
+    ids = _ids(tokenizer, text[:limit], special=True)
+    return ids if len(ids) > max_tokens + 1 else _ids(tokenizer, text, special=True)
 
 
 def encode_response(

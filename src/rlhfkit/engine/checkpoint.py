@@ -8,11 +8,15 @@ A checkpoint is a folder ``checkpoints/step-N/`` holding
     scheduler.<name>.json (/ .safetensors)         the LR scheduler's state_dict
     rng.json / rng.safetensors                     python, numpy, torch (and CUDA) generator states
     trainer_state.json (/ .safetensors)            step, data position, KL controller, ...
-    COMPLETE                                       written last: the step and every file's size
+    COMPLETE                                       written last: the step, every file's size and SHA-256
 
 It is written into a temporary folder beside it and renamed into place once the marker is on disk, so
-``step-N/`` is either complete or absent; a folder whose marker is missing or whose files do not match it
-(an interrupted copy) is ignored by :func:`latest_checkpoint`. Loading restores models, optimizers,
+``step-N/`` is either complete or absent; a folder whose marker is missing or whose files do not match its
+sizes (an interrupted copy) is not complete (:func:`complete_checkpoints`). Loading verifies every file's
+checksum first (:func:`verify_checkpoint`), so a flipped byte is a named :class:`CheckpointError`, never
+silently loaded weights; :func:`resume_checkpoint` picks the newest checkpoint that verifies and says on
+stderr which newer ones it passed over and why. Model weights are checked to be finite before they are
+written (a diverged run never leaves a checkpoint to resume into NaN). Loading restores models, optimizers,
 schedulers and RNG streams so that a resumed run continues bit-identically on CPU (docs/known-bugs.md, 11;
 huggingface/transformers#39215).
 
@@ -28,17 +32,21 @@ shards beside this folder and the rest through :func:`save_checkpoint` (:mod:`rl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from rlhfkit.engine.guards import check_finite_weights
 from rlhfkit.engine.seed import get_rng_state, set_rng_state
 from rlhfkit.errors import CheckpointError
 
@@ -77,6 +85,8 @@ def save_checkpoint(
         if not _NAME.match(name):
             raise ValueError(f"checkpoint object name {name!r}: use letters, digits, '-' and '_' only")
 
+    for name, model in models.items():
+        check_finite_weights(model, f"checkpoint step-{step}, model '{name}'")
     root = Path(checkpoints_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step-*"):  # left behind by a crash while saving
@@ -93,10 +103,11 @@ def save_checkpoint(
     _save_state(get_rng_state(), tmp, "rng")
     _save_state(state, tmp, "trainer_state")
 
-    files = {}
+    files, sums = {}, {}
     for path in sorted(tmp.iterdir()):
         _fsync(path)
         files[path.name] = path.stat().st_size
+        sums[path.name] = file_sha256(path)
     marker = {
         "format": FORMAT,
         "step": step,
@@ -104,6 +115,7 @@ def save_checkpoint(
         "optimizers": sorted(optimizers),
         "schedulers": sorted(schedulers),
         "files": files,
+        "sha256": sums,
     }
     (tmp / MARKER).write_text(json.dumps(marker, indent=1))
     _fsync(tmp / MARKER)
@@ -133,13 +145,12 @@ def load_checkpoint(
     Optimizer state moves to its parameters' device; tensors in the trainer state come back on CPU.
 
     Raises:
-        CheckpointError: incomplete checkpoint, different names, or weights that do not fit the model.
+        CheckpointError: incomplete or corrupt checkpoint (a file whose checksum differs from the marker's,
+            or that cannot be read), different names, or weights that do not fit the model.
     """
     optimizers, schedulers = optimizers or {}, schedulers or {}
     path = Path(path)
-    marker = _read_marker(path)
-    if marker is None:
-        raise CheckpointError(f"{path}: not a complete rlhfkit checkpoint (no valid {MARKER} marker)")
+    marker = verify_checkpoint(path)
     for kind, given in (("models", models), ("optimizers", optimizers), ("schedulers", schedulers)):
         if sorted(given) != marker[kind]:
             raise CheckpointError(f"{path}: holds {kind} {marker[kind]}, but this run has {sorted(given)}")
@@ -148,17 +159,24 @@ def load_checkpoint(
         device = next((p.device for p in model.parameters()), "cpu")
         try:
             _load_weights(model, path / f"model.{name}.safetensors", device)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(
+                f"{path}: model '{name}' cannot be read ({type(e).__name__}: {_first_line(e)})"
+            ) from None
         except RuntimeError as e:
             raise CheckpointError(
                 f"{path}: model '{name}' does not fit the saved weights: {str(e).splitlines()[0]}"
             ) from None
-    for name, optimizer in optimizers.items():
-        optimizer.load_state_dict(_load_state(path, f"optimizer.{name}"))
-    for name, scheduler in schedulers.items():
-        scheduler.load_state_dict(_load_state(path, f"scheduler.{name}"))
-    if restore_rng:
-        set_rng_state(_load_state(path, "rng"))
-    return _load_state(path, "trainer_state")
+    try:
+        for name, optimizer in optimizers.items():
+            optimizer.load_state_dict(_load_state(path, f"optimizer.{name}"))
+        for name, scheduler in schedulers.items():
+            scheduler.load_state_dict(_load_state(path, f"scheduler.{name}"))
+        if restore_rng:
+            set_rng_state(_load_state(path, "rng"))
+        return _load_state(path, "trainer_state")
+    except (OSError, ValueError, KeyError, TypeError, IndexError, SafetensorError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {_first_line(e)})") from None
 
 
 def _trained_weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter] | None:
@@ -222,6 +240,83 @@ def checkpoint_step(path: str | Path) -> int:
     if marker is None:
         raise CheckpointError(f"{path}: not a complete rlhfkit checkpoint (no valid {MARKER} marker)")
     return marker["step"]
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, as hex (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """The marker of a complete checkpoint whose every file matches its recorded SHA-256.
+
+    A marker written before checksums were recorded is checked by size only.
+
+    Raises:
+        CheckpointError: no valid marker, a missing or truncated file, or a file whose checksum differs.
+    """
+    path = Path(path)
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{path}: not a complete rlhfkit checkpoint (no readable {MARKER} marker: {_first_line(e)})"
+        ) from None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path}: not a complete rlhfkit checkpoint ({MARKER} is not an {FORMAT} marker)"
+        )
+    if _read_marker(path) is None:
+        raise CheckpointError(
+            f"{path}: not a complete rlhfkit checkpoint (a file listed in {MARKER} is missing or truncated)"
+        )
+    sums = marker.get("sha256") or {}
+    for name in sorted(sums):
+        if file_sha256(path / name) != sums[name]:
+            raise CheckpointError(f"{path}: corrupt: {name} does not match its checksum in {MARKER}")
+    return marker
+
+
+def resume_checkpoint(checkpoints_dir: str | Path, announce: bool = True) -> Path | None:
+    """The newest checkpoint that verifies (:func:`verify_checkpoint`), or None.
+
+    Each newer ``step-N`` folder passed over (incomplete, truncated, corrupt) is named on stderr with the
+    reason when ``announce``, and so is the one used instead.
+    """
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return None
+    candidates = sorted(
+        (int(m.group(1)), child)
+        for child in root.iterdir()
+        if (m := _STEP_DIR.match(child.name)) and child.is_dir()
+    )
+    passed: list[str] = []
+    for _, child in reversed(candidates):
+        try:
+            verify_checkpoint(child)
+        except CheckpointError as e:
+            passed.append(str(e))
+            continue
+        if passed and announce:
+            for reason in passed:
+                print(f"rlhfkit: warning: checkpoint {reason}; not used", file=sys.stderr, flush=True)
+            print(f"rlhfkit: resuming from the previous complete checkpoint, {child}", file=sys.stderr)
+        return child
+    if passed and announce:
+        for reason in passed:
+            print(f"rlhfkit: warning: checkpoint {reason}; not used", file=sys.stderr, flush=True)
+        print("rlhfkit: no complete checkpoint is left; the run starts again from step 0", file=sys.stderr)
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _read_marker(path: Path) -> dict | None:

@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from rlhfkit.config import LoggingConfig, RunConfig, config_to_dict, save_config
-from rlhfkit.engine.checkpoint import checkpoint_step, latest_checkpoint
+from rlhfkit.engine.checkpoint import checkpoint_step, resume_checkpoint
+from rlhfkit.engine.folder import LOCK_FILE, lock_run_folder, refuse_links
 from rlhfkit.errors import ConfigError, UserError
 
 RUN_MARKER = ".rlhfkit"
@@ -63,14 +64,18 @@ def prepare_output_dir(path: str | Path, resume: bool = False, overwrite: bool =
 
     An empty or missing folder is always fine. A non-empty one needs ``resume`` (continue it) or
     ``overwrite`` (delete it and start again); either needs it to be an rlhfkit run folder, so that a typo
-    in ``output_dir`` never deletes or writes into someone's files.
+    in ``output_dir`` never deletes or writes into someone's files. The folder's lock is taken first
+    (:mod:`rlhfkit.engine.folder`: a folder another process is writing is refused), and a folder with a
+    symbolic link where rlhfkit writes is refused.
     """
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other; choose one")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"output folder {path} is a file")
-    contents = [p for p in path.iterdir() if p.name != RUN_MARKER] if path.is_dir() else []
+    if (path / RUN_MARKER).is_file():  # a run folder: no other process may be using it
+        lock_run_folder(path)
+    contents = [p for p in path.iterdir() if p.name not in (RUN_MARKER, LOCK_FILE)] if path.is_dir() else []
     if contents:
         if not (resume or overwrite):
             raise UserError(
@@ -85,7 +90,10 @@ def prepare_output_dir(path: str | Path, resume: bool = False, overwrite: bool =
             )
         if overwrite:
             shutil.rmtree(path)
+        else:
+            refuse_links(path)
     path.mkdir(parents=True, exist_ok=True)
+    lock_run_folder(path)
     if not (path / RUN_MARKER).is_file():
         _write_json(path / RUN_MARKER, {"wandb_id": uuid.uuid4().hex[:12]})
     return path
@@ -129,7 +137,7 @@ class RunDir:
         self.final_dir = self.path / "final"
         self.config_path = self.path / "config.yaml"
         self.summary_path = self.path / "summary.json"
-        self.resume_checkpoint = latest_checkpoint(self.checkpoints_dir) if resume else None
+        self.resume_checkpoint = resume_checkpoint(self.checkpoints_dir, main_process) if resume else None
         self.resume_step = checkpoint_step(self.resume_checkpoint) if self.resume_checkpoint else 0
         self.logging = config.logging if config is not None else LoggingConfig()
         if config is not None:
@@ -149,7 +157,8 @@ class RunDir:
         """Write ``config.yaml``. When resuming, first refuse changes that would make the run differ."""
         if not self.main_process:
             return
-        if resume and self.config_path.is_file():
+        # Without a checkpoint a resumed run starts again from step 0: any settings may change then.
+        if resume and self.config_path.is_file() and getattr(self, "resume_checkpoint", None) is not None:
             import yaml
 
             old = flatten_dict(yaml.safe_load(self.config_path.read_text()) or {})
@@ -206,7 +215,7 @@ def open_run(cfg: RunConfig, accelerator, resume: bool = False, overwrite: bool 
     run = RunDir(cfg.output_dir, resume, overwrite, config=cfg, main_process=main, run_info=info)
     accelerator.wait_for_everyone()
     if not main and resume:  # found again now that the main process has finished with the folder
-        run.resume_checkpoint = latest_checkpoint(run.checkpoints_dir)
+        run.resume_checkpoint = resume_checkpoint(run.checkpoints_dir, announce=False)
         run.resume_step = checkpoint_step(run.resume_checkpoint) if run.resume_checkpoint else 0
     return run
 

@@ -43,8 +43,13 @@ def save_hf_folder(
         path: the output folder (created if missing).
         dtype: the dtype of the written weights (``model.save_dtype``): ``"float32"`` (what a trained role
             holds) or ``"bfloat16"`` (half the size; the model itself is not changed).
+    Raises:
+        NonFiniteError: a weight or a float in the model's config is NaN or infinite (nothing is written).
     """
     model = unwrap_model(model)
+    from rlhfkit.engine.guards import check_finite_weights
+
+    check_finite_weights(model, str(path))  # final/ is never written from a diverged model
     os.makedirs(path, exist_ok=True)
     owned = False  # whether `model` is already a copy of the caller's
     if is_peft_model(model):  # LoRA: the adapter alone in adapter/, the merged model here

@@ -260,15 +260,17 @@ def samples_block(runs: list[Run]) -> str:
 
 
 def examples_block(examples: list[dict[str, Any]]) -> str:
-    """The quickstart's side-by-side examples: prompt, SFT response, PPO response."""
+    """The quickstart's side-by-side examples: prompt, then the SFT, DPO (when there) and PPO responses."""
+    policies = [
+        (k, t) for k, t in (("sft", "SFT"), ("dpo", "DPO"), ("ppo", "PPO")) if any(k in x for x in examples)
+    ]
     rows = "".join(
         f'<tr><td class="text">{e(printable(str(x.get("prompt", ""))))}</td>'
-        f'<td class="text">{e(printable(str(x.get("sft", ""))))}</td>'
-        f'<td class="text">{e(printable(str(x.get("ppo", ""))))}</td></tr>'
+        + "".join(f'<td class="text">{e(printable(str(x.get(k, ""))))}</td>' for k, _ in policies)
+        + "</tr>"
         for x in examples
     )
+    head = "".join(f"<th>{t}</th>" for _, t in policies)
     return (
-        f'<table id="examples-table"><tr><th>prompt (held out)</th><th>SFT</th><th>PPO</th></tr>{rows}</table>'
-        if rows
-        else ""
+        f'<table id="examples-table"><tr><th>prompt (held out)</th>{head}</tr>{rows}</table>' if rows else ""
     )

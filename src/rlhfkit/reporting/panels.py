@@ -93,7 +93,7 @@ PANEL: tuple[Spec, ...] = (
     Spec("losses", "Loss", "loss", (("loss", "training", False), ("eval/loss", "held out", True))),
     Spec(
         "accuracy",
-        "Reward-model accuracy",
+        "Pair accuracy (reward model; DPO: implicit reward)",
         "accuracy",
         (
             ("accuracy", "train", False),
@@ -122,6 +122,18 @@ PANEL: tuple[Spec, ...] = (
         ),
     ),
     Spec("kl_coef", "KL coefficient", "kl_coef", (("kl_coef", "kl_coef", False),)),
+    Spec(
+        "dpo_logratios",
+        "DPO log-ratios log pi / pi_ref",
+        "nats per response",
+        (
+            ("logratio/chosen", "chosen, train", False),
+            ("logratio/rejected", "rejected, train", False),
+            ("eval/logratio/chosen", "chosen, held out", True),
+            ("eval/logratio/rejected", "rejected, held out", True),
+        ),
+        (0.0,),
+    ),
 )
 
 

@@ -141,6 +141,7 @@ def accepted_keywords(fn: Callable) -> tuple[set[str] | None, set[str]]:
 
 # Keywords every call has; the prompt dataset's columns are passed besides them.
 CALL_KEYWORDS = ("prompts", "completions", "completion_ids")
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def check_signature(
@@ -181,11 +182,18 @@ def check_function_scores(
         if v is None:
             out.append(math.nan)
             continue
-        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        # Finite in float32, where scores are kept: 1e300 is finite in Python but inf in float32.
+        ok = (
+            isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            and abs(v) <= FLOAT32_MAX
+        )
         if not ok:
             raise RewardFunctionError(
                 f"reward function '{name}' returned {v!r} for response {i} (prompt {_short(prompts[i])}, "
-                f"response {_short(responses[i])}); every value must be a finite number, or None for no opinion"
+                f"response {_short(responses[i])}); every value must be a finite number (at most "
+                f"{FLOAT32_MAX:.3g} in magnitude, a float32), or None for no opinion"
             )
         out.append(float(v))
     return torch.tensor(out, dtype=torch.float32)

@@ -30,6 +30,8 @@ import torch
 from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import all_sum, dp_scale
 from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
+from rlhfkit.engine.folder import logged_at
+from rlhfkit.engine.guards import FiniteGuard
 from rlhfkit.engine.optim import optimizer_and_scheduler
 from rlhfkit.engine.run import RunDir
 
@@ -174,7 +176,11 @@ def train_offline(
             {"model": scheduler},
         )
     last_eval: dict[str, float] = dict(state.get("last_eval", {}))
-    start_time, seen, loss_value = time.perf_counter(), 0, float("nan")
+    guard = FiniteGuard(accelerator, t.skip_nonfinite_steps, run.checkpoints_dir)
+    guard.load_state_dict(state.get("guard"))
+    start_time, seen = time.perf_counter(), 0
+    loss_value = logged_at(run.path, state["step"]).get("loss")  # reported when nothing is left to train
+    loss_value = float("nan") if loss_value is None else loss_value
     last_step = state["step"]
     model.train()
     for step in run.progress(range(state["step"] + 1, t.max_steps + 1), total=t.max_steps, desc="train"):
@@ -203,7 +209,9 @@ def train_offline(
         elif t.max_grad_norm is not None:
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm))
         lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
+        # A non-finite loss or gradient norm stops the run here (or skips the step), on every process.
+        if not guard.check(step, {"loss": loss_sum, "gradient norm": grad_norm}):
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         seen += len(batch)
@@ -221,6 +229,7 @@ def train_offline(
         metrics.update(zip(names, summed[1:], strict=True))
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
+        metrics.update(guard.metrics())
         stop = False
         if objective.evaluate is not None and (step % t.eval_steps == 0 or step == t.max_steps):
             model.eval()
@@ -231,7 +240,7 @@ def train_offline(
             stop = objective.should_stop is not None and bool(objective.should_stop(step))
         if step % t.log_steps == 0 or step == t.max_steps or "eval/loss" in metrics:
             run.metrics.log(step, metrics)
-        save = step % t.save_steps == 0 or step == t.max_steps or stop
+        save = step % t.save_steps == 0 or step == t.max_steps or stop or guard.stop_signal
         if save and sharding != "none":  # every process writes its shards
             sharded.save_checkpoint(
                 run.checkpoints_dir,
@@ -239,7 +248,7 @@ def train_offline(
                 model,
                 optimizer,
                 scheduler,
-                {"last_eval": last_eval},
+                {"last_eval": last_eval, "guard": guard.state_dict()},
                 main_process=accelerator.is_main_process,
                 keep_last=t.keep_last_checkpoints,
             )
@@ -254,11 +263,12 @@ def train_offline(
                     {"model": accelerator.unwrap_model(model)},
                     {"model": optimizer},
                     {"model": scheduler},
-                    {"last_eval": last_eval},
+                    {"last_eval": last_eval, "guard": guard.state_dict()},
                     keep_last=t.keep_last_checkpoints,
                 )
             if on_save is not None:
                 on_save(step)
+        guard.stop_if_asked(step)  # SIGTERM / SIGINT: this step is checkpointed; exit 128 + signal
         last_step = step
         if stop:
             break

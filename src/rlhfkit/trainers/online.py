@@ -85,6 +85,8 @@ from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
+from rlhfkit.engine.folder import logged_at
+from rlhfkit.engine.guards import FiniteGuard, masked
 from rlhfkit.engine.run import RunDir, open_run
 from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
 from rlhfkit.errors import ConfigError
@@ -106,6 +108,7 @@ from rlhfkit.trainers.online_steps import (
     OnlineContext,
     StageClock,
     StatSums,
+    UpdateResult,
     derived_seed,
     ppo_update,
     prompt_batch,
@@ -269,6 +272,7 @@ def train_online(
     """The loop: ``train.max_steps`` rollouts of the five stages, with logging, evaluation and checkpoints."""
     cfg, acc = ctx.cfg, ctx.accelerator
     o, t = cfg.online, cfg.train
+    ctx.guard = FiniteGuard(acc, t.skip_nonfinite_steps, run.checkpoints_dir, unit="rollout")
     state = resume_state(ctx, run, hooks)
     last_eval: dict[str, float] = dict(state.get("last_eval", {}))
     if state["step"] == 0 and hooks.evaluate_at_start and (hooks.evaluate or eval_examples):
@@ -279,7 +283,8 @@ def train_online(
         keep_until=run.resume_step if run.resume_checkpoint else -1,
         enabled=acc.is_main_process and cfg.logging.samples_per_step > 0,
     )
-    start_time, step_seconds, last = time.perf_counter(), [], {}
+    start_time, step_seconds = time.perf_counter(), []
+    last = logged_at(run.path, state["step"]) if state["step"] == t.max_steps else {}  # nothing left to train
     for step in run.progress(range(state["step"] + 1, t.max_steps + 1), total=t.max_steps, desc=cfg.kind):
         clock, step_start, rng_at_start = StageClock(acc.device), time.perf_counter(), get_rng_state()
         # 1. generate: sample responses, cut them at the stop token; old and reference log-probs, values
@@ -316,9 +321,28 @@ def train_online(
         # 4. advantages (and the critic's returns)
         rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
 
+        # Non-finite scores, values, log-probs or advantages stop the run (or skip the update), on every
+        # process: one host sync, which also agrees on a SIGTERM / SIGINT stop.
+        m = rollout.mask
+        skip = ctx.guard.check(
+            step,
+            {
+                "reward-model score": parts.get("reward_model"),
+                "reward": rollout.scores,
+                "value": masked(rollout.values, m),
+                "log-prob": masked(rollout.logprobs, m),
+                "reference log-prob": masked(rollout.ref_logprobs, m),
+                "advantage": masked(rollout.advantages, m),
+            },
+        )
+
         # 5. PPO epochs: shuffled minibatches, one optimizer step each, micro-batch accumulation
         with clock("update"):
-            update = ppo_update(ctx, rollout, step, train_actor=step > o.critic_warmup_steps)
+            update = (
+                UpdateResult(StatSums(ctx.device))
+                if skip
+                else ppo_update(ctx, rollout, step, train_actor=step > o.critic_warmup_steps)
+            )
 
         # the rollout's and the update's statistics, summed over processes in one all-reduce
         metrics = (
@@ -344,7 +368,14 @@ def train_online(
             )
         )
         metrics.update(update.metrics())
-        ctx.kl_ctl.update(metrics["kl/mean"], t.batch_size * o.group_size)
+        metrics.update(ctx.guard.metrics())
+        # The update's losses and gradient norms, already the same on every process: a non-finite one stops
+        # the run before anything is saved from the weights it moved.
+        ctx.guard.check_agreed(
+            step, {k: v for k, v in metrics.items() if k.startswith(("loss/", "grad_norm/"))}
+        )
+        if not skip:
+            ctx.kl_ctl.update(metrics["kl/mean"], t.batch_size * o.group_size)
         step_schedulers(ctx, metrics)
 
         # Between rollouts: the reward-model refresh, then timing, evaluation, the log line, the checkpoint.
@@ -364,8 +395,9 @@ def train_online(
         last = metrics
         if step % t.log_steps == 0 or step == t.max_steps or evaluated:
             run.metrics.log(step, metrics)
-        if step % t.save_steps == 0 or step == t.max_steps:
+        if step % t.save_steps == 0 or step == t.max_steps or ctx.guard.stop_signal:
             save(ctx, run, hooks, step, last_eval)
+        ctx.guard.stop_if_asked(step)  # SIGTERM / SIGINT: this rollout is checkpointed; exit 128 + signal
     samples.close()
     wall = time.perf_counter() - start_time
     summary_keys = ("score/mean", "kl/mean", "kl_coef", "response_length/mean", "tokens_per_second")
@@ -629,6 +661,8 @@ def save(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, step: int, last_ev
         "prompts_seen": step * ctx.cfg.train.batch_size,
         "last_eval": last_eval,
     }
+    if ctx.guard is not None:
+        state["guard"] = ctx.guard.state_dict()
     if hooks.refresh_reward_model is not None:  # a refresh may re-fit the normalisation in the model's config
         state["reward_normalization"] = list(reward_normalization(ctx.roles.reward_model))
     if hasattr(hooks.refresh_reward_model, "state_dict"):
@@ -652,6 +686,8 @@ def resume_state(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks) -> dict[st
         run.resume_checkpoint, _checkpoint_models(ctx, hooks), ctx.optimizers, ctx.schedulers
     )
     ctx.kl_ctl.load_state_dict(state["kl_controller"])
+    if ctx.guard is not None:
+        ctx.guard.load_state_dict(state.get("guard"))
     if "reward_normalization" in state:
         config = unwrap_model(ctx.roles.reward_model).config
         setattr(config, GAIN_KEY, state["reward_normalization"][0])

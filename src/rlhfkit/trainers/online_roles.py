@@ -95,7 +95,9 @@ def build_roles(
     )
     reward_model = None
     if cfg.online.reward_model:
-        check_same_vocabulary(tokenizer, cfg.online.reward_model, "online.reward_model", m.trust_remote_code)
+        check_same_vocabulary(
+            tokenizer, cfg.online.reward_model, "online.reward_model", m.trust_remote_code, m.name_or_path
+        )
         reward_model = _frozen(
             load_scalar_model(cfg.online.reward_model, frozen=not (train_reward_model or share), **common).to(
                 device
@@ -104,7 +106,9 @@ def build_roles(
     critic = None
     if source is not None:
         if source != m.name_or_path:
-            check_same_vocabulary(tokenizer, source, "online.critic_model", m.trust_remote_code)
+            check_same_vocabulary(
+                tokenizer, source, "online.critic_model", m.trust_remote_code, m.name_or_path
+            )
         if share:
             critic = prepare_trained(reward_model, m)  # adapters injected into the reward model's modules
             reward_model = AdapterDisabled(critic)
@@ -119,7 +123,9 @@ def _frozen(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def check_same_vocabulary(tokenizer, other_path: str, key: str, trust_remote_code: bool = False) -> None:
+def check_same_vocabulary(
+    tokenizer, other_path: str, key: str, trust_remote_code: bool = False, policy_path: str | None = None
+) -> None:
     """ConfigError unless the tokenizer saved with ``other_path`` gives every policy token the same id.
 
     The policy's token ids are fed to the reward model and the critic unchanged (no re-tokenisation), so
@@ -128,7 +134,8 @@ def check_same_vocabulary(tokenizer, other_path: str, key: str, trust_remote_cod
     """
     try:
         other = load_tokenizer(other_path, trust_remote_code=trust_remote_code, missing_pad="eos")
-    except Exception:  # a folder without tokenizer files: nothing to compare
+    except Exception:  # a folder without tokenizer files: its embedding size is all there is to compare
+        _check_vocabulary_size(tokenizer, other_path, key, trust_remote_code, policy_path)
         return
     mine, theirs = tokenizer.get_vocab(), other.get_vocab()
     differ = [
@@ -141,6 +148,33 @@ def check_same_vocabulary(tokenizer, other_path: str, key: str, trust_remote_cod
             f"{key}: the tokenizer in {other_path} numbers {len(differ)} of the policy's tokens "
             f"differently (e.g. {differ[0]!r}); the reward model and critic must use the policy's "
             "tokenizer"
+        )
+
+
+def _check_vocabulary_size(
+    tokenizer, other_path: str, key: str, trust_remote_code: bool, policy_path: str | None
+) -> None:
+    """ConfigError when a model folder without tokenizer files has another vocabulary size than the policy's
+    tokenizer (+ 1 for an added pad token) and than the policy model's own (padded) embedding table: its
+    embeddings would be grown with random rows or cut, and the ids could not mean the same."""
+    from transformers import AutoConfig
+
+    def vocab_size(path):
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except Exception:  # not a model folder: the loader says so with its own message
+            return None
+        return getattr(config.get_text_config(), "vocab_size", None)
+
+    size = vocab_size(other_path)
+    allowed = {len(tokenizer), len(tokenizer) + 1}  # + 1: the pad token save_hf_folder may add
+    if size is not None and size not in allowed and policy_path is not None:
+        allowed.add(vocab_size(policy_path))
+    if size is not None and size not in allowed:
+        raise ConfigError(
+            f"{key}: {other_path} has no tokenizer files and a vocabulary of {size} tokens, but the "
+            f"policy's tokenizer has {len(tokenizer)}; it cannot be a model of the policy's tokens "
+            "(save the policy's tokenizer into that folder if it is)"
         )
 
 

@@ -84,6 +84,7 @@ class OnlineContext:
     stop_token_ids: list[int]
     sampling: Sampling
     router_aux_coef: float = 0.0
+    guard: Any = None  # the run's rlhfkit.engine.guards.FiniteGuard (its state is checkpointed)
 
     @property
     def device(self) -> torch.device:
