@@ -39,7 +39,7 @@ from rlhfkit.errors import RunStopped, UserError
 TARGETS: dict[str, str] = {
     "sft": "rlhfkit.trainers.sft:train",
     "reward": "rlhfkit.trainers.reward:train",
-    "prm": "rlhfkit.trainers.reward:train_prm",
+    "prm": "rlhfkit.trainers.prm:train_prm",
     "ppo": "rlhfkit.trainers.online:train",
     "grpo": "rlhfkit.trainers.online:train",
     "rloo": "rlhfkit.trainers.online:train",
@@ -87,8 +87,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.modules["rlhfkit.engine.folder"].release_locks()
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose epilog may be a function, called only when the help is printed: the
+    configuration keys' help names the choices ``rlhfkit.algos`` declares, and importing it imports torch,
+    which argument errors and the other commands need not wait for."""
+
+    def format_help(self) -> str:
+        if callable(self.epilog):
+            self.epilog = self.epilog()
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rlhfkit",
         description="Classic RLHF on Hugging Face language models: SFT, reward models, PPO "
         "(and GRPO / RLOO / REINFORCE++).",
@@ -101,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train one model from a YAML configuration",
         description="Train one model. Every configuration key can be set in the YAML file or overridden "
         "here as dotted.key=value (parsed as YAML: 1e-5, true, null, [a, b]).",
-        epilog="configuration keys:\n" + config_help(),
+        epilog=lambda: "configuration keys:\n" + config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument(
@@ -138,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         "smoke (every stage, seconds each: for tests)",
     )
     quick.add_argument("--seed", type=int, default=0, help="seeds the task, every model and every sample")
+    quick.add_argument(
+        "--task",
+        choices=("reviews", "arithmetic"),
+        default="reviews",
+        help="built-in task: reviews (SFT, reward model, PPO) or arithmetic (checkable answers: SFT, PRM, "
+        "GRPO on the exact-match reward, PPO with and without the PRM's step rewards) (default: %(default)s)",
+    )
     quick.add_argument("--overwrite", action="store_true", help="delete DIR's previous quickstart first")
     quick.add_argument(
         "--refresh-steps",
@@ -283,6 +301,16 @@ def _quickstart(args: argparse.Namespace) -> int:
         raise UserError(
             f"--refresh-steps must be 0 (off) or a positive number of rollouts, got {args.refresh_steps}"
         )
+    if args.task != "reviews":
+        from rlhfkit.verifiable import VERIFIABLE_PRESETS, quickstart_verifiable
+
+        if args.preset not in VERIFIABLE_PRESETS or args.refresh_steps:
+            raise UserError(
+                f"--task {args.task} runs the presets {sorted(VERIFIABLE_PRESETS)} and no reward-model refresh"
+            )
+        prepare_output_dir(args.out, overwrite=args.overwrite)
+        quickstart_verifiable(args.out, args.task, args.preset, args.overwrite, seed=args.seed)
+        return 0
     prepare_output_dir(args.out, overwrite=args.overwrite)
     quickstart(args.out, args.preset, args.overwrite, seed=args.seed, refresh_steps=args.refresh_steps)
     return 0

@@ -25,9 +25,12 @@ import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from rlhfkit.errors import ConfigError
+
+if TYPE_CHECKING:  # the choices rlhfkit.algos declares; read by _hints (algos imports torch)
+    from rlhfkit.algos import AdvantageEstimator, KLEstimator, LossAggregation
 
 Kind = Literal["sft", "reward", "prm", "ppo", "grpo", "rloo", "dpo"]
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -231,6 +234,11 @@ class OnlineConfig:
     reward_functions: list[str] = option(
         [], "Reward functions 'pkg.module:fn' or 'path/to/file.py:fn', added to the reward model's score."
     )
+    process_reward_model: str | None = option(
+        None,
+        "Process reward model folder (from `rlhfkit train prm`): P(step correct) - 1 on every step-end "
+        "token of a response, beside the outcome score on its last token (rlhfkit.rollout.process_rewards).",
+    )
     critic_model: str | None = option(
         None,
         "Initial critic (value model) for gae; none = the reward model, else the policy "
@@ -256,9 +264,14 @@ class OnlineConfig:
         "(the 'EOS trick', Huang et al. 2024).",
     )
     kl_coef: float = option(0.05, "Initial coefficient of the per-token KL penalty in the reward.", ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = option(
+    kl_estimator: KLEstimator = option(
         "k1",
         "Per-token KL estimator (Schulman, 'Approximating KL divergence'), used in the reward and logged.",
+    )
+    kl_in_loss: bool = option(
+        False,
+        "Put the KL in the loss, kl_coef * k3(pi, pi_ref) per token against the reference (Shao et al. 2024, "
+        "DeepSeekMath's GRPO), instead of -kl_coef * kl_t in the reward; kl_estimator is then what is logged.",
     )
     kl_target: float | None = option(
         None,
@@ -268,7 +281,7 @@ class OnlineConfig:
     kl_horizon: int = option(
         10000, "Adaptive KL controller horizon, in responses (Ziegler et al. 2019).", gt=0
     )
-    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = option(
+    advantage_estimator: AdvantageEstimator = option(
         "gae",
         "Advantage estimator: gae (PPO with a critic) or a critic-free one. Set by the command for "
         "`train grpo` / `train rloo`.",
@@ -295,7 +308,7 @@ class OnlineConfig:
     value_clip_eps: float = option(0.2, "Value clip around the rollout's values.", gt=0)
     vf_coef: float = option(0.1, "Value-loss coefficient.", ge=0)
     ent_coef: float = option(0.0, "Entropy-bonus coefficient.", ge=0)
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = option(
+    loss_agg_mode: LossAggregation = option(
         "token-mean", "How per-token losses become a scalar (rlhfkit.algos.aggregate_loss)."
     )
     critic_learning_rate: float | None = option(
@@ -817,8 +830,21 @@ def _hints(cls: type) -> dict[str, Any]:
     if cls not in _HINTS:
         import typing
 
-        _HINTS[cls] = typing.get_type_hints(cls)
+        _HINTS[cls] = typing.get_type_hints(cls, localns=_algos_choices())
     return _HINTS[cls]
+
+
+def _algos_choices() -> dict[str, Any]:
+    """The choice types of the fields whose values name an ``rlhfkit.algos`` registry entry, declared there
+    once. Imported when a configuration is first read or described, not with this module: ``algos`` imports
+    torch, which ``rlhfkit --help``, argument errors and ``rlhfkit report`` need not wait for."""
+    from rlhfkit.algos import AdvantageEstimator, KLEstimator, LossAggregation
+
+    return {
+        "AdvantageEstimator": AdvantageEstimator,
+        "KLEstimator": KLEstimator,
+        "LossAggregation": LossAggregation,
+    }
 
 
 def _is_section(tp: Any) -> bool:

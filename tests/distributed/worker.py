@@ -38,8 +38,11 @@ from rlhfkit.models import (
     response_logits,
 )
 from rlhfkit.trainers import online, online_steps
+from rlhfkit.trainers.best_model import BestKeeper
 from rlhfkit.trainers.loop import train_offline
-from rlhfkit.trainers.reward import BestKeeper, PairCollator, prm_objective, reward_objective
+from rlhfkit.trainers.preference_data import PairCollator
+from rlhfkit.trainers.prm import prm_objective
+from rlhfkit.trainers.reward import reward_objective
 from rlhfkit.trainers.sft import sft_objective
 from rlhfkit.types import Rollout
 

@@ -15,21 +15,18 @@ from safetensors.torch import load_file
 from rlhfkit.cli import main
 from rlhfkit.data import TokenLimits
 from rlhfkit.models import load_scalar_model, load_tokenizer, sequence_scores
+from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY
+from rlhfkit.trainers.best_model import BestKeeper
+from rlhfkit.trainers.preference_data import PairCollator, load_heldout
 from rlhfkit.trainers.reward import (
-    BIAS_KEY,
-    GAIN_KEY,
-    BestKeeper,
-    PairCollator,
-    calibration,
     evaluate_heldout,
     fit_normalization,
-    heldout_metrics,
     length_covariance,
-    load_heldout,
     normalized_scores,
     pair_loss,
     pair_scores,
 )
+from rlhfkit.trainers.reward_metrics import calibration, heldout_metrics
 from tests.helpers import pad_batch, tiny_llama, tiny_llama_config, tiny_tokenizer
 
 LN2 = math.log(2.0)
@@ -233,7 +230,7 @@ def test_best_keeper_prefers_accuracy_then_loss(tmp_path):
 
 
 def test_keep_best_never_keeps_the_untrained_model_and_says_when_the_best_is_the_first(tmp_path):
-    from rlhfkit.trainers.reward import keep_best_warnings
+    from rlhfkit.trainers.best_model import keep_best_warnings
 
     model = tiny_llama("scalar", seed=0)
     keeper = BestKeeper(tmp_path / "best", keep_existing=False)

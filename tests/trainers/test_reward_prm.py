@@ -9,7 +9,7 @@ import torch
 
 from rlhfkit.cli import main
 from rlhfkit.data import PRMCollator
-from rlhfkit.trainers.reward import prm_metrics, step_logits, step_loss
+from rlhfkit.trainers.prm import prm_metrics, step_logits, step_loss
 from tests.helpers import tiny_llama, tiny_tokenizer
 from tests.trainers.test_reward import BODY_WORDS
 

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from rlhfkit.config import LoggingConfig, RunConfig, config_to_dict, save_config
+from rlhfkit.engine.atomic import atomic_write_text
 from rlhfkit.engine.checkpoint import checkpoint_step, resume_checkpoint
 from rlhfkit.engine.folder import LOCK_FILE, lock_run_folder, refuse_links
 from rlhfkit.errors import ConfigError, UserError
@@ -353,12 +354,12 @@ def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], bool]:
 
 def _truncate_metrics(path: Path, keep_until: int) -> None:
     records, _ = _read_metrics(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(
-        "".join(json.dumps(r, allow_nan=False) + "\n" for r in records if r["step"] <= keep_until),
-        encoding="utf-8",
+    atomic_write_text(
+        path,
+        "".join(
+            json.dumps(record, allow_nan=False) + "\n" for record in records if record["step"] <= keep_until
+        ),
     )
-    tmp.replace(path)
 
 
 def flatten_dict(d: Mapping, prefix: str = "") -> dict[str, Any]:
@@ -373,9 +374,7 @@ def flatten_dict(d: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def _write_json(path: Path, obj: Any, indent: int | None = None) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=indent, allow_nan=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(obj, indent=indent, allow_nan=False) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------------------

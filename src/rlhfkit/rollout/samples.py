@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from rlhfkit.engine.atomic import atomic_write_text
+
 SAMPLES_FILE = "samples.jsonl"
 
 
@@ -101,11 +103,7 @@ class SamplesWriter:
             return
         if self.path.is_file():
             kept = [row for row in read_samples(self.path) if row["step"] <= keep_until]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(
-                "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8"
-            )
-            tmp.replace(self.path)
+            atomic_write_text(self.path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept))
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, rows: list[dict[str, Any]]) -> None:

@@ -15,11 +15,12 @@ The task is described in `rlhfkit.tasks.reviews` (its gold score and the two pro
 from __future__ import annotations
 
 from rlhfkit.errors import ConfigError
+from rlhfkit.tasks.arithmetic import ArithmeticTask
 from rlhfkit.tasks.base import Task
 from rlhfkit.tasks.presets import MODEL_PRESETS, count_parameters
 from rlhfkit.tasks.reviews import ReviewsTask
 
-TASKS: dict[str, type[Task]] = {"reviews": ReviewsTask}
+TASKS: dict[str, type[Task]] = {"reviews": ReviewsTask, "arithmetic": ArithmeticTask}
 
 
 def get_task(name: str = "reviews", seed: int = 0, **options) -> Task:

@@ -1,2 +1,3 @@
-"""One readable loop per family: ``sft.py``, ``reward.py`` (reward and process reward models) share the
-offline loop of ``loop.py``; ``online.py`` is PPO with a critic, or GRPO / RLOO / REINFORCE++ without."""
+"""One readable loop per family: ``sft.py``, ``reward.py`` (Bradley-Terry reward model), ``prm.py`` (process
+reward model) and ``dpo.py`` share the offline loop of ``loop.py`` (the two scalar models also share
+``scalar_run.py``); ``online.py`` is PPO with a critic, or GRPO / RLOO / REINFORCE++ without."""

@@ -63,7 +63,8 @@ from rlhfkit.models import (
 )
 from rlhfkit.report import write_report
 from rlhfkit.trainers.loop import Objective, run_tokenizer, train_offline
-from rlhfkit.trainers.reward import GOLD_TIE, HeldOut, heldout_pairs
+from rlhfkit.trainers.preference_data import HeldOut, heldout_pairs
+from rlhfkit.trainers.reward_metrics import GOLD_TIE
 
 SIDES = ("chosen", "rejected")
 

@@ -104,6 +104,7 @@ from rlhfkit.rollout.scoring import (
 )
 from rlhfkit.trainers.loop import micro_batches, router_aux_coef, run_tokenizer
 from rlhfkit.trainers.online_roles import build_optimizers, build_roles, check_online_config
+from rlhfkit.trainers.online_shaping import group_stats, load_process_reward_model, with_process_rewards
 from rlhfkit.trainers.online_steps import (
     OnlineContext,
     StageClock,
@@ -227,6 +228,7 @@ def build_context(
     scorer = Scorer(roles.reward_model, functions, o.rollout_batch_size)
     stops = stop_token_ids(cfg, tokenizer)
     sampling = sampling_for(tokenizer.pad_token_id, stops, o.temperature, o.top_k, o.top_p)
+    prm, table = load_process_reward_model(cfg, tokenizer, accelerator.device)
     return OnlineContext(
         cfg,
         accelerator,
@@ -240,6 +242,8 @@ def build_context(
         stops,
         sampling,
         router_aux_coef(roles.actor, cfg.model.router_aux_loss_coef),
+        process_reward_model=prm,
+        step_end_table=table,
     )
 
 
@@ -312,10 +316,18 @@ def train_online(
         rollout.mask = rollout.mask & is_scored[:, None]
         entropy = fill_masked(entropy, rollout.mask)
 
-        # 3. KL-shaped rewards: -kl_coef * kl_t per token, the score on the last real token
+        # 3. KL-shaped rewards: -kl_coef * kl_t per token (unless kl_in_loss), the score on the last real
+        # token, and a process reward model's step rewards on the step-end tokens (dense form)
         kl_coef = ctx.kl_ctl.value
+        with clock("score"):
+            shaped, step_stats = with_process_rewards(ctx, rollout)
         rollout.rewards, rollout.kl = shape_rewards(
-            rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask, kl_coef, o.kl_estimator
+            shaped,
+            rollout.logprobs,
+            rollout.ref_logprobs,
+            rollout.mask,
+            0.0 if o.kl_in_loss else kl_coef,
+            o.kl_estimator,
         )
 
         # 4. advantages (and the critic's returns)
@@ -348,6 +360,8 @@ def train_online(
         metrics = (
             rollout_stats(ctx, rollout, response_mask, raw_scores, parts, entropy, is_scored)
             .merge(update.stats)
+            .merge(step_stats)
+            .merge(group_stats(ctx, rollout))
             .means(ctx)
         )
         if rollout.values is not None:  # of the values the advantages were computed from, before the update

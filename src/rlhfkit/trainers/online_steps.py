@@ -30,6 +30,7 @@ import torch
 from rlhfkit.algos import (
     aggregate_loss,
     entropy_from_logits,
+    kl_estimator,
     loss_normalizer,
     ppo_policy_loss,
     value_loss,
@@ -70,6 +71,8 @@ class OnlineContext:
         sampling: how responses are sampled, and scored (temperature, top-k / top-p, the pad token
             suppressed): :mod:`rlhfkit.models.sampling`.
         router_aux_coef: weight of the actor's router load-balancing loss in the update (0: none).
+        process_reward_model: the frozen PRM of ``online.process_reward_model``, or None.
+        step_end_table: ``(V,)`` bool, the token ids that end a step (with a PRM).
     """
 
     cfg: Any
@@ -85,6 +88,8 @@ class OnlineContext:
     sampling: Sampling
     router_aux_coef: float = 0.0
     guard: Any = None  # the run's rlhfkit.engine.guards.FiniteGuard (its state is checkpointed)
+    process_reward_model: torch.nn.Module | None = None
+    step_end_table: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -496,6 +501,11 @@ def micro_batch_loss(
                 entropy_from_logits(processed_logits(logits, ctx.sampling, mb.response_ids[:, :w]))
             )
             loss = loss - o.ent_coef * parts["loss/entropy"]
+        if o.kl_in_loss:  # DeepSeekMath's GRPO: k3 against the reference as a loss term, not in the reward
+            # masked inputs filled first: a junk log-prob there must not reach the gradient (0 * inf)
+            kl = kl_estimator("k3")(fill_masked(logprobs, mask), fill_masked(mb.ref_logprobs[:, :w], mask))
+            parts["loss/kl"] = aggregate(fill_masked(kl, mask))  # (b, w) per token, then aggregated
+            loss = loss + float(ctx.kl_ctl.value) * parts["loss/kl"]
         if aux is not None:
             parts["loss/router_aux"] = aux * (float(tokens) / max(minibatch_tokens, 1.0))
             loss = loss + ctx.router_aux_coef * parts["loss/router_aux"]

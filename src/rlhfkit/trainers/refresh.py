@@ -54,14 +54,9 @@ from rlhfkit.models import unwrap_model
 from rlhfkit.rollout.pairs import SampledPair, annotate_records, drop_uninformative, sample_response_pairs
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY
 from rlhfkit.trainers.online_steps import derived_seed
-from rlhfkit.trainers.reward import (
-    PairCollator,
-    fit_normalization,
-    heldout_metrics,
-    pair_loss,
-    pair_scores,
-    score_examples,
-)
+from rlhfkit.trainers.preference_data import PairCollator
+from rlhfkit.trainers.reward import fit_normalization, pair_loss, pair_scores, score_examples
+from rlhfkit.trainers.reward_metrics import heldout_metrics
 
 LabelFunction = Callable[[str, str, str], bool]
 
@@ -202,11 +197,11 @@ class RewardRefresh:
     def sample(self, policy: torch.nn.Module, step: int) -> list[SampledPair]:
         """``config.pairs`` prompts (without repeats when there are enough) and two responses each."""
         rng = random.Random(derived_seed("refresh-prompts", self.seed, step))
-        n = self.config.pairs
+        count = self.config.pairs
         picked = (
-            rng.sample(self.prompts, n)
-            if n <= len(self.prompts)
-            else [rng.choice(self.prompts) for _ in range(n)]
+            rng.sample(self.prompts, count)
+            if count <= len(self.prompts)
+            else [rng.choice(self.prompts) for _ in range(count)]
         )
         pairs = sample_response_pairs(
             policy,
@@ -265,38 +260,52 @@ class RewardRefresh:
     def batch(self, step: int, k: int) -> list[dict]:
         """Optimizer step ``k``'s pairs: ``fresh_fraction`` of them from the collected pairs, the rest from
         the initial ones, each drawn uniformly with replacement (a function of (seed, step, k))."""
-        c = self.config
-        g = torch.Generator().manual_seed(derived_seed("refresh-batch", self.seed, step, k))
+        settings = self.config
+        generator = torch.Generator().manual_seed(derived_seed("refresh-batch", self.seed, step, k))
         fresh, initial = self._collected_examples, self.initial
-        n_fresh = c.batch_size if not initial else 0 if not fresh else round(c.batch_size * c.fresh_fraction)
-        picks = (
-            [fresh[i] for i in torch.randint(len(fresh), (n_fresh,), generator=g).tolist()] if n_fresh else []
+        n_fresh = (
+            settings.batch_size
+            if not initial
+            else 0
+            if not fresh
+            else round(settings.batch_size * settings.fresh_fraction)
         )
-        if c.batch_size - n_fresh:
+        picks = (
+            [fresh[i] for i in torch.randint(len(fresh), (n_fresh,), generator=generator).tolist()]
+            if n_fresh
+            else []
+        )
+        if settings.batch_size - n_fresh:
             picks += [
                 initial[i]
-                for i in torch.randint(len(initial), (c.batch_size - n_fresh,), generator=g).tolist()
+                for i in torch.randint(
+                    len(initial), (settings.batch_size - n_fresh,), generator=generator
+                ).tolist()
             ]
         return picks
 
     def train(self, reward_model: torch.nn.Module, step: int) -> dict[str, float]:
         """``config.steps`` AdamW steps of the reward trainer's Bradley-Terry loss, in place."""
-        c = self.config
-        if not c.steps or not (self.initial or self._collected_examples):
+        settings = self.config
+        if not settings.steps or not (self.initial or self._collected_examples):
             return {}
         device = next(reward_model.parameters()).device
         reward_model.requires_grad_(True)
         reward_model.train()
-        optimizer = build_optimizer(reward_model.named_parameters(), c.learning_rate, c.weight_decay)
+        optimizer = build_optimizer(
+            reward_model.named_parameters(), settings.learning_rate, settings.weight_decay
+        )
         losses, accuracies = [], []
-        for k in range(c.steps):
+        for k in range(settings.steps):
             pairs = self.batch(step, k)
             batch = {name: v.to(device) for name, v in self.collate(pairs).items()}
             chosen, rejected = pair_scores(reward_model, batch)  # (B,), (B,)
-            loss, stats = pair_loss(chosen, rejected, batch["margin"], len(pairs), center_coef=c.center_coef)
+            loss, stats = pair_loss(
+                chosen, rejected, batch["margin"], len(pairs), center_coef=settings.center_coef
+            )
             loss.backward()
-            if c.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(reward_model.parameters(), c.max_grad_norm)
+            if settings.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(reward_model.parameters(), settings.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))

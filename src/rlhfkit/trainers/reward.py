@@ -46,11 +46,13 @@ With ``model.lora_rank`` > 0 (reward and PRM alike) LoRA adapters and the score 
 ``heldout_scores.jsonl`` that model's raw score of each held-out pair; ``metrics.jsonl`` the training and
 ``eval/`` lines.
 
-The process reward model (``rlhfkit train prm``, :func:`train_prm`) shares the loop, the best model and
-early stopping: binary cross-entropy of each step's correctness, read at the step's last token
-(Lightman et al. 2023), averaged over the whole batch's steps; held-out step and solution accuracy.
+Where the rest lives: the held-out figures and calibration in :mod:`rlhfkit.trainers.reward_metrics`; the
+batches and held-out pairs (with their gold fields) in :mod:`rlhfkit.trainers.preference_data`; the best
+model and early stopping in :mod:`rlhfkit.trainers.best_model`; what a scalar-model run does around its
+objective (data, model, the offline loop, summary, ``final/``) in :mod:`rlhfkit.trainers.scalar_run`. The
+process reward model (``rlhfkit train prm``) shares all of it: :mod:`rlhfkit.trainers.prm`.
 
-Launch (``prm`` for a process reward model):
+Launch:
     rlhfkit train reward --config reward.yaml                          # one process
     torchrun --standalone --nproc_per_node 2 -m rlhfkit.cli train reward --config reward.yaml   # 2 processes (data parallel)
 """
@@ -58,55 +60,33 @@ Launch (``prm`` for a process reward model):
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from rlhfkit.algos import aggregate_loss, bradley_terry_loss
-from rlhfkit.data import Examples, PreferenceCollator, TokenLimits, prepare_examples, prepare_run_data
-from rlhfkit.engine import sharded
-from rlhfkit.engine.accel import make_accelerator
-from rlhfkit.engine.run import RunDir, open_run
-from rlhfkit.engine.seed import seed_everything
-from rlhfkit.errors import ConfigError
-from rlhfkit.models import load_scalar_model, prepare_trained, save_hf_folder, sequence_scores, token_scores
-from rlhfkit.report import write_report
+from rlhfkit.engine.atomic import atomic_write_text
+from rlhfkit.models import sequence_scores
 from rlhfkit.reporting.runs import HELDOUT_SCORES
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, reward_normalization
-from rlhfkit.trainers.loop import Objective, micro_batches, run_tokenizer, train_offline
-
-GOLD_FIELDS = ("gold_chosen", "gold_rejected")
-GOLD_TIE = 1e-9  # gold scores closer than this are a tie (as rlhfkit.tasks.annotators)
-CALIBRATION_BINS = 5  # confidence bins of width 0.1 over [0.5, 1]
-
+from rlhfkit.trainers.best_model import BestKeeper, patience_stop
+from rlhfkit.trainers.loop import Objective, micro_batches
+from rlhfkit.trainers.preference_data import HeldOut, PairCollator, heldout_pairs
+from rlhfkit.trainers.reward_metrics import heldout_metrics
+from rlhfkit.trainers.scalar_run import (
+    finish_run,
+    fit_keeping_best,
+    open_session,
+    run_summary,
+    scalar_model,
+    scoring_batch_size,
+    start_run,
+)
 
 # ----------------------------------------------------------------------------------------------------------
-# Batches and the loss
-
-
-class PairCollator:
-    """Tokenised pairs -> a :class:`rlhfkit.data.PreferenceCollator` batch plus ``margin`` (B,) float (the
-    record's own, else ``default_margin``) and ``chosen_length`` / ``rejected_length`` (B,) long (response
-    tokens, EOS included)."""
-
-    def __init__(self, pad_token_id: int, default_margin: float = 0.0):
-        self.pairs = PreferenceCollator(pad_token_id)
-        self.default_margin = float(default_margin)
-
-    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        batch = self.pairs(examples)
-        batch["margin"] = torch.tensor(
-            [ex.get("margin", self.default_margin) for ex in examples], dtype=torch.float32
-        )
-        for side in ("chosen", "rejected"):
-            batch[f"{side}_length"] = torch.tensor([len(ex[f"{side}_ids"]) for ex in examples])
-        return batch
+# The loss
 
 
 def pair_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +101,8 @@ def pair_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple
     ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])  # (2B, L)
     mask = torch.cat([batch["chosen_attention_mask"], batch["rejected_attention_mask"]])  # (2B, L)
     scores = sequence_scores(model, ids, mask)  # (2B,)
-    n = batch["chosen_input_ids"].shape[0]
-    return scores[:n], scores[n:]
+    num_pairs = batch["chosen_input_ids"].shape[0]
+    return scores[:num_pairs], scores[num_pairs:]
 
 
 def length_covariance(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -212,106 +192,9 @@ def score_examples(
     chosen, rejected = torch.empty(len(examples)), torch.empty(len(examples))
     for chunk in micro_batches(order, batch_size):
         batch = {k: v.to(device) for k, v in collate([examples[i] for i in chunk]).items()}
-        c, r = pair_scores(model, batch)
-        chosen[list(chunk)], rejected[list(chunk)] = c.float().cpu(), r.float().cpu()
+        chunk_chosen, chunk_rejected = pair_scores(model, batch)
+        chosen[list(chunk)], rejected[list(chunk)] = chunk_chosen.float().cpu(), chunk_rejected.float().cpu()
     return chosen, rejected
-
-
-def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Pearson correlation of two (N,) tensors; NaN when either is constant."""
-    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
-    denominator = float(x.norm() * y.norm())
-    return float((x * y).sum()) / denominator if denominator > 0 else float("nan")
-
-
-def calibration(diff: torch.Tensor, num_bins: int = CALIBRATION_BINS) -> tuple[float, list[dict]]:
-    """Confidence against observed agreement with the labels.
-
-    The model prefers the response it scores higher, with confidence c = sigmoid(|r_c - r_r|) in [0.5, 1];
-    it is right when that response is the chosen one (1/2 for a tie). Pairs are binned by c into
-    ``num_bins`` equal bins over [0.5, 1].
-
-    Args:
-        diff: (n,) r_chosen - r_rejected.
-    Returns:
-        (expected calibration error sum_k n_k / n * |mean c_k - mean right_k|,
-         bins [{"low", "high", "count", "confidence", "observed"}] with null means in empty bins).
-    """
-    diff = diff.double()
-    confidence = torch.sigmoid(diff.abs())  # (n,)
-    right = (diff > 0).double() + 0.5 * (diff == 0).double()  # (n,)
-    index = ((confidence - 0.5) * 2 * num_bins).long().clamp(0, num_bins - 1)  # (n,)
-    ece, bins = 0.0, []
-    for k in range(num_bins):
-        members = index == k
-        count = int(members.sum())
-        low, high = 0.5 + 0.5 * k / num_bins, 0.5 + 0.5 * (k + 1) / num_bins
-        if count == 0:
-            bins.append({"low": low, "high": high, "count": 0, "confidence": None, "observed": None})
-            continue
-        conf, observed = float(confidence[members].mean()), float(right[members].mean())
-        ece += count / len(diff) * abs(conf - observed)
-        bins.append({"low": low, "high": high, "count": count, "confidence": conf, "observed": observed})
-    return ece, bins
-
-
-def heldout_metrics(
-    chosen: torch.Tensor,
-    rejected: torch.Tensor,
-    chosen_length: torch.Tensor,
-    rejected_length: torch.Tensor,
-    margin: torch.Tensor,
-    gold_chosen: torch.Tensor | None = None,
-    gold_rejected: torch.Tensor | None = None,
-) -> tuple[dict[str, float], list[dict]]:
-    """The held-out figures of a reward model (see the module docstring).
-
-    Args:
-        chosen, rejected: (n,) raw scores.
-        chosen_length, rejected_length: (n,) response lengths in tokens.
-        margin: (n,) the margins the loss uses.
-        gold_chosen, gold_rejected: (n,) gold scores, or None.
-    Returns:
-        (metrics: loss, accuracy, margin, score_mean, score_std, length_correlation, calibration_error and,
-        with gold, gold_accuracy and gold_pairs (non-tied pairs); calibration bins).
-    """
-    diff = (chosen - rejected).double()  # (n,)
-    scores = torch.cat([chosen, rejected]).double()  # (2n,)
-    lengths = torch.cat([chosen_length, rejected_length]).double()  # (2n,)
-    ece, bins = calibration(diff)
-    metrics = {
-        "loss": float(-F.logsigmoid(diff - margin.double()).mean()),
-        "accuracy": float(((diff > 0).double() + 0.5 * (diff == 0).double()).mean()),
-        "margin": float(diff.mean()),
-        "score_mean": float(scores.mean()),
-        "score_std": float(scores.std(unbiased=False)),
-        "length_correlation": pearson(scores, lengths),
-        "calibration_error": ece,
-    }
-    if gold_chosen is not None and gold_rejected is not None:
-        gold_diff = (gold_chosen - gold_rejected).double()  # (n,)
-        untied = gold_diff.abs() > GOLD_TIE
-        agree = (torch.sign(diff) == torch.sign(gold_diff)).double() + 0.5 * (diff == 0).double()
-        metrics["gold_accuracy"] = float(agree[untied].mean()) if bool(untied.any()) else float("nan")
-        metrics["gold_pairs"] = int(untied.sum())
-    return metrics, bins
-
-
-@dataclass
-class HeldOut:
-    """Tokenised held-out pairs and what is known about them beyond the labels.
-
-    Attributes:
-        examples: tokenised pairs.
-        gold: (gold_chosen (n,), gold_rejected (n,)) when every record has both fields, else None.
-        bayes_ceiling: mean ``gold_agreement`` over the non-tied pairs when the records carry it, else None.
-        gold_length_correlation: correlation of gold score with response length, for comparison.
-    """
-
-    examples: list[dict]
-    gold: tuple[torch.Tensor, torch.Tensor] | None = None
-    bayes_ceiling: float | None = None
-    gold_length_correlation: float | None = None
 
 
 def evaluate_heldout(
@@ -324,122 +207,6 @@ def evaluate_heldout(
     ]
     margin = torch.tensor([e.get("margin", collate.default_margin) for e in heldout.examples])
     return heldout_metrics(chosen, rejected, *lengths, margin, *(heldout.gold or (None, None)))
-
-
-def _number(records, index: int, name: str, allow_null: bool = False) -> float | None:
-    value = records[index].get(name)
-    if value is None and allow_null:
-        return None
-    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-        got = (
-            "missing" if name not in records[index] else type(value).__name__ if value is not None else "null"
-        )
-        raise records.error(index, f"expected a number, got {got}", field=name)
-    return float(value)
-
-
-def load_heldout(source: str, tokenizer, limits: TokenLimits) -> HeldOut:
-    """Read, validate and tokenise held-out pairs (:func:`heldout_pairs`)."""
-    return heldout_pairs(prepare_examples(source, "preferences", tokenizer, limits))
-
-
-def heldout_pairs(examples: Examples) -> HeldOut:
-    """Tokenised held-out pairs with their optional gold fields.
-
-    ``gold_chosen`` / ``gold_rejected`` must be in every record or in none (a DataError names the first
-    record without them); ``gold_agreement`` is a number, or null for a gold tie.
-    """
-    records = examples.records
-    held = HeldOut(list(examples))
-    if not any(r.get(f) is not None for r in records for f in GOLD_FIELDS):
-        return held
-    for i, record in enumerate(records):
-        for f in GOLD_FIELDS:
-            if record.get(f) is None:
-                raise records.error(
-                    i,
-                    "is missing, but other records have gold scores; give both gold fields "
-                    "in every record or in none",
-                    field=f,
-                )
-    gold = [[_number(records, i, f) for i in range(len(records))] for f in GOLD_FIELDS]
-    held.gold = (torch.tensor(gold[0], dtype=torch.float64), torch.tensor(gold[1], dtype=torch.float64))
-    lengths = torch.tensor([len(e[f"{side}_ids"]) for side in ("chosen", "rejected") for e in examples])
-    held.gold_length_correlation = pearson(torch.cat(held.gold), lengths)
-    if all("gold_agreement" in r for r in records):
-        agreement = [_number(records, i, "gold_agreement", allow_null=True) for i in range(len(records))]
-        known = [a for a in agreement if a is not None]
-        held.bayes_ceiling = sum(known) / len(known) if known else None
-    return held
-
-
-class BestKeeper:
-    """Keeps the weights of the best evaluation in ``<run>/best/`` (``model.safetensors``, then ``best.json``
-    written last as the marker), so that they survive a resume.
-
-    Best = higher held-out ``accuracy``; equal accuracy: lower ``loss``. Only trained models compete: the
-    step-0 evaluation (the untrained model) is kept in ``untrained`` for comparison, never as the best, so
-    that ``final/`` is never silently the model before training. A resumed run recomputes the
-    same evaluations as the interrupted one (bit-identical resume), so a ``best.json`` from after the
-    resume point is kept: the same evaluation cannot beat it.
-    """
-
-    def __init__(self, folder: Path, keep_existing: bool, main_process: bool = True):
-        self.folder, self.main_process = Path(folder), main_process
-        self.best: dict[str, Any] | None = None
-        self.untrained: dict[str, float] | None = None
-        marker = self.folder / "best.json"
-        if keep_existing and marker.is_file():
-            self.best = json.loads(marker.read_text())
-        elif main_process and marker.is_file():
-            marker.unlink()
-
-    @staticmethod
-    def better(new: dict[str, float], old: dict[str, float] | None) -> bool:
-        if old is None:
-            return True
-        return (new["accuracy"], -new["loss"]) > (old["accuracy"], -old["loss"])
-
-    def update(self, model: torch.nn.Module, step: int, metrics: dict[str, float], extra: Any = None) -> bool:
-        """Record ``metrics`` of ``step``; save the model (and ``extra``, e.g. calibration bins) when they are
-        the best so far (never for step 0, the untrained model)."""
-        if step == 0:
-            self.untrained = dict(metrics)
-            return False
-        if not self.better(metrics, None if self.best is None else self.best["eval"]):
-            return False
-        self.best = {"step": step, "eval": metrics, "extra": extra}
-        # a sharded model's whole weights: gathered by every process (a collective), written by the main one
-        whole = sharded.full_state_dict(model) if sharded.is_sharded(model) else None
-        if self.main_process:
-            from safetensors.torch import save_file, save_model
-
-            self.folder.mkdir(parents=True, exist_ok=True)
-            (self.folder / "best.json").unlink(missing_ok=True)
-            tmp = self.folder / "model.safetensors.tmp"
-            if whole is None:
-                save_model(model, str(tmp))
-            else:
-                save_file({k: v.detach().cpu().contiguous() for k, v in whole.items()}, str(tmp))
-            os.replace(tmp, self.folder / "model.safetensors")
-            _write_json(self.folder / "best.json", self.best)
-        return True
-
-    def restore(self, model: torch.nn.Module) -> None:
-        """Load the best weights into ``model``."""
-        from safetensors.torch import load_model
-
-        load_model(model, str(self.folder / "model.safetensors"), device=str(next(model.parameters()).device))
-
-    @property
-    def step(self) -> int | None:
-        return None if self.best is None else int(self.best["step"])
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, allow_nan=True))
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -485,7 +252,7 @@ def reward_objective(
     """The loss, evaluation and early stopping of a reward-model run (``counters`` collects tokens and
     evaluation time for the throughput figures; ``latest`` receives the last evaluation, with its calibration
     bins)."""
-    r = cfg.reward
+    settings = cfg.reward
     eval_batch = scoring_batch_size(cfg)
 
     def loss(model, batch, normalizer):
@@ -498,8 +265,8 @@ def reward_objective(
             rejected,
             batch["margin"],
             normalizer,
-            center_coef=r.center_coef,
-            length_bias_coef=r.length_bias_coef,
+            center_coef=settings.center_coef,
+            length_bias_coef=settings.length_bias_coef,
             chosen_length=batch["chosen_length"],
             rejected_length=batch["rejected_length"],
         )
@@ -519,129 +286,16 @@ def reward_objective(
     )
 
 
-def patience_stop(cfg, keeper: BestKeeper):
-    """``should_stop(step)``: True once ``reward.early_stopping_patience`` evaluations in a row have not beaten
-    the best (counted from the best evaluation's step, so it needs no state of its own across a resume)."""
-    patience, every = cfg.reward.early_stopping_patience, cfg.train.eval_steps
-
-    def should_stop(step: int) -> bool:
-        return patience is not None and keeper.step is not None and step - keeper.step >= patience * every
-
-    return should_stop
-
-
-def scoring_batch_size(cfg) -> int:
-    """Pairs per forward pass when only scoring (evaluation, normalisation): 4 training micro-batches, as
-    no activations are kept for a backward pass."""
-    return 4 * (cfg.train.micro_batch_size or cfg.train.batch_size)
-
-
-def _check(cfg) -> None:
-    if not (cfg.data.eval_file or cfg.data.eval_split) and cfg.reward.early_stopping_patience is not None:
-        raise ConfigError(
-            "reward.early_stopping_patience: early stopping watches the held-out accuracy, so it "
-            "needs data.eval_file (or data.eval_split)"
-        )
-
-
-@dataclass
-class _Session:
-    """What every scalar-model run opens: processes, the run folder, the tokenizer, the length limits."""
-
-    accelerator: Any
-    run: RunDir | None
-    tokenizer: Any
-    limits: TokenLimits
-    save_dtype: str = "float32"
-
-
-def _open(cfg, kind: str) -> tuple[_Session, Examples, Examples | None]:
-    """Processes, tokenizer and all data of the run (bad data stops here, before the run folder is written)."""
-    _check(cfg)
-    seed_everything(cfg.seed)
-    accelerator = make_accelerator(sharding=True)
-    tokenizer = run_tokenizer(cfg)
-    limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
-    examples, heldout = prepare_run_data(cfg.data, kind, tokenizer, limits, accelerator)
-    return _Session(accelerator, None, tokenizer, limits, cfg.model.save_dtype), examples, heldout
-
-
-def _start_run(cfg, session: _Session, resume: bool, overwrite: bool) -> RunDir:
-    session.run = open_run(cfg, session.accelerator, resume, overwrite)
-    return session.run
-
-
-def _scalar_model(cfg, session: _Session) -> torch.nn.Module:
-    """The backbone with a fresh scalar head (N+ init, :func:`rlhfkit.models.load_scalar_model`), dropout off."""
-    model = load_scalar_model(
-        cfg.model.name_or_path,
-        trust_remote_code=cfg.model.trust_remote_code,
-        dtype=cfg.model.dtype,
-        tokenizer=session.tokenizer,
-        dropout=not cfg.model.disable_dropout,
-    )
-    return prepare_trained(model, cfg.model).to(session.accelerator.device)  # LoRA / gradient checkpointing
-
-
-def _fit(
-    cfg,
-    session: _Session,
-    model,
-    examples,
-    objective: Objective,
-    keeper: BestKeeper,
-    heldout: bool,
-    counters: dict[str, float],
-) -> tuple[dict[str, Any], torch.nn.Module]:
-    """Step-0 evaluation, the shared offline loop, then the best model back in place (eval mode)."""
-    run, accelerator = session.run, session.accelerator
-    if heldout and run.resume_checkpoint is None:  # the untrained model's held-out figures, as step 0
-        model.eval()
-        with torch.no_grad():
-            run.metrics.log(0, {f"eval/{k}": v for k, v in objective.evaluate(model, 0).items()})
-        counters["eval_seconds"] = 0.0  # before the loop's clock starts
-    result = train_offline(cfg, run, model, examples, objective, accelerator)
-    model = accelerator.unwrap_model(result["model"])  # whole again after sharded training
-    model.eval()
-    accelerator.wait_for_everyone()
-    if heldout and cfg.reward.keep_best and keeper.best is not None:
-        if accelerator.is_main_process:
-            for line in keep_best_warnings(keeper, cfg.train.eval_steps, result["step"]):
-                print(f"rlhfkit: warning: {line}", file=sys.stderr)
-        keeper.restore(model)
-    return result, model
-
-
-def keep_best_warnings(keeper: BestKeeper, eval_steps: int, last_step: int) -> list[str]:
-    """What a user should know about the model ``reward.keep_best`` ships: that the best came at the first
-    trained evaluation (later training only made it worse), or that the untrained model scored better."""
-    out, best = [], keeper.best
-    first = min(eval_steps, last_step)
-    if best["step"] == first and last_step > first:
-        out.append(
-            f"reward.keep_best: the best held-out accuracy came at the first evaluation (step {first}) and "
-            f"none of the later ones up to step {last_step} beat it, so final/ is step {first}'s model; "
-            "a lower train.learning_rate, more data or more frequent train.eval_steps may help"
-        )
-    if keeper.untrained is not None and BestKeeper.better(keeper.untrained, best["eval"]):
-        out.append(
-            f"reward.keep_best: the untrained model's held-out accuracy ({keeper.untrained['accuracy']:.4g}) "
-            f"is above the best trained one's ({best['eval']['accuracy']:.4g}, step {best['step']}); "
-            "final/ is the trained model, but training did not help"
-        )
-    return out
-
-
 def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train a Bradley-Terry reward model as configured; write ``final/`` and ``summary.json``; return the
     summary."""
     # 1. data: read, validate and tokenise everything before a model is built (bad input stops here).
-    session, examples, heldout_examples = _open(cfg, "preferences")
+    session, examples, heldout_examples = open_session(cfg, "preferences")
     heldout = heldout_pairs(heldout_examples) if heldout_examples is not None else None
-    run, accelerator = _start_run(cfg, session, resume, overwrite), session.accelerator
+    run, accelerator = start_run(cfg, session, resume, overwrite), session.accelerator
 
     # 2. model, loss, evaluation, best model.
-    model = _scalar_model(cfg, session)
+    model = scalar_model(cfg, session)
     collate = PairCollator(session.tokenizer.pad_token_id, cfg.reward.margin)
     keeper = BestKeeper(
         run.path / "best",
@@ -652,7 +306,9 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     objective = reward_objective(cfg, collate, heldout, keeper, accelerator.device, counters, latest)
 
     # 3. Bradley-Terry training, evaluation every eval_steps, early stopping; final = best.
-    result, model = _fit(cfg, session, model, examples, objective, keeper, heldout is not None, counters)
+    result, model = fit_keeping_best(
+        cfg, session, model, examples, objective, keeper, heldout is not None, counters
+    )
     final_eval, bins = {}, []
     if heldout is not None:  # the final model's figures, with its calibration bins
         final_eval, bins = final_figures(
@@ -666,7 +322,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     setattr(model.config, GAIN_KEY, gain)
     setattr(model.config, BIAS_KEY, bias)
 
-    summary = _summary(
+    summary = run_summary(
         cfg,
         "reward",
         "pairs",
@@ -696,7 +352,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
         write_heldout_scores(
             run.path / HELDOUT_SCORES, model, collate, heldout, scoring_batch_size(cfg), accelerator.device
         )
-    _finish(session, model, summary)
+    finish_run(session, model, summary)
     return summary
 
 
@@ -708,14 +364,12 @@ def write_heldout_scores(
     chosen, rejected = score_examples(model, collate, heldout.examples, batch_size, device)
     gold = [g.tolist() for g in heldout.gold] if heldout.gold is not None else None
     lines = []
-    for i, (c, r) in enumerate(zip(chosen.tolist(), rejected.tolist(), strict=True)):
-        row = {"chosen": c, "rejected": r}
+    for i, (chosen_score, rejected_score) in enumerate(zip(chosen.tolist(), rejected.tolist(), strict=True)):
+        row = {"chosen": chosen_score, "rejected": rejected_score}
         if gold is not None:
             row.update(gold_chosen=gold[0][i], gold_rejected=gold[1][i])
         lines.append(json.dumps(row, allow_nan=False) + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(lines), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(lines))
 
 
 def final_figures(
@@ -744,177 +398,3 @@ def fit_on_training_responses(
     chosen, rejected = score_examples(model, collate, fit, scoring_batch_size(cfg), device)
     gain, bias = fit_normalization(torch.cat([chosen, rejected]))
     return gain, bias, 2 * len(fit)
-
-
-def _summary(
-    cfg,
-    kind: str,
-    unit: str,
-    result,
-    num_train: int,
-    num_eval: int,
-    keeper: BestKeeper,
-    final_eval: dict,
-    counters: dict[str, float],
-    accelerator,
-) -> dict[str, Any]:
-    """summary.json: the final model's held-out figures, and the training throughput (held-out evaluations
-    excluded; this session's steps when resumed)."""
-    train_seconds = max(result["wall_seconds"] - counters["eval_seconds"], 1e-9)
-    tokens = counters["tokens"]
-    if accelerator.num_processes > 1:  # every process counted its own slice of each batch
-        tokens = float(accelerator.reduce(torch.tensor([tokens], device=accelerator.device), reduction="sum"))
-    return {
-        "kind": kind,
-        "steps": result["step"],
-        "early_stopped": result["step"] < cfg.train.max_steps,
-        "final_step": keeper.step
-        if num_eval and cfg.reward.keep_best and keeper.step is not None
-        else result["step"],
-        f"train_{unit}": num_train,
-        f"eval_{unit}": num_eval,
-        "train_loss": result["loss"],
-        **{f"heldout_{k}": v for k, v in final_eval.items()},
-        "wall_seconds": result["wall_seconds"],
-        "eval_seconds": counters["eval_seconds"],
-        f"{unit}_per_second": (result["examples_per_second"] or 0.0) * result["wall_seconds"] / train_seconds,
-        "tokens_per_second": tokens / train_seconds,  # real (non-padding) tokens through forward + backward
-    }
-
-
-def _finish(session: _Session, model, summary: dict[str, Any]) -> None:
-    if session.accelerator.is_main_process:
-        save_hf_folder(model, session.tokenizer, session.run.final_dir, dtype=session.save_dtype)
-        session.run.write_summary(summary)
-    session.run.close()
-    if session.accelerator.is_main_process:
-        write_report(session.run.path)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Process reward model
-
-
-def step_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The head's output at the last token of every step (a logit of P(step is correct)).
-
-    Args:
-        batch: a :class:`rlhfkit.data.PRMCollator` batch: ``input_ids``, ``attention_mask`` (B, L),
-            ``step_positions`` (B, S).
-    Returns:
-        (B, S); meaningless where ``step_mask`` is False.
-    """
-    scores = token_scores(model, batch["input_ids"], batch["attention_mask"])  # (B, L)
-    return scores.gather(1, batch["step_positions"])  # (B, S)
-
-
-def step_loss(
-    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, normalizer: float
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Binary cross-entropy per step, averaged over the whole batch's steps (Lightman et al. 2023, "Let's
-    Verify Step by Step": a PRM predicts each step's correctness at the step's last token).
-
-    Args:
-        logits, labels, mask: (B, S) step logits, 1.0 for a correct step, True on real steps.
-        normalizer: the number of steps in the whole batch.
-    Returns:
-        (scalar loss, stats already multiplied by this micro-batch's share of the steps).
-    """
-    bce = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")  # (B, S)
-    loss = aggregate_loss(bce, mask, "token-mean", normalizer)
-    right = ((logits > 0).float() == labels).float()  # (B, S)
-    return loss, {"accuracy": float((right * mask).sum()) / normalizer}
-
-
-def prm_metrics(logits: list[torch.Tensor], labels: list[torch.Tensor]) -> dict[str, float]:
-    """Held-out figures of a PRM from per-solution step logits and labels (lists of (S_i,) tensors): mean
-    step loss, step accuracy, and solution accuracy (a solution is judged correct when every step's
-    P(correct) > 1/2; it is correct when every label is)."""
-    flat_logits, flat_labels = torch.cat(logits).double(), torch.cat(labels).double()
-    loss = F.binary_cross_entropy_with_logits(flat_logits, flat_labels)
-    step_right = ((flat_logits > 0).double() == flat_labels).double()
-    solutions = [bool((lg > 0).all()) == bool(lb.bool().all()) for lg, lb in zip(logits, labels, strict=True)]
-    return {
-        "loss": float(loss),
-        "accuracy": float(step_right.mean()),
-        "solution_accuracy": sum(solutions) / len(solutions),
-        "correct_step_rate": float(flat_labels.mean()),
-    }
-
-
-@torch.no_grad()
-def evaluate_prm(model, collate, examples: list[dict], batch_size: int, device) -> dict[str, float]:
-    """:func:`prm_metrics` of ``model`` on tokenised process-supervision examples."""
-    logits, labels = [], []
-    for chunk in micro_batches(examples, batch_size):
-        batch = {k: v.to(device) for k, v in collate(list(chunk)).items()}
-        out = step_logits(model, batch).float().cpu()  # (b, S)
-        for i, ex in enumerate(chunk):
-            logits.append(out[i, : len(ex["labels"])])
-            labels.append(torch.tensor([float(v) for v in ex["labels"]]))
-    return prm_metrics(logits, labels)
-
-
-def prm_objective(
-    cfg, collate, heldout: list[dict] | None, keeper: BestKeeper, device, counters: dict[str, float]
-) -> Objective:
-    """Loss, evaluation and early stopping of a process-reward-model run."""
-    eval_batch = scoring_batch_size(cfg)
-
-    def loss(model, batch, normalizer):
-        counters["tokens"] += float(batch["attention_mask"].sum())
-        return step_loss(step_logits(model, batch), batch["step_labels"], batch["step_mask"], normalizer)
-
-    def evaluate(model, step):
-        if not heldout:
-            return {}
-        start = time.perf_counter()
-        metrics = evaluate_prm(model, collate, heldout, eval_batch, device)
-        keeper.update(model, step, metrics)
-        counters["eval_seconds"] += time.perf_counter() - start
-        return metrics
-
-    return Objective(
-        collate=collate,
-        loss=loss,
-        normalizer=lambda exs: float(sum(len(e["labels"]) for e in exs)),
-        evaluate=evaluate,
-        should_stop=patience_stop(cfg, keeper),
-    )
-
-
-def train_prm(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Train a process reward model on ``{"prompt", "steps", "labels"}`` records: binary cross-entropy on
-    each step's correctness, read at the step's last token (the separator after it). The saved model's
-    token scores are logits of P(step correct); no normalisation is fitted (reward.normalize is ignored)."""
-    from rlhfkit.data import PRMCollator
-
-    session, examples, heldout = _open(cfg, "prm")
-    run, accelerator = _start_run(cfg, session, resume, overwrite), session.accelerator
-    model = _scalar_model(cfg, session)
-    collate = PRMCollator(session.tokenizer.pad_token_id)
-    keeper = BestKeeper(
-        run.path / "best",
-        keep_existing=run.resume_checkpoint is not None,
-        main_process=accelerator.is_main_process,
-    )
-    counters = {"tokens": 0.0, "eval_seconds": 0.0}
-    objective = prm_objective(cfg, collate, heldout, keeper, accelerator.device, counters)
-    result, model = _fit(cfg, session, model, examples, objective, keeper, bool(heldout), counters)
-    final_eval = (
-        evaluate_prm(model, collate, heldout, scoring_batch_size(cfg), accelerator.device) if heldout else {}
-    )
-    summary = _summary(
-        cfg,
-        "prm",
-        "solutions",
-        result,
-        len(examples),
-        len(heldout or []),
-        keeper,
-        final_eval,
-        counters,
-        accelerator,
-    )
-    _finish(session, model, summary)
-    return summary

@@ -1,0 +1,24 @@
+"""`rlhfkit quickstart --task arithmetic` runs every stage at the smoke preset and reports each policy."""
+
+import json
+
+from rlhfkit.cli import main
+
+
+def test_quickstart_arithmetic_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    out = tmp_path / "qs"
+    assert main(["quickstart", "--task", "arithmetic", "--preset", "smoke", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["policies"]) == {"sft", "grpo", "ppo", "ppo_prm"}
+    for figures in summary["policies"].values():
+        assert all(0.0 <= figures[k] <= 1.0 for k in ("exact_match", "step_accuracy", "valid_rate"))
+    assert not (out / "grpo" / "final_critic").exists() and (out / "ppo" / "final_critic").exists()
+    ppo_prm = [json.loads(line) for line in (out / "ppo_prm" / "metrics.jsonl").read_text().splitlines()]
+    assert any("score/process_mean" in row for row in ppo_prm)
+    assert "exact match" in (out / "report.md").read_text()
+
+
+def test_quickstart_refuses_a_preset_the_task_has_not(tmp_path, capsys):
+    code = main(["quickstart", "--task", "arithmetic", "--preset", "small", "--out", str(tmp_path / "q")])
+    assert code == 2 and "arithmetic" in capsys.readouterr().err
