@@ -1,5 +1,5 @@
 """`python -m rlhfkit ...` is the `rlhfkit` command."""
 
-from rlhfkit.cli import main
+from rlhfkit.cli import console
 
-raise SystemExit(main())
+console()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -426,5 +427,29 @@ def resolve(target: str) -> Callable:
     return getattr(importlib.import_module(module_name), attr)
 
 
+def console() -> None:
+    """The ``rlhfkit`` program (also ``python -m rlhfkit`` and ``python -m rlhfkit.cli``): :func:`main`, then exit.
+
+    A process of a multi-process launch (``WORLD_SIZE`` > 1: torchrun, accelerate) ends with ``os._exit``
+    once :func:`main` has returned, that is after it left the process group and every run file was closed,
+    and after stdout and stderr are flushed. Without it the interpreter's own finalisation may destroy gloo's
+    process group while its worker threads are still joinable, and the process aborts in C++ ("terminate
+    called without an active exception", SIGABRT) after the run has finished: seen in 2 of 25 two-process
+    `train prm` launches here (pytorch/pytorch#96017: destroy_process_group drops only c10d's references),
+    and torchrun then reports the finished run as failed. ``os._exit`` skips that finalisation (and atexit
+    hooks: rlhfkit closes what it opened before :func:`main` returns, W&B included). One process exits as
+    usual. In-process callers use :func:`main`, which never exits.
+    """
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

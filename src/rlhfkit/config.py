@@ -211,6 +211,13 @@ class TrainConfig:
     keep_last_checkpoints: int | None = option(
         None, "Keep only the newest N complete checkpoints; none = keep all.", gt=0
     )
+    sharding: Literal["none", "full_shard", "shard_grad_op"] = option(
+        "none",
+        "sft/reward/prm under several processes: shard the trained model over them with FSDP2 "
+        "(full_shard: parameters, gradients and optimizer state; shard_grad_op: gradients and optimizer "
+        "state, parameters kept whole between forward and backward). none = each process holds the whole "
+        "model (data parallel). An accelerate FSDP config sets it too.",
+    )
     skip_nonfinite_steps: int = option(
         0,
         "A step whose loss, gradient norm, rewards or values are not finite stops the run (exit 3); skip up "
@@ -682,6 +689,13 @@ def _validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
             "data.max_prompt_length",
             f"must be below data.max_length ({run.data.max_length}) to leave room "
             f"for a response, got {run.data.max_prompt_length}",
+        )
+    if kind not in ("sft", "reward", "prm") and t.sharding != "none":
+        fail(
+            "train.sharding",
+            f"{t.sharding} is not supported by `train {kind}` yet (sft, reward and prm only); "
+            "use train.sharding=none (data parallel: each process holds the whole model) with LoRA "
+            "(model.lora_rank) to fit a larger policy",
         )
     if kind == "dpo" and run.dpo.loss == "ipo" and run.dpo.label_smoothing:
         fail("dpo.label_smoothing", "applies to the sigmoid loss only; set it to 0 with dpo.loss=ipo")

@@ -1,12 +1,14 @@
 """Repeat two-process runs of every trainer and count the clean ends (exit 0, no abort, one log line each).
 
-    python -m tests.distributed.repeat_exit --runs 20 [--trainers sft reward prm ppo] [--work DIR]
+    python -m tests.distributed.repeat_exit --runs 20 [--trainers sft sft-fsdp reward prm ppo grpo rloo] [--work DIR]
 
 Each run is ``torchrun --standalone --nproc_per_node 2 -m rlhfkit.cli train KIND ... --overwrite`` on a tiny
-problem (one optimizer step or rollout, a checkpoint, ``final/``). A run is clean when torchrun exits 0,
+problem (one optimizer step or rollout, a checkpoint, ``final/``); ``sft-fsdp`` is SFT with
+``train.sharding=full_shard`` (FSDP2: sharded checkpoint, gathered ``final/``). A run is clean when torchrun exits 0,
 neither process printed "terminate called" (the C++ abort of a process group left behind), and the run
 folder holds one metrics line. Too slow for the suite (a launch costs seconds); run it after changing how
 processes start or end. Prints one line per run and a count per trainer; exits 1 unless every run was clean.
+The whole stderr of a run that was not clean is kept as ``WORK/not-clean-KIND-I.stderr``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from tests.distributed.test_data_parallel import torchrun, write_problems
 def arguments(kind: str, problems: Path, out: Path) -> list[str]:
     config = out.parent / f"{out.name}.yaml"
     config.write_text("seed: 0\nlogging:\n  progress_bar: false\n")
+    if kind == "sft-fsdp":
+        return [*arguments("sft", problems, out), "train.sharding=full_shard"]
     common = [
         "train",
         kind,
@@ -34,7 +38,7 @@ def arguments(kind: str, problems: Path, out: Path) -> list[str]:
         "train.batch_size=4",
         "data.max_prompt_length=16",
     ]
-    if kind == "ppo":
+    if kind in ("ppo", "grpo", "rloo"):
         data = problems / "online"
         return [
             *common,
@@ -57,7 +61,9 @@ def arguments(kind: str, problems: Path, out: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--trainers", nargs="+", default=["sft", "reward", "prm", "ppo"])
+    parser.add_argument(
+        "--trainers", nargs="+", default=["sft", "sft-fsdp", "reward", "prm", "ppo", "grpo", "rloo"]
+    )
     parser.add_argument("--work", type=Path, default=Path("runs/repeat-exit"))
     args = parser.parse_args(argv)
     problems = args.work / "problems"
@@ -74,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             lines = len(read_metrics(out / "metrics.jsonl")) if (out / "metrics.jsonl").exists() else 0
             ok = proc.returncode == 0 and not aborted and lines == 1
             clean[kind] += ok
+            if not ok:  # the whole stderr of both processes, for the cause (the line below shows its end)
+                (args.work / f"not-clean-{kind}-{i}.stderr").write_text(proc.stderr)
             print(
                 f"{kind} run {i}: exit {proc.returncode}, abort {aborted}, metrics lines {lines}, "
                 f"{time.perf_counter() - start:.1f} s"

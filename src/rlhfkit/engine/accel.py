@@ -14,8 +14,9 @@ Launching several processes (each one a full copy of every model: data parallel,
 
 (``accelerate launch --cpu --num_processes 2`` starts ONE process; on CPU use torchrun.) Every run says
 at start how many processes it has (:func:`world_info`, also in ``config.yaml``'s run line). Sharded
-training (FSDP, DeepSpeed) is refused at start-up (:func:`check_supported`); the accelerate presets for it
-in ``examples/accelerate/`` wait for the engine's sharded checkpoints.
+training: FSDP2 for sft / reward / prm (``train.sharding``, or an accelerate FSDP config:
+:mod:`rlhfkit.engine.sharded`, which shards the model itself, so accelerate is kept from wrapping it);
+FSDP for the online trainers, DeepSpeed and Megatron-LM are refused at start-up (:func:`check_supported`).
 """
 
 from __future__ import annotations
@@ -37,43 +38,60 @@ SHARDED_LAUNCH_ENV = {
 plain data parallelism without a word; rlhfkit refuses it everywhere, so a launch trains as it says)."""
 
 
-def make_accelerator(cpu: bool | None = None):
+def make_accelerator(cpu: bool | None = None, sharding: bool = False):
     """An Accelerator with no mixed-precision wrapping (the dtype is chosen when the weights are loaded:
-    :func:`rlhfkit.models.resolve_dtype`); refuses a launch rlhfkit cannot train under."""
+    :func:`rlhfkit.models.resolve_dtype`); refuses a launch rlhfkit cannot train under.
+
+    ``sharding``: the caller shards its model itself under an accelerate FSDP config
+    (:mod:`rlhfkit.engine.sharded`); the Accelerator is then built as for data parallelism, so that it
+    neither wraps the model nor, on CPU, silently ignores the config.
+    """
     from accelerate import Accelerator
 
-    check_supported()
+    check_supported(sharding=sharding)
     if cpu is None:
         cpu = not torch.cuda.is_available()
-    accelerator = Accelerator(cpu=cpu, mixed_precision="no", step_scheduler_with_optimizer=False)
-    check_supported(accelerator)
+    hidden = os.environ.pop("ACCELERATE_USE_FSDP", None) if sharding else None
+    if hidden is not None:
+        # transformers would then load the weights on the first process only and leave the others' for
+        # accelerate's FSDP wrapper to broadcast, which is not used here: every process loads them.
+        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
+    try:
+        accelerator = Accelerator(cpu=cpu, mixed_precision="no", step_scheduler_with_optimizer=False)
+    finally:
+        if hidden is not None:
+            os.environ["ACCELERATE_USE_FSDP"] = hidden
+    check_supported(accelerator, sharding=sharding)
     return accelerator
 
 
-def check_supported(accelerator=None) -> None:
-    """ConfigError for a launch whose model wrapping rlhfkit's checkpoints and losses do not handle yet.
+def check_supported(accelerator=None, sharding: bool = False) -> None:
+    """ConfigError for a launch whose model wrapping rlhfkit's checkpoints and losses do not handle.
 
-    Under FSDP or DeepSpeed every process holds a shard of each model; rlhfkit's checkpoints, ``final/``
-    and the online loop's unwrapped forwards need whole models, so such a launch would fail late or save a
-    shard. It is refused before any model is loaded (from the launcher's environment, and from what
-    ``accelerator`` ended up with), naming what works instead.
+    Under FSDP or DeepSpeed every process holds a shard of each model. FSDP is handled by the offline
+    trainers (``sharding=True``: :mod:`rlhfkit.engine.sharded`); the online loop's unwrapped forwards need
+    whole models, and DeepSpeed's engine wraps the optimizer and checkpoints in its own format, so those
+    launches would fail late or save a shard. They are refused before any model is loaded (from the
+    launcher's environment, and from what ``accelerator`` ended up with), naming what works instead.
     """
     asked = [
         name
         for var, name in SHARDED_LAUNCH_ENV.items()
         if os.environ.get(var, "").strip().lower() in ("1", "true", "yes")
+        and not (sharding and name == "FSDP")
     ]
     if accelerator is not None:
         kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
         if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
             asked.append(kind)
     if asked:
+        where = "sft, reward and prm only" if asked[0] == "FSDP" else "FSDP for sft, reward and prm only"
         raise ConfigError(
-            f"this launch asks for sharded training ({asked[0]}), which rlhfkit does not support yet "
-            "(its checkpoints and final/ need whole models); launch plain data parallelism instead: "
-            "torchrun --nproc_per_node N -m rlhfkit.cli ..., or accelerate launch --multi_gpu "
-            "--num_processes N -m rlhfkit.cli ... (each process holds the whole model), or use LoRA "
-            "(model.lora_rank) to fit a larger model"
+            f"this launch asks for sharded training ({asked[0]}), which rlhfkit does not support here "
+            f"({where}: examples/accelerate/fsdp_full_shard.yaml or train.sharding=full_shard); launch "
+            "plain data parallelism instead: torchrun --nproc_per_node N -m rlhfkit.cli ..., or accelerate "
+            "launch --multi_gpu --num_processes N -m rlhfkit.cli ... (each process holds the whole model), "
+            "or use LoRA (model.lora_rank) to fit a larger model"
         )
 
 
@@ -123,7 +141,8 @@ def announce(info: dict[str, Any], kind: str) -> None:
     print(
         f"rlhfkit: {kind} on {n} process{'es' if n > 1 else ''} ({info['launcher']}"
         f"{', ' + info['backend'] if info['backend'] else ''}, {info['device']}), "
-        f"{info['threads_per_process']} torch thread{'s' if info['threads_per_process'] > 1 else ''} each",
+        f"{info['threads_per_process']} torch thread{'s' if info['threads_per_process'] > 1 else ''} each"
+        + (f", model sharded ({info['sharding']}, FSDP2)" if info.get("sharding", "none") != "none" else ""),
         file=sys.stderr,
         flush=True,
     )

@@ -26,8 +26,8 @@ Python objects outside that set (a lambda's closure in a scheduler, a custom cla
 message naming their place, rather than pickled.
 
 One process writes: under data parallelism, call :func:`save_checkpoint` on the main process only (the
-other processes' RNG streams are not captured yet). Sharded training (FSDP, DeepSpeed) is refused at start-up
-(:func:`rlhfkit.engine.accel.check_supported`).
+other processes' RNG streams are not captured yet). A sharded (FSDP2) run writes its model and optimizer
+shards beside this folder and the rest through :func:`save_checkpoint` (:mod:`rlhfkit.engine.sharded`).
 """
 
 from __future__ import annotations

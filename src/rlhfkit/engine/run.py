@@ -207,8 +207,9 @@ def open_run(cfg: RunConfig, accelerator, resume: bool = False, overwrite: bool 
     run line: processes, launcher, threads) and says on stderr how many processes train; every other
     process waits for that before it looks at the folder."""
     from rlhfkit.engine.accel import announce, world_info
+    from rlhfkit.engine.sharded import sharding_mode
 
-    info = world_info(accelerator)
+    info = {**world_info(accelerator), "sharding": sharding_mode(cfg)}
     main = accelerator.is_main_process
     if main:
         announce(info, cfg.kind)

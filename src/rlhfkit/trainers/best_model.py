@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rlhfkit.engine import sharded
 from rlhfkit.engine.atomic import atomic_write, atomic_write_text
 
 
@@ -48,12 +49,18 @@ class BestKeeper:
         if not self.better(metrics, None if self.best is None else self.best["eval"]):
             return False
         self.best = {"step": step, "eval": metrics, "extra": extra}
+        # a sharded model's whole weights: gathered by every process (a collective), written by the main one
+        whole = sharded.full_state_dict(model) if sharded.is_sharded(model) else None
         if self.main_process:
-            from safetensors.torch import save_model
+            from safetensors.torch import save_file, save_model
 
             self.folder.mkdir(parents=True, exist_ok=True)
             (self.folder / "best.json").unlink(missing_ok=True)
-            atomic_write(self.folder / "model.safetensors", lambda tmp: save_model(model, str(tmp)))
+            if whole is None:
+                atomic_write(self.folder / "model.safetensors", lambda tmp: save_model(model, str(tmp)))
+            else:
+                cpu = {k: v.detach().cpu().contiguous() for k, v in whole.items()}
+                atomic_write(self.folder / "model.safetensors", lambda tmp: save_file(cpu, str(tmp)))
             atomic_write_text(self.folder / "best.json", json.dumps(self.best, indent=2, allow_nan=True))
         return True
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import all_sum, dp_scale
 from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
 from rlhfkit.engine.folder import logged_at
@@ -143,7 +144,8 @@ def train_offline(
         accelerator: an ``accelerate.Accelerator``.
         on_save: called after every checkpoint (e.g. to keep the best model).
     Returns:
-        ``{"step": the last step trained (below max_steps after an early stop), "loss", "eval": last
+        ``{"model": the trained model (a sharded one gathered whole on every process: use it, not
+        ``model``, afterwards), "step": the last step trained (below max_steps after an early stop), "loss", "eval": last
         evaluation metrics, "wall_seconds", "examples_per_second"}``.
     """
     t = cfg.train
@@ -156,11 +158,17 @@ def train_offline(
         )
     local_batch = t.batch_size // world
     micro = t.micro_batch_size or local_batch
+    sharding = sharded.sharding_mode(cfg)
+    if sharding != "none":  # FSDP2: each process holds a shard (rlhfkit.engine.sharded)
+        model = sharded.shard_model(model, sharding)
     optimizer, scheduler = optimizer_and_scheduler(model, t)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if sharding == "none":
+        model, optimizer = accelerator.prepare(model, optimizer)
 
     state: dict[str, Any] = {"step": 0}
-    if run.resume_checkpoint is not None:
+    if run.resume_checkpoint is not None and sharding != "none":
+        state = sharded.load_checkpoint(run.resume_checkpoint, model, optimizer, scheduler)
+    elif run.resume_checkpoint is not None:
         state = load_checkpoint(
             run.resume_checkpoint,
             {"model": accelerator.unwrap_model(model)},
@@ -187,7 +195,8 @@ def train_offline(
         for k, chunk in enumerate(chunks):
             inputs = {name: v.to(accelerator.device) for name, v in objective.collate(list(chunk)).items()}
             # No gradient all-reduce until the last micro-batch of the step.
-            sync = accelerator.no_sync(model) if k < len(chunks) - 1 and world > 1 else nullcontext()
+            last = k == len(chunks) - 1 or world == 1 or sharding != "none"
+            sync = nullcontext() if last else accelerator.no_sync(model)
             with sync:
                 loss, stats = objective.loss(model, inputs, norm)
                 accelerator.backward(loss * dp_scale(accelerator))
@@ -195,7 +204,9 @@ def train_offline(
             for name, value in stats.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
         grad_norm = None
-        if t.max_grad_norm is not None:
+        if t.max_grad_norm is not None and sharding != "none":
+            grad_norm = sharded.clip_grad_norm(model, t.max_grad_norm)
+        elif t.max_grad_norm is not None:
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm))
         lr = optimizer.param_groups[0]["lr"]
         # A non-finite loss or gradient norm stops the run here (or skips the step), on every process.
@@ -229,7 +240,21 @@ def train_offline(
             stop = objective.should_stop is not None and bool(objective.should_stop(step))
         if step % t.log_steps == 0 or step == t.max_steps or "eval/loss" in metrics:
             run.metrics.log(step, metrics)
-        if step % t.save_steps == 0 or step == t.max_steps or stop or guard.stop_signal:
+        save = step % t.save_steps == 0 or step == t.max_steps or stop or guard.stop_signal
+        if save and sharding != "none":  # every process writes its shards
+            sharded.save_checkpoint(
+                run.checkpoints_dir,
+                step,
+                model,
+                optimizer,
+                scheduler,
+                {"last_eval": last_eval, "guard": guard.state_dict()},
+                main_process=accelerator.is_main_process,
+                keep_last=t.keep_last_checkpoints,
+            )
+            if on_save is not None:
+                on_save(step)
+        elif save:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 save_checkpoint(
@@ -249,6 +274,7 @@ def train_offline(
             break
     elapsed = time.perf_counter() - start_time
     return {
+        "model": sharded.unshard(model) if sharding != "none" else model,
         "step": last_step,
         "loss": loss_value,
         "eval": last_eval,

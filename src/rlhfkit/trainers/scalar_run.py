@@ -51,7 +51,7 @@ def open_session(cfg, kind: str) -> tuple[ScalarSession, Examples, Examples | No
     """Processes, tokenizer and all data of the run (bad data stops here, before the run folder is written)."""
     check_config(cfg)
     seed_everything(cfg.seed)
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(sharding=True)
     tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
     examples, heldout = prepare_run_data(cfg.data, kind, tokenizer, limits, accelerator)
@@ -94,7 +94,7 @@ def fit_keeping_best(
             run.metrics.log(0, {f"eval/{k}": v for k, v in objective.evaluate(model, 0).items()})
         counters["eval_seconds"] = 0.0  # before the loop's clock starts
     result = train_offline(cfg, run, model, examples, objective, accelerator)
-    model = accelerator.unwrap_model(model)
+    model = accelerator.unwrap_model(result["model"])  # whole again after sharded training
     model.eval()
     accelerator.wait_for_everyone()
     if heldout and cfg.reward.keep_best and keeper.best is not None:

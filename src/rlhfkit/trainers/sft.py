@@ -98,7 +98,7 @@ def count_completion_tokens(examples: list[dict]) -> float:
 def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run SFT as configured; write ``final/`` and ``summary.json``; return the summary."""
     seed_everything(cfg.seed)
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(sharding=True)
 
     # Load and validate all data before any model is built or the run folder written: bad input stops here,
     # with file/line/field, and leaves nothing to --overwrite.
@@ -125,6 +125,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
         router_aux_coef(model, cfg.model.router_aux_loss_coef),
     )
     result = train_offline(cfg, run, model, examples, objective, accelerator)
+    model = result["model"]  # whole again after sharded training
 
     summary = {
         "kind": "sft",

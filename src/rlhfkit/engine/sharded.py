@@ -1,0 +1,337 @@
+"""Sharded training with FSDP2 (``torch.distributed.fsdp.fully_shard``) for the offline trainers.
+
+With ``train.sharding`` = ``full_shard`` (or an accelerate FSDP config: :func:`sharding_mode`) each of the W
+processes holds 1/W of every parameter, gradient and optimizer moment of the trained model; each decoder
+layer (the model's ``_no_split_modules``) and then the whole model are one FSDP unit (Zhao et al. 2023,
+"PyTorch FSDP"). ``full_shard`` frees a layer's gathered parameters after its forward (ZeRO-3 like);
+``shard_grad_op`` keeps them until the backward (ZeRO-2 like: more memory, one all-gather fewer). The loss
+arithmetic is the data-parallel one: FSDP's reduce-scatter averages gradients over processes as DDP does, so
+:func:`rlhfkit.engine.accel.dp_scale` applies unchanged and W sharded processes compute what one process
+computes on the same global batch.
+
+Checkpoints. A sharded run's ``checkpoints/step-N/`` is an ordinary engine checkpoint (scheduler, RNG,
+trainer state, the ``COMPLETE`` marker) without model or optimizer files; those are in
+``checkpoints/step-N.sharded/``, written by every process with ``torch.distributed.checkpoint`` (DCP) before
+the marker of ``step-N`` is: the marker's trainer state lists the shard files and their sizes, so a step is
+complete only when both are. Only tensors go to DCP (weights, Adam moments and step counts); the optimizer's
+hyper-parameters are JSON. DCP writes its index (``.metadata``) with pickle: it is read back here with
+torch's weights-only unpickler and an allow-list of DCP's own record classes, and any non-tensor item is
+refused, so loading runs no arbitrary code. DCP re-shards on load, so a checkpoint of W processes resumes
+under another W.
+
+At the end of training every process gathers the full weights into a plain (unsharded) copy of the model
+(:func:`unshard`): evaluation, ``final/`` (a plain Hugging Face folder with safetensors, written by the main
+process) and the reward model's normalisation then run as they do without sharding. This briefly needs one
+whole model per process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhfkit.engine.checkpoint import load_checkpoint as load_engine_checkpoint
+from rlhfkit.engine.checkpoint import save_checkpoint as save_engine_checkpoint
+from rlhfkit.errors import CheckpointError, ConfigError
+
+MODES = ("none", "full_shard", "shard_grad_op")
+SUFFIX = ".sharded"
+_PLAIN_CLASS = "_rlhfkit_plain_class"
+
+
+def launch_sharding(env: dict[str, str] | None = None) -> str:
+    """The sharding an ``accelerate launch`` FSDP config asks for (``none`` without one).
+
+    accelerate passes its config as environment variables: ``ACCELERATE_USE_FSDP`` and either
+    ``FSDP_RESHARD_AFTER_FORWARD`` (FSDP2 configs) or ``FSDP_SHARDING_STRATEGY`` (FSDP1 configs).
+    """
+    env = os.environ if env is None else env
+    if env.get("ACCELERATE_USE_FSDP", "").strip().lower() not in ("1", "true", "yes"):
+        return "none"
+    strategy = env.get("FSDP_SHARDING_STRATEGY", "").strip().upper()
+    reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "").strip().upper()
+    if strategy in ("SHARD_GRAD_OP", "2") or reshard in ("FALSE", "SHARD_GRAD_OP"):
+        return "shard_grad_op"
+    if strategy in ("NO_SHARD", "3"):
+        return "none"
+    return "full_shard"
+
+
+def sharding_mode(cfg) -> str:
+    """``train.sharding``, or when that is ``none`` the launcher's FSDP config (:func:`launch_sharding`)."""
+    configured = getattr(cfg.train, "sharding", "none")
+    return configured if configured != "none" else launch_sharding()
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """Shard ``model`` in place over the process group (each decoder layer, then the root) and return it.
+
+    Raises:
+        ConfigError: no process group (a plain ``python`` start), or a LoRA model (already small to train:
+            its frozen base is not sharded; use data parallelism).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if mode not in MODES[1:]:
+        raise ConfigError(f"train.sharding: expected one of {', '.join(MODES)}, got {mode!r}")
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ConfigError(
+            f"train.sharding={mode} shards the model over processes, but this run has no process group; "
+            "start it with torchrun --nproc_per_node N -m rlhfkit.cli ... (or accelerate launch)"
+        )
+    if hasattr(model, "peft_config"):
+        raise ConfigError(
+            f"train.sharding={mode} with model.lora_rank: a LoRA run trains only its adapters; run it with "
+            "train.sharding=none (data parallel), which already keeps the frozen base out of the optimizer"
+        )
+    layer_names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+    if not layers:
+        raise ConfigError(
+            f"train.sharding={mode}: {type(model).__name__} names no decoder layer class "
+            "(_no_split_modules) to shard by; use train.sharding=none"
+        )
+    plain_class = type(model)
+    reshard = mode == "full_shard"
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    setattr(model, _PLAIN_CLASS, plain_class)
+    return model
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm of a sharded model (every process's shards together); the norm before."""
+    from torch.distributed.tensor import DTensor
+
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return float(total.full_tensor() if isinstance(total, DTensor) else total)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights of a sharded model, on every process (a collective: every process must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def unshard(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain copy of a sharded model with its whole weights, on every process (a collective)."""
+    # each weight in its own storage: a gathered one can be a view of a larger buffer, which safetensors
+    # refuses to save (copied only then, so that the whole model is not held twice)
+    full = {
+        name: t.detach()
+        if t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        else t.detach().clone()
+        for name, t in full_state_dict(model).items()
+    }
+    plain_class = getattr(model, _PLAIN_CLASS)
+    with torch.device("meta"):
+        plain = plain_class(model.config)
+    plain.load_state_dict(full, strict=True, assign=True)
+    buffers = dict(model.named_buffers())
+    for name, buffer in list(plain.named_buffers()):  # not in the state dict: rotary frequencies, ...
+        if buffer.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            plain.get_submodule(owner)._buffers[leaf] = buffers[name]
+    if getattr(model.config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    left = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"unshard: no value for {left[:3]}")
+    if getattr(model, "generation_config", None) is not None:
+        plain.generation_config = model.generation_config
+    trained = {name: p.requires_grad for name, p in model.named_parameters()}
+    for name, p in plain.named_parameters():
+        p.requires_grad_(trained.get(name, True))
+    plain.train(model.training)
+    return plain
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints: DCP for the shards, the engine's checkpoint for the rest
+
+
+def _tensors_only(obj: Any, where: str) -> None:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            _tensors_only(value, f"{where}.{key}")
+    elif not isinstance(obj, torch.Tensor):
+        raise TypeError(f"sharded checkpoint: {where} is a {type(obj).__name__}, not a tensor")
+
+
+def _dcp_state(model, optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the tensors of model and optimizer, sharded; the optimizer's param_groups, plain data)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    optim = get_optimizer_state_dict(model, optimizer)  # materialises the moments before a first step
+    state = {"model": get_model_state_dict(model), "optim": optim["state"]}
+    _tensors_only(state, "state")
+    return state, optim["param_groups"]
+
+
+def shard_folder(step_dir: str | Path) -> Path:
+    step_dir = Path(step_dir)
+    return step_dir.with_name(step_dir.name + SUFFIX)
+
+
+def save_checkpoint(
+    checkpoints_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer,
+    scheduler,
+    trainer_state: dict[str, Any],
+    *,
+    main_process: bool,
+    keep_last: int | None = None,
+) -> None:
+    """Write ``step-N.sharded/`` (every process: its shards) then ``step-N/`` (the main process). A collective."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(checkpoints_dir)
+    shards = shard_folder(root / f"step-{step}")
+    if main_process and shards.exists():  # an attempt at this step that never got its marker
+        shutil.rmtree(shards)
+    torch.distributed.barrier()
+    state, groups = _dcp_state(model, optimizer)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(shards)))
+    torch.distributed.barrier()
+    if main_process:
+        files = {p.name: p.stat().st_size for p in sorted(shards.iterdir()) if p.is_file()}
+        info = {
+            "folder": shards.name,
+            "files": files,
+            "world_size": torch.distributed.get_world_size(),
+            "param_groups": groups,
+        }
+        save_engine_checkpoint(
+            root,
+            step,
+            {},
+            {},
+            {"model": scheduler},
+            {**trainer_state, "sharded": info},
+            keep_last=keep_last,
+        )
+        kept = {p.name for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(SUFFIX)}
+        for folder in root.glob(f"step-*{SUFFIX}"):  # the shards of deleted (or never completed) steps
+            if folder.name[: -len(SUFFIX)] not in kept:
+                shutil.rmtree(folder, ignore_errors=True)
+    torch.distributed.barrier()
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:
+    """Restore a sharded checkpoint (written under any number of processes) into a sharded model. A collective.
+
+    Raises:
+        CheckpointError: ``path`` is not a sharded checkpoint, or its shards are missing or changed.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    path = Path(path)
+    try:
+        state = load_engine_checkpoint(path, {}, {}, {"model": scheduler})
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"{e}; a run with train.sharding resumes only checkpoints of a sharded run "
+            "(resume this one with train.sharding=none)"
+        ) from None
+    info = state.pop("sharded", None)
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: not a sharded checkpoint; resume it with train.sharding=none")
+    shards = path.with_name(info["folder"])
+    for name, size in info["files"].items():
+        if not (shards / name).is_file() or (shards / name).stat().st_size != size:
+            raise CheckpointError(f"{shards / name}: missing or not the size the marker of {path} records")
+    target, _ = _dcp_state(model, optimizer)
+    reader, planner = safe_reader_and_planner(shards)
+    dcp.load(target, storage_reader=reader, planner=planner)
+    set_model_state_dict(model, target["model"])
+    set_optimizer_state_dict(
+        model, optimizer, {"state": target["optim"], "param_groups": info["param_groups"]}
+    )
+    return state
+
+
+_ALLOWED_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+"""What DCP's index may name: its own record classes, torch sizes, dtypes and layouts, paths."""
+
+
+def read_metadata(folder: str | Path):
+    """DCP's index of ``folder``, unpickled with weights-only semantics: any global outside
+    :data:`_ALLOWED_GLOBALS` (and torch dtypes) is refused before it is called, so no arbitrary code runs
+    (the restricted ``find_class`` of the Python documentation, "Restricting Globals")."""
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if name in _ALLOWED_GLOBALS.get(module, ()):
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
+
+    with open(Path(folder) / ".metadata", "rb") as f:
+        try:
+            return Restricted(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+            raise CheckpointError(
+                f"{folder}/.metadata: refused by the weights-only reader: {str(e).splitlines()[0]}"
+            ) from None
+
+
+def safe_reader_and_planner(folder: str | Path):
+    """DCP's file reader with its index read by :func:`read_metadata` instead of ``pickle.load``, and DCP's
+    load planner refusing any non-tensor item (which DCP would ``torch.load`` without restriction)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    reader_class, planner_class = FileSystemReader, DefaultLoadPlanner
+
+    class SafeReader(reader_class):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            if kwargs.get("rank") is not None:
+                raise CheckpointError(f"{self.path}: per-rank DCP metadata is not used by rlhfkit")
+            metadata = read_metadata(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class TensorsOnlyPlanner(planner_class):
+        def load_bytes(self, read_item, value) -> None:
+            raise CheckpointError(
+                f"sharded checkpoint: item {read_item.dest_index.fqn!r} is not a tensor; rlhfkit stores "
+                "only tensors there and does not unpickle anything else"
+            )
+
+    return SafeReader(str(folder)), TensorsOnlyPlanner()

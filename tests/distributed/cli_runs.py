@@ -1,0 +1,44 @@
+"""Several ``rlhfkit`` command lines in one launch: one process group for all of them, left at the end.
+
+    torchrun --standalone --nproc_per_node 2 -m tests.distributed.cli_runs PLAN.json
+
+``PLAN.json``: ``{"float64": true|false, "runs": [[argv...], ...]}``. With ``float64``, ``model.dtype=float32``
+loads float64 weights (the config offers no float64: a test-only switch), so that comparisons between
+process counts are exact up to summation order. Stops at the first command that fails (exit code as its).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import rlhfkit.cli as cli
+from rlhfkit.engine.accel import end_processes
+from rlhfkit.models import loading
+
+
+def float64_models() -> None:
+    loading.DTYPES["float32"] = torch.float64
+
+
+def run_all(runs: list[list[str]], float64: bool = False) -> int:
+    if float64:
+        float64_models()
+    cli._leave_process_group = lambda wait: None  # one group for all the runs of this launch
+    try:
+        for argv in runs:
+            code = cli.main(argv)
+            if code:
+                print(f"cli_runs: {' '.join(argv)} exited {code}", file=sys.stderr)
+                return code
+    finally:
+        end_processes()
+    return 0
+
+
+if __name__ == "__main__":
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    sys.exit(run_all(plan["runs"], plan.get("float64", False)))
