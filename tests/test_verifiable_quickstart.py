@@ -10,12 +10,16 @@ def test_quickstart_arithmetic_smoke(tmp_path, monkeypatch, capsys):
     out = tmp_path / "qs"
     assert main(["quickstart", "--task", "arithmetic", "--preset", "smoke", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["policies"]) == {"sft", "grpo", "ppo", "ppo_prm"}
+    assert set(summary["policies"]) == {"sft", "grpo", "ppo", "ppo_prm", "ppo_orm"}
     for figures in summary["policies"].values():
         assert all(0.0 <= figures[k] <= 1.0 for k in ("exact_match", "step_accuracy", "valid_rate"))
     assert not (out / "grpo" / "final_critic").exists() and (out / "ppo" / "final_critic").exists()
     ppo_prm = [json.loads(line) for line in (out / "ppo_prm" / "metrics.jsonl").read_text().splitlines()]
     assert any("score/process_mean" in row for row in ppo_prm)
+    orm_config = (out / "ppo_orm" / "config.yaml").read_text()  # the ORM alone scores, the critic from SFT
+    assert str(out / "orm" / "final") in orm_config and "reward_functions: []" in orm_config
+    assert (out / "ppo_orm" / "final_critic").exists() and 0.0 <= summary["orm"]["heldout_accuracy"] <= 1.0
+    assert (out / "task" / "orm_train.jsonl").exists() and "ORM held-out" in (out / "report.md").read_text()
     assert "exact match" in (out / "report.md").read_text()
 
 

@@ -21,8 +21,8 @@ Writes ``OUT/rows.csv`` (one row per seed, run, rollout and temperature), ``OUT/
 standard deviations over seeds), ``OUT/table.md`` and ``OUT/temperature.png``. Every seed's stages live in
 ``OUT/seed-N/``; a finished stage is reused (``--overwrite`` reruns them)::
 
-    RLHFKIT_NUM_THREADS=1 python examples/experiments/temperature.py --out runs/temperature
-    python examples/experiments/temperature.py --out runs/temperature --jobs 2   # two seeds at a time
+    python examples/experiments/temperature.py --out runs/temperature             # 3 seeds, two at a time
+    python examples/experiments/temperature.py --out runs/temperature --jobs 1    # one seed after another
     python examples/experiments/temperature.py --out runs/temperature --report-only
 """
 
@@ -347,7 +347,12 @@ def parse_args(argv=None):
     for field, value in asdict(Sizes()).items():
         if field != "model":
             p.add_argument("--" + field.replace("_", "-"), type=type(value), help=f"default {value}")
-    p.add_argument("--jobs", type=int, default=1, help="seeds run at once, each in its own process")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="seeds run at once, each in its own one-thread process (default: 2, or 1 on a 1-core machine)",
+    )
     p.add_argument("--overwrite", action="store_true", help="rerun finished stages")
     p.add_argument("--report-only", action="store_true", help="only the table and plot from OUT")
     p.add_argument(

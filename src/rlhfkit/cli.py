@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("reviews", "arithmetic"),
         default="reviews",
         help="built-in task: reviews (SFT, reward model, PPO) or arithmetic (checkable answers: SFT, PRM, "
-        "GRPO on the exact-match reward, PPO with and without the PRM's step rewards) (default: %(default)s)",
+        "GRPO on the exact-match reward, PPO on it with and without the PRM's step rewards, PPO on an ORM) "
+        "(default: %(default)s)",
     )
     quick.add_argument("--overwrite", action="store_true", help="delete DIR's previous quickstart first")
     quick.add_argument(

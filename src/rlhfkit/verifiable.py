@@ -8,10 +8,14 @@ Stages, each in its own run folder under ``DIR``:
                corpus writer's solutions with every step labelled by the task's step checker;
 2. ``sft/``    supervised fine-tuning on the writer's solutions (which drop most carries);
 3. ``prm/``    the process reward model on the labelled steps (``rlhfkit train prm``);
+   ``orm/``    an outcome reward model (``rlhfkit train reward``, Bradley-Terry) on ``task/orm_*.jsonl``: per
+               prompt, the reference solution chosen over the writer's slipped one (a wrong answer);
 4. ``grpo/``   GRPO on the rule reward (exact match, ``rlhfkit.tasks.arithmetic:exact_match_reward``), no
                critic, groups of ``group_size`` samples at temperature 1;
 5. ``ppo/``    PPO (a critic, GAE) on the same rule reward;
    ``ppo_prm/`` the same PPO with the PRM's step rewards added (``online.process_reward_model``);
+   ``ppo_orm/`` the same PPO with the ORM's score as its only reward (no rule reward; the critic starts
+               from the SFT policy, as in the other PPO runs, so only the reward differs);
 6. evaluation  greedy exact match and step accuracy (the step checker's) on held-out prompts, per policy;
 7. report      ``summary.json`` and ``report.md`` with the comparison.
 
@@ -41,6 +45,9 @@ class VerifiablePreset:
     prm_steps: int
     prm_batch: int
     prm_lr: float
+    orm_steps: int
+    orm_batch: int
+    orm_lr: float
     rollouts: int
     prompts_per_rollout: int
     group_size: int
@@ -50,8 +57,8 @@ class VerifiablePreset:
 
 
 VERIFIABLE_PRESETS: dict[str, VerifiablePreset] = {
-    "tiny": VerifiablePreset("tiny", 1200, 64, 2e-3, 150, 64, 1e-3, 40, 8, 8, 3e-4, 40, 256),
-    "smoke": VerifiablePreset("tiny", 6, 8, 2e-3, 4, 8, 1e-3, 2, 2, 2, 3e-4, 12, 8),
+    "tiny": VerifiablePreset("tiny", 1200, 64, 2e-3, 150, 64, 1e-3, 100, 32, 1e-3, 40, 8, 8, 3e-4, 40, 256),
+    "smoke": VerifiablePreset("tiny", 6, 8, 2e-3, 4, 8, 1e-3, 4, 8, 1e-3, 2, 2, 2, 3e-4, 12, 8),
 }
 
 
@@ -68,8 +75,11 @@ def rl_overrides(
     seed: int,
     kind: str,
     prm: str | Path | None = None,
+    orm: str | Path | None = None,
 ) -> dict[str, Any]:
-    """The online settings of the grpo / rloo / ppo stages (``kind``); ``prm``: a PRM folder for PPO."""
+    """The online settings of the grpo / rloo / ppo stages (``kind``); ``prm``: a PRM folder for PPO;
+    ``orm``: an outcome reward model folder that replaces the rule reward (the critic still starts from
+    ``policy``)."""
     settings = {
         "seed": seed,
         "model.name_or_path": policy,
@@ -95,7 +105,39 @@ def rl_overrides(
         settings["train.batch_size"] = p.prompts_per_rollout * p.group_size
     if prm is not None:
         settings["online.process_reward_model"] = prm
+    if orm is not None:
+        settings.update(
+            {"online.reward_functions": "[]", "online.reward_model": orm, "online.critic_model": policy}
+        )
     return settings
+
+
+def train_orm(out: Path, sft_dir: str | Path, task, p: VerifiablePreset, seed: int, overwrite: bool = False):
+    """The outcome reward model: ``task.orm_pairs`` written to ``out/task/orm_{train,eval}.jsonl``, then
+    ``rlhfkit train reward`` from the SFT policy into ``out/orm``; returns the reward trainer's summary."""
+    from rlhfkit.tasks.files import write_jsonl
+    from rlhfkit.trainers import reward
+
+    files = {
+        split: write_jsonl(out / "task" / f"orm_{split}.jsonl", task.orm_pairs(n, split=split))
+        for split, n in (("train", p.orm_steps * p.orm_batch), ("eval", 256))
+    }
+    settings = {
+        "seed": seed,
+        "model.name_or_path": sft_dir,
+        "data.train_file": files["train"],
+        "data.eval_file": files["eval"],
+        "data.max_prompt_length": 16,
+        "data.max_length": 16 + p.response_length,
+        "train.max_steps": p.orm_steps,
+        "train.batch_size": p.orm_batch,
+        "train.learning_rate": p.orm_lr,
+        "train.lr_schedule": "cosine",
+        "train.save_steps": p.orm_steps,
+        "train.eval_steps": max(1, p.orm_steps // 2),
+        "train.log_steps": 50,
+    }
+    return reward.train(_config("reward", out / "orm", settings), overwrite=overwrite)
 
 
 def measure(
@@ -211,13 +253,26 @@ def quickstart_verifiable(
     prm_dir = out / "prm" / "final"
     seconds["prm"] = time.perf_counter() - t
 
-    runs = {"grpo": ("grpo", None), "ppo": ("ppo", None), "ppo_prm": ("ppo", prm_dir)}
-    for name, (kind, prm) in runs.items():
-        t = stage(
-            name,
-            f"{p.rollouts} rollouts on the exact-match reward" + (" + the PRM's step rewards" if prm else ""),
-        )
-        settings = rl_overrides(sft_dir, files["prompts_train"], p, seed, kind, prm)
+    t = stage("ORM", f"{p.orm_steps} steps of {p.orm_batch} pairs (a right solution over a wrong one)")
+    orm_summary = train_orm(out, sft_dir, task, p, seed, overwrite=overwrite)
+    orm_dir = out / "orm" / "final"
+    seconds["orm"] = time.perf_counter() - t
+
+    reward_of = {
+        "grpo": "the exact-match reward",
+        "ppo": "the exact-match reward",
+        "ppo_prm": "the exact-match reward + the PRM's step rewards",
+        "ppo_orm": "the ORM's score",
+    }
+    runs = {
+        "grpo": ("grpo", None, None),
+        "ppo": ("ppo", None, None),
+        "ppo_prm": ("ppo", prm_dir, None),
+        "ppo_orm": ("ppo", None, orm_dir),
+    }
+    for name, (kind, prm, orm) in runs.items():
+        t = stage(name, f"{p.rollouts} rollouts on {reward_of[name]}")
+        settings = rl_overrides(sft_dir, files["prompts_train"], p, seed, kind, prm, orm)
         online.train(_config(kind, out / name, settings), overwrite=overwrite)
         seconds[name] = time.perf_counter() - t
 
@@ -238,6 +293,7 @@ def quickstart_verifiable(
             for k in ("heldout_accuracy", "heldout_solution_accuracy")
             if k in prm_summary
         },
+        "orm": {"heldout_accuracy": orm_summary.get("heldout_accuracy")},
         "stage_seconds": seconds,
         "wall_seconds": time.perf_counter() - start,
     }
@@ -257,4 +313,12 @@ def format_verifiable(summary: dict[str, Any]) -> str:
         lines.append(
             f"  {name:<10} {f['exact_match']:>12.3f} {f['step_accuracy']:>14.3f} {f['valid_rate']:>7.3f}"
         )
-    return "\n".join(lines)
+    held = [
+        f"{label} {value:.3f}"
+        for label, value in (
+            ("PRM held-out step accuracy", summary.get("prm", {}).get("heldout_accuracy")),
+            ("ORM held-out pair accuracy", summary.get("orm", {}).get("heldout_accuracy")),
+        )
+        if value is not None
+    ]
+    return "\n".join(lines + ([f"  ({'; '.join(held)})"] if held else []))

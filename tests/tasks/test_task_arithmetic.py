@@ -96,6 +96,32 @@ def test_prm_records_are_labelled_by_the_step_checker():
     assert 0.2 * len(records) < wrong < 0.9 * len(records)  # both kinds, for the PRM to tell apart
 
 
+def test_orm_pairs_by_hand_chosen_right_rejected_the_writers_slip():
+    task = get_task("arithmetic")
+    task._splits = {"train": ["Compute 7+5-3.", "Compute 3+4-2.", "Compute 9+9-9+5."], "eval": [PROMPT]}
+    pairs = task.orm_pairs(60)
+    assert len(pairs) == 60 and all(set(r) == {"prompt", "chosen", "rejected"} for r in pairs)
+    by_prompt = {}
+    for r in pairs:
+        by_prompt.setdefault(r["prompt"], set()).add((r["chosen"], r["rejected"]))
+    assert by_prompt == {  # 3+4-2 carries nothing: the writer never gets it wrong, so it makes no pair
+        "Compute 7+5-3.": {(RIGHT, "7+5=2\n2-3=-1\nanswer=-1\n")},
+        "Compute 9+9-9+5.": {
+            ("9+9=18\n18-9=9\n9+5=14\nanswer=14\n", "9+9=8\n8-9=-1\n-1+5=4\nanswer=4\n"),
+            ("9+9=18\n18-9=9\n9+5=14\nanswer=14\n", "9+9=18\n18-9=9\n9+5=4\nanswer=4\n"),
+        },
+    }
+    full = get_task("arithmetic")
+    pairs = full.orm_pairs(200)
+    assert pairs == get_task("arithmetic").orm_pairs(200)
+    assert all(
+        A.is_correct(r["prompt"], r["chosen"]) and all(A.step_labels(r["prompt"], r["chosen"])) for r in pairs
+    )
+    assert not any(A.is_correct(r["prompt"], r["rejected"]) for r in pairs)
+    held = {r["prompt"] for r in full.orm_pairs(50, split="eval")}
+    assert held <= set(full.prompts("eval"))
+
+
 def test_tokenizer_writes_digits_one_token_each(tmp_path):
     task = get_task("arithmetic")
     tok = task.build_tokenizer(tmp_path / "tok")

@@ -22,7 +22,8 @@ Every running value stays between 0 and 19, so the problems need one carry at mo
   solution writes there (the right operands, the right result, continuing from the right value), so a
   slip and every line after it are wrong (as Math-Shepherd labels a step that can no longer reach the
   answer, Wang et al. 2023). These labels are the PRM's training data (:meth:`ArithmeticTask.prm_records`,
-  ``{"prompt", "steps", "labels"}``).
+  ``{"prompt", "steps", "labels"}``); :meth:`ArithmeticTask.orm_pairs` gives an outcome reward model's
+  pairs (a right solution chosen over a wrong one, ``rlhfkit train reward``).
 
 **The corpus writer** (what SFT imitates) is sloppy in one systematic way: on an addition that carries
 (a result of 10 or more) it drops the carry (writes ``7+5=2``) with probability ``carry_slip`` (0.6 by
@@ -269,6 +270,26 @@ class ArithmeticTask(Task):
             prompt = rng.choice(prompts)
             lines = write_solution(parse_prompt(prompt), rng, self.carry_slip)
             records.append({"prompt": prompt, "steps": lines, "labels": step_labels(prompt, lines)})
+        return records
+
+    def orm_pairs(self, n: int = 4096, split: str = "train") -> list[dict]:
+        """``n`` outcome-preference pairs ``{"prompt", "chosen", "rejected"}`` (the records of
+        ``rlhfkit train reward``): chosen the reference solution (a right answer), rejected the corpus writer's
+        solution of the same prompt when it slipped (a wrong answer). Prompts whose writer solution came out
+        right, such as every prompt without a carry, are drawn again, so the outcome reward model sees the
+        same mistakes as the PRM's data, labelled once per response instead of once per step."""
+        rng = random.Random(f"arithmetic-orm-{self.seed}" + ("" if split == "train" else f"-{split}"))
+        prompts = self.prompts(split)
+        records = []
+        while len(records) < n:
+            prompt = rng.choice(prompts)
+            problem = parse_prompt(prompt)
+            lines = write_solution(problem, rng, self.carry_slip)
+            if lines[-1] != f"{ANSWER_PREFIX}{problem.answer}":
+                chosen, rejected = (
+                    "".join(line + SEPARATOR for line in ls) for ls in (problem.reference_lines(), lines)
+                )
+                records.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
         return records
 
     def tokenizer_texts(self) -> list[str]:
