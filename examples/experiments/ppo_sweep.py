@@ -23,8 +23,8 @@ Writes ``OUT/<sweep>.md`` (means ± sd over seeds), ``OUT/<sweep>_rows.csv`` (pe
 ``OUT/<sweep>_train.csv`` (per seed and rollout) and ``OUT/<sweep>.png``. A finished stage or run is reused
 (``--overwrite`` reruns them)::
 
-    RLHFKIT_NUM_THREADS=1 python examples/experiments/kl_penalty.py --out runs/ppo_sweep --jobs 2
-    RLHFKIT_NUM_THREADS=1 python examples/experiments/gamma.py --out runs/ppo_sweep --jobs 2
+    python examples/experiments/kl_penalty.py --out runs/ppo_sweep   # 3 seeds, two at a time
+    python examples/experiments/gamma.py --out runs/ppo_sweep        # reuses the SFT policies, reward models
     python examples/experiments/ppo_sweep.py --sweep gamma --out runs/ppo_sweep --report-only
 """
 
@@ -185,7 +185,12 @@ def parse_args(argv=None):
     for field, value in asdict(Sizes()).items():
         if field != "model":
             p.add_argument("--" + field.replace("_", "-"), type=type(value), help=f"default {value}")
-    p.add_argument("--jobs", type=int, default=1, help="seeds run at once, each in its own process")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="seeds run at once, each in its own one-thread process (default: 2, or 1 on a 1-core machine)",
+    )
     p.add_argument("--overwrite", action="store_true", help="rerun finished stages and runs")
     p.add_argument("--report-only", action="store_true", help="only the table and plot from OUT")
     p.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)

@@ -71,10 +71,32 @@ def test_the_child_command_of_a_seed_carries_every_setting_and_bad_values_are_re
 @pytest.mark.slow
 def test_both_sweeps_end_to_end_at_the_smoke_size_sharing_one_folder(tmp_path, capsys):
     out = tmp_path / "out"
-    assert ex.main(["--sweep", "kl_coef", "--values", "0", "0.05", "--out", str(out), "--size", "smoke"]) == 0
+    assert (
+        ex.main(
+            [
+                "--sweep",
+                "kl_coef",
+                "--values",
+                "0",
+                "0.05",
+                "--out",
+                str(out),
+                "--size",
+                "smoke",
+                "--seeds",
+                "0",
+            ]
+        )
+        == 0
+    )
     shared = out / "seed-0" / "kl0.05-gamma1" / "sweep_rows.json"
     before = shared.stat().st_mtime_ns
-    assert ex.main(["--sweep", "gamma", "--values", "1", "0.9", "--out", str(out), "--size", "smoke"]) == 0
+    assert (
+        ex.main(
+            ["--sweep", "gamma", "--values", "1", "0.9", "--out", str(out), "--size", "smoke", "--seeds", "0"]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert shared.stat().st_mtime_ns == before  # gamma = 1 is the kl 0.05 run: reused, not trained again
     assert printed.count("seed 0: PPO") == 3 and "| γ = 0.9, rollout 2 |" in printed
@@ -96,5 +118,10 @@ def test_both_sweeps_end_to_end_at_the_smoke_size_sharing_one_folder(tmp_path, c
     }
     assert (out / "gamma.png").stat().st_size > 20_000 and (out / "kl_coef.png").stat().st_size > 20_000
     table = (out / "gamma.md").read_text()
-    assert ex.main(["--sweep", "gamma", "--values", "1", "0.9", "--out", str(out), "--report-only"]) == 0
+    assert (
+        ex.main(
+            ["--sweep", "gamma", "--values", "1", "0.9", "--out", str(out), "--report-only", "--seeds", "0"]
+        )
+        == 0
+    )
     assert (out / "gamma.md").read_text() == table
