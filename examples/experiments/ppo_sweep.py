@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stages and report beside this script
 from ppo_sweep_report import report  # noqa: E402
-from temperature import SIZES, Sizes, _config, train_sft_and_reward  # noqa: E402
+from temperature import SIZES, Sizes, ppo_config, train_sft_and_reward  # noqa: E402
 
 SWEEPS = {"kl_coef": (0.0, 0.02, 0.05, 0.2), "gamma": (1.0, 0.99, 0.9)}
 BASE = {"kl_coef": 0.05, "gamma": 1.0}  # the library's defaults; the other setting of each sweep
@@ -142,27 +142,15 @@ def run_seed(seed: int, s: Sizes, sweep: str, values, args) -> dict:
             evals.append({"rollout": step, **figures})
             return {"eval/gold/mean": figures["gold"], "eval/score/mean": figures["proxy"]}
 
-        cfg = _config(
-            "ppo",
+        cfg = ppo_config(
             folder,
-            {
-                "seed": seed,
-                "model.name_or_path": stage["sft"],
-                "data.train_file": stage["files"]["prompts_train"],
-                "data.max_prompt_length": 32,
-                "online.reward_model": stage["reward"],
-                "online.response_length": s.response_length,
-                "online.temperature": EVAL_TEMPERATURE,
-                "online.kl_coef": run["kl_coef"],
-                "online.gamma": run["gamma"],
-                "train.max_steps": s.rollouts,
-                "train.batch_size": s.ppo_batch,
-                "train.learning_rate": s.ppo_lr,
-                "train.lr_schedule": "linear",
-                "train.save_steps": s.rollouts,
-                "train.eval_steps": s.eval_every,
-                "train.log_steps": 1,
-            },
+            seed,
+            stage,
+            s,
+            s.rollouts,
+            EVAL_TEMPERATURE,
+            run["kl_coef"],
+            **{"online.gamma": run["gamma"]},
         )
         online.train(cfg, overwrite=True, hooks=online.OnlineHooks(evaluate=hook, evaluate_at_start=False))
         record = {**run, "eval": evals, "train": train_rows(folder)}

@@ -227,6 +227,35 @@ class Evaluator:
         return rows
 
 
+def ppo_config(
+    folder: Path, seed: int, stage: dict, s: Sizes, rollouts: int, temperature: float, kl_coef: float, **extra
+):
+    """The PPO run of an experiment: the quickstart's tiny PPO from this seed's SFT policy and reward model
+    (``stage``), at the given length, sampling temperature and KL coefficient; ``extra``: other dotted keys."""
+    return _config(
+        "ppo",
+        folder,
+        {
+            "seed": seed,
+            "model.name_or_path": stage["sft"],
+            "data.train_file": stage["files"]["prompts_train"],
+            "data.max_prompt_length": 32,
+            "online.reward_model": stage["reward"],
+            "online.response_length": s.response_length,
+            "online.temperature": temperature,
+            "online.kl_coef": kl_coef,
+            "train.max_steps": rollouts,
+            "train.batch_size": s.ppo_batch,
+            "train.learning_rate": s.ppo_lr,
+            "train.lr_schedule": "linear",
+            "train.save_steps": rollouts,
+            "train.eval_steps": s.eval_every,
+            "train.log_steps": 1,
+            **extra,
+        },
+    )
+
+
 def run_seed(seed: int, s: Sizes, args) -> list[dict]:
     """Every stage of one seed; its rows (cached in ``OUT/seed-N/rows.json``)."""
     from rlhfkit.trainers import online
@@ -249,27 +278,7 @@ def run_seed(seed: int, s: Sizes, args) -> list[dict]:
             at_train = next(r for r in measured if r["temperature"] == run["temperature"])
             return {"eval/gold/mean": at_train["gold"], "eval/score/mean": at_train["proxy"]}
 
-        cfg = _config(
-            "ppo",
-            folder,
-            {
-                "seed": seed,
-                "model.name_or_path": stage["sft"],
-                "data.train_file": stage["files"]["prompts_train"],
-                "data.max_prompt_length": 32,
-                "online.reward_model": stage["reward"],
-                "online.response_length": s.response_length,
-                "online.temperature": run["temperature"],
-                "online.kl_coef": run["kl_coef"],
-                "train.max_steps": run["rollouts"],
-                "train.batch_size": s.ppo_batch,
-                "train.learning_rate": s.ppo_lr,
-                "train.lr_schedule": "linear",
-                "train.save_steps": run["rollouts"],
-                "train.eval_steps": s.eval_every,
-                "train.log_steps": 1,
-            },
-        )
+        cfg = ppo_config(folder, seed, stage, s, run["rollouts"], run["temperature"], run["kl_coef"])
         online.train(cfg, overwrite=True, hooks=online.OnlineHooks(evaluate=hook, evaluate_at_start=False))
     info = {"seed": seed, "rm_accuracy": stage["rm_accuracy"]}
     for r in rows:
