@@ -5,10 +5,13 @@ training figures of every rollout, :func:`markdown` and :func:`plot` present the
 
 from __future__ import annotations
 
-import csv
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # temperature_report beside this file
+from temperature_report import plus_minus, write_csv  # noqa: E402
 
 FIGURES = ("gold", "proxy", "kl", "length", "ended", "valid_rate")
 LABEL = {"kl_coef": "β (kl_coef)", "gamma": "γ"}
@@ -57,13 +60,6 @@ def train_curves(results: list[dict], sweep: str) -> list[dict]:
     ]
 
 
-def _pm(row, f, digits=2) -> str:
-    m, sd = row.get(f), row.get(f + "_sd")
-    if m is None:
-        return "–"
-    return f"{m:.{digits}f}" + ("" if sd is None else f" ± {sd:.{digits}f}")
-
-
 def markdown(table: list[dict], train: list[dict], sweep: str) -> str:
     """The last checkpoint of each run (and the SFT policy), then every checkpoint along the runs."""
     last = {}
@@ -79,9 +75,10 @@ def markdown(table: list[dict], train: list[dict], sweep: str) -> str:
     def line(name, r, train_length="–"):
         seeds = " / ".join(f"{g:.2f}" for g in r["gold_per_seed"])
         figures = " | ".join(
-            _pm(r, f, 1 if f == "length" else 2) for f in ("gold", "proxy", "gap", "kl", "length", "ended")
+            plus_minus(r, f, 1 if f == "length" else 2)
+            for f in ("gold", "proxy", "gap", "kl", "length", "ended")
         )
-        return f"| {name} | {figures} | {_pm(r, 'valid_rate')} | {seeds} | {train_length} |"
+        return f"| {name} | {figures} | {plus_minus(r, 'valid_rate')} | {seeds} | {train_length} |"
 
     lines.append(line("SFT", sft))
     for setting, rollout in last.items():
@@ -100,18 +97,11 @@ def markdown(table: list[dict], train: list[dict], sweep: str) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in table:
-        figures = " | ".join(_pm(r, f, 1 if f == "length" else 2) for f in ("gold", "proxy", "kl", "length"))
+        figures = " | ".join(
+            plus_minus(r, f, 1 if f == "length" else 2) for f in ("gold", "proxy", "kl", "length")
+        )
         lines.append(f"| {r['setting']:g} | {r['rollout']} | {figures} |")
     return "\n".join(lines)
-
-
-def write_csv(path: Path, records: list[dict]) -> None:
-    fields = list(dict.fromkeys(k for r in records for k in r))
-    with path.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        for r in records:
-            writer.writerow({k: ("" if v is None else v) for k, v in r.items()})
 
 
 def plot(path: Path, table: list[dict], train: list[dict], sweep: str) -> None:

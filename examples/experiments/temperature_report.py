@@ -62,7 +62,7 @@ def best_temperature_counts(rows: list[dict]) -> dict[tuple[str, int], dict[floa
     return out
 
 
-def _pm(row, f, digits=2):
+def plus_minus(row, f, digits=2):
     m, sd = row.get(f), row.get(f + "_sd")
     if m is None:
         return "–"
@@ -80,7 +80,7 @@ def markdown_tables(table: list[dict], rows: list[dict], temperatures) -> str:
     ]
     for run, rollout in checkpoints:
         cells = {r["temperature"]: r for r in table if (r["run"], r["rollout"]) == (run, rollout)}
-        golds = " | ".join(_pm(cells[t], "gold") if t in cells else "–" for t in temperatures)
+        golds = " | ".join(plus_minus(cells[t], "gold") if t in cells else "–" for t in temperatures)
         best = ", ".join(f"{t:g}: {n}" for t, n in sorted(counts.get((run, rollout), {}).items()))
         gap = f"{cells[0.0]['gold'] - cells[0.7]['gold']:+.2f}" if 0.0 in cells and 0.7 in cells else "–"
         kl = "0" if run == "sft" else f"{cells[temperatures[-1]]['kl_train']:.2f}"
@@ -98,10 +98,10 @@ def markdown_tables(table: list[dict], rows: list[dict], temperatures) -> str:
         if r["rollout"] != last[r["run"]]:
             continue
         figures = " | ".join(
-            _pm(r, f, 1 if f in ("length",) else 2)
+            plus_minus(r, f, 1 if f in ("length",) else 2)
             for f in ("gold", "proxy", "valid_rate", "length", "distinct_rate", "kl", "entropy", "top_mass")
         )
-        sft_side = " | ".join(_pm(r, f) for f in ("ref_entropy", "ref_top_mass", "top_agree"))
+        sft_side = " | ".join(plus_minus(r, f) for f in ("ref_entropy", "ref_top_mass", "top_agree"))
         lines.append(f"| {r['run']} | {r['rollout']} | {r['temperature']:g} | {figures} | {sft_side} |")
     return "\n".join(lines)
 
