@@ -1,0 +1,638 @@
+"""rlhfkit against TRL 1.12, side by side: PPO (tokens/s) and reward-model training (pairs/s).
+
+TRL 1.12 is the last release with a PPO trainer (``trl.experimental.ppo.PPOTrainer``); it installs beside
+transformers 5. It lives in its own virtual environment (``setup``), which sees this environment's torch and
+transformers (``--system-site-packages``), so both systems run the same kernels.
+
+Both systems train the same local models (a Llama policy, and a Llama sequence classifier as reward model and
+critic initialisation, built by ``prepare``) on the same prompts, with the same work per rollout: B prompts,
+exactly R response tokens each (forced: generation never stops early, in either system), 4 PPO epochs of one
+optimizer step each over the whole batch, fp32, the same torch thread count. Each measurement is its own
+process; the two systems alternate (A B A B ...), and the table gives the median over repeats.
+
+Per rollout seconds come from inside the process: the time between the start of rollout 2 and the start of
+rollout N (start-up, the first rollout and the final save are outside the window). The phases are timed by
+wrapping the same functions in both systems: ``generate`` (generation), the outermost Llama forward under
+``no_grad`` (no-grad forwards: reference, values, reward, old log-probs) or with grad (training forward),
+``torch.autograd.backward`` (backward) and the optimizer step hooks (optimizer); "other" is the rest of the
+window (losses, advantages, masks, logging, Python).
+
+MFU = useful FLOPs / (window seconds x the fp32 peak of a 2048^3 matmul measured in the same process), with
+the useful work of a rollout counted the same for both systems (N = non-embedding parameters; T = prompt +
+response tokens): generation 2*N_policy*T per sequence, forward-only 2*N*T for the reference, critic and reward
+model, training 6*N*T per epoch for the actor and the critic. (rlhfkit also recomputes the actor's log-probs
+after sampling instead of taking them from generate; that work is not counted.)
+
+    python benchmarks/ppo_vs_trl.py setup                      # once: TRL 1.12 in .bench/trl-1.12
+    python benchmarks/ppo_vs_trl.py ppo --preset tiny --repeats 3
+    python benchmarks/ppo_vs_trl.py reward --preset tiny --repeats 3
+    python benchmarks/ppo_vs_trl.py scaling --repeats 1        # response length and prompts per rollout
+
+Run it on an otherwise idle machine: every figure is a wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_VENV = ROOT / ".bench" / "trl-1.12"
+TRL_VERSION = "1.12.0"
+PHASES = ("generation", "no-grad forwards", "training forward", "backward", "optimizer", "other")
+
+
+# --------------------------------------------------------------------------------------------------------
+# set-up and shared inputs
+
+
+def setup(venv: Path) -> Path:
+    """Create the TRL virtual environment (idempotent); return its python."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    found = subprocess.run(
+        [str(python), "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
+    )
+    if found.stdout.strip() != TRL_VERSION:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"], check=True)
+    return python
+
+
+def prepare(work: Path, preset: str, num_pairs: int = 2048, seed: int = 0) -> dict:
+    """Tokenizer, policy, reward model (also the critic's start), prompts and preference pairs in ``work``."""
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    from rlhfkit.tasks import get_task
+    from rlhfkit.tasks.files import write_jsonl
+    from rlhfkit.tasks.presets import build_causal_lm
+
+    info_path = work / "inputs.json"
+    if info_path.exists():
+        return json.loads(info_path.read_text())
+    work.mkdir(parents=True, exist_ok=True)
+    task = get_task("reviews", seed=seed)
+    tokenizer = task.build_tokenizer(work / "policy")
+    config = task.model_config(preset, tokenizer)
+    config.max_position_embeddings = 1024  # room for the scaling grid's 512-token responses (RoPE: no weights)
+    build_causal_lm(config, seed).save_pretrained(work / "policy")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        reward = LlamaForSequenceClassification(config.__class__(**{**config.to_dict(), "num_labels": 1}))
+    reward.config.pad_token_id = tokenizer.pad_token_id
+    reward.save_pretrained(work / "reward")
+    tokenizer.save_pretrained(work / "reward")
+    prompts = task.prompts("train")
+    write_jsonl(work / "prompts.jsonl", [{"prompt": p} for p in prompts])
+    # preference pairs of the task's shape: a prompt and two reviews of two or three sentences each
+    rng = random.Random(seed)
+    records = task.sft_records(3 * num_pairs)
+    by_prompt: dict[str, list[str]] = {}
+    for r in records:
+        by_prompt.setdefault(r["prompt"], []).append(r["completion"])
+    sentences = [r["completion"] for r in records]
+
+    def review() -> str:
+        return "".join(rng.choice(sentences) for _ in range(rng.choice((2, 3))))
+
+    pair_prompts = [rng.choice(prompts) for _ in range(num_pairs)]
+    pairs = [{"prompt": p, "chosen": review(), "rejected": review()} for p in pair_prompts]
+    write_jsonl(work / "pairs.jsonl", pairs)
+    info = {
+        "preset": preset,
+        "policy_parameters": sum(p.numel() for p in build_causal_lm(config, seed).parameters()),
+        "vocabulary": len(tokenizer),
+        "prompts": len(prompts),
+        "pairs": len(pairs),
+    }
+    info_path.write_text(json.dumps(info, indent=1))
+    return info
+
+
+# --------------------------------------------------------------------------------------------------------
+# phase timing, the same wrappers in both systems
+
+
+class PhaseTimer:
+    """Wall seconds per phase, from wrappers around the functions both systems call."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES[:-1], 0.0)
+        self.depth = 0  # nesting of wrapped model forwards (only the outermost one is timed)
+        self.in_generate = False
+        self.marks: list[tuple[float, dict[str, float]]] = []
+        self.tokens = {"forward_nograd": 0, "forward_grad": 0}
+
+    def mark(self) -> None:
+        self.marks.append((time.perf_counter(), dict(self.seconds)))
+
+    def window(self, first: int, last: int) -> dict:
+        """Per-interval means between marks ``first`` and ``last`` (0-based, ``last`` exclusive of its work)."""
+        (t0, s0), (t1, s1) = self.marks[first], self.marks[last]
+        n = last - first
+        phases = {k: (s1[k] - s0[k]) / n for k in s0}
+        wall = (t1 - t0) / n
+        phases["other"] = wall - sum(phases.values())
+        return {"seconds": wall, "phases": phases}
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    def install(self, mark_on: str) -> None:
+        """Wrap generate, the Llama forwards, backward and the optimizer step; ``mark_on`` is "generate"
+        (a PPO rollout starts with one generate call) or "step" (a reward-model step ends with one
+        optimizer step)."""
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        from transformers.generation.utils import GenerationMixin
+        from transformers.models.llama import modeling_llama as llama
+
+        timer = self
+        generate = GenerationMixin.generate
+
+        def timed_generate(model, *args, **kwargs):
+            if mark_on == "generate":
+                timer.mark()
+            timer.in_generate = True
+            try:
+                with timer.timed("generation"):
+                    return generate(model, *args, **kwargs)
+            finally:
+                timer.in_generate = False
+
+        GenerationMixin.generate = timed_generate
+        for cls in (llama.LlamaModel, llama.LlamaForCausalLM, llama.LlamaForSequenceClassification):
+            cls.forward = self._wrap_forward(cls.forward)
+
+        backward = torch.autograd.backward
+
+        def timed_backward(*args, **kwargs):
+            with timer.timed("backward"):
+                return backward(*args, **kwargs)
+
+        torch.autograd.backward = timed_backward
+        starts: list[float] = []
+
+        def pre_step(optimizer, args, kwargs):
+            starts.append(time.perf_counter())
+
+        def post_step(optimizer, args, kwargs):
+            timer.seconds["optimizer"] += time.perf_counter() - starts.pop()
+            if mark_on == "step":
+                timer.mark()
+
+        register_optimizer_step_pre_hook(pre_step)
+        register_optimizer_step_post_hook(post_step)
+
+    def _wrap_forward(self, forward):
+        import torch
+
+        timer = self
+
+        def timed_forward(module, *args, **kwargs):
+            if timer.in_generate or timer.depth:
+                return forward(module, *args, **kwargs)
+            timer.depth += 1
+            phase = "training forward" if torch.is_grad_enabled() else "no-grad forwards"
+            try:
+                with timer.timed(phase):
+                    return forward(module, *args, **kwargs)
+            finally:
+                timer.depth -= 1
+
+        return timed_forward
+
+
+def matmul_peak(threads: int, size: int = 2048, repeats: int = 5) -> float:
+    """fp32 FLOP/s of a large matmul, best of ``repeats``, at the process's thread count."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def non_embedding_parameters(folder: Path) -> int:
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(folder)
+    h, f, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    kv = c.num_key_value_heads * (h // c.num_attention_heads)
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * f + 2 * h
+    return layers * per_layer + h
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# --------------------------------------------------------------------------------------------------------
+# workers: one measurement, one process; print one JSON line
+
+
+def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
+    import dataclasses
+
+    from rlhfkit.config import load_config
+    from rlhfkit.trainers import online
+
+    build_context = online.build_context
+
+    def forced_length(*args, **kwargs):  # the stop token is one the sampler never emits: R tokens always
+        ctx = build_context(*args, **kwargs)
+        pad = ctx.tokenizer.pad_token_id
+        ctx.stop_token_ids = [pad]
+        ctx.sampling = dataclasses.replace(ctx.sampling, suppress_ids=(pad,))
+        return ctx
+
+    online.build_context = forced_length
+    work = Path(a.work)
+    overrides = {
+        "output_dir": out / "run",
+        "seed": 0,
+        "model.name_or_path": work / "policy",
+        "data.train_file": work / "prompts.jsonl",
+        "data.max_prompt_length": 64,
+        "train.max_steps": a.rollouts,
+        "train.batch_size": a.batch,
+        "train.learning_rate": 1e-5,
+        "train.save_steps": 10**6,
+        "train.eval_steps": 10**6,
+        "online.reward_model": work / "reward",
+        "online.response_length": a.response_length,
+        "online.missing_eos": "none",
+        "online.kl_coef": 0.05,
+        "online.ppo_epochs": 4,
+        "online.num_minibatches": 1,
+        "logging.samples_per_step": 0,
+    }
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()], "ppo")
+    online.train(cfg)
+    return {}
+
+
+def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    work = Path(a.work)
+    tokenizer = AutoTokenizer.from_pretrained(work / "policy", padding_side="left")
+    policy = AutoModelForCausalLM.from_pretrained(work / "policy")
+    reference = AutoModelForCausalLM.from_pretrained(work / "policy")
+    value = AutoModelForSequenceClassification.from_pretrained(work / "reward", num_labels=1)
+    reward = AutoModelForSequenceClassification.from_pretrained(work / "reward", num_labels=1)
+    policy.generation_config.eos_token_id = None  # forced length: generation never stops early
+    prompts = [json.loads(line)["prompt"] for line in open(work / "prompts.jsonl")]
+    dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in prompts]})
+    args = PPOConfig(
+        output_dir=str(out / "run"),
+        per_device_train_batch_size=a.batch,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=4,
+        local_rollout_forward_batch_size=a.batch,
+        total_episodes=a.batch * a.rollouts,
+        response_length=a.response_length,
+        stop_token=None,
+        missing_eos_penalty=None,
+        kl_coef=0.05,
+        learning_rate=1e-5,
+        num_sample_generations=0,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=10**6,
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=reference,
+        reward_model=reward,
+        value_model=value,
+        train_dataset=dataset,
+    )
+    trainer.train()
+    return {}
+
+
+def worker_reward_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
+    from rlhfkit.config import load_config
+    from rlhfkit.trainers import reward
+
+    work = Path(a.work)
+    overrides = {
+        "output_dir": out / "run",
+        "seed": 0,
+        "model.name_or_path": work / "reward",
+        "data.train_file": work / "pairs.jsonl",
+        "data.max_prompt_length": 64,
+        "data.max_length": a.max_length,
+        "train.max_steps": a.steps,
+        "train.batch_size": a.batch,
+        "train.learning_rate": 1e-4,
+        "train.save_steps": 10**6,
+        "train.eval_steps": 10**6,
+        "train.log_steps": 10**6,
+    }
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()], "reward")
+    reward.train(cfg)
+    return {}
+
+
+def worker_reward_trl(a, timer: PhaseTimer, out: Path) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    work = Path(a.work)
+    tokenizer = AutoTokenizer.from_pretrained(work / "reward")
+    model = AutoModelForSequenceClassification.from_pretrained(work / "reward", num_labels=1)
+    rows = [json.loads(line) for line in open(work / "pairs.jsonl")]
+    dataset = Dataset.from_dict(
+        {
+            "chosen": [r["prompt"] + r["chosen"] for r in rows],
+            "rejected": [r["prompt"] + r["rejected"] for r in rows],
+        }
+    )
+    args = RewardConfig(
+        output_dir=str(out / "run"),
+        per_device_train_batch_size=a.batch,
+        max_steps=a.steps,
+        max_length=a.max_length,
+        learning_rate=1e-4,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=10**6,
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
+    return {}
+
+
+WORKERS = {
+    ("ppo", "rlhfkit"): worker_ppo_rlhfkit,
+    ("ppo", "trl"): worker_ppo_trl,
+    ("reward", "rlhfkit"): worker_reward_rlhfkit,
+    ("reward", "trl"): worker_reward_trl,
+}
+
+
+def run_worker(a) -> None:
+    import torch
+
+    torch.set_num_threads(a.threads)
+    timer = PhaseTimer()
+    timer.install("generate" if a.kind == "ppo" else "step")
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        if os.environ.get("BENCH_PROFILE"):  # the operators, for finding where the time goes
+            from torch.profiler import profile
+
+            with profile() as prof:
+                WORKERS[a.kind, a.system](a, timer, Path(tmp))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ["BENCH_PROFILE"])))
+        else:
+            WORKERS[a.kind, a.system](a, timer, Path(tmp))
+        total = time.perf_counter() - start
+    if a.kind == "ppo":
+        result = timer.window(1, len(timer.marks) - 1)  # rollout 2 .. the start of the last one
+    else:
+        result = timer.window(a.warmup_steps, len(timer.marks) - 1)
+    result.update(
+        system=a.system,
+        kind=a.kind,
+        marks=len(timer.marks),
+        total_seconds=total,
+        peak_rss_mib=peak_rss_mib(),
+        threads=torch.get_num_threads(),
+        matmul_flops=matmul_peak(a.threads),
+    )
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the comparison: alternate the systems, median over repeats
+
+
+def measure(system: str, kind: str, python: str, work: Path, a, **sizes) -> dict:
+    args = [python, str(Path(__file__).resolve()), "worker", "--system", system, "--kind", kind]
+    args += ["--work", str(work), "--threads", str(a.threads)]
+    for k, v in sizes.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "RLHFKIT_NUM_THREADS": str(a.threads)}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    done = subprocess.run(args, capture_output=True, text=True, env=env)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or not lines:
+        sys.exit(f"{system} {kind} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def useful_flops_ppo(work: Path, batch: int, response_length: int, prompt_tokens: float, epochs: int = 4) -> float:
+    n_policy = non_embedding_parameters(work / "policy")
+    n_scalar = non_embedding_parameters(work / "reward")
+    tokens = batch * (prompt_tokens + response_length)
+    generation = 2 * n_policy * tokens
+    forward_only = 2 * (n_policy + n_scalar + n_scalar) * tokens  # reference, critic values, reward
+    training = 6 * (n_policy + n_scalar) * tokens * epochs
+    return generation + forward_only + training
+
+
+def mean_prompt_tokens(work: Path) -> float:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "policy")
+    prompts = [json.loads(line)["prompt"] for line in open(work / "prompts.jsonl")]
+    return statistics.mean(len(tokenizer(p)["input_ids"]) for p in prompts)
+
+
+def mean_pair_tokens(work: Path) -> float:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "reward")
+    rows = [json.loads(line) for line in open(work / "pairs.jsonl")]
+    return statistics.mean(
+        len(tokenizer(r["prompt"] + r["chosen"])["input_ids"]) + len(tokenizer(r["prompt"] + r["rejected"])["input_ids"])
+        for r in rows
+    )
+
+
+def alternate(kind: str, python_trl: str, work: Path, a, **sizes) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {"rlhfkit": [], "trl": []}
+    for i in range(a.repeats):
+        order = ("rlhfkit", "trl") if i % 2 == 0 else ("trl", "rlhfkit")
+        for system in order:
+            python = sys.executable if system == "rlhfkit" else python_trl
+            r = measure(system, kind, python, work, a, **sizes)
+            runs[system].append(r)
+            print(f"  {kind} {system:8s} run {i + 1}: {r['seconds']:.3f} s, peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+    return runs
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Medians of the per-run figures (each phase on its own)."""
+    out = {"seconds": statistics.median(r["seconds"] for r in runs)}
+    out["phases"] = {p: statistics.median(r["phases"][p] for r in runs) for p in PHASES}
+    out["peak_rss_mib"] = statistics.median(r["peak_rss_mib"] for r in runs)
+    out["matmul_flops"] = statistics.median(r["matmul_flops"] for r in runs)
+    out["all_seconds"] = [round(r["seconds"], 4) for r in runs]
+    return out
+
+
+def phase_table(rows: dict[str, dict]) -> str:
+    lines = ["| phase | " + " | ".join(rows) + " |", "|---|" + "---:|" * len(rows)]
+    for p in PHASES:
+        cells = [f"{r['phases'][p]:.3f} s ({100 * r['phases'][p] / r['seconds']:.0f}%)" for r in rows.values()]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{r['seconds']:.3f} s**" for r in rows.values()) + " |")
+    return "\n".join(lines)
+
+
+def compare_ppo(a, python_trl: str, batch: int, response_length: int) -> dict:
+    work = Path(a.work) / a.preset
+    info = prepare(work, a.preset)
+    print(f"PPO, preset {a.preset} ({info['policy_parameters']:,} parameters), {batch} prompts x "
+          f"{response_length} tokens, 4 epochs, {a.threads} threads, {a.repeats} repeats", flush=True)
+    runs = alternate("ppo", python_trl, work, a, rollouts=a.rollouts, batch=batch, response_length=response_length)
+    prompt_tokens = mean_prompt_tokens(work)
+    flops = useful_flops_ppo(work, batch, response_length, prompt_tokens)
+    result = {"preset": a.preset, "batch": batch, "response_length": response_length, "threads": a.threads}
+    for system, rs in runs.items():
+        m = median_run(rs)
+        m["tokens_per_second"] = batch * response_length / m["seconds"]
+        m["mfu"] = flops / (m["seconds"] * m["matmul_flops"])
+        result[system] = m
+    result["speedup"] = result["trl"]["seconds"] / result["rlhfkit"]["seconds"]
+    return result
+
+
+def compare_reward(a, python_trl: str) -> dict:
+    work = Path(a.work) / a.preset
+    info = prepare(work, a.preset)
+    print(f"Reward model, preset {a.preset} ({info['policy_parameters']:,} parameters), batch {a.batch_rm} pairs, "
+          f"max length {a.max_length}, {a.threads} threads, {a.repeats} repeats", flush=True)
+    runs = alternate("reward", python_trl, work, a, steps=a.steps, batch=a.batch_rm, max_length=a.max_length)
+    n = non_embedding_parameters(work / "reward")
+    tokens_per_pair = mean_pair_tokens(work)
+    result = {"preset": a.preset, "batch": a.batch_rm, "threads": a.threads}
+    for system, rs in runs.items():
+        m = median_run(rs)
+        m["pairs_per_second"] = a.batch_rm / m["seconds"]
+        m["mfu"] = 6 * n * tokens_per_pair * a.batch_rm / (m["seconds"] * m["matmul_flops"])
+        result[system] = m
+    result["speedup"] = result["trl"]["seconds"] / result["rlhfkit"]["seconds"]
+    return result
+
+
+def report_ppo(r: dict) -> str:
+    k, t = r["rlhfkit"], r["trl"]
+    return "\n".join(
+        [
+            f"PPO {r['preset']}: rlhfkit {k['seconds']:.3f} s/rollout ({k['tokens_per_second']:.0f} tokens/s, "
+            f"MFU {100 * k['mfu']:.1f}%, peak RSS {k['peak_rss_mib']:.0f} MiB, runs {k['all_seconds']}); "
+            f"TRL {t['seconds']:.3f} s/rollout ({t['tokens_per_second']:.0f} tokens/s, MFU {100 * t['mfu']:.1f}%, "
+            f"peak RSS {t['peak_rss_mib']:.0f} MiB, runs {t['all_seconds']}); rlhfkit / TRL = {r['speedup']:.2f}x",
+            phase_table({"rlhfkit": k, "TRL 1.12": t}),
+        ]
+    )
+
+
+def report_reward(r: dict) -> str:
+    k, t = r["rlhfkit"], r["trl"]
+    return "\n".join(
+        [
+            f"Reward model {r['preset']}: rlhfkit {k['pairs_per_second']:.0f} pairs/s ({k['seconds'] * 1000:.0f} ms/step, "
+            f"MFU {100 * k['mfu']:.1f}%, peak RSS {k['peak_rss_mib']:.0f} MiB, runs {k['all_seconds']}); "
+            f"TRL {t['pairs_per_second']:.0f} pairs/s ({t['seconds'] * 1000:.0f} ms/step, MFU {100 * t['mfu']:.1f}%, "
+            f"peak RSS {t['peak_rss_mib']:.0f} MiB, runs {t['all_seconds']}); rlhfkit / TRL = {r['speedup']:.2f}x",
+            phase_table({"rlhfkit": k, "TRL 1.12": t}),
+        ]
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["setup", "ppo", "reward", "scaling", "worker"])
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    p.add_argument("--work", default=str(ROOT / ".bench" / "inputs"))
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rollouts", type=int, default=6, help="rollouts per run; the window is rollouts 2..N-1")
+    p.add_argument("--batch", type=int, default=32, help="prompts per rollout")
+    p.add_argument("--response-length", type=int, default=48)
+    p.add_argument("--batch-rm", type=int, default=32, help="pairs per reward-model step")
+    p.add_argument("--steps", type=int, default=24, help="reward-model steps per run")
+    p.add_argument("--warmup-steps", type=int, default=4, help="reward-model steps before the window")
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--json", type=Path, help="also write the results here")
+    # worker-only
+    p.add_argument("--system", choices=["rlhfkit", "trl"])
+    p.add_argument("--kind", choices=["ppo", "reward"])
+    a = p.parse_args()
+    if a.command == "worker":
+        run_worker(a)
+        return
+    if a.command == "setup":
+        print(setup(a.venv))
+        return
+    python_trl = str(setup(a.venv))
+    results = []
+    if a.command == "ppo":
+        r = compare_ppo(a, python_trl, a.batch, a.response_length)
+        print(report_ppo(r))
+        results.append(r)
+    elif a.command == "reward":
+        a.batch = a.batch_rm
+        r = compare_reward(a, python_trl)
+        print(report_reward(r))
+        results.append(r)
+    else:
+        results = scaling(a, python_trl)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+def scaling(a, python_trl: str) -> list[dict]:
+    results = []
+    for batch, length in [(32, 48), (32, 128), (32, 256), (32, 512), (64, 48), (128, 48), (256, 48)]:
+        r = compare_ppo(a, python_trl, batch, length)
+        print(report_ppo(r), flush=True)
+        results.append(r)
+    return results
+
+
+if __name__ == "__main__":
+    main()
