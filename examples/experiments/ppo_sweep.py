@@ -8,11 +8,14 @@ Two claims of the classic RLHF chapter, one piece of code (``--sweep``):
 - ``--sweep gamma`` (``gamma.py``): with the score only at the last token, the return of token t is
   gamma^(T-t) * score (plus the discounted KL terms): gamma < 1 makes a score that comes sooner worth more, so
   it favours short answers (when the score is positive). PPO at gamma in {1, 0.99, 0.9}.
+- ``--sweep lam`` (``gae_lambda_ppo.py``): GAE's lambda trades the critic's bias for the return's variance
+  (``gae_lambda.py`` measures both for one fixed policy and critic); here, what that does to learning: PPO at
+  lambda in {0, 0.5, 0.9, 0.95, 1}, gold and proxy along the runs.
 
 For each seed: one SFT policy and one reward model, trained as ``temperature.py`` trains them (the quickstart's
-tiny preset with 1,024 labelled pairs and 150 reward-model steps), shared by every PPO run of both sweeps (a
-run is named by its KL coefficient and gamma, so gamma = 1 of the gamma sweep is kl_coef = 0.05 of the KL
-sweep, run once). Every ``--eval-every`` rollouts (PPO's evaluation hook: its own seeded RNG, nothing of
+tiny preset with 1,024 labelled pairs and 150 reward-model steps), shared by every PPO run of every sweep (a
+run is named by its KL coefficient, gamma and lambda, so gamma = 1 of the gamma sweep and lambda = 0.95 of the
+lambda sweep are kl_coef = 0.05 of the KL sweep, run once). Every ``--eval-every`` rollouts (PPO's evaluation hook: its own seeded RNG, nothing of
 training changes) and for the SFT policy: one response at T = 0.7 to each of ``--eval-prompts`` held-out
 prompts, the same sampling seed for every checkpoint, measured for gold (the task's annotators'
 criterion), proxy (the reward model), KL to the SFT policy (k1, nats per response), length, validity and
@@ -25,6 +28,7 @@ Writes ``OUT/<sweep>.md`` (means ± sd over seeds), ``OUT/<sweep>_rows.csv`` (pe
 
     python examples/experiments/kl_penalty.py --out runs/ppo_sweep   # 3 seeds, two at a time
     python examples/experiments/gamma.py --out runs/ppo_sweep        # reuses the SFT policies, reward models
+    python examples/experiments/gae_lambda_ppo.py --out runs/ppo_sweep   # the same, for lambda
     python examples/experiments/ppo_sweep.py --sweep gamma --out runs/ppo_sweep --report-only
 """
 
@@ -42,8 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stages and repor
 from ppo_sweep_report import report  # noqa: E402
 from temperature import SIZES, Sizes, ppo_config, train_sft_and_reward  # noqa: E402
 
-SWEEPS = {"kl_coef": (0.0, 0.02, 0.05, 0.2), "gamma": (1.0, 0.99, 0.9)}
-BASE = {"kl_coef": 0.05, "gamma": 1.0}  # the library's defaults; the other setting of each sweep
+SWEEPS = {"kl_coef": (0.0, 0.02, 0.05, 0.2), "gamma": (1.0, 0.99, 0.9), "lam": (0.0, 0.5, 0.9, 0.95, 1.0)}
+BASE = {
+    "kl_coef": 0.05,
+    "gamma": 1.0,
+    "lam": 0.95,
+}  # the library's defaults; the other settings of each sweep
+BOUNDS = {"kl_coef": (0.0, float("inf")), "gamma": (0.0, 1.0), "lam": (0.0, 1.0)}
 EVAL_TEMPERATURE = 0.7  # PPO's sampling temperature, the quickstart's
 TRAIN_KEYS = ("score/mean", "kl/mean", "response_length/mean")  # from metrics.jsonl, every rollout
 
@@ -54,7 +63,10 @@ def runs_of(sweep: str, values) -> list[dict]:
 
 
 def run_name(run: dict) -> str:
-    return f"kl{run['kl_coef']:g}-gamma{run['gamma']:g}"
+    """``kl0.05-gamma1``; lambda is named only away from its default (the runs of the first two sweeps keep
+    their names)."""
+    lam = run.get("lam", BASE["lam"])
+    return f"kl{run['kl_coef']:g}-gamma{run['gamma']:g}" + ("" if lam == BASE["lam"] else f"-lam{lam:g}")
 
 
 class Meter:
@@ -114,49 +126,51 @@ def train_rows(folder: Path) -> list[dict]:
 
 def run_seed(seed: int, s: Sizes, sweep: str, values, args) -> dict:
     """The SFT policy, reward model and PPO runs of one seed; each run's rows cached in its folder."""
-    from rlhfkit.trainers import online
-
     root = args.out / f"seed-{seed}"
     stage = train_sft_and_reward(root, seed, s, args)
-    meter = None
-    sft_cache = root / "sft_meter.json"
-    if sft_cache.is_file() and not args.overwrite:
-        sft = json.loads(sft_cache.read_text())
-    else:
-        meter = Meter(stage, s, seed)
-        sft = meter.measure(meter.reference)
-        sft_cache.write_text(json.dumps(sft, indent=1))
+    meter, sft = sft_figures(root, stage, seed, s, args)
     out = {"seed": seed, "rm_accuracy": stage["rm_accuracy"], "sft": sft, "runs": {}}
     for run in runs_of(sweep, values):
-        folder = root / run_name(run)
-        cache = folder / "sweep_rows.json"
-        if cache.is_file() and not args.overwrite:
-            out["runs"][run_name(run)] = json.loads(cache.read_text())
-            continue
-        meter = meter or Meter(stage, s, seed)
-        print(f"seed {seed}: PPO {run}, {s.rollouts} rollouts", flush=True)
-        evals: list[dict] = []
-
-        def hook(policy, step, evals=evals, meter=meter):
-            figures = meter.measure(policy)
-            evals.append({"rollout": step, **figures})
-            return {"eval/gold/mean": figures["gold"], "eval/score/mean": figures["proxy"]}
-
-        cfg = ppo_config(
-            folder,
-            seed,
-            stage,
-            s,
-            s.rollouts,
-            EVAL_TEMPERATURE,
-            run["kl_coef"],
-            **{"online.gamma": run["gamma"]},
-        )
-        online.train(cfg, overwrite=True, hooks=online.OnlineHooks(evaluate=hook, evaluate_at_start=False))
-        record = {**run, "eval": evals, "train": train_rows(folder)}
-        cache.write_text(json.dumps(record, indent=1))
-        out["runs"][run_name(run)] = record
+        meter, out["runs"][run_name(run)] = ppo_run(root / run_name(run), stage, meter, seed, s, run, args)
     return out
+
+
+def sft_figures(root: Path, stage: dict, seed: int, s: Sizes, args) -> tuple:
+    """``(meter or None, the SFT policy's figures)``, cached in ``root/sft_meter.json``."""
+    cache = root / "sft_meter.json"
+    if cache.is_file() and not args.overwrite:
+        return None, json.loads(cache.read_text())
+    meter = Meter(stage, s, seed)
+    sft = meter.measure(meter.reference)
+    cache.write_text(json.dumps(sft, indent=1))
+    return meter, sft
+
+
+def ppo_run(folder: Path, stage: dict, meter, seed: int, s: Sizes, run: dict, args, **extra):
+    """One PPO run (``run``: its KL coefficient, gamma and lambda; ``extra``: other dotted keys, e.g. another
+    starting policy) measured every ``s.eval_every`` rollouts; ``(meter, record)``, the record cached in
+    ``folder/sweep_rows.json`` (reused unless ``args.overwrite``). ``meter``: a :class:`Meter` or None (made
+    here when a run has to be trained)."""
+    from rlhfkit.trainers import online
+
+    cache = folder / "sweep_rows.json"
+    if cache.is_file() and not args.overwrite:
+        return meter, json.loads(cache.read_text())
+    meter = meter or Meter(stage, s, seed)
+    print(f"seed {seed}: PPO {run} {extra or ''}, {s.rollouts} rollouts", flush=True)
+    evals: list[dict] = []
+
+    def hook(policy, step):
+        figures = meter.measure(policy)
+        evals.append({"rollout": step, **figures})
+        return {"eval/gold/mean": figures["gold"], "eval/score/mean": figures["proxy"]}
+
+    settings = {"online.gamma": run["gamma"], "online.lam": run.get("lam", BASE["lam"]), **extra}
+    cfg = ppo_config(folder, seed, stage, s, s.rollouts, EVAL_TEMPERATURE, run["kl_coef"], **settings)
+    online.train(cfg, overwrite=True, hooks=online.OnlineHooks(evaluate=hook, evaluate_at_start=False))
+    record = {**BASE, **run, "eval": evals, "train": train_rows(folder)}
+    cache.write_text(json.dumps(record, indent=1))
+    return meter, record
 
 
 def parse_args(argv=None):
@@ -165,9 +179,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--sweep", choices=sorted(SWEEPS), required=True, help="the setting PPO is run at")
     p.add_argument(
-        "--values", type=float, nargs="+", help="default: kl_coef 0 0.02 0.05 0.2, gamma 1 0.99 0.9"
+        "--values",
+        type=float,
+        nargs="+",
+        help="default: kl_coef 0 0.02 0.05 0.2, gamma 1 0.99 0.9, lam 0 0.5 0.9 0.95 1",
     )
-    p.add_argument("--out", type=Path, required=True, help="output folder (both sweeps can share it)")
+    p.add_argument("--out", type=Path, required=True, help="output folder (the sweeps can share it)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--size", choices=sorted(SIZES), default="default", help="smoke: seconds, for the tests")
     for field, value in asdict(Sizes()).items():
@@ -184,7 +201,7 @@ def parse_args(argv=None):
     p.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.values = tuple(args.values or SWEEPS[args.sweep])
-    bounds = {"kl_coef": (0.0, float("inf")), "gamma": (0.0, 1.0)}[args.sweep]
+    bounds = BOUNDS[args.sweep]
     if any(not bounds[0] <= v <= bounds[1] for v in args.values):
         p.error(f"--values of {args.sweep} must lie in [{bounds[0]:g}, {bounds[1]:g}]")
     return args

@@ -14,7 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # temperature_report b
 from temperature_report import plus_minus, write_csv  # noqa: E402
 
 FIGURES = ("gold", "proxy", "kl", "length", "ended", "valid_rate")
-LABEL = {"kl_coef": "β (kl_coef)", "gamma": "γ"}
+LABEL = {"kl_coef": "β (kl_coef)", "gamma": "γ", "lam": "λ (GAE)"}
+# The training figure of every rollout in the table's last column and the figure's bottom-middle panel: the
+# response length for the KL and gamma sweeps, the proxy score (the learning curve) for lambda.
+TRAIN_FIGURE = {"kl_coef": ("response_length", "length"), "gamma": ("response_length", "length")}
+TRAIN_FIGURE["lam"] = ("score", "proxy score")
 
 
 def _mean_sd(values) -> tuple[float | None, float | None]:
@@ -68,7 +72,7 @@ def markdown(table: list[dict], train: list[dict], sweep: str) -> str:
     sft = next(r for r in table if r["rollout"] == 0)
     lines = [
         "| policy | gold | proxy | proxy − gold | KL (nats) | length (tokens) | ended | valid | gold per seed"
-        " | train length, last 5 rollouts |",
+        f" | train {TRAIN_FIGURE[sweep][1]}, last 5 rollouts |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -85,12 +89,10 @@ def markdown(table: list[dict], train: list[dict], sweep: str) -> str:
         r = next(x for x in table if (x["setting"], x["rollout"]) == (setting, rollout))
         mine = [t for t in train if t["setting"] == setting]
         end = max((t["rollout"] for t in mine), default=0)
-        tail = [t["response_length"] for t in mine if t["rollout"] > end - 5]
-        lines.append(
-            line(
-                f"{LABEL[sweep]} = {setting:g}, rollout {rollout}", r, f"{np.mean(tail):.1f}" if tail else "–"
-            )
-        )
+        tail = [t[TRAIN_FIGURE[sweep][0]] for t in mine if t["rollout"] > end - 5]
+        digits = 1 if TRAIN_FIGURE[sweep][0] == "response_length" else 2
+        label = f"{LABEL[sweep]} = {setting:g}, rollout {rollout}"
+        lines.append(line(label, r, f"{np.mean(tail):.{digits}f}" if tail else "–"))
     lines += [
         "",
         f"| {LABEL[sweep]} | rollout | gold | proxy | KL (nats) | length |",
@@ -124,15 +126,16 @@ def plot(path: Path, table: list[dict], train: list[dict], sweep: str) -> None:
                         capsize=3, color=f"C{i}", label=label)  # fmt: skip
             ax.set(title=title, xlabel="rollout")
         curve = sorted({t["rollout"] for t in train if t["setting"] == setting})
-        lengths = [
-            np.mean([t["response_length"] for t in train if (t["setting"], t["rollout"]) == (setting, k)])
-            for k in curve
+        key = TRAIN_FIGURE[sweep][0]
+        means = [
+            np.mean([t[key] for t in train if (t["setting"], t["rollout"]) == (setting, k)]) for k in curve
         ]
-        axes[1][1].plot(curve, lengths, color=f"C{i}", label=label)
+        axes[1][1].plot(curve, means, color=f"C{i}", label=label)
         kl = [r["kl"] for r in rows]
         axes[1][2].plot(kl, [r["gold"] for r in rows], "o-", color=f"C{i}", label=label + " gold")
         axes[1][2].plot(kl, [r["proxy"] for r in rows], "x--", color=f"C{i}", alpha=0.6)
-    axes[1][1].set(title="Response length in training (mean over seeds)", xlabel="rollout")
+    title = {"response_length": "Response length", "score": "Proxy score"}[TRAIN_FIGURE[sweep][0]]
+    axes[1][1].set(title=f"{title} in training (mean over seeds)", xlabel="rollout")
     axes[1][2].set(title="Gold (solid) and proxy (dashed) against KL", xlabel="KL to the SFT policy (nats)")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
