@@ -37,9 +37,16 @@ DPO_PRESETS: dict[str, DPOPreset] = {
 
 
 def dpo_stage(
-    out: Path, preset: str, seed: int, sft_dir: Path, pairs: dict[str, Any], response_length: int
+    out: Path,
+    preset: str,
+    seed: int,
+    sft_dir: Path,
+    pairs: dict[str, Any],
+    response_length: int,
+    **extra: Any,
 ) -> dict[str, Any]:
-    """Train DPO from ``sft_dir`` on the labelled ``pairs`` (``label_pairs``'s paths) into ``out``; the summary."""
+    """Train DPO from ``sft_dir`` on the labelled ``pairs`` (``label_pairs``'s paths) into ``out``; the summary.
+    ``extra``: other dotted configuration keys, or these replaced (e.g. ``**{"dpo.reference_model": path}``)."""
     from rlhfkit.trainers import dpo
 
     d = DPO_PRESETS[preset]
@@ -60,6 +67,7 @@ def dpo_stage(
         "train.eval_steps": max(1, d.steps // 2),
         "train.log_steps": 5,
         "dpo.beta": d.beta,
+        **extra,
     }
     return dpo.train(load_config(None, [f"{k}={v}" for k, v in overrides.items()], "dpo"))
 

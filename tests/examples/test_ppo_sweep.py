@@ -1,7 +1,7 @@
-"""examples/experiments/ppo_sweep.py (kl_penalty.py, gamma.py): the aggregation over seeds by hand, the runs of
-each sweep and their sharing, the per-seed child command, and both sweeps end to end at the smoke size on one
-folder (the swept setting reaches PPO's configuration; the run both sweeps contain is trained once; the table
-and the plot). The figures themselves come from the full runs (docs/experiments.md)."""
+"""examples/experiments/ppo_sweep.py (kl_penalty.py, gamma.py, gae_lambda_ppo.py): the aggregation over seeds
+by hand, the runs of each sweep and their sharing, the per-seed child command, and the sweeps end to end at the
+smoke size on one folder (the swept setting reaches PPO's configuration; the run the sweeps share is trained
+once; the table and the plot). The figures themselves come from the full runs (docs/experiments.md)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,10 @@ def test_the_runs_of_each_sweep_and_the_run_they_share():
     gamma = [ex.run_name(r) for r in ex.runs_of("gamma", ex.SWEEPS["gamma"])]
     assert kl == ["kl0-gamma1", "kl0.02-gamma1", "kl0.05-gamma1", "kl0.2-gamma1"]
     assert gamma == ["kl0.05-gamma1", "kl0.05-gamma0.99", "kl0.05-gamma0.9"]  # gamma = 1 is kl 0.05: run once
+    lam = [ex.run_name(r) for r in ex.runs_of("lam", ex.SWEEPS["lam"])]
+    assert lam == ["kl0.05-gamma1-lam0", "kl0.05-gamma1-lam0.5", "kl0.05-gamma1-lam0.9", "kl0.05-gamma1"] + [
+        "kl0.05-gamma1-lam1"
+    ]  # lambda = 0.95 is kl 0.05 too
 
 
 def test_the_child_command_of_a_seed_carries_every_setting_and_bad_values_are_refused():
@@ -63,7 +67,8 @@ def test_the_child_command_of_a_seed_carries_every_setting_and_bad_values_are_re
     again = ex.parse_args(ex.child_argv(args, 4))
     assert again.seeds == [4] and again.no_report and again.sweep == "gamma" and again.values == (1.0, 0.5)
     assert ex.sizes_of(again) == ex.sizes_of(args) == ex.SIZES["smoke"]
-    for bad in (["--sweep", "gamma", "--values", "1.1"], ["--sweep", "kl_coef", "--values", "-0.1"]):
+    bad_values = (["--sweep", "gamma", "--values", "1.1"], ["--sweep", "kl_coef", "--values", "-0.1"])
+    for bad in (*bad_values, ["--sweep", "lam", "--values", "1.5"]):
         with pytest.raises(SystemExit):
             ex.parse_args(["--out", "x", *bad])
 
@@ -125,3 +130,12 @@ def test_both_sweeps_end_to_end_at_the_smoke_size_sharing_one_folder(tmp_path, c
         == 0
     )
     assert (out / "gamma.md").read_text() == table
+    # lambda: 0.95 is the same shared run; 0.5 the one new run, its lambda in PPO's configuration
+    args = ["--sweep", "lam", "--values", "0.95", "0.5", "--out", str(out), "--size", "smoke", "--seeds", "0"]
+    assert ex.main(args) == 0
+    printed = capsys.readouterr().out
+    assert shared.stat().st_mtime_ns == before and printed.count("seed 0: PPO") == 1
+    assert "| λ (GAE) = 0.5, rollout 2 |" in printed and "train proxy score, last 5 rollouts" in printed
+    for name, lam in (("kl0.05-gamma1-lam0.5", 0.5), ("kl0-gamma1", 0.95)):
+        assert yaml.safe_load((out / "seed-0" / name / "config.yaml").read_text())["online"]["lam"] == lam
+    assert (out / "lam.png").stat().st_size > 20_000
