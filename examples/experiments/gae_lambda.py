@@ -25,7 +25,7 @@ model, as PPO's critic starts; Huang et al. 2024). Writes ``gae_lambda.json``, `
 
     python examples/experiments/gae_lambda.py --out runs/exp-lambda --policy runs/qs/sft/final --reward-model runs/qs/reward/final
 
-(PPO learning curves per lambda are not part of this script.)
+PPO learning curves per lambda: ``gae_lambda_ppo.py`` (``ppo_sweep.py --sweep lam``).
 """
 
 from __future__ import annotations
