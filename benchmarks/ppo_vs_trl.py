@@ -85,7 +85,9 @@ def prepare(work: Path, preset: str, num_pairs: int = 2048, seed: int = 0) -> di
     task = get_task("reviews", seed=seed)
     tokenizer = task.build_tokenizer(work / "policy")
     config = task.model_config(preset, tokenizer)
-    config.max_position_embeddings = 1024  # room for the scaling grid's 512-token responses (RoPE: no weights)
+    config.max_position_embeddings = (
+        1024  # room for the scaling grid's 512-token responses (RoPE: no weights)
+    )
     build_causal_lm(config, seed).save_pretrained(work / "policy")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
@@ -251,10 +253,34 @@ def peak_rss_mib() -> float:
 # workers: one measurement, one process; print one JSON line
 
 
+def run_rlhfkit(kind: str, overrides: dict, out: Path) -> None:
+    """``rlhfkit train KIND --config FILE`` in this process: the command a user runs (it sets the thread
+    count and the allocator itself)."""
+    import yaml
+
+    from rlhfkit.cli import main
+
+    config = out / f"{kind}.yaml"
+    config.write_text(yaml.safe_dump(overrides))
+    code = main(["train", kind, "--config", str(config)])
+    if code:
+        raise SystemExit(f"rlhfkit train {kind} exited with {code}")
+
+
+def nested(flat: dict) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = str(value) if isinstance(value, Path) else value
+    return out
+
+
 def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
     import dataclasses
 
-    from rlhfkit.config import load_config
     from rlhfkit.trainers import online
 
     build_context = online.build_context
@@ -287,8 +313,7 @@ def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         "online.num_minibatches": 1,
         "logging.samples_per_step": 0,
     }
-    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()], "ppo")
-    online.train(cfg)
+    run_rlhfkit("ppo", nested(overrides), out)
     return {}
 
 
@@ -328,6 +353,7 @@ def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
         bf16=False,
         seed=0,
         disable_tqdm=True,
+        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",  # TRL's default: True
     )
     trainer = PPOTrainer(
         args=args,
@@ -343,9 +369,6 @@ def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
 
 
 def worker_reward_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
-    from rlhfkit.config import load_config
-    from rlhfkit.trainers import reward
-
     work = Path(a.work)
     overrides = {
         "output_dir": out / "run",
@@ -361,8 +384,7 @@ def worker_reward_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         "train.eval_steps": 10**6,
         "train.log_steps": 10**6,
     }
-    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()], "reward")
-    reward.train(cfg)
+    run_rlhfkit("reward", nested(overrides), out)
     return {}
 
 
@@ -395,6 +417,7 @@ def worker_reward_trl(a, timer: PhaseTimer, out: Path) -> dict:
         seed=0,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",  # TRL's default: True
     )
     RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
     return {}
@@ -411,7 +434,7 @@ WORKERS = {
 def run_worker(a) -> None:
     import torch
 
-    torch.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads)  # rlhfkit sets it again from RLHFKIT_NUM_THREADS, to the same value
     timer = PhaseTimer()
     timer.install("generate" if a.kind == "ppo" else "step")
     with tempfile.TemporaryDirectory() as tmp:
@@ -421,7 +444,11 @@ def run_worker(a) -> None:
 
             with profile() as prof:
                 WORKERS[a.kind, a.system](a, timer, Path(tmp))
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ["BENCH_PROFILE"])))
+            print(
+                prof.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=int(os.environ["BENCH_PROFILE"])
+                )
+            )
         else:
             WORKERS[a.kind, a.system](a, timer, Path(tmp))
         total = time.perf_counter() - start
@@ -455,11 +482,15 @@ def measure(system: str, kind: str, python: str, work: Path, a, **sizes) -> dict
     done = subprocess.run(args, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or not lines:
-        sys.exit(f"{system} {kind} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        sys.exit(
+            f"{system} {kind} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        )
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def useful_flops_ppo(work: Path, batch: int, response_length: int, prompt_tokens: float, epochs: int = 4) -> float:
+def useful_flops_ppo(
+    work: Path, batch: int, response_length: int, prompt_tokens: float, epochs: int = 4
+) -> float:
     n_policy = non_embedding_parameters(work / "policy")
     n_scalar = non_embedding_parameters(work / "reward")
     tokens = batch * (prompt_tokens + response_length)
@@ -483,7 +514,8 @@ def mean_pair_tokens(work: Path) -> float:
     tokenizer = AutoTokenizer.from_pretrained(work / "reward")
     rows = [json.loads(line) for line in open(work / "pairs.jsonl")]
     return statistics.mean(
-        len(tokenizer(r["prompt"] + r["chosen"])["input_ids"]) + len(tokenizer(r["prompt"] + r["rejected"])["input_ids"])
+        len(tokenizer(r["prompt"] + r["chosen"])["input_ids"])
+        + len(tokenizer(r["prompt"] + r["rejected"])["input_ids"])
         for r in rows
     )
 
@@ -496,7 +528,10 @@ def alternate(kind: str, python_trl: str, work: Path, a, **sizes) -> dict[str, l
             python = sys.executable if system == "rlhfkit" else python_trl
             r = measure(system, kind, python, work, a, **sizes)
             runs[system].append(r)
-            print(f"  {kind} {system:8s} run {i + 1}: {r['seconds']:.3f} s, peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+            print(
+                f"  {kind} {system:8s} run {i + 1}: {r['seconds']:.3f} s, peak RSS {r['peak_rss_mib']:.0f} MiB",
+                flush=True,
+            )
     return runs
 
 
@@ -513,7 +548,9 @@ def median_run(runs: list[dict]) -> dict:
 def phase_table(rows: dict[str, dict]) -> str:
     lines = ["| phase | " + " | ".join(rows) + " |", "|---|" + "---:|" * len(rows)]
     for p in PHASES:
-        cells = [f"{r['phases'][p]:.3f} s ({100 * r['phases'][p] / r['seconds']:.0f}%)" for r in rows.values()]
+        cells = [
+            f"{r['phases'][p]:.3f} s ({100 * r['phases'][p] / r['seconds']:.0f}%)" for r in rows.values()
+        ]
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     lines.append("| **total** | " + " | ".join(f"**{r['seconds']:.3f} s**" for r in rows.values()) + " |")
     return "\n".join(lines)
@@ -522,9 +559,14 @@ def phase_table(rows: dict[str, dict]) -> str:
 def compare_ppo(a, python_trl: str, batch: int, response_length: int) -> dict:
     work = Path(a.work) / a.preset
     info = prepare(work, a.preset)
-    print(f"PPO, preset {a.preset} ({info['policy_parameters']:,} parameters), {batch} prompts x "
-          f"{response_length} tokens, 4 epochs, {a.threads} threads, {a.repeats} repeats", flush=True)
-    runs = alternate("ppo", python_trl, work, a, rollouts=a.rollouts, batch=batch, response_length=response_length)
+    print(
+        f"PPO, preset {a.preset} ({info['policy_parameters']:,} parameters), {batch} prompts x "
+        f"{response_length} tokens, 4 epochs, {a.threads} threads, {a.repeats} repeats",
+        flush=True,
+    )
+    runs = alternate(
+        "ppo", python_trl, work, a, rollouts=a.rollouts, batch=batch, response_length=response_length
+    )
     prompt_tokens = mean_prompt_tokens(work)
     flops = useful_flops_ppo(work, batch, response_length, prompt_tokens)
     result = {"preset": a.preset, "batch": batch, "response_length": response_length, "threads": a.threads}
@@ -540,8 +582,11 @@ def compare_ppo(a, python_trl: str, batch: int, response_length: int) -> dict:
 def compare_reward(a, python_trl: str) -> dict:
     work = Path(a.work) / a.preset
     info = prepare(work, a.preset)
-    print(f"Reward model, preset {a.preset} ({info['policy_parameters']:,} parameters), batch {a.batch_rm} pairs, "
-          f"max length {a.max_length}, {a.threads} threads, {a.repeats} repeats", flush=True)
+    print(
+        f"Reward model, preset {a.preset} ({info['policy_parameters']:,} parameters), batch {a.batch_rm} pairs, "
+        f"max length {a.max_length}, {a.threads} threads, {a.repeats} repeats",
+        flush=True,
+    )
     runs = alternate("reward", python_trl, work, a, steps=a.steps, batch=a.batch_rm, max_length=a.max_length)
     n = non_embedding_parameters(work / "reward")
     tokens_per_pair = mean_pair_tokens(work)
