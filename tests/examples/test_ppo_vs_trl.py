@@ -8,25 +8,13 @@ that attribute time to phases (every phase of a real rlhfkit PPO run is non-zero
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "ppo_vs_trl.py"
+from tests.examples.loader import ROOT, load_example
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("ppo_vs_trl", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_example("ppo_vs_trl", ROOT / "benchmarks")
 
 
 def test_window_is_the_mean_interval_and_other_is_the_rest():
