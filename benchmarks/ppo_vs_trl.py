@@ -85,7 +85,9 @@ def prepare(work: Path, preset: str, num_pairs: int = 2048, seed: int = 0) -> di
     task = get_task("reviews", seed=seed)
     tokenizer = task.build_tokenizer(work / "policy")
     config = task.model_config(preset, tokenizer)
-    config.max_position_embeddings = 1024  # room for the scaling grid's 512-token responses (RoPE: no weights)
+    config.max_position_embeddings = (
+        1024  # room for the scaling grid's 512-token responses (RoPE: no weights)
+    )
     build_causal_lm(config, seed).save_pretrained(work / "policy")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
@@ -251,10 +253,34 @@ def peak_rss_mib() -> float:
 # workers: one measurement, one process; print one JSON line
 
 
+def run_rlhfkit(kind: str, overrides: dict, out: Path) -> None:
+    """``rlhfkit train KIND --config FILE`` in this process: the command a user runs (it sets the thread
+    count and the allocator itself)."""
+    import yaml
+
+    from rlhfkit.cli import main
+
+    config = out / f"{kind}.yaml"
+    config.write_text(yaml.safe_dump(overrides))
+    code = main(["train", kind, "--config", str(config)])
+    if code:
+        raise SystemExit(f"rlhfkit train {kind} exited with {code}")
+
+
+def nested(flat: dict) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = str(value) if isinstance(value, Path) else value
+    return out
+
+
 def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
     import dataclasses
 
-    from rlhfkit.config import load_config
     from rlhfkit.trainers import online
 
     build_context = online.build_context
@@ -287,8 +313,7 @@ def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         "online.num_minibatches": 1,
         "logging.samples_per_step": 0,
     }
-    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()], "ppo")
-    online.train(cfg)
+    run_rlhfkit("ppo", nested(overrides), out)
     return {}
 
 
@@ -328,6 +353,7 @@ def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
         bf16=False,
         seed=0,
         disable_tqdm=True,
+        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",  # TRL's default: True
     )
     trainer = PPOTrainer(
         args=args,
@@ -343,9 +369,6 @@ def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
 
 
 def worker_reward_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
-    from rlhfkit.config import load_config
-    from rlhfkit.trainers import reward
-
     work = Path(a.work)
     overrides = {
         "output_dir": out / "run",
@@ -361,8 +384,7 @@ def worker_reward_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         "train.eval_steps": 10**6,
         "train.log_steps": 10**6,
     }
-    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()], "reward")
-    reward.train(cfg)
+    run_rlhfkit("reward", nested(overrides), out)
     return {}
 
 
@@ -395,6 +417,7 @@ def worker_reward_trl(a, timer: PhaseTimer, out: Path) -> dict:
         seed=0,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",  # TRL's default: True
     )
     RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
     return {}
@@ -411,7 +434,7 @@ WORKERS = {
 def run_worker(a) -> None:
     import torch
 
-    torch.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads)  # rlhfkit sets it again from RLHFKIT_NUM_THREADS, to the same value
     timer = PhaseTimer()
     timer.install("generate" if a.kind == "ppo" else "step")
     with tempfile.TemporaryDirectory() as tmp:
@@ -421,7 +444,11 @@ def run_worker(a) -> None:
 
             with profile() as prof:
                 WORKERS[a.kind, a.system](a, timer, Path(tmp))
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ["BENCH_PROFILE"])))
+            print(
+                prof.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=int(os.environ["BENCH_PROFILE"])
+                )
+            )
         else:
             WORKERS[a.kind, a.system](a, timer, Path(tmp))
         total = time.perf_counter() - start
@@ -445,21 +472,29 @@ def run_worker(a) -> None:
 # the comparison: alternate the systems, median over repeats
 
 
-def measure(system: str, kind: str, python: str, work: Path, a, **sizes) -> dict:
-    args = [python, str(Path(__file__).resolve()), "worker", "--system", system, "--kind", kind]
+def measure(system: str, kind: str, a, work: Path, **sizes) -> dict:
+    """One run of one system in its own process. ``system`` is "trl", "rlhfkit", or "rlhfkit-before" (the
+    checkout given with --before)."""
+    python = a.python_trl if system == "trl" else sys.executable
+    worker_system = "trl" if system == "trl" else "rlhfkit"
+    args = [python, str(Path(__file__).resolve()), "worker", "--system", worker_system, "--kind", kind]
     args += ["--work", str(work), "--threads", str(a.threads)]
     for k, v in sizes.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "RLHFKIT_NUM_THREADS": str(a.threads)}
-    env["PYTHONPATH"] = str(ROOT / "src")
+    env["PYTHONPATH"] = str((Path(a.before) if system == "rlhfkit-before" else ROOT) / "src")
     done = subprocess.run(args, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or not lines:
-        sys.exit(f"{system} {kind} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        sys.exit(
+            f"{system} {kind} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        )
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def useful_flops_ppo(work: Path, batch: int, response_length: int, prompt_tokens: float, epochs: int = 4) -> float:
+def useful_flops_ppo(
+    work: Path, batch: int, response_length: int, prompt_tokens: float, epochs: int = 4
+) -> float:
     n_policy = non_embedding_parameters(work / "policy")
     n_scalar = non_embedding_parameters(work / "reward")
     tokens = batch * (prompt_tokens + response_length)
@@ -469,34 +504,29 @@ def useful_flops_ppo(work: Path, batch: int, response_length: int, prompt_tokens
     return generation + forward_only + training
 
 
-def mean_prompt_tokens(work: Path) -> float:
+def mean_tokens(work: Path, folder: str, texts: list[str]) -> float:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(work / "policy")
-    prompts = [json.loads(line)["prompt"] for line in open(work / "prompts.jsonl")]
-    return statistics.mean(len(tokenizer(p)["input_ids"]) for p in prompts)
+    tokenizer = AutoTokenizer.from_pretrained(work / folder)
+    return statistics.mean(len(tokenizer(t)["input_ids"]) for t in texts)
 
 
-def mean_pair_tokens(work: Path) -> float:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(work / "reward")
-    rows = [json.loads(line) for line in open(work / "pairs.jsonl")]
-    return statistics.mean(
-        len(tokenizer(r["prompt"] + r["chosen"])["input_ids"]) + len(tokenizer(r["prompt"] + r["rejected"])["input_ids"])
-        for r in rows
-    )
+def systems(a) -> list[str]:
+    return ["rlhfkit", "trl"] + (["rlhfkit-before"] if a.before else [])
 
 
-def alternate(kind: str, python_trl: str, work: Path, a, **sizes) -> dict[str, list[dict]]:
-    runs: dict[str, list[dict]] = {"rlhfkit": [], "trl": []}
+def alternate(kind: str, a, work: Path, **sizes) -> dict[str, list[dict]]:
+    """``a.repeats`` rounds; each round runs every system once, the order rotating between rounds."""
+    names = systems(a)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
     for i in range(a.repeats):
-        order = ("rlhfkit", "trl") if i % 2 == 0 else ("trl", "rlhfkit")
-        for system in order:
-            python = sys.executable if system == "rlhfkit" else python_trl
-            r = measure(system, kind, python, work, a, **sizes)
+        for system in names[i % len(names) :] + names[: i % len(names)]:
+            r = measure(system, kind, a, work, **sizes)
             runs[system].append(r)
-            print(f"  {kind} {system:8s} run {i + 1}: {r['seconds']:.3f} s, peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+            print(
+                f"  {kind} {system:15s} round {i + 1}: {r['seconds']:.3f} s, peak RSS {r['peak_rss_mib']:.0f} MiB",
+                flush=True,
+            )
     return runs
 
 
@@ -513,21 +543,29 @@ def median_run(runs: list[dict]) -> dict:
 def phase_table(rows: dict[str, dict]) -> str:
     lines = ["| phase | " + " | ".join(rows) + " |", "|---|" + "---:|" * len(rows)]
     for p in PHASES:
-        cells = [f"{r['phases'][p]:.3f} s ({100 * r['phases'][p] / r['seconds']:.0f}%)" for r in rows.values()]
+        cells = [
+            f"{r['phases'][p]:.3f} s ({100 * r['phases'][p] / r['seconds']:.0f}%)" for r in rows.values()
+        ]
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    lines.append("| **total** | " + " | ".join(f"**{r['seconds']:.3f} s**" for r in rows.values()) + " |")
+    lines.append(
+        "| **total (median)** | " + " | ".join(f"**{r['seconds']:.3f} s**" for r in rows.values()) + " |"
+    )
     return "\n".join(lines)
 
 
-def compare_ppo(a, python_trl: str, batch: int, response_length: int) -> dict:
+def compare_ppo(a, batch: int, response_length: int) -> dict:
     work = Path(a.work) / a.preset
     info = prepare(work, a.preset)
-    print(f"PPO, preset {a.preset} ({info['policy_parameters']:,} parameters), {batch} prompts x "
-          f"{response_length} tokens, 4 epochs, {a.threads} threads, {a.repeats} repeats", flush=True)
-    runs = alternate("ppo", python_trl, work, a, rollouts=a.rollouts, batch=batch, response_length=response_length)
-    prompt_tokens = mean_prompt_tokens(work)
-    flops = useful_flops_ppo(work, batch, response_length, prompt_tokens)
-    result = {"preset": a.preset, "batch": batch, "response_length": response_length, "threads": a.threads}
+    print(
+        f"PPO, preset {a.preset} ({info['policy_parameters']:,} parameters), {batch} prompts x "
+        f"{response_length} tokens, 4 epochs, {a.threads} threads, {a.repeats} rounds",
+        flush=True,
+    )
+    runs = alternate("ppo", a, work, rollouts=a.rollouts, batch=batch, response_length=response_length)
+    prompts = [json.loads(line)["prompt"] for line in open(work / "prompts.jsonl")]
+    flops = useful_flops_ppo(work, batch, response_length, mean_tokens(work, "policy", prompts))
+    result = {"kind": "ppo", "preset": a.preset, "batch": batch, "response_length": response_length}
+    result.update(threads=a.threads, parameters=info["policy_parameters"], rounds=a.repeats)
     for system, rs in runs.items():
         m = median_run(rs)
         m["tokens_per_second"] = batch * response_length / m["seconds"]
@@ -537,15 +575,21 @@ def compare_ppo(a, python_trl: str, batch: int, response_length: int) -> dict:
     return result
 
 
-def compare_reward(a, python_trl: str) -> dict:
+def compare_reward(a) -> dict:
     work = Path(a.work) / a.preset
     info = prepare(work, a.preset)
-    print(f"Reward model, preset {a.preset} ({info['policy_parameters']:,} parameters), batch {a.batch_rm} pairs, "
-          f"max length {a.max_length}, {a.threads} threads, {a.repeats} repeats", flush=True)
-    runs = alternate("reward", python_trl, work, a, steps=a.steps, batch=a.batch_rm, max_length=a.max_length)
+    print(
+        f"Reward model, preset {a.preset} ({info['policy_parameters']:,} parameters), batch {a.batch_rm} pairs, "
+        f"max length {a.max_length}, {a.threads} threads, {a.repeats} rounds",
+        flush=True,
+    )
+    runs = alternate("reward", a, work, steps=a.steps, batch=a.batch_rm, max_length=a.max_length)
+    rows = [json.loads(line) for line in open(work / "pairs.jsonl")]
+    texts = [r["prompt"] + r[side] for r in rows for side in ("chosen", "rejected")]
+    tokens_per_pair = 2 * mean_tokens(work, "reward", texts)
     n = non_embedding_parameters(work / "reward")
-    tokens_per_pair = mean_pair_tokens(work)
-    result = {"preset": a.preset, "batch": a.batch_rm, "threads": a.threads}
+    result = {"kind": "reward", "preset": a.preset, "batch": a.batch_rm, "threads": a.threads}
+    result.update(parameters=info["policy_parameters"], rounds=a.repeats)
     for system, rs in runs.items():
         m = median_run(rs)
         m["pairs_per_second"] = a.batch_rm / m["seconds"]
@@ -555,30 +599,90 @@ def compare_reward(a, python_trl: str) -> dict:
     return result
 
 
-def report_ppo(r: dict) -> str:
-    k, t = r["rlhfkit"], r["trl"]
-    return "\n".join(
-        [
-            f"PPO {r['preset']}: rlhfkit {k['seconds']:.3f} s/rollout ({k['tokens_per_second']:.0f} tokens/s, "
-            f"MFU {100 * k['mfu']:.1f}%, peak RSS {k['peak_rss_mib']:.0f} MiB, runs {k['all_seconds']}); "
-            f"TRL {t['seconds']:.3f} s/rollout ({t['tokens_per_second']:.0f} tokens/s, MFU {100 * t['mfu']:.1f}%, "
-            f"peak RSS {t['peak_rss_mib']:.0f} MiB, runs {t['all_seconds']}); rlhfkit / TRL = {r['speedup']:.2f}x",
-            phase_table({"rlhfkit": k, "TRL 1.12": t}),
-        ]
-    )
+def label(system: str) -> str:
+    return {"trl": "TRL 1.12", "rlhfkit": "rlhfkit", "rlhfkit-before": "rlhfkit (before)"}[system]
 
 
-def report_reward(r: dict) -> str:
-    k, t = r["rlhfkit"], r["trl"]
-    return "\n".join(
-        [
-            f"Reward model {r['preset']}: rlhfkit {k['pairs_per_second']:.0f} pairs/s ({k['seconds'] * 1000:.0f} ms/step, "
-            f"MFU {100 * k['mfu']:.1f}%, peak RSS {k['peak_rss_mib']:.0f} MiB, runs {k['all_seconds']}); "
-            f"TRL {t['pairs_per_second']:.0f} pairs/s ({t['seconds'] * 1000:.0f} ms/step, MFU {100 * t['mfu']:.1f}%, "
-            f"peak RSS {t['peak_rss_mib']:.0f} MiB, runs {t['all_seconds']}); rlhfkit / TRL = {r['speedup']:.2f}x",
-            phase_table({"rlhfkit": k, "TRL 1.12": t}),
-        ]
+def report(r: dict) -> str:
+    names = [n for n in ("rlhfkit", "rlhfkit-before", "trl") if n in r]
+    unit = "tokens_per_second" if r["kind"] == "ppo" else "pairs_per_second"
+    what = (
+        f"PPO, {r['preset']} preset, {r['batch']} prompts x {r['response_length']} tokens"
+        if r["kind"] == "ppo"
+        else f"reward model, {r['preset']} preset, {r['batch']} pairs a step"
     )
+    lines = [f"### {what} ({r['threads']} threads, median of {r['rounds']} alternating rounds)", ""]
+    lines.append(
+        "| system | s / "
+        + ("rollout" if r["kind"] == "ppo" else "step")
+        + f" | {unit.replace('_', ' ')} | MFU | peak RSS | runs (s) |"
+    )
+    lines.append("|---|---:|---:|---:|---:|---|")
+    for n in names:
+        m = r[n]
+        lines.append(
+            f"| {label(n)} | {m['seconds']:.3f} | {m[unit]:.0f} | {100 * m['mfu']:.1f}% | {m['peak_rss_mib']:.0f} MiB "
+            f"| {', '.join(f'{x:.3f}' for x in m['all_seconds'])} |"
+        )
+    lines += [
+        "",
+        f"rlhfkit / TRL: **{r['speedup']:.2f}x**",
+        "",
+        phase_table({label(n): r[n] for n in names}),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def scaling(a) -> list[dict]:
+    results = []
+    for batch, length in [(32, 48), (32, 128), (32, 256), (32, 512), (64, 48), (128, 48), (256, 48)]:
+        r = compare_ppo(a, batch, length)
+        print(report(r), flush=True)
+        results.append(r)
+    return results
+
+
+def plot_scaling(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, fixed, x_key, x_label in (
+        (axes[0], ("batch", 32), "response_length", "response tokens (32 prompts)"),
+        (axes[1], ("response_length", 48), "batch", "prompts per rollout (48 tokens)"),
+    ):
+        rows = sorted((r for r in results if r[fixed[0]] == fixed[1]), key=lambda r: r[x_key])
+        xs = [r[x_key] for r in rows]
+        for system, style in (("rlhfkit", "o-"), ("trl", "s--")):
+            ax.plot(xs, [r[system]["seconds"] for r in rows], style, label=label(system))
+        bottom = [0.0] * len(rows)
+        # where rlhfkit's time goes, stacked under its line
+        for phase in PHASES:
+            heights = [r["rlhfkit"]["phases"][phase] for r in rows]
+            ax.bar(
+                xs,
+                heights,
+                bottom=bottom,
+                width=[x * 0.25 for x in xs],
+                alpha=0.35,
+                label=f"rlhfkit: {phase}",
+            )
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("seconds per rollout")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"PPO rollout time, tiny preset, {results[0]['threads']} threads (median of {results[0]['rounds']})"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -588,7 +692,7 @@ def main() -> None:
     p.add_argument("--work", default=str(ROOT / ".bench" / "inputs"))
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="alternating rounds; the table gives the medians")
     p.add_argument("--rollouts", type=int, default=6, help="rollouts per run; the window is rollouts 2..N-1")
     p.add_argument("--batch", type=int, default=32, help="prompts per rollout")
     p.add_argument("--response-length", type=int, default=48)
@@ -596,7 +700,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24, help="reward-model steps per run")
     p.add_argument("--warmup-steps", type=int, default=4, help="reward-model steps before the window")
     p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--before", help="also measure the rlhfkit checkout in this folder (e.g. a git worktree)")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "figures" / "ppo_vs_trl_scaling.png")
     # worker-only
     p.add_argument("--system", choices=["rlhfkit", "trl"])
     p.add_argument("--kind", choices=["ppo", "reward"])
@@ -607,31 +713,21 @@ def main() -> None:
     if a.command == "setup":
         print(setup(a.venv))
         return
-    python_trl = str(setup(a.venv))
-    results = []
+    a.python_trl = str(setup(a.venv))
     if a.command == "ppo":
-        r = compare_ppo(a, python_trl, a.batch, a.response_length)
-        print(report_ppo(r))
-        results.append(r)
+        results = [compare_ppo(a, a.batch, a.response_length)]
     elif a.command == "reward":
         a.batch = a.batch_rm
-        r = compare_reward(a, python_trl)
-        print(report_reward(r))
-        results.append(r)
+        results = [compare_reward(a)]
     else:
-        results = scaling(a, python_trl)
+        results = scaling(a)
+        plot_scaling(results, a.plot)
+        print(f"wrote {a.plot}")
+    if a.command != "scaling":
+        print(report(results[0]))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(results, indent=1))
-
-
-def scaling(a, python_trl: str) -> list[dict]:
-    results = []
-    for batch, length in [(32, 48), (32, 128), (32, 256), (32, 512), (64, 48), (128, 48), (256, 48)]:
-        r = compare_ppo(a, python_trl, batch, length)
-        print(report_ppo(r), flush=True)
-        results.append(r)
-    return results
 
 
 if __name__ == "__main__":
