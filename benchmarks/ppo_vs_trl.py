@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import os
 import random
@@ -163,7 +164,7 @@ class PhaseTimer:
     def install(self, mark_on: str) -> None:
         """Wrap generate, the Llama forwards, backward and the optimizer step; ``mark_on`` is "generate"
         (a PPO rollout starts with one generate call) or "step" (a reward-model step ends with one
-        optimizer step)."""
+        optimizer step). :meth:`uninstall` puts everything back."""
         import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         from transformers.generation.utils import GenerationMixin
@@ -171,7 +172,9 @@ class PhaseTimer:
 
         timer = self
         generate = GenerationMixin.generate
+        self.undo = [lambda: setattr(GenerationMixin, "generate", generate)]
 
+        @functools.wraps(generate)
         def timed_generate(model, *args, **kwargs):
             if mark_on == "generate":
                 timer.mark()
@@ -184,10 +187,16 @@ class PhaseTimer:
 
         GenerationMixin.generate = timed_generate
         for cls in (llama.LlamaModel, llama.LlamaForCausalLM, llama.LlamaForSequenceClassification):
+            own = cls.__dict__.get("forward")  # None: inherited (a generic sequence classifier)
             cls.forward = self._wrap_forward(cls.forward)
+            self.undo.append(
+                lambda cls=cls, own=own: setattr(cls, "forward", own) if own else delattr(cls, "forward")
+            )
 
         backward = torch.autograd.backward
+        self.undo.append(lambda: setattr(torch.autograd, "backward", backward))
 
+        @functools.wraps(backward)
         def timed_backward(*args, **kwargs):
             with timer.timed("backward"):
                 return backward(*args, **kwargs)
@@ -203,14 +212,20 @@ class PhaseTimer:
             if mark_on == "step":
                 timer.mark()
 
-        register_optimizer_step_pre_hook(pre_step)
-        register_optimizer_step_post_hook(post_step)
+        self.undo.append(register_optimizer_step_pre_hook(pre_step).remove)
+        self.undo.append(register_optimizer_step_post_hook(post_step).remove)
+
+    def uninstall(self) -> None:
+        for undo in reversed(getattr(self, "undo", [])):
+            undo()
+        self.undo = []
 
     def _wrap_forward(self, forward):
         import torch
 
         timer = self
 
+        @functools.wraps(forward)
         def timed_forward(module, *args, **kwargs):
             if timer.in_generate or timer.depth:
                 return forward(module, *args, **kwargs)
@@ -297,6 +312,14 @@ def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         return ctx
 
     online.build_context = forced_length
+    try:
+        _train_ppo(a, out)
+    finally:
+        online.build_context = build_context
+    return {}
+
+
+def _train_ppo(a, out: Path) -> None:
     work = Path(a.work)
     overrides = {
         "output_dir": out / "run",
@@ -318,7 +341,6 @@ def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         "logging.samples_per_step": 0,
     }
     run_rlhfkit("ppo", nested(overrides), out)
-    return {}
 
 
 def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
@@ -441,6 +463,16 @@ def run_worker(a) -> None:
     torch.set_num_threads(a.threads)  # rlhfkit sets it again from RLHFKIT_NUM_THREADS, to the same value
     timer = PhaseTimer()
     timer.install("generate" if a.kind == "ppo" else "step")
+    try:
+        result = _measure(a, timer)
+    finally:
+        timer.uninstall()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _measure(a, timer: PhaseTimer) -> dict:
+    import torch
+
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         if os.environ.get("BENCH_PROFILE"):  # the operators, for finding where the time goes
@@ -469,7 +501,7 @@ def run_worker(a) -> None:
         threads=torch.get_num_threads(),
         matmul_flops=matmul_peak(a.threads),
     )
-    print("RESULT " + json.dumps(result), flush=True)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -78,3 +78,39 @@ def test_rlhfkit_ppo_worker_forces_the_length_and_times_every_phase(tmp_path, mo
     for phase in bench.PHASES[:-1]:
         assert result["phases"][phase] > 0, phase
     assert sum(result["phases"].values()) == pytest.approx(result["seconds"])
+
+
+def test_the_worker_leaves_nothing_patched(tmp_path, monkeypatch, capsys):
+    """The timer's wrappers and the forced-length patch are taken off when the worker returns (a test
+    process goes on to train other models)."""
+    import torch
+    from transformers.generation.utils import GenerationMixin
+    from transformers.models.llama import modeling_llama as llama
+
+    from rlhfkit.trainers import online
+
+    before = (
+        GenerationMixin.generate,
+        llama.LlamaForCausalLM.forward,
+        llama.LlamaModel.forward,
+        torch.autograd.backward,
+        online.build_context,
+    )
+    work = tmp_path / "inputs"
+    bench.prepare(work, "tiny", num_pairs=64)
+    monkeypatch.setattr(bench.sys, "argv", ["ppo_vs_trl.py"])
+    a = argparse.Namespace(
+        kind="ppo", system="rlhfkit", work=str(work), threads=1, rollouts=3, batch=4, response_length=4
+    )
+    bench.run_worker(a)
+    after = (
+        GenerationMixin.generate,
+        llama.LlamaForCausalLM.forward,
+        llama.LlamaModel.forward,
+        torch.autograd.backward,
+        online.build_context,
+    )
+    assert after == before
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    assert not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
