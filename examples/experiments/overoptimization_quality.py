@@ -217,6 +217,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--kl-coefs", type=float, nargs="+", default=list(KL_COEFS))
     p.add_argument("--refresh-kl-coefs", type=float, nargs="*", default=list(REFRESH_KL_COEFS))
+    p.add_argument("--refresh-qualities", type=int, nargs="*", default=list(REFRESH_QUALITIES))
     p.add_argument(
         "--refresh-steps", type=int, default=5, help="rollouts between refreshes (0: no refresh runs)"
     )
@@ -276,9 +277,8 @@ def main(argv=None) -> int:
         if not cpu.is_file():
             cpu.parent.mkdir(parents=True, exist_ok=True)
             cpu.write_text(json.dumps({"cpu_seconds": time.process_time() - clock}))
-        jobs = [
-            (seed, n) for n in sorted(args.qualities, reverse=True) for seed in args.seeds
-        ]  # longest first
+        # A seed at a time (its longest job first): an interrupted run leaves whole seeds.
+        jobs = [(seed, n) for seed in args.seeds for n in sorted(args.qualities, reverse=True)]
         if args.jobs > 1 and len(jobs) > 1:
             env = {**os.environ, "RLHFKIT_NUM_THREADS": os.environ.get("RLHFKIT_NUM_THREADS", "1")}
             running: list[subprocess.Popen] = []
