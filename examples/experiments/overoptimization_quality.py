@@ -11,7 +11,7 @@ the peak. They fit, for best-of-n and for RL,
 
 1. one SFT policy (the quickstart's tiny one: trained here, or taken from ``--quickstart DIR``) and one pool of
    pairs sampled from it and labelled by the task's annotators (4,096 for training, 512 held out);
-2. per seed, reward models from that SFT policy on the first 256, 1,024 and 4,096 pairs of the pool (1.5 epochs,
+2. per seed, reward models from that SFT policy on the first 256, 1,024 and 4,000 pairs of the pool (1.5 epochs,
    at least ``--rm-steps`` steps): the reward-model quality is the held-out gold accuracy;
 3. per seed and reward model, PPO runs long enough (constant learning rate) to go far from the SFT policy:
    kl_coef 0 and 0.05, and kl_coef 0 with the online reward-model refresh of :mod:`rlhfkit.trainers.refresh`
@@ -47,10 +47,10 @@ sys.path.insert(
 from ppo_sweep import Meter  # noqa: E402
 from temperature import Sizes, label, ppo_config, train_reward_model, train_sft  # noqa: E402
 
-QUALITIES = (256, 1024, 4096)  # training pairs per reward model
+QUALITIES = (256, 1024, 4000)  # training pairs per reward model (the pool keeps ~4,070 of 4,096 after ties)
 KL_COEFS = (0.0, 0.05)
 REFRESH_KL_COEFS = (0.0,)  # the refresh runs: at these KL coefficients, for these reward models
-REFRESH_QUALITIES = (256, 4096)
+REFRESH_QUALITIES = (256, 4000)
 EVAL_TEMPERATURE = 0.7
 SIZES = {
     "default": replace(
@@ -271,11 +271,10 @@ def main(argv=None) -> int:
     s = sizes_of(args)
     if not args.report_only:
         set_num_threads()
-        clock = time.process_time()
+        clock, cpu = time.process_time(), args.out / "shared" / "cpu.json"
+        fresh = args.overwrite or not (args.out / "shared" / "pairs" / "pairs_train.jsonl").is_file()
         shared = shared_stage(args, s)
-        cpu = args.out / "shared" / "cpu.json"
-        if not cpu.is_file():
-            cpu.parent.mkdir(parents=True, exist_ok=True)
+        if fresh:  # the stage ran here (not read back): its CPU time counts
             cpu.write_text(json.dumps({"cpu_seconds": time.process_time() - clock}))
         # A seed at a time (its longest job first): an interrupted run leaves whole seeds.
         jobs = [(seed, n) for seed in args.seeds for n in sorted(args.qualities, reverse=True)]

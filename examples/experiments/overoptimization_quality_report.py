@@ -49,6 +49,7 @@ def fit_quadratic(d, delta) -> dict:
         "delta_peak": None,
     }
     if beta > 0:
+        alpha, beta = out["alpha"], out["beta"]
         d_peak = alpha / (2.0 * beta)
         out.update({"d_peak": d_peak, "kl_peak": d_peak**2, "delta_peak": alpha**2 / (4.0 * beta)})
     return out
@@ -289,5 +290,7 @@ def report(out: Path) -> str:
     cpu = [json.loads(p.read_text())["cpu_seconds"] for p in out.glob("**/rm_cpu.json")]
     cpu += [r["cpu_seconds"] for r in runs]
     shared = out / "shared" / "cpu.json"
-    cpu += [json.loads(shared.read_text())["cpu_seconds"]] if shared.is_file() else []
-    return text + f"\nCPU time of every stage together: {sum(cpu):.0f} s (one thread each)\n"
+    shared = f"{json.loads(shared.read_text())['cpu_seconds']:.0f} s" if shared.is_file() else "not recorded"
+    return text + (
+        f"\nCPU time (one thread each): reward models and PPO runs {sum(cpu):.0f} s; SFT policy and pool {shared}\n"
+    )
