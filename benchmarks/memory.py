@@ -85,13 +85,14 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from rlhfkit.algos import shape_rewards
     from rlhfkit.config import load_config
     from rlhfkit.data import TokenLimits, prepare_examples
     from rlhfkit.engine.accel import make_accelerator
     from rlhfkit.models import load_tokenizer
-    from rlhfkit.trainers.online import build_context, estimate_advantages
-    from rlhfkit.trainers.online_steps import ppo_update, prompt_batch, sample_rollout, score_rollout
+    from rlhfkit.trainers.online import build_context
+    from rlhfkit.trainers.online_shaping import estimate_advantages, shape_rollout
+    from rlhfkit.trainers.online_steps import prompt_batch, sample_rollout, score_rollout, take_scores
+    from rlhfkit.trainers.online_update import ppo_update
 
     before = peak_rss_bytes()
     cfg = load_config(
@@ -120,16 +121,9 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     # One iteration of rlhfkit.trainers.online.train_online: generate, score, shape, advantages, PPO epochs.
     batch = prompt_batch(ctx, examples, 1)
-    rollout, response_mask, _ = sample_rollout(ctx, batch)
-    rollout.scores, _, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
-    rollout.rewards, rollout.kl = shape_rewards(
-        rollout.scores,
-        rollout.logprobs,
-        rollout.ref_logprobs,
-        rollout.mask,
-        ctx.kl_ctl.value,
-        cfg.online.kl_estimator,
-    )
+    rollout = sample_rollout(ctx, batch)
+    take_scores(rollout, score_rollout(ctx, rollout, batch["records"]))
+    shape_rollout(ctx, rollout, ctx.kl_ctl.value)
     rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
     ppo_update(ctx, rollout, 1)
     out = {

@@ -7,7 +7,8 @@ transformers (``--system-site-packages``), so both systems run the same kernels.
 Both systems train the same local models (a Llama policy, and a Llama sequence classifier as reward model and
 critic initialisation, built by ``prepare``) on the same prompts, with the same work per rollout: B prompts,
 exactly R response tokens each (forced: generation never stops early, in either system), 4 PPO epochs of one
-optimizer step each over the whole batch, fp32, the same torch thread count. Each measurement is its own
+optimizer step each over the whole batch, fp32, the same torch thread count, no gradient checkpointing (TRL
+turns it on by default; ``BENCH_TRL_CHECKPOINTING=1`` measures that default). Each measurement is its own
 process; the two systems alternate (A B A B ...), and the table gives the median over repeats.
 
 Per rollout seconds come from inside the process: the time between the start of rollout 2 and the start of
@@ -35,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import functools
 import json
 import os
 import random
@@ -85,11 +88,15 @@ def prepare(work: Path, preset: str, num_pairs: int = 2048, seed: int = 0) -> di
     task = get_task("reviews", seed=seed)
     tokenizer = task.build_tokenizer(work / "policy")
     config = task.model_config(preset, tokenizer)
-    config.max_position_embeddings = 1024  # room for the scaling grid's 512-token responses (RoPE: no weights)
+    config.max_position_embeddings = (
+        1024  # room for the scaling grid's 512-token responses (RoPE: no weights)
+    )
     build_causal_lm(config, seed).save_pretrained(work / "policy")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
-        reward = LlamaForSequenceClassification(config.__class__(**{**config.to_dict(), "num_labels": 1}))
+        scalar = copy.deepcopy(config)
+        scalar.num_labels = 1  # also resets id2label
+        reward = LlamaForSequenceClassification(scalar)
     reward.config.pad_token_id = tokenizer.pad_token_id
     reward.save_pretrained(work / "reward")
     tokenizer.save_pretrained(work / "reward")
@@ -157,7 +164,7 @@ class PhaseTimer:
     def install(self, mark_on: str) -> None:
         """Wrap generate, the Llama forwards, backward and the optimizer step; ``mark_on`` is "generate"
         (a PPO rollout starts with one generate call) or "step" (a reward-model step ends with one
-        optimizer step)."""
+        optimizer step). :meth:`uninstall` puts everything back."""
         import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         from transformers.generation.utils import GenerationMixin
@@ -165,7 +172,9 @@ class PhaseTimer:
 
         timer = self
         generate = GenerationMixin.generate
+        self.undo = [lambda: setattr(GenerationMixin, "generate", generate)]
 
+        @functools.wraps(generate)
         def timed_generate(model, *args, **kwargs):
             if mark_on == "generate":
                 timer.mark()
@@ -178,10 +187,16 @@ class PhaseTimer:
 
         GenerationMixin.generate = timed_generate
         for cls in (llama.LlamaModel, llama.LlamaForCausalLM, llama.LlamaForSequenceClassification):
+            own = cls.__dict__.get("forward")  # None: inherited (a generic sequence classifier)
             cls.forward = self._wrap_forward(cls.forward)
+            self.undo.append(
+                lambda cls=cls, own=own: setattr(cls, "forward", own) if own else delattr(cls, "forward")
+            )
 
         backward = torch.autograd.backward
+        self.undo.append(lambda: setattr(torch.autograd, "backward", backward))
 
+        @functools.wraps(backward)
         def timed_backward(*args, **kwargs):
             with timer.timed("backward"):
                 return backward(*args, **kwargs)
@@ -197,14 +212,20 @@ class PhaseTimer:
             if mark_on == "step":
                 timer.mark()
 
-        register_optimizer_step_pre_hook(pre_step)
-        register_optimizer_step_post_hook(post_step)
+        self.undo.append(register_optimizer_step_pre_hook(pre_step).remove)
+        self.undo.append(register_optimizer_step_post_hook(post_step).remove)
+
+    def uninstall(self) -> None:
+        for undo in reversed(getattr(self, "undo", [])):
+            undo()
+        self.undo = []
 
     def _wrap_forward(self, forward):
         import torch
 
         timer = self
 
+        @functools.wraps(forward)
         def timed_forward(module, *args, **kwargs):
             if timer.in_generate or timer.depth:
                 return forward(module, *args, **kwargs)
@@ -251,10 +272,34 @@ def peak_rss_mib() -> float:
 # workers: one measurement, one process; print one JSON line
 
 
+def run_rlhfkit(kind: str, overrides: dict, out: Path) -> None:
+    """``rlhfkit train KIND --config FILE`` in this process: the command a user runs (it sets the thread
+    count and the allocator itself)."""
+    import yaml
+
+    from rlhfkit.cli import main
+
+    config = out / f"{kind}.yaml"
+    config.write_text(yaml.safe_dump(overrides))
+    code = main(["train", kind, "--config", str(config)])
+    if code:
+        raise SystemExit(f"rlhfkit train {kind} exited with {code}")
+
+
+def nested(flat: dict) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = str(value) if isinstance(value, Path) else value
+    return out
+
+
 def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
     import dataclasses
 
-    from rlhfkit.config import load_config
     from rlhfkit.trainers import online
 
     build_context = online.build_context
@@ -267,6 +312,14 @@ def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         return ctx
 
     online.build_context = forced_length
+    try:
+        _train_ppo(a, out)
+    finally:
+        online.build_context = build_context
+    return {}
+
+
+def _train_ppo(a, out: Path) -> None:
     work = Path(a.work)
     overrides = {
         "output_dir": out / "run",
@@ -287,9 +340,7 @@ def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         "online.num_minibatches": 1,
         "logging.samples_per_step": 0,
     }
-    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()], "ppo")
-    online.train(cfg)
-    return {}
+    run_rlhfkit("ppo", nested(overrides), out)
 
 
 def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
@@ -328,6 +379,7 @@ def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
         bf16=False,
         seed=0,
         disable_tqdm=True,
+        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",  # TRL's default: True
     )
     trainer = PPOTrainer(
         args=args,
@@ -343,9 +395,6 @@ def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
 
 
 def worker_reward_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
-    from rlhfkit.config import load_config
-    from rlhfkit.trainers import reward
-
     work = Path(a.work)
     overrides = {
         "output_dir": out / "run",
@@ -361,8 +410,7 @@ def worker_reward_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         "train.eval_steps": 10**6,
         "train.log_steps": 10**6,
     }
-    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()], "reward")
-    reward.train(cfg)
+    run_rlhfkit("reward", nested(overrides), out)
     return {}
 
 
@@ -395,6 +443,7 @@ def worker_reward_trl(a, timer: PhaseTimer, out: Path) -> dict:
         seed=0,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",  # TRL's default: True
     )
     RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
     return {}
@@ -411,9 +460,19 @@ WORKERS = {
 def run_worker(a) -> None:
     import torch
 
-    torch.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads)  # rlhfkit sets it again from RLHFKIT_NUM_THREADS, to the same value
     timer = PhaseTimer()
     timer.install("generate" if a.kind == "ppo" else "step")
+    try:
+        result = _measure(a, timer)
+    finally:
+        timer.uninstall()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _measure(a, timer: PhaseTimer) -> dict:
+    import torch
+
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         if os.environ.get("BENCH_PROFILE"):  # the operators, for finding where the time goes
@@ -421,7 +480,11 @@ def run_worker(a) -> None:
 
             with profile() as prof:
                 WORKERS[a.kind, a.system](a, timer, Path(tmp))
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ["BENCH_PROFILE"])))
+            print(
+                prof.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=int(os.environ["BENCH_PROFILE"])
+                )
+            )
         else:
             WORKERS[a.kind, a.system](a, timer, Path(tmp))
         total = time.perf_counter() - start
@@ -438,28 +501,36 @@ def run_worker(a) -> None:
         threads=torch.get_num_threads(),
         matmul_flops=matmul_peak(a.threads),
     )
-    print("RESULT " + json.dumps(result), flush=True)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------------
 # the comparison: alternate the systems, median over repeats
 
 
-def measure(system: str, kind: str, python: str, work: Path, a, **sizes) -> dict:
-    args = [python, str(Path(__file__).resolve()), "worker", "--system", system, "--kind", kind]
+def measure(system: str, kind: str, a, work: Path, **sizes) -> dict:
+    """One run of one system in its own process. ``system`` is "trl", "rlhfkit", or "rlhfkit-before" (the
+    checkout given with --before)."""
+    python = a.python_trl if system == "trl" else sys.executable
+    worker_system = "trl" if system == "trl" else "rlhfkit"
+    args = [python, str(Path(__file__).resolve()), "worker", "--system", worker_system, "--kind", kind]
     args += ["--work", str(work), "--threads", str(a.threads)]
     for k, v in sizes.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "RLHFKIT_NUM_THREADS": str(a.threads)}
-    env["PYTHONPATH"] = str(ROOT / "src")
+    env["PYTHONPATH"] = str((Path(a.before) if system == "rlhfkit-before" else ROOT) / "src")
     done = subprocess.run(args, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or not lines:
-        sys.exit(f"{system} {kind} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        sys.exit(
+            f"{system} {kind} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        )
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def useful_flops_ppo(work: Path, batch: int, response_length: int, prompt_tokens: float, epochs: int = 4) -> float:
+def useful_flops_ppo(
+    work: Path, batch: int, response_length: int, prompt_tokens: float, epochs: int = 4
+) -> float:
     n_policy = non_embedding_parameters(work / "policy")
     n_scalar = non_embedding_parameters(work / "reward")
     tokens = batch * (prompt_tokens + response_length)
@@ -469,34 +540,29 @@ def useful_flops_ppo(work: Path, batch: int, response_length: int, prompt_tokens
     return generation + forward_only + training
 
 
-def mean_prompt_tokens(work: Path) -> float:
+def mean_tokens(work: Path, folder: str, texts: list[str]) -> float:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(work / "policy")
-    prompts = [json.loads(line)["prompt"] for line in open(work / "prompts.jsonl")]
-    return statistics.mean(len(tokenizer(p)["input_ids"]) for p in prompts)
+    tokenizer = AutoTokenizer.from_pretrained(work / folder)
+    return statistics.mean(len(tokenizer(t)["input_ids"]) for t in texts)
 
 
-def mean_pair_tokens(work: Path) -> float:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(work / "reward")
-    rows = [json.loads(line) for line in open(work / "pairs.jsonl")]
-    return statistics.mean(
-        len(tokenizer(r["prompt"] + r["chosen"])["input_ids"]) + len(tokenizer(r["prompt"] + r["rejected"])["input_ids"])
-        for r in rows
-    )
+def systems(a) -> list[str]:
+    return ["rlhfkit", "trl"] + (["rlhfkit-before"] if a.before else [])
 
 
-def alternate(kind: str, python_trl: str, work: Path, a, **sizes) -> dict[str, list[dict]]:
-    runs: dict[str, list[dict]] = {"rlhfkit": [], "trl": []}
+def alternate(kind: str, a, work: Path, **sizes) -> dict[str, list[dict]]:
+    """``a.repeats`` rounds; each round runs every system once, the order rotating between rounds."""
+    names = systems(a)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
     for i in range(a.repeats):
-        order = ("rlhfkit", "trl") if i % 2 == 0 else ("trl", "rlhfkit")
-        for system in order:
-            python = sys.executable if system == "rlhfkit" else python_trl
-            r = measure(system, kind, python, work, a, **sizes)
+        for system in names[i % len(names) :] + names[: i % len(names)]:
+            r = measure(system, kind, a, work, **sizes)
             runs[system].append(r)
-            print(f"  {kind} {system:8s} run {i + 1}: {r['seconds']:.3f} s, peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+            print(
+                f"  {kind} {system:15s} round {i + 1}: {r['seconds']:.3f} s, peak RSS {r['peak_rss_mib']:.0f} MiB",
+                flush=True,
+            )
     return runs
 
 
@@ -513,82 +579,203 @@ def median_run(runs: list[dict]) -> dict:
 def phase_table(rows: dict[str, dict]) -> str:
     lines = ["| phase | " + " | ".join(rows) + " |", "|---|" + "---:|" * len(rows)]
     for p in PHASES:
-        cells = [f"{r['phases'][p]:.3f} s ({100 * r['phases'][p] / r['seconds']:.0f}%)" for r in rows.values()]
+        cells = [
+            f"{r['phases'][p]:.3f} s ({100 * r['phases'][p] / r['seconds']:.0f}%)" for r in rows.values()
+        ]
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    lines.append("| **total** | " + " | ".join(f"**{r['seconds']:.3f} s**" for r in rows.values()) + " |")
+    lines.append(
+        "| **total (median)** | " + " | ".join(f"**{r['seconds']:.3f} s**" for r in rows.values()) + " |"
+    )
     return "\n".join(lines)
 
 
-def compare_ppo(a, python_trl: str, batch: int, response_length: int) -> dict:
+def compare_ppo(a, batch: int, response_length: int) -> dict:
     work = Path(a.work) / a.preset
     info = prepare(work, a.preset)
-    print(f"PPO, preset {a.preset} ({info['policy_parameters']:,} parameters), {batch} prompts x "
-          f"{response_length} tokens, 4 epochs, {a.threads} threads, {a.repeats} repeats", flush=True)
-    runs = alternate("ppo", python_trl, work, a, rollouts=a.rollouts, batch=batch, response_length=response_length)
-    prompt_tokens = mean_prompt_tokens(work)
-    flops = useful_flops_ppo(work, batch, response_length, prompt_tokens)
-    result = {"preset": a.preset, "batch": batch, "response_length": response_length, "threads": a.threads}
+    print(
+        f"PPO, preset {a.preset} ({info['policy_parameters']:,} parameters), {batch} prompts x "
+        f"{response_length} tokens, 4 epochs, {a.threads} threads, {a.repeats} rounds",
+        flush=True,
+    )
+    runs = alternate("ppo", a, work, rollouts=a.rollouts, batch=batch, response_length=response_length)
+    prompts = [json.loads(line)["prompt"] for line in open(work / "prompts.jsonl")]
+    flops = useful_flops_ppo(work, batch, response_length, mean_tokens(work, "policy", prompts))
+    result = {"kind": "ppo", "preset": a.preset, "batch": batch, "response_length": response_length}
+    result.update(threads=a.threads, parameters=info["policy_parameters"], rounds=a.repeats)
+    peak = statistics.median(r["matmul_flops"] for rs in runs.values() for r in rs)
+    result.update(useful_flops=flops, peak_flops=peak)
     for system, rs in runs.items():
         m = median_run(rs)
         m["tokens_per_second"] = batch * response_length / m["seconds"]
-        m["mfu"] = flops / (m["seconds"] * m["matmul_flops"])
+        m["mfu"] = flops / (m["seconds"] * peak)
         result[system] = m
     result["speedup"] = result["trl"]["seconds"] / result["rlhfkit"]["seconds"]
     return result
 
 
-def compare_reward(a, python_trl: str) -> dict:
+def compare_reward(a) -> dict:
     work = Path(a.work) / a.preset
     info = prepare(work, a.preset)
-    print(f"Reward model, preset {a.preset} ({info['policy_parameters']:,} parameters), batch {a.batch_rm} pairs, "
-          f"max length {a.max_length}, {a.threads} threads, {a.repeats} repeats", flush=True)
-    runs = alternate("reward", python_trl, work, a, steps=a.steps, batch=a.batch_rm, max_length=a.max_length)
+    print(
+        f"Reward model, preset {a.preset} ({info['policy_parameters']:,} parameters), batch {a.batch_rm} pairs, "
+        f"max length {a.max_length}, {a.threads} threads, {a.repeats} rounds",
+        flush=True,
+    )
+    runs = alternate("reward", a, work, steps=a.steps, batch=a.batch_rm, max_length=a.max_length)
+    rows = [json.loads(line) for line in open(work / "pairs.jsonl")]
+    texts = [r["prompt"] + r[side] for r in rows for side in ("chosen", "rejected")]
+    tokens_per_pair = 2 * mean_tokens(work, "reward", texts)
     n = non_embedding_parameters(work / "reward")
-    tokens_per_pair = mean_pair_tokens(work)
-    result = {"preset": a.preset, "batch": a.batch_rm, "threads": a.threads}
+    result = {"kind": "reward", "preset": a.preset, "batch": a.batch_rm, "threads": a.threads}
+    result.update(parameters=info["policy_parameters"], rounds=a.repeats)
+    flops = 6 * n * tokens_per_pair * a.batch_rm
+    peak = statistics.median(r["matmul_flops"] for rs in runs.values() for r in rs)
+    result.update(useful_flops=flops, peak_flops=peak)
     for system, rs in runs.items():
         m = median_run(rs)
         m["pairs_per_second"] = a.batch_rm / m["seconds"]
-        m["mfu"] = 6 * n * tokens_per_pair * a.batch_rm / (m["seconds"] * m["matmul_flops"])
+        m["mfu"] = flops / (m["seconds"] * peak)
         result[system] = m
     result["speedup"] = result["trl"]["seconds"] / result["rlhfkit"]["seconds"]
     return result
 
 
-def report_ppo(r: dict) -> str:
-    k, t = r["rlhfkit"], r["trl"]
-    return "\n".join(
-        [
-            f"PPO {r['preset']}: rlhfkit {k['seconds']:.3f} s/rollout ({k['tokens_per_second']:.0f} tokens/s, "
-            f"MFU {100 * k['mfu']:.1f}%, peak RSS {k['peak_rss_mib']:.0f} MiB, runs {k['all_seconds']}); "
-            f"TRL {t['seconds']:.3f} s/rollout ({t['tokens_per_second']:.0f} tokens/s, MFU {100 * t['mfu']:.1f}%, "
-            f"peak RSS {t['peak_rss_mib']:.0f} MiB, runs {t['all_seconds']}); rlhfkit / TRL = {r['speedup']:.2f}x",
-            phase_table({"rlhfkit": k, "TRL 1.12": t}),
-        ]
-    )
+def label(system: str) -> str:
+    return {"trl": "TRL 1.12", "rlhfkit": "rlhfkit", "rlhfkit-before": "rlhfkit (before)"}[system]
 
 
-def report_reward(r: dict) -> str:
-    k, t = r["rlhfkit"], r["trl"]
-    return "\n".join(
-        [
-            f"Reward model {r['preset']}: rlhfkit {k['pairs_per_second']:.0f} pairs/s ({k['seconds'] * 1000:.0f} ms/step, "
-            f"MFU {100 * k['mfu']:.1f}%, peak RSS {k['peak_rss_mib']:.0f} MiB, runs {k['all_seconds']}); "
-            f"TRL {t['pairs_per_second']:.0f} pairs/s ({t['seconds'] * 1000:.0f} ms/step, MFU {100 * t['mfu']:.1f}%, "
-            f"peak RSS {t['peak_rss_mib']:.0f} MiB, runs {t['all_seconds']}); rlhfkit / TRL = {r['speedup']:.2f}x",
-            phase_table({"rlhfkit": k, "TRL 1.12": t}),
-        ]
+def common_peak(r: dict) -> dict:
+    """Results written before MFU used one peak for all systems: derive the useful FLOPs from rlhfkit's
+    figure and recompute every system's MFU against the median of the systems' peaks."""
+    if "peak_flops" in r:
+        return r
+    names = [n for n in ("rlhfkit", "rlhfkit-before", "trl") if n in r]
+    k = r["rlhfkit"]
+    flops = k["mfu"] * k["seconds"] * k["matmul_flops"]
+    peak = statistics.median(r[n]["matmul_flops"] for n in names)
+    out = {**r, "useful_flops": flops, "peak_flops": peak}
+    for n in names:
+        out[n] = {**r[n], "mfu": flops / (r[n]["seconds"] * peak)}
+    return out
+
+
+def report(r: dict) -> str:
+    r = common_peak(r)
+    names = [n for n in ("rlhfkit", "rlhfkit-before", "trl") if n in r]
+    unit = "tokens_per_second" if r["kind"] == "ppo" else "pairs_per_second"
+    what = (
+        f"PPO, {r['preset']} preset, {r['batch']} prompts x {r['response_length']} tokens"
+        if r["kind"] == "ppo"
+        else f"reward model, {r['preset']} preset, {r['batch']} pairs a step"
     )
+    lines = [f"### {what} ({r['threads']} threads, median of {r['rounds']} alternating rounds)", ""]
+    lines.append(
+        "| system | s / "
+        + ("rollout" if r["kind"] == "ppo" else "step")
+        + f" | {unit.replace('_', ' ')} | MFU | peak RSS | runs (s) |"
+    )
+    lines.append("|---|---:|---:|---:|---:|---|")
+    for n in names:
+        m = r[n]
+        lines.append(
+            f"| {label(n)} | {m['seconds']:.3f} | {m[unit]:.0f} | {100 * m['mfu']:.1f}% | {m['peak_rss_mib']:.0f} MiB "
+            f"| {', '.join(f'{x:.3f}' for x in m['all_seconds'])} |"
+        )
+    lines += [
+        "",
+        f"rlhfkit / TRL: **{r['speedup']:.2f}x**",
+        "",
+        phase_table({label(n): r[n] for n in names}),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def scaling(a) -> list[dict]:
+    results = []
+    for batch, length in [(32, 48), (32, 128), (32, 256), (32, 512), (64, 48), (128, 48), (256, 48)]:
+        r = compare_ppo(a, batch, length)
+        print(report(r), flush=True)
+        results.append(r)
+    return results
+
+
+def plot_scaling(results: list[dict], path: Path) -> None:
+    """Top: seconds per rollout of both systems against response length and against prompts per rollout
+    (log-log). Bottom: where each system's time goes at each size (shares of the rollout)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), gridspec_kw={"height_ratios": [1.2, 1]})
+    colors = dict(
+        zip(PHASES, ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"], strict=True)
+    )
+    for col, (fixed, x_key, x_label) in enumerate(
+        (
+            (("batch", 32), "response_length", "response tokens (32 prompts)"),
+            (("response_length", 48), "batch", "prompts per rollout (48 response tokens)"),
+        )
+    ):
+        rows = sorted((r for r in results if r[fixed[0]] == fixed[1]), key=lambda r: r[x_key])
+        xs = [r[x_key] for r in rows]
+        top, bottom = axes[0, col], axes[1, col]
+        for system, style in (("rlhfkit", "o-"), ("trl", "s--")):
+            top.plot(xs, [r[system]["seconds"] for r in rows], style, label=label(system))
+        for x, r in zip(xs, rows, strict=True):
+            top.annotate(
+                f"{r['speedup']:.2f}x",
+                (x, r["rlhfkit"]["seconds"]),
+                textcoords="offset points",
+                xytext=(0, -14),
+                ha="center",
+                fontsize=8,
+            )
+        top.set_xscale("log", base=2)
+        top.set_yscale("log")
+        top.set_xticks(xs, [str(x) for x in xs])
+        top.set_ylabel("seconds per rollout")
+        top.grid(alpha=0.3)
+        top.legend(fontsize=8)
+        positions = range(len(rows))
+        for offset, system in ((-0.2, "rlhfkit"), (0.2, "trl")):
+            base = [0.0] * len(rows)
+            for phase in PHASES:
+                share = [100 * r[system]["phases"][phase] / r[system]["seconds"] for r in rows]
+                bottom.bar(
+                    [i + offset for i in positions],
+                    share,
+                    width=0.38,
+                    bottom=base,
+                    color=colors[phase],
+                    label=phase if system == "rlhfkit" else None,
+                    edgecolor="white",
+                    linewidth=0.5,
+                )
+                base = [b + s for b, s in zip(base, share, strict=True)]
+        bottom.set_xticks(list(positions), [f"{x}\nrlhfkit | TRL" for x in xs], fontsize=8)
+        bottom.set_ylabel("share of the rollout (%)")
+        bottom.set_xlabel(x_label)
+    axes[1, 0].legend(fontsize=7, ncol=3, loc="upper left")
+    rounds = results[0]["rounds"]
+    fig.suptitle(
+        f"PPO, tiny preset: rlhfkit and TRL 1.12 side by side, {results[0]['threads']} threads "
+        f"({'median of ' + str(rounds) if rounds > 1 else 'one round'} per point)"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["setup", "ppo", "reward", "scaling", "worker"])
+    p.add_argument("command", choices=["setup", "ppo", "reward", "scaling", "plot", "worker"])
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV)
     p.add_argument("--work", default=str(ROOT / ".bench" / "inputs"))
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="alternating rounds; the table gives the medians")
     p.add_argument("--rollouts", type=int, default=6, help="rollouts per run; the window is rollouts 2..N-1")
     p.add_argument("--batch", type=int, default=32, help="prompts per rollout")
     p.add_argument("--response-length", type=int, default=48)
@@ -596,7 +783,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24, help="reward-model steps per run")
     p.add_argument("--warmup-steps", type=int, default=4, help="reward-model steps before the window")
     p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--before", help="also measure the rlhfkit checkout in this folder (e.g. a git worktree)")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "figures" / "ppo_vs_trl_scaling.png")
     # worker-only
     p.add_argument("--system", choices=["rlhfkit", "trl"])
     p.add_argument("--kind", choices=["ppo", "reward"])
@@ -607,31 +796,25 @@ def main() -> None:
     if a.command == "setup":
         print(setup(a.venv))
         return
-    python_trl = str(setup(a.venv))
-    results = []
+    if a.command == "plot":  # redraw the scaling plot from a --json of the scaling command
+        plot_scaling(json.loads(a.json.read_text()), a.plot)
+        print(f"wrote {a.plot}")
+        return
+    a.python_trl = str(setup(a.venv))
     if a.command == "ppo":
-        r = compare_ppo(a, python_trl, a.batch, a.response_length)
-        print(report_ppo(r))
-        results.append(r)
+        results = [compare_ppo(a, a.batch, a.response_length)]
     elif a.command == "reward":
         a.batch = a.batch_rm
-        r = compare_reward(a, python_trl)
-        print(report_reward(r))
-        results.append(r)
+        results = [compare_reward(a)]
     else:
-        results = scaling(a, python_trl)
+        results = scaling(a)
+        plot_scaling(results, a.plot)
+        print(f"wrote {a.plot}")
+    if a.command != "scaling":
+        print(report(results[0]))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(results, indent=1))
-
-
-def scaling(a, python_trl: str) -> list[dict]:
-    results = []
-    for batch, length in [(32, 48), (32, 128), (32, 256), (32, 512), (64, 48), (128, 48), (256, 48)]:
-        r = compare_ppo(a, python_trl, batch, length)
-        print(report_ppo(r), flush=True)
-        results.append(r)
-    return results
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ or value: :mod:`rlhfkit.engine.guards`), 130 / 143 after SIGINT / SIGTERM (:mod:
 A full disk gives one line and exit 1. Any other exception is a bug and keeps its traceback. :func:`main` takes ``argv`` and returns the exit code, so tests call it
 in-process.
 
-Each command runs a function named in :data:`TARGETS` (``module:function``), imported only when that
-command runs, so a new trainer plugs in with one line here and ``rlhfkit --help`` stays fast.
+Each command's arguments are parsed here and handed to its function in :mod:`rlhfkit.commands`, which imports
+what does the work only when the command runs, so that ``rlhfkit --help`` stays fast; a new trainer plugs in
+with one line in :func:`rlhfkit.commands.trainer`.
 
 One process: ``rlhfkit train ppo --config ppo.yaml``. Several (data parallel): ``torchrun --standalone
 --nproc_per_node N -m rlhfkit.cli train ppo --config ppo.yaml`` (CPU or GPUs), or on GPUs ``accelerate launch
@@ -26,31 +27,21 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 from rlhfkit import __version__
-from rlhfkit.config import KINDS, config_help, load_config
+from rlhfkit.commands import (
+    DEFAULT_TEMPERATURE,
+    generate_command,
+    label_pairs_command,
+    quickstart_command,
+    report_command,
+    train_command,
+)
+from rlhfkit.config import KINDS, config_help
 from rlhfkit.errors import RunStopped, UserError
-
-# Command -> "module:function". Trainers are called as train(cfg: RunConfig, resume: bool).
-TARGETS: dict[str, str] = {
-    "sft": "rlhfkit.trainers.sft:train",
-    "reward": "rlhfkit.trainers.reward:train",
-    "prm": "rlhfkit.trainers.prm:train_prm",
-    "ppo": "rlhfkit.trainers.online:train",
-    "grpo": "rlhfkit.trainers.online:train",
-    "rloo": "rlhfkit.trainers.online:train",
-    "dpo": "rlhfkit.trainers.dpo:train",
-    "quickstart": "rlhfkit.pipeline:quickstart",  # quickstart(out_dir, preset, overwrite)
-    "generate": "rlhfkit.rollout.generate_cli:generate",  # see _generate
-    "report": "rlhfkit.report:write_reports",  # write_reports(run_dirs, out)
-    "label-pairs": "rlhfkit.rollout.pairs:label_pairs",  # see _label_pairs
-}
-DEFAULT_TEMPERATURE = 0.7  # as online.temperature (Huang et al. 2024)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     folder.add_argument("--overwrite", action="store_true", help="delete output_dir's run and start again")
     train.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="configuration overrides")
-    train.set_defaults(run=_train)
+    train.set_defaults(run=train_command)
 
     quick = commands.add_parser(
         "quickstart",
@@ -167,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="refresh the reward model every K PPO rollouts on new pairs from the current policy, "
         "labelled by the task's annotators (default: 0, never)",
     )
-    quick.set_defaults(run=_quickstart)
+    quick.set_defaults(run=quickstart_command)
 
     gen = commands.add_parser(
         "generate",
@@ -194,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="add each response's score from this reward model (a `train reward` run's final/)",
     )
-    gen.set_defaults(run=_generate)
+    gen.set_defaults(run=generate_command)
 
     lab = commands.add_parser(
         "label-pairs",
@@ -245,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="responses per generate call (default: %(default)s)",
     )
     lab.add_argument("--overwrite", action="store_true", help="replace the files already in --out")
-    lab.set_defaults(run=_label_pairs)
+    lab.set_defaults(run=label_pairs_command)
 
     rep = commands.add_parser(
         "report",
@@ -261,155 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="the side-by-side page of several runs (default: compare.html in their parent folder)",
     )
-    rep.set_defaults(run=_report)
+    rep.set_defaults(run=report_command)
     return parser
-
-
-def _train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides, args.kind)
-    _set_threads()
-    from rlhfkit.engine.accel import launch_rank
-    from rlhfkit.engine.run import prepare_output_dir  # imports torch
-    from rlhfkit.engine.signals import graceful_stop
-
-    train = resolve(TARGETS[args.kind])
-    if (
-        launch_rank() == 0
-    ):  # one process checks (and with --overwrite empties) the folder; the others wait for it
-        prepare_output_dir(cfg.output_dir, resume=args.resume, overwrite=args.overwrite)
-    if args.resume:
-        from rlhfkit.engine.folder import finished_run
-
-        done = finished_run(cfg.output_dir, cfg.train.max_steps)
-        if done is not None:  # its final/ and summary.json stay as they are
-            if launch_rank() == 0:
-                print(
-                    f"rlhfkit: {cfg.output_dir} is a finished run (step {done}); nothing to resume. A larger "
-                    "train.max_steps continues it",
-                    file=sys.stderr,
-                )
-            return 0
-    with graceful_stop():  # SIGTERM / SIGINT: finish the step, checkpoint, exit 128 + signal
-        train(cfg, resume=args.resume)
-    return 0
-
-
-def _quickstart(args: argparse.Namespace) -> int:
-    from rlhfkit.engine.run import prepare_output_dir
-
-    _set_threads()
-    quickstart = resolve(TARGETS["quickstart"])
-    if args.refresh_steps < 0:
-        raise UserError(
-            f"--refresh-steps must be 0 (off) or a positive number of rollouts, got {args.refresh_steps}"
-        )
-    if args.task != "reviews":
-        from rlhfkit.verifiable import VERIFIABLE_PRESETS, quickstart_verifiable
-
-        if args.preset not in VERIFIABLE_PRESETS or args.refresh_steps:
-            raise UserError(
-                f"--task {args.task} runs the presets {sorted(VERIFIABLE_PRESETS)} and no reward-model refresh"
-            )
-        prepare_output_dir(args.out, overwrite=args.overwrite)
-        quickstart_verifiable(args.out, args.task, args.preset, args.overwrite, seed=args.seed)
-        return 0
-    prepare_output_dir(args.out, overwrite=args.overwrite)
-    quickstart(args.out, args.preset, args.overwrite, seed=args.seed, refresh_steps=args.refresh_steps)
-    return 0
-
-
-def _generate(args: argparse.Namespace) -> int:
-    if not Path(args.prompts).is_file():
-        raise UserError(f"prompts file not found: {args.prompts}")
-    temperature = (
-        0.0 if args.greedy else DEFAULT_TEMPERATURE if args.temperature is None else args.temperature
-    )
-    if temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {temperature}")
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.out is not None and not Path(args.out).absolute().parent.is_dir():
-        raise UserError(f"--out {args.out}: its folder {Path(args.out).absolute().parent} does not exist")
-    if args.reward_model is not None and not Path(args.reward_model).is_dir():
-        raise UserError(f"--reward-model: folder not found: {args.reward_model}")
-    _set_threads()
-    generate = resolve(TARGETS["generate"])
-    # temperature 0 means greedy decoding.
-    generate(
-        args.model,
-        args.prompts,
-        out=args.out,
-        temperature=temperature,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        reward_model=args.reward_model,
-    )
-    return 0
-
-
-def _label_pairs(args: argparse.Namespace) -> int:
-    for flag, value, least in (
-        ("--pairs", args.pairs, 1),
-        ("--eval-pairs", args.eval_pairs, 0),
-        ("--max-new-tokens", args.max_new_tokens, 1),
-        ("--batch-size", args.batch_size, 2),
-    ):
-        if value < least:
-            raise UserError(f"{flag} must be >= {least}, got {value}")
-    if not Path(args.policy).is_dir():
-        raise UserError(f"policy folder not found: {args.policy}")
-    _set_threads()
-    summary = resolve(TARGETS["label-pairs"])(
-        args.policy,
-        args.out,
-        task=args.task,
-        task_seed=args.task_seed,
-        num_pairs=args.pairs,
-        num_eval_pairs=args.eval_pairs,
-        seed=args.seed,
-        temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        annotator_temperature=args.annotator_temperature,
-        overwrite=args.overwrite,
-    )
-    train, held = summary["train"], summary["eval"]
-    ceiling = held["bayes_ceiling"] if held["bayes_ceiling"] is not None else train["bayes_ceiling"]
-    print(
-        f"{train['pairs']} training pairs -> {train['file']}; {held['pairs']} held-out pairs -> {held['file']}; "
-        f"annotators' Bayes ceiling {'n/a' if ceiling is None else f'{ceiling:.3f}'}; "
-        f"{summary['seconds']['total']:.1f} s"
-    )
-    return 0
-
-
-def _report(args: argparse.Namespace) -> int:
-    for run_dir in args.run_dirs:
-        if not Path(run_dir).is_dir():
-            raise UserError(f"run folder not found: {run_dir}")
-    if args.out is not None and len(args.run_dirs) == 1:
-        raise UserError(
-            "--out names the side-by-side page of several runs; one run's page is RUN_DIR/report.html"
-        )
-    _set_threads()
-    for path in resolve(TARGETS["report"])(args.run_dirs, args.out):
-        print(f"wrote {path}")
-    return 0
-
-
-def _set_threads() -> None:
-    """Every command sets torch's thread count before any work (docs/design.md, "Threads"); after the
-    checks of its arguments, so that a mistake is reported without waiting for torch to import."""
-    from rlhfkit.engine import threads
-
-    threads.set_num_threads()
-    # transformers' per-load "Loading weights" bars add nothing to rlhfkit's own progress display.
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    # Its load reports (e.g. "score.weight MISSING" when a reward model is built on a causal LM) are
-    # expected here; rlhfkit's own checks raise clear errors for what is really wrong.
-    hf_logging.set_verbosity_error()
 
 
 def _leave_process_group(wait: bool) -> None:
@@ -419,12 +263,6 @@ def _leave_process_group(wait: bool) -> None:
         from rlhfkit.engine.accel import end_processes
 
         end_processes(wait)
-
-
-def resolve(target: str) -> Callable:
-    """Import ``"module:function"`` and return the function (an import error is a bug and propagates)."""
-    module_name, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
 
 
 def console() -> None:

@@ -65,6 +65,10 @@ class Rollout(_TensorBatch):
         returns: ``(B, T)`` value targets; 0 at masked positions.
         group_ids: ``(B,)`` long, the prompt each response answers (responses of one prompt share an id).
         ended: ``(B,)`` bool, True where the response contains a stop token.
+        response_mask: ``(B, T)`` bool, the response up to and including its first stop token, also where
+            ``mask`` leaves it out of the loss (``online.missing_eos=mask``, or nothing scored it): what the
+            reward model reads and the samples show. None until sampled.
+        entropy: ``(B, T)`` the actor's entropy at each position of ``mask`` at sampling time (0 elsewhere).
     """
 
     query_ids: torch.Tensor
@@ -81,11 +85,24 @@ class Rollout(_TensorBatch):
     returns: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
     ended: torch.Tensor | None = None
+    response_mask: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self._check_rows()
         T = self.response_ids.shape[-1]
-        for name in ("mask", "logprobs", "ref_logprobs", "values", "rewards", "kl", "advantages", "returns"):
+        for name in (
+            "mask",
+            "logprobs",
+            "ref_logprobs",
+            "values",
+            "rewards",
+            "kl",
+            "advantages",
+            "returns",
+            "response_mask",
+            "entropy",
+        ):
             x = getattr(self, name)
             if x is not None and x.shape[-1] != T:
                 raise ValueError(f"Rollout.{name} has {x.shape[-1]} response positions, response_ids {T}")

@@ -98,7 +98,7 @@ def test_a_group_split_between_processes_is_an_error():
 
     import torch
 
-    from rlhfkit.trainers.online import check_groups_on_one_process
+    from rlhfkit.trainers.online_shaping import check_groups_on_one_process
 
     other = torch.tensor([0.0, 1.0, 1.0, 0.0])  # the other process holds groups 1 and 2
 

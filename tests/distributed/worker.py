@@ -37,9 +37,17 @@ from rlhfkit.models import (
     logprobs_from_logits,
     response_logits,
 )
-from rlhfkit.trainers import online, online_steps
+from rlhfkit.trainers import (
+    online,
+    online_context,
+    online_metrics,
+    online_shaping,
+    online_steps,
+    online_update,
+)
 from rlhfkit.trainers.best_model import BestKeeper
 from rlhfkit.trainers.loop import train_offline
+from rlhfkit.trainers.online_steps import Scores
 from rlhfkit.trainers.preference_data import PairCollator
 from rlhfkit.trainers.prm import prm_objective
 from rlhfkit.trainers.reward import reward_objective
@@ -169,7 +177,7 @@ def _global_rollout(ctx, examples) -> Rollout:
     scores = torch.randn(total, generator=g, dtype=torch.float64)
     rows = slice(first, first + local)
     mask, response_ids = mask[rows], response_ids[rows]
-    ids, attn, start, w = online_steps.model_inputs(
+    ids, attn, start, w = online_context.model_inputs(
         batch["query_ids"], batch["query_mask"], response_ids, mask
     )
     with torch.no_grad():
@@ -182,7 +190,7 @@ def _global_rollout(ctx, examples) -> Rollout:
         values = None
         if ctx.roles.critic is not None:
             values = torch.zeros(local, width, dtype=torch.float64)
-            values[:, :w] = online_steps.critic_values(ctx.roles.critic, ids, attn, start).double()
+            values[:, :w] = online_context.critic_values(ctx.roles.critic, ids, attn, start).double()
             values = torch.where(mask, values + 0.3 * noise[2, rows], 0.0)
     old = torch.where(mask, logprobs + 0.1 * noise[0, rows], 0.0)  # ratios away from 1: some clipping
     ref = torch.where(mask, logprobs + 0.2 * noise[1, rows], 0.0)
@@ -243,24 +251,25 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
         cfg.online.kl_estimator,
     )
     if case == "control-ppo-local-whitening":  # the bug: each process whitens its own share of the rollout
-        online.ADVANTAGE_ESTIMATORS = {
+        online_shaping.ADVANTAGE_ESTIMATORS = {
             **ADVANTAGE_ESTIMATORS,
             "gae": lambda *a, all_sum=None, **k: gae_advantages(*a, **k),
         }
     try:
-        rollout.advantages, rollout.returns = online.estimate_advantages(ctx, rollout)
+        rollout.advantages, rollout.returns = online_shaping.estimate_advantages(ctx, rollout)
     finally:
-        online.ADVANTAGE_ESTIMATORS = ADVANTAGE_ESTIMATORS
+        online_shaping.ADVANTAGE_ESTIMATORS = ADVANTAGE_ESTIMATORS
     if case == "control-ppo-local-normalizer":  # the bug: each process normalises by its own tokens
         ctx.all_sum = lambda values: values.detach().double()
     recorder = FirstStep({name: getattr(ctx.roles, name) for name in ctx.trained})  # unwrapped: plain names
-    update = online_steps.ppo_update(ctx, rollout, step=1)
+    update = online_update.ppo_update(ctx, rollout, step=1)
     first, local, total = ctx.rows()
     scored = torch.ones(total, dtype=torch.bool)
     scored[3] = False  # the masked response, as if nothing had scored it: score/unscored counts it once
     scored = scored[first : first + local]
-    stats = online.rollout_stats(
-        ctx, rollout, rollout.mask, rollout.scores, {}, torch.zeros_like(rollout.logprobs), scored
+    rollout.response_mask, rollout.entropy = rollout.mask, torch.zeros_like(rollout.logprobs)
+    stats = online_metrics.rollout_stats(
+        ctx, rollout, Scores(rollout.scores, rollout.scores, {}, scored, None)
     )
     metrics = stats.merge(update.stats).means(ctx)
     last = {

@@ -40,3 +40,31 @@ def test_no_weight_decay_on_biases_and_frozen_params_skipped():
     by_decay = {g["weight_decay"]: {id(p) for p in g["params"]} for g in opt.param_groups}
     assert by_decay[0.5] == {id(model[0].weight)}
     assert by_decay[0.0] == {id(model[0].bias), id(model[1].bias)}
+
+
+def test_adamw_takes_the_fused_kernel_and_matches_the_loop():
+    """On CPU float32 the fused kernel is used; its steps equal the per-tensor loop's (each element is
+    updated from itself alone)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+    fused = build_optimizer(model.named_parameters(), lr=1e-2, weight_decay=0.1)
+    assert fused.defaults["fused"] is True
+    loop = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in twin.named_parameters() if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for n, p in twin.named_parameters() if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        foreach=False,
+    )
+    x = torch.randn(16, 8)
+    for _ in range(5):
+        for m, opt in ((model, fused), (twin, loop)):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -1,13 +1,13 @@
 """The `rlhfkit` command, in-process: exit codes, one-line errors, dispatch to the trainers."""
 
+import importlib
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 
-from rlhfkit import cli
+from rlhfkit import cli, commands
 from rlhfkit.config import KINDS
 from rlhfkit.engine.run import RUN_MARKER
 from rlhfkit.errors import DataError
@@ -23,23 +23,24 @@ def no_thread_change(monkeypatch):
 
 @pytest.fixture
 def fake(monkeypatch):
-    """Point every command at a recording module."""
+    """Point every command at a recording function."""
     calls = []
-    module = types.ModuleType("fake_targets")
 
     def train(cfg, resume):
         calls.append(("train", cfg, resume))
 
-    module.train = train
-    module.quickstart = lambda out_dir, preset, overwrite, **kw: calls.append(
-        ("quickstart", out_dir, preset, overwrite)
+    monkeypatch.setattr(commands, "trainer", lambda kind: train)
+    monkeypatch.setattr(
+        "rlhfkit.pipeline.quickstart",
+        lambda out_dir, preset, overwrite, **kw: calls.append(("quickstart", out_dir, preset, overwrite)),
     )
-    module.generate = lambda model, prompts, **kw: calls.append(("generate", model, prompts, kw))
-    module.write_reports = lambda run_dirs, out: calls.append(("report", run_dirs, out)) or []
-    monkeypatch.setitem(sys.modules, "fake_targets", module)
-    for name in cli.TARGETS:
-        attr = "train" if name in KINDS else {"report": "write_reports"}.get(name, name)
-        monkeypatch.setitem(cli.TARGETS, name, f"fake_targets:{attr}")
+    monkeypatch.setattr(
+        "rlhfkit.rollout.generate_cli.generate",
+        lambda model, prompts, **kw: calls.append(("generate", model, prompts, kw)),
+    )
+    monkeypatch.setattr(
+        "rlhfkit.report.write_reports", lambda run_dirs, out: calls.append(("report", run_dirs, out)) or []
+    )
     return calls
 
 
@@ -59,7 +60,8 @@ def error_line(capsys):
 
 
 def test_every_kind_has_a_trainer():
-    assert set(KINDS) <= set(cli.TARGETS)
+    for kind in KINDS:
+        assert callable(commands.trainer(kind))
 
 
 def test_help(capsys):
@@ -140,15 +142,14 @@ def test_bugs_keep_their_traceback(tmp_path, monkeypatch):
     broken = tmp_path / "broken_trainer.py"
     broken.write_text("import a_dependency_that_is_not_installed\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(cli.TARGETS, "sft", "broken_trainer:train")
+    monkeypatch.setattr(commands, "trainer", lambda kind: importlib.import_module("broken_trainer").train)
     with pytest.raises(ModuleNotFoundError, match="a_dependency_that_is_not_installed"):
         cli.main(["train", "sft", "--config", str(config_file(tmp_path))])
 
     def crash(cfg, resume):
         raise RuntimeError("a bug")
 
-    monkeypatch.setitem(sys.modules, "crashing", types.SimpleNamespace(train=crash))
-    monkeypatch.setitem(cli.TARGETS, "sft", "crashing:train")
+    monkeypatch.setattr(commands, "trainer", lambda kind: crash)
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["train", "sft", "--config", str(config_file(tmp_path)), "--overwrite"])
 
@@ -157,8 +158,7 @@ def test_user_errors_from_a_trainer(tmp_path, monkeypatch, capsys):
     def bad_data(cfg, resume):
         raise DataError("d.jsonl", "'prompt' is empty", line=3, field="prompt")
 
-    monkeypatch.setitem(sys.modules, "bad_data", types.SimpleNamespace(train=bad_data))
-    monkeypatch.setitem(cli.TARGETS, "sft", "bad_data:train")
+    monkeypatch.setattr(commands, "trainer", lambda kind: bad_data)
     assert cli.main(["train", "sft", "--config", str(config_file(tmp_path))]) == 2
     assert error_line(capsys) == "rlhfkit: error: d.jsonl, line 3, field 'prompt': 'prompt' is empty\n"
 

@@ -262,3 +262,61 @@ def test_bad_response_start_and_missing_head():
         response_values(StubScalar(), ids, ids, 0)
     with pytest.raises(TypeError, match="score"):
         sequence_scores(StubCausalLM(True), ids, ids)
+
+
+# ---------------------------------------------------------------- length buckets
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_sequence_scores_length_buckets_equal_one_forward(side):
+    """Scoring in length buckets gives every row the score (and the gradient) of one whole-batch forward,
+    with each forward cut to its bucket's longest row; junk in padding and extra all-pad columns change
+    nothing."""
+    from rlhfkit.models.readout import length_buckets
+
+    model = tiny_llama("scalar", pad_token_id=PAD)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [2 + int(x) for x in torch.randint(0, 29, (40,), generator=gen)]
+    rows = [[1, *(3 + torch.randint(0, 40, (n - 1,), generator=gen)).tolist()] for n in lengths]
+    ids, mask = pad_batch(rows, PAD, side)
+    wide = torch.full((40, 6), PAD, dtype=torch.long)  # six columns that are padding in every row
+    ids = torch.cat([wide, ids] if side == "left" else [ids, wide], 1)
+    mask = torch.cat([torch.zeros_like(wide), mask] if side == "left" else [mask, torch.zeros_like(wide)], 1)
+    ids = ids.masked_fill(mask == 0, 7)  # junk where the mask is 0
+
+    groups = length_buckets(mask)
+    assert len(groups) == 4 and sorted(torch.cat(groups).tolist()) == list(range(40))
+    widths = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(kw["input_ids"].shape), with_kwargs=True
+    )
+    bucketed = sequence_scores(model, ids, mask)
+    hook.remove()
+    assert [w[1] for w in widths] == [max(lengths[i] for i in g.tolist()) for g in groups]
+    assert sum(w[0] for w in widths) == 40
+    whole = sequence_scores(model, ids, mask, buckets=False)
+    torch.testing.assert_close(bucketed, whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(bucketed, alone_scores(model, rows), atol=1e-5, rtol=0)
+
+    weights = torch.randn(40, generator=gen)
+    grads = []
+    for buckets in (True, False):
+        model.zero_grad()
+        (sequence_scores(model, ids, mask, buckets=buckets) * weights).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_length_buckets_choice():
+    same = torch.ones(64, 20, dtype=torch.long)  # nothing to gain: one forward
+    assert len(length_buckets_of(same)) == 1
+    few = torch.zeros(12, 30, dtype=torch.long)  # too few rows for two groups of 8
+    for i in range(12):
+        few[i, : 1 + i * 2] = 1
+    assert len(length_buckets_of(few)) == 1
+
+
+def length_buckets_of(mask):
+    from rlhfkit.models.readout import length_buckets
+
+    return length_buckets(mask)

@@ -4,7 +4,7 @@ config, and a tokenizer without a pad token giving a step-0 KL of exactly 0."""
 import torch
 from transformers import GenerationConfig
 
-from rlhfkit.trainers.online_steps import ppo_update
+from rlhfkit.trainers.online_update import ppo_update
 from tests.models.tiny_architectures import write_tiny_model
 from tests.trainers.online_fixtures import make_context, online_config, write_online_problem
 from tests.trainers.test_online import rollout_for_update

@@ -16,8 +16,10 @@ from rlhfkit.errors import ConfigError
 from rlhfkit.rollout import truncate_at_stop
 from rlhfkit.rollout.generation import Responses
 from rlhfkit.trainers import online, online_steps
-from rlhfkit.trainers.online import OnlineHooks, estimate_advantages, stop_token_ids
-from rlhfkit.trainers.online_steps import ppo_update, prompt_batch, sample_rollout, score_rollout
+from rlhfkit.trainers.online import OnlineHooks, stop_token_ids
+from rlhfkit.trainers.online_shaping import estimate_advantages
+from rlhfkit.trainers.online_steps import prompt_batch, sample_rollout, score_rollout
+from rlhfkit.trainers.online_update import ppo_update
 from tests.trainers.online_fixtures import (
     make_context,
     online_cli_args,
@@ -31,8 +33,8 @@ def rollout_for_update(ctx, step=1):
     """Stages 1-4 of rollout ``step``, as the loop runs them."""
     examples = prepare_examples(ctx.cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
     batch = prompt_batch(ctx, examples, step)
-    rollout, response_mask, _ = sample_rollout(ctx, batch)
-    rollout.scores, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
+    rollout = sample_rollout(ctx, batch)
+    rollout.scores, *_ = score_rollout(ctx, rollout, batch["records"])
     rollout.rewards, rollout.kl = shape_rewards(
         rollout.scores,
         rollout.logprobs,
@@ -107,10 +109,10 @@ def test_hand_built_rollout_puts_score_on_last_real_token_and_rewards_sum_to_sco
         "group_ids": torch.arange(3),
     }
 
-    rollout, response_mask, _ = sample_rollout(ctx, batch)
+    rollout = sample_rollout(ctx, batch)
     lengths = [3, 6, 1]
     expected_mask = torch.tensor([[c < n for c in range(6)] for n in lengths])
-    assert torch.equal(rollout.mask, expected_mask) and torch.equal(response_mask, expected_mask)
+    assert torch.equal(rollout.mask, expected_mask) and torch.equal(rollout.response_mask, expected_mask)
     assert rollout.ended.tolist() == [True, False, True]
     assert rollout.response_ids[0, 2] == eos and rollout.response_ids[2, 0] == eos  # EOS inside the mask
     # Log-probs at the sampling temperature, equal to the unpadded sequence's, read before each token, of the
@@ -127,7 +129,7 @@ def test_hand_built_rollout_puts_score_on_last_real_token_and_rewards_sum_to_sco
         assert torch.allclose(rollout.logprobs[i, :n], expected, atol=1e-5)
         assert (rollout.logprobs[i, n:] == 0).all() and (rollout.ref_logprobs[i, n:] == 0).all()
 
-    scores, raw_scores, *_ = score_rollout(ctx, rollout, response_mask, records)
+    scores, raw_scores, *_ = score_rollout(ctx, rollout, records)
     assert raw_scores.tolist() == [2.0, 6.0, 0.0]  # "cat sat", "on a mat good bad yes", ""
     assert scores.tolist() == [2.0, -7.0, 0.0]  # the truncated response gets missing_eos_score
     rewards, kl = shape_rewards(scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask, kl_coef, "k1")
@@ -159,8 +161,8 @@ def test_critic_starts_as_the_reward_models_normalised_score(tmp_path, monkeypat
         "records": [{"prompt": "x"}] * 2,
         "group_ids": torch.arange(2),
     }
-    rollout, response_mask, _ = sample_rollout(ctx, batch)
-    _, _, parts, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
+    rollout = sample_rollout(ctx, batch)
+    _, _, parts, *_ = score_rollout(ctx, rollout, batch["records"])
     for i, (p, n) in enumerate(zip(prompts, [3, 2], strict=True)):
         ids = torch.tensor([p + raw[i][:n]])
         with torch.no_grad():
@@ -185,10 +187,10 @@ def test_missing_eos_mask_leaves_truncated_responses_out(tmp_path, monkeypatch):
         "records": [{"prompt": "hello"}] * 2,
         "group_ids": torch.tensor([0, 0]),
     }
-    rollout, response_mask, _ = sample_rollout(ctx, batch)
+    rollout = sample_rollout(ctx, batch)
     assert rollout.mask.tolist() == [[True, True, False, False], [False] * 4]
-    assert response_mask[1].all()  # the reward model still reads the truncated response
-    rollout.scores, raw_scores, *_ = score_rollout(ctx, rollout, response_mask, batch["records"])
+    assert rollout.response_mask[1].all()  # the reward model still reads the truncated response
+    rollout.scores, raw_scores, *_ = score_rollout(ctx, rollout, batch["records"])
     assert raw_scores.tolist() == [1.0, 4.0]
     rollout.rewards, rollout.kl = shape_rewards(
         rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask, 0.1

@@ -12,7 +12,7 @@ from rlhfkit.config import load_config
 from rlhfkit.engine.run import read_metrics
 from rlhfkit.tasks import get_task
 from rlhfkit.trainers import online_steps
-from rlhfkit.trainers.online_steps import micro_batch_loss
+from rlhfkit.trainers.online_update import micro_batch_loss
 from tests.helpers import tiny_llama
 from tests.trainers.online_fixtures import make_context
 from tests.trainers.test_online import _hand_built_generation, rollout_for_update
@@ -103,7 +103,7 @@ def test_kl_in_loss_is_k3_against_the_reference_and_leaves_the_reward(problem, t
     rollout.advantages = torch.zeros_like(rollout.advantages)
     mask = rollout.mask
     normalizer = float(mask.sum())
-    from rlhfkit.trainers.online_steps import StatSums
+    from rlhfkit.trainers.online_context import StatSums
 
     loss, parts, _ = micro_batch_loss(ctx, rollout, normalizer, StatSums(), True)
     k3 = kl_k3(rollout.logprobs, rollout.ref_logprobs)  # the actor has not moved: new = old log-probs

@@ -6,7 +6,7 @@ Rules (docs/design.md, "Models"):
 - weights come from safetensors only (``use_safetensors=True``): a folder with nothing but
   pickled ``pytorch_model.bin`` weights is refused with a message that says so;
 - ``dtype`` is the *compute* precision: ``"auto"`` means float32 on CPU and bfloat16 when a CUDA GPU
-  that supports it is present (the ``model.dtype`` help in config.py). A model loaded to be trained
+  that supports it is present (the ``model.dtype`` help in rlhfkit.config). A model loaded to be trained
   keeps float32 weights and runs under bf16 autocast; only a ``frozen=True`` model holds bf16 weights
   (:mod:`rlhfkit.models.precision`);
 - a tokenizer without a pad token is resolved explicitly by :func:`load_tokenizer`'s

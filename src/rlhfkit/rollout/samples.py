@@ -41,7 +41,6 @@ def rollout_samples(
     step: int,
     records: list[dict],
     rollout,
-    response_mask: torch.Tensor,
     parts: dict[str, torch.Tensor],
     tokenizer,
     count: int,
@@ -51,28 +50,31 @@ def rollout_samples(
 
     Args:
         records: the data row of each response (its ``prompt`` is written).
-        rollout: a :class:`rlhfkit.types.Rollout` with ``scores`` and ``kl`` set; ``mask`` False on a whole
-            row means the response was left out of the loss.
-        response_mask: (B, T) the response up to its stop token.
+        rollout: a :class:`rlhfkit.types.Rollout` with ``scores``, ``kl`` and ``response_mask`` (the response
+            up to its stop token) set; ``mask`` False on a whole row means the response was left out of the loss.
         parts: name -> (B,) score parts (NaN = no opinion).
         responses: the decoded texts when the scorer already decoded them.
     """
-    n = min(count, rollout.batch_size)
-    if n <= 0:
+    shown = min(count, rollout.batch_size)
+    if shown <= 0:
         return []
+    response_mask = rollout.response_mask
     if responses is None:
         responses = tokenizer.batch_decode(
-            [row[m].tolist() for row, m in zip(rollout.response_ids[:n], response_mask[:n], strict=True)],
+            [
+                row[m].tolist()
+                for row, m in zip(rollout.response_ids[:shown], response_mask[:shown], strict=True)
+            ],
             skip_special_tokens=True,
         )
-    scores, kl = rollout.scores[:n].tolist(), rollout.kl[:n].sum(1).tolist()
-    trained = rollout.mask[:n].any(1).tolist()
-    lengths, ended = response_mask[:n].sum(1).tolist(), rollout.ended[:n].tolist()
-    values = {name: part[:n].tolist() for name, part in parts.items()}
-    out = []
-    for i in range(n):
+    scores, kl = rollout.scores[:shown].tolist(), rollout.kl[:shown].sum(1).tolist()
+    trained = rollout.mask[:shown].any(1).tolist()
+    lengths, ended = response_mask[:shown].sum(1).tolist(), rollout.ended[:shown].tolist()
+    values = {name: part[:shown].tolist() for name, part in parts.items()}
+    rows = []
+    for i in range(shown):
         unscored = all(math.isnan(v[i]) for v in values.values())
-        out.append(
+        rows.append(
             {
                 "step": int(step),
                 "prompt": records[i].get("prompt"),
@@ -84,7 +86,7 @@ def rollout_samples(
                 "ended": bool(ended[i]),
             }
         )
-    return out
+    return rows
 
 
 class SamplesWriter:

@@ -31,6 +31,12 @@ of them) runs five stages, numbered in :func:`train_online`:
    Clipped surrogate (Schulman et al. 2017, eq. 7), clipped value loss times ``vf_coef``, entropy bonus
    ``ent_coef``, each aggregated by ``aggregate_loss`` with the whole minibatch as normaliser.
 
+Each stage is one call in :func:`train_online`: :func:`~rlhfkit.trainers.online_steps.sample_rollout` (1) and
+:func:`~rlhfkit.trainers.online_steps.score_rollout` (2), :func:`~rlhfkit.trainers.online_shaping.shape_rollout`
+(3) and :func:`~rlhfkit.trainers.online_shaping.estimate_advantages` (4),
+:func:`~rlhfkit.trainers.online_update.ppo_update` (5). The :class:`rlhfkit.types.Rollout` carries what they
+compute, the response mask and the actor's entropy included.
+
 Before the first ``online.critic_warmup_steps`` rollouts end, only the critic is trained (Zheng et al. 2023).
 Learning-rate schedules count rollouts (one scheduler step per rollout).
 
@@ -74,49 +80,31 @@ from typing import Any
 
 import torch
 
-from rlhfkit.algos import (
-    ADVANTAGE_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    explained_variance,
-    shape_rewards,
-)
-from rlhfkit.algos.masked import fill_masked
-from rlhfkit.data import PromptCollator, TokenLimits, prepare_run_data
+from rlhfkit.algos import AdaptiveKLController, FixedKLController, explained_variance
+from rlhfkit.data import TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
-from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
 from rlhfkit.engine.folder import logged_at
 from rlhfkit.engine.guards import FiniteGuard, masked
 from rlhfkit.engine.run import RunDir, open_run
-from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
+from rlhfkit.engine.seed import get_rng_state, seed_everything
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import sampling_for, save_hf_folder, unwrap_model
+from rlhfkit.models import sampling_for, save_hf_folder
 from rlhfkit.report import write_report
 from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
-from rlhfkit.rollout.scoring import (
-    BIAS_KEY,
-    GAIN_KEY,
-    RewardFunctionError,
-    Scorer,
-    check_signature,
-    data_columns,
-    reward_normalization,
-)
-from rlhfkit.trainers.loop import micro_batches, router_aux_coef, run_tokenizer
+from rlhfkit.rollout.scoring import Scorer, check_signature, data_columns
+from rlhfkit.trainers.loop import router_aux_coef, run_tokenizer
+from rlhfkit.trainers.online_checkpoint import resume_state, save, score_or_stop
+from rlhfkit.trainers.online_context import OnlineContext, StageClock, StatSums, derived_seed
+from rlhfkit.trainers.online_metrics import evaluate, rollout_stats
 from rlhfkit.trainers.online_roles import build_optimizers, build_roles, check_online_config
-from rlhfkit.trainers.online_shaping import group_stats, load_process_reward_model, with_process_rewards
-from rlhfkit.trainers.online_steps import (
-    OnlineContext,
-    StageClock,
-    StatSums,
-    UpdateResult,
-    derived_seed,
-    ppo_update,
-    prompt_batch,
-    sample_rollout,
-    score_rollout,
+from rlhfkit.trainers.online_shaping import (
+    estimate_advantages,
+    group_stats,
+    load_process_reward_model,
+    shape_rollout,
 )
-from rlhfkit.types import Rollout
+from rlhfkit.trainers.online_steps import prompt_batch, sample_rollout, take_scores
+from rlhfkit.trainers.online_update import UpdateResult, ppo_update
 
 CRITIC_DIR = "final_critic"
 
@@ -294,41 +282,30 @@ def train_online(
         # 1. generate: sample responses, cut them at the stop token; old and reference log-probs, values
         torch.manual_seed(derived_seed("sampling", cfg.seed, step, acc.process_index))
         batch = prompt_batch(ctx, examples, step)
-        rollout, response_mask, entropy = sample_rollout(ctx, batch, clock)
+        rollout = sample_rollout(ctx, batch, clock)
 
         # 2. score: reward model and/or reward functions; the missing-EOS rule; clipping. A response that
         # nothing scored (every function said None) leaves the loss. A failing reward function stops the run
         # after a checkpoint of the last completed rollout.
         with clock("score"):
-            scored = score_or_stop(
+            scores = score_or_stop(
                 ctx,
                 run,
                 hooks,
                 rollout,
-                response_mask,
                 batch["records"],
                 step,
                 first_step=state["step"] + 1,
                 last_eval=last_eval,
                 rng_state=rng_at_start,
             )
-        rollout.scores, raw_scores, parts, is_scored, responses = scored
-        rollout.mask = rollout.mask & is_scored[:, None]
-        entropy = fill_masked(entropy, rollout.mask)
+        take_scores(rollout, scores)
 
         # 3. KL-shaped rewards: -kl_coef * kl_t per token (unless kl_in_loss), the score on the last real
         # token, and a process reward model's step rewards on the step-end tokens (dense form)
         kl_coef = ctx.kl_ctl.value
         with clock("score"):
-            shaped, step_stats = with_process_rewards(ctx, rollout)
-        rollout.rewards, rollout.kl = shape_rewards(
-            shaped,
-            rollout.logprobs,
-            rollout.ref_logprobs,
-            rollout.mask,
-            0.0 if o.kl_in_loss else kl_coef,
-            o.kl_estimator,
-        )
+            step_stats = shape_rollout(ctx, rollout, kl_coef)
 
         # 4. advantages (and the critic's returns)
         rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
@@ -339,7 +316,7 @@ def train_online(
         skip = ctx.guard.check(
             step,
             {
-                "reward-model score": parts.get("reward_model"),
+                "reward-model score": scores.parts.get("reward_model"),
                 "reward": rollout.scores,
                 "value": masked(rollout.values, m),
                 "log-prob": masked(rollout.logprobs, m),
@@ -358,7 +335,7 @@ def train_online(
 
         # the rollout's and the update's statistics, summed over processes in one all-reduce
         metrics = (
-            rollout_stats(ctx, rollout, response_mask, raw_scores, parts, entropy, is_scored)
+            rollout_stats(ctx, rollout, scores)
             .merge(update.stats)
             .merge(step_stats)
             .merge(group_stats(ctx, rollout))
@@ -374,11 +351,10 @@ def train_online(
                 step,
                 batch["records"],
                 rollout,
-                response_mask,
-                parts,
+                scores.parts,
                 ctx.tokenizer,
                 cfg.logging.samples_per_step,
-                responses,
+                scores.responses,
             )
         )
         metrics.update(update.metrics())
@@ -424,49 +400,6 @@ def train_online(
     }
 
 
-def score_or_stop(
-    ctx: OnlineContext,
-    run: RunDir,
-    hooks: OnlineHooks,
-    rollout: Rollout,
-    response_mask: torch.Tensor,
-    records: list[dict],
-    step: int,
-    *,
-    first_step: int,
-    last_eval: dict[str, float],
-    rng_state: dict[str, Any],
-) -> tuple:
-    """:func:`score_rollout`, or, when a reward function fails (on any process), a checkpoint of rollout
-    ``step - 1`` (unless one exists: the resume point, or a ``save_steps`` multiple) with the RNG as it was when
-    that rollout ended, then a RewardFunctionError naming the rollout, so that ``--resume`` continues from there
-    once the function is fixed."""
-    acc = ctx.accelerator
-    try:
-        result, failure = score_rollout(ctx, rollout, response_mask, records), None
-    except RewardFunctionError as e:
-        result, failure = None, e
-    failed = failure is not None
-    if acc.num_processes > 1:  # every process must stop together (the checkpoint is collective)
-        failed = bool(ctx.all_sum(torch.tensor([float(failed)])).item() > 0)
-    if not failed:
-        return result
-    done = step - 1
-    if done >= first_step and done % ctx.cfg.train.save_steps != 0:
-        set_rng_state(rng_state)
-        save(ctx, run, hooks, done, last_eval)
-    where = (
-        (
-            f"the newest checkpoint is rollout {done}; fix the function and run the same command with --resume to "
-            f"continue from rollout {step}"
-        )
-        if done > 0
-        else "no rollout was completed; fix the function and run again"
-    )
-    reason = str(failure) if failure is not None else "a reward function failed on another process"
-    raise RewardFunctionError(f"rollout {step}: {reason}; {where}") from failure
-
-
 def step_schedulers(ctx: OnlineContext, metrics: dict[str, float]) -> None:
     """One learning-rate schedule step per rollout (the rate used is logged as ``learning_rate/<role>``).
 
@@ -482,161 +415,6 @@ def step_schedulers(ctx: OnlineContext, metrics: dict[str, float]) -> None:
             scheduler.step()
 
 
-def estimate_advantages(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ADVANTAGE_ESTIMATORS[online.advantage_estimator]`` on the shaped rewards: (advantages, returns), (B, T).
-
-    A fully masked response (``missing_eos=mask``) is put in a group of its own, so that it neither gets an
-    advantage nor shifts its group's baseline (grpo / rloo).
-    """
-    o = ctx.cfg.online
-    first, _, _ = ctx.rows()
-    rows = first + torch.arange(
-        rollout.batch_size, device=rollout.group_ids.device
-    )  # (B,) global row numbers
-    group_ids = torch.where(
-        rollout.mask.any(1), rollout.group_ids, -1 - rows
-    )  # (B,); -1 - row: distinct, alone
-    if o.advantage_estimator in ("grpo", "rloo"):
-        check_groups_on_one_process(ctx, group_ids)
-    # grpo's division by the group std is its own switch (off = Dr. GRPO); for gae and reinforce_pp the
-    # estimator's normalisation is whitening over the batch (all processes: all_sum); rloo has none.
-    norm_by_std = o.norm_by_std if o.advantage_estimator == "grpo" else o.whiten_advantages
-    return ADVANTAGE_ESTIMATORS[o.advantage_estimator](
-        rollout.rewards,
-        rollout.mask,
-        rollout.values,
-        group_ids,
-        gamma=o.gamma,
-        lam=o.lam,
-        norm_by_std=norm_by_std,
-        eps=o.advantage_eps,
-        all_sum=ctx.all_sum,
-    )
-
-
-def check_groups_on_one_process(ctx: OnlineContext, group_ids: torch.Tensor) -> None:
-    """RuntimeError if a group id (a prompt's position in the rollout) is held by two processes: grpo and rloo
-    compute each group's statistics where it is, so a split group would get two baselines. One all-reduce
-    of a (batch_size,) count; nothing to check on one process."""
-    if ctx.accelerator.num_processes == 1:
-        return
-    ids = group_ids[group_ids >= 0].unique()
-    held = torch.zeros(ctx.cfg.train.batch_size, device=ctx.device)
-    held[ids.to(ctx.device)] = 1.0
-    split = (ctx.all_sum(held) > 1).nonzero().flatten().tolist()
-    if split:
-        raise RuntimeError(
-            f"the groups of prompts {split[:5]} are split between processes; each group's "
-            "responses must be on one process (rlhfkit.trainers.online_steps.prompt_batch)"
-        )
-
-
-def rollout_stats(
-    ctx: OnlineContext,
-    rollout: Rollout,
-    response_mask: torch.Tensor,
-    raw_scores: torch.Tensor,
-    parts: dict[str, torch.Tensor],
-    entropy: torch.Tensor,
-    scored: torch.Tensor,
-) -> StatSums:
-    """Per-rollout statistics (names in the module docstring), as sums to be reduced over processes
-    (``.means(ctx)``).
-
-    ``kl/mean`` is the mean over responses (those with a valid token) of sum_t kl_t, in nats per response,
-    the unit of the adaptive controller; ``score/mean`` is the score as it enters the rewards and
-    ``score/raw_mean`` the scorer's before the missing-EOS rule and clipping, both over the responses that
-    something scored; ``score/<part>`` is each part's mean where it had an opinion; ``score/unscored`` counts
-    the responses that nothing scored (left out of the loss). Sums are taken in float64:
-    a float32 sum of values that nearly cancel (whitened advantages) depends on the order of addition.
-    """
-    s = StatSums(ctx.device)
-    rows, mask = rollout.batch_size, rollout.mask
-    kept, tokens = mask.any(1).sum(), mask.sum()
-    s.add_sum("score/mean", rollout.scores[scored].double().sum(), scored.sum())
-    s.add_sum("score/raw_mean", raw_scores[scored].double().sum(), scored.sum())
-    # A count, not a mean: the weights of all processes add up to 1.
-    s.add_sum("score/unscored", (~scored).sum(), 1.0 / ctx.accelerator.num_processes)
-    if len(parts) > 1 or ctx.scorer.functions:  # the same names on every process (one all-reduce)
-        for name, values in parts.items():
-            known = ~values.isnan()
-            s.add_sum(f"score/{name}", values[known].double().sum(), known.sum())
-    s.add_sum("kl/mean", rollout.kl.double().sum(), kept)
-    s.add_sum("kl/per_token", rollout.kl.double().sum(), tokens)
-    s.add_sum("reward/mean", rollout.rewards.double().sum(), kept)
-    s.add_sum("entropy/mean", entropy.double().sum(), tokens)
-    s.add_sum("response_length/mean", response_mask.sum(), rows)
-    s.add_sum("response/ended_frac", rollout.ended.sum(), rows)
-    s.add_sum("response/trained_frac", kept, rows)
-    s.add_sum("advantages/mean", rollout.advantages.double().sum(), tokens)
-    s.add_sum("returns/mean", rollout.returns.double().sum(), tokens)
-    if rollout.values is not None:
-        s.add_sum("values/mean", rollout.values.double().sum(), tokens)
-    return s
-
-
-def evaluate(
-    ctx: OnlineContext, hooks: OnlineHooks, eval_examples: list[dict] | None, step: int
-) -> dict[str, float]:
-    """The caller's ``evaluate`` hook and, with ``data.eval_file``, the built-in held-out figures.
-
-    Runs with every global RNG seeded from (seed, step) and restored afterwards: evaluation never changes
-    what training samples, and an interrupted and resumed run evaluates the same samples.
-    """
-    saved = get_rng_state()
-    seed_everything(derived_seed("evaluation", ctx.cfg.seed, step, ctx.accelerator.process_index) % 2**32)
-    actor = ctx.roles.actor
-    was_training = actor.training
-    actor.eval()
-    try:
-        with torch.no_grad():
-            metrics = evaluate_prompts(ctx, eval_examples) if eval_examples else {}
-            if hooks.evaluate is not None:
-                extra = hooks.evaluate(actor, step)
-                clash = sorted(set(extra) & set(metrics))
-                if clash:
-                    raise ValueError(f"the evaluate hook returned metric names the trainer uses: {clash}")
-                metrics.update(extra)
-    finally:
-        actor.train(was_training)
-        set_rng_state(saved)
-    return metrics
-
-
-def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, float]:
-    """One response per held-out prompt at the training temperature: ``eval/score/mean`` (the scorer's raw
-    score, over the responses something scored), ``eval/kl/mean`` (nats per response, the trained estimator over each response's trained
-    tokens), ``eval/response_length/mean``, ``eval/response/ended_frac``."""
-    acc, o = ctx.accelerator, ctx.cfg.online
-    s = StatSums(ctx.device)
-    mine = examples[acc.process_index :: acc.num_processes]
-    size = max(1, ctx.cfg.train.batch_size * o.group_size // acc.num_processes)
-    collate = PromptCollator(ctx.tokenizer.pad_token_id)
-    for chunk in micro_batches(mine, size):
-        b = collate(list(chunk))
-        batch = {
-            "query_ids": b["input_ids"].to(ctx.device),
-            "query_mask": b["attention_mask"].to(ctx.device),
-            "records": b["records"],
-            "group_ids": torch.arange(len(chunk), device=ctx.device),
-        }
-        rollout, response_mask, _ = sample_rollout(ctx, batch)
-        _, raw_scores, _, scored, _ = score_rollout(ctx, rollout, response_mask, batch["records"])
-        _, kl = shape_rewards(
-            torch.zeros_like(raw_scores),
-            rollout.logprobs,
-            rollout.ref_logprobs,
-            rollout.mask,
-            0.0,
-            o.kl_estimator,
-        )
-        s.add_sum("eval/score/mean", raw_scores[scored].sum(), scored.sum())
-        s.add_sum("eval/kl/mean", kl.sum(), len(chunk))
-        s.add_sum("eval/response_length/mean", response_mask.sum(), len(chunk))
-        s.add_sum("eval/response/ended_frac", rollout.ended.sum(), len(chunk))
-    return s.means(ctx)
-
-
 def refresh_reward_model(ctx: OnlineContext, hooks: OnlineHooks, step: int) -> dict[str, float]:
     """Call the refresh hook with the actor (eval mode) and the reward model, then freeze the reward model."""
     actor, reward_model = ctx.roles.actor, ctx.roles.reward_model
@@ -649,63 +427,3 @@ def refresh_reward_model(ctx: OnlineContext, hooks: OnlineHooks, step: int) -> d
         reward_model.eval()
         reward_model.requires_grad_(False)
     return metrics
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Checkpoints: actor, critic (and a refreshed reward model), optimizers, schedules, KL controller, RNG.
-
-
-def _checkpoint_models(ctx: OnlineContext, hooks: OnlineHooks) -> dict[str, torch.nn.Module]:
-    models = {"actor": ctx.roles.actor}
-    if ctx.roles.critic is not None:
-        models["critic"] = ctx.roles.critic
-    if hooks.refresh_reward_model is not None:
-        models["reward_model"] = ctx.roles.reward_model
-    return models
-
-
-def save(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, step: int, last_eval: dict[str, float]) -> None:
-    """Write ``checkpoints/step-<step>/`` (main process; the others wait)."""
-    acc = ctx.accelerator
-    acc.wait_for_everyone()
-    if not acc.is_main_process:
-        return
-    state = {
-        "kl_controller": ctx.kl_ctl.state_dict(),
-        "prompts_seen": step * ctx.cfg.train.batch_size,
-        "last_eval": last_eval,
-    }
-    if ctx.guard is not None:
-        state["guard"] = ctx.guard.state_dict()
-    if hooks.refresh_reward_model is not None:  # a refresh may re-fit the normalisation in the model's config
-        state["reward_normalization"] = list(reward_normalization(ctx.roles.reward_model))
-    if hasattr(hooks.refresh_reward_model, "state_dict"):
-        state["reward_refresh"] = hooks.refresh_reward_model.state_dict()
-    save_checkpoint(
-        run.checkpoints_dir,
-        step,
-        _checkpoint_models(ctx, hooks),
-        ctx.optimizers,
-        ctx.schedulers,
-        state,
-        keep_last=ctx.cfg.train.keep_last_checkpoints,
-    )
-
-
-def resume_state(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks) -> dict[str, Any]:
-    """Restore the newest complete checkpoint when resuming; ``{"step": 0}`` for a fresh start."""
-    if run.resume_checkpoint is None:
-        return {"step": 0}
-    state = load_checkpoint(
-        run.resume_checkpoint, _checkpoint_models(ctx, hooks), ctx.optimizers, ctx.schedulers
-    )
-    ctx.kl_ctl.load_state_dict(state["kl_controller"])
-    if ctx.guard is not None:
-        ctx.guard.load_state_dict(state.get("guard"))
-    if "reward_normalization" in state:
-        config = unwrap_model(ctx.roles.reward_model).config
-        setattr(config, GAIN_KEY, state["reward_normalization"][0])
-        setattr(config, BIAS_KEY, state["reward_normalization"][1])
-    if "reward_refresh" in state and hasattr(hooks.refresh_reward_model, "load_state_dict"):
-        hooks.refresh_reward_model.load_state_dict(state["reward_refresh"])
-    return state

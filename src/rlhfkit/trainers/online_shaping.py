@@ -1,17 +1,19 @@
-"""Two additions to the online loop's stages 3 and 4, kept beside it: a process reward model's step rewards
-(:mod:`rlhfkit.rollout.process_rewards`, ``online.process_reward_model``) and the degenerate-group counts of a
-critic-free rollout (:mod:`rlhfkit.algos.groups`)."""
+"""Stages 3 and 4 of the online loop: the KL-shaped rewards (:func:`shape_rollout`, with a process reward
+model's step rewards, :mod:`rlhfkit.rollout.process_rewards`, ``online.process_reward_model``) and the
+advantages (:func:`estimate_advantages`), with the degenerate-group counts of a critic-free rollout
+(:mod:`rlhfkit.algos.groups`)."""
 
 from __future__ import annotations
 
 import torch
 
+from rlhfkit.algos import ADVANTAGE_ESTIMATORS, shape_rewards
 from rlhfkit.algos.groups import group_counts
 from rlhfkit.data import TokenLimits
 from rlhfkit.models import load_scalar_model
 from rlhfkit.rollout.process_rewards import outcome_and_steps, process_rewards, step_end_table, step_ends
+from rlhfkit.trainers.online_context import OnlineContext, StatSums, model_inputs
 from rlhfkit.trainers.online_roles import check_same_vocabulary
-from rlhfkit.trainers.online_steps import OnlineContext, StatSums, model_inputs
 from rlhfkit.types import Rollout
 
 
@@ -53,6 +55,73 @@ def with_process_rewards(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Te
     s.add_sum("score/process_mean", dense.double().sum(), kept)
     s.add_sum("score/process_steps", ends.sum(), kept)
     return outcome_and_steps(rollout.scores, dense, rollout.mask), s
+
+
+def shape_rollout(ctx: OnlineContext, rollout: Rollout, kl_coef: float) -> StatSums:
+    """Stage 3: ``rollout.rewards`` and ``rollout.kl`` from ``shape_rewards``: ``-kl_coef * kl_t`` on every
+    token (0 under ``online.kl_in_loss``: the KL is then a loss term), the score on the last real token and a
+    process reward model's step rewards on the step-end tokens (:func:`with_process_rewards`). Returns the
+    PRM's statistics (none without one)."""
+    online = ctx.cfg.online
+    shaped, stats = with_process_rewards(ctx, rollout)
+    rollout.rewards, rollout.kl = shape_rewards(
+        shaped,
+        rollout.logprobs,
+        rollout.ref_logprobs,
+        rollout.mask,
+        0.0 if online.kl_in_loss else kl_coef,
+        online.kl_estimator,
+    )
+    return stats
+
+
+def estimate_advantages(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ADVANTAGE_ESTIMATORS[online.advantage_estimator]`` on the shaped rewards: (advantages, returns), (B, T).
+
+    A fully masked response (``missing_eos=mask``) is put in a group of its own, so that it neither gets an
+    advantage nor shifts its group's baseline (grpo / rloo).
+    """
+    o = ctx.cfg.online
+    first, _, _ = ctx.rows()
+    rows = first + torch.arange(
+        rollout.batch_size, device=rollout.group_ids.device
+    )  # (B,) global row numbers
+    group_ids = torch.where(
+        rollout.mask.any(1), rollout.group_ids, -1 - rows
+    )  # (B,); -1 - row: distinct, alone
+    if o.advantage_estimator in ("grpo", "rloo"):
+        check_groups_on_one_process(ctx, group_ids)
+    # grpo's division by the group std is its own switch (off = Dr. GRPO); for gae and reinforce_pp the
+    # estimator's normalisation is whitening over the batch (all processes: all_sum); rloo has none.
+    norm_by_std = o.norm_by_std if o.advantage_estimator == "grpo" else o.whiten_advantages
+    return ADVANTAGE_ESTIMATORS[o.advantage_estimator](
+        rollout.rewards,
+        rollout.mask,
+        rollout.values,
+        group_ids,
+        gamma=o.gamma,
+        lam=o.lam,
+        norm_by_std=norm_by_std,
+        eps=o.advantage_eps,
+        all_sum=ctx.all_sum,
+    )
+
+
+def check_groups_on_one_process(ctx: OnlineContext, group_ids: torch.Tensor) -> None:
+    """RuntimeError if a group id (a prompt's position in the rollout) is held by two processes: grpo and rloo
+    compute each group's statistics where it is, so a split group would get two baselines. One all-reduce
+    of a (batch_size,) count; nothing to check on one process."""
+    if ctx.accelerator.num_processes == 1:
+        return
+    ids = group_ids[group_ids >= 0].unique()
+    held = torch.zeros(ctx.cfg.train.batch_size, device=ctx.device)
+    held[ids.to(ctx.device)] = 1.0
+    split = (ctx.all_sum(held) > 1).nonzero().flatten().tolist()
+    if split:
+        raise RuntimeError(
+            f"the groups of prompts {split[:5]} are split between processes; each group's "
+            "responses must be on one process (rlhfkit.trainers.online_steps.prompt_batch)"
+        )
 
 
 def group_stats(ctx: OnlineContext, rollout: Rollout) -> StatSums:

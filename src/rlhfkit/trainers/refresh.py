@@ -53,7 +53,7 @@ from rlhfkit.errors import ConfigError, UserError
 from rlhfkit.models import unwrap_model
 from rlhfkit.rollout.pairs import SampledPair, annotate_records, drop_uninformative, sample_response_pairs
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY
-from rlhfkit.trainers.online_steps import derived_seed
+from rlhfkit.trainers.online_context import derived_seed
 from rlhfkit.trainers.preference_data import PairCollator
 from rlhfkit.trainers.reward import fit_normalization, pair_loss, pair_scores, score_examples
 from rlhfkit.trainers.reward_metrics import heldout_metrics

@@ -1,0 +1,184 @@
+"""What each ``rlhfkit`` command does once :mod:`rlhfkit.cli` has parsed its arguments: check them (a mistake
+is a UserError, reported before torch is imported), set the thread count, then call the function that does the
+work, imported only then so that ``rlhfkit --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlhfkit.config import RunConfig, load_config
+from rlhfkit.errors import UserError
+
+DEFAULT_TEMPERATURE = 0.7  # as online.temperature (Huang et al. 2024)
+
+
+def trainer(kind: str) -> Callable[..., dict[str, Any]]:
+    """The function that trains ``kind``: ``train(cfg: RunConfig, resume: bool) -> summary``."""
+    if kind == "sft":
+        from rlhfkit.trainers.sft import train
+    elif kind == "reward":
+        from rlhfkit.trainers.reward import train
+    elif kind == "prm":
+        from rlhfkit.trainers.prm import train_prm as train
+    elif kind == "dpo":
+        from rlhfkit.trainers.dpo import train
+    else:  # ppo, grpo and rloo: one online loop (rlhfkit.config.ONLINE_KINDS)
+        from rlhfkit.trainers.online import train
+    return train
+
+
+def train_command(args: argparse.Namespace) -> int:
+    cfg: RunConfig = load_config(args.config, args.overrides, args.kind)
+    set_threads()
+    from rlhfkit.engine.accel import launch_rank
+    from rlhfkit.engine.run import prepare_output_dir  # imports torch
+    from rlhfkit.engine.signals import graceful_stop
+
+    train = trainer(args.kind)
+    if (
+        launch_rank() == 0
+    ):  # one process checks (and with --overwrite empties) the folder; the others wait for it
+        prepare_output_dir(cfg.output_dir, resume=args.resume, overwrite=args.overwrite)
+    if args.resume:
+        from rlhfkit.engine.folder import finished_run
+
+        done = finished_run(cfg.output_dir, cfg.train.max_steps)
+        if done is not None:  # its final/ and summary.json stay as they are
+            if launch_rank() == 0:
+                print(
+                    f"rlhfkit: {cfg.output_dir} is a finished run (step {done}); nothing to resume. A larger "
+                    "train.max_steps continues it",
+                    file=sys.stderr,
+                )
+            return 0
+    with graceful_stop():  # SIGTERM / SIGINT: finish the step, checkpoint, exit 128 + signal
+        train(cfg, resume=args.resume)
+    return 0
+
+
+def quickstart_command(args: argparse.Namespace) -> int:
+    from rlhfkit.engine.run import prepare_output_dir
+
+    set_threads()
+    if args.refresh_steps < 0:
+        raise UserError(
+            f"--refresh-steps must be 0 (off) or a positive number of rollouts, got {args.refresh_steps}"
+        )
+    if args.task != "reviews":
+        from rlhfkit.verifiable import VERIFIABLE_PRESETS, quickstart_verifiable
+
+        if args.preset not in VERIFIABLE_PRESETS or args.refresh_steps:
+            raise UserError(
+                f"--task {args.task} runs the presets {sorted(VERIFIABLE_PRESETS)} and no reward-model refresh"
+            )
+        prepare_output_dir(args.out, overwrite=args.overwrite)
+        quickstart_verifiable(args.out, args.task, args.preset, args.overwrite, seed=args.seed)
+        return 0
+    from rlhfkit.pipeline import quickstart
+
+    prepare_output_dir(args.out, overwrite=args.overwrite)
+    quickstart(args.out, args.preset, args.overwrite, seed=args.seed, refresh_steps=args.refresh_steps)
+    return 0
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    if not Path(args.prompts).is_file():
+        raise UserError(f"prompts file not found: {args.prompts}")
+    temperature = (
+        0.0 if args.greedy else DEFAULT_TEMPERATURE if args.temperature is None else args.temperature
+    )
+    if temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {temperature}")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.out is not None and not Path(args.out).absolute().parent.is_dir():
+        raise UserError(f"--out {args.out}: its folder {Path(args.out).absolute().parent} does not exist")
+    if args.reward_model is not None and not Path(args.reward_model).is_dir():
+        raise UserError(f"--reward-model: folder not found: {args.reward_model}")
+    set_threads()
+    from rlhfkit.rollout.generate_cli import generate
+
+    # temperature 0 means greedy decoding.
+    generate(
+        args.model,
+        args.prompts,
+        out=args.out,
+        temperature=temperature,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        reward_model=args.reward_model,
+    )
+    return 0
+
+
+def label_pairs_command(args: argparse.Namespace) -> int:
+    for flag, value, least in (
+        ("--pairs", args.pairs, 1),
+        ("--eval-pairs", args.eval_pairs, 0),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--batch-size", args.batch_size, 2),
+    ):
+        if value < least:
+            raise UserError(f"{flag} must be >= {least}, got {value}")
+    if not Path(args.policy).is_dir():
+        raise UserError(f"policy folder not found: {args.policy}")
+    set_threads()
+    from rlhfkit.rollout.pairs import label_pairs
+
+    summary = label_pairs(
+        args.policy,
+        args.out,
+        task=args.task,
+        task_seed=args.task_seed,
+        num_pairs=args.pairs,
+        num_eval_pairs=args.eval_pairs,
+        seed=args.seed,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        annotator_temperature=args.annotator_temperature,
+        overwrite=args.overwrite,
+    )
+    train, held = summary["train"], summary["eval"]
+    ceiling = held["bayes_ceiling"] if held["bayes_ceiling"] is not None else train["bayes_ceiling"]
+    print(
+        f"{train['pairs']} training pairs -> {train['file']}; {held['pairs']} held-out pairs -> {held['file']}; "
+        f"annotators' Bayes ceiling {'n/a' if ceiling is None else f'{ceiling:.3f}'}; "
+        f"{summary['seconds']['total']:.1f} s"
+    )
+    return 0
+
+
+def report_command(args: argparse.Namespace) -> int:
+    for run_dir in args.run_dirs:
+        if not Path(run_dir).is_dir():
+            raise UserError(f"run folder not found: {run_dir}")
+    if args.out is not None and len(args.run_dirs) == 1:
+        raise UserError(
+            "--out names the side-by-side page of several runs; one run's page is RUN_DIR/report.html"
+        )
+    set_threads()
+    from rlhfkit.report import write_reports
+
+    for path in write_reports(args.run_dirs, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def set_threads() -> None:
+    """Every command sets torch's thread count before any work (docs/design.md, "Threads"); after the
+    checks of its arguments, so that a mistake is reported without waiting for torch to import."""
+    from rlhfkit.engine import threads
+
+    threads.set_num_threads()
+    # transformers' per-load "Loading weights" bars add nothing to rlhfkit's own progress display.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    # Its load reports (e.g. "score.weight MISSING" when a reward model is built on a causal LM) are
+    # expected here; rlhfkit's own checks raise clear errors for what is really wrong.
+    hf_logging.set_verbosity_error()

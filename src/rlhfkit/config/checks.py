@@ -1,0 +1,141 @@
+"""Checks of a loaded configuration: numeric bounds, ``Literal`` choices, the column mapping and every
+cross-field rule (:func:`validate`), each failure a ConfigError naming the key and where it was set."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from typing import Any
+
+from rlhfkit.config.fields import field_types, get_dotted, literal_choices
+from rlhfkit.config.run import KIND_FORCED, ONLINE_KINDS, RunConfig
+from rlhfkit.errors import ConfigError
+
+# The names `data.columns` maps from: every field a shape of the module docstring reads.
+STANDARD_COLUMNS = ("prompt", "chosen", "rejected", "completion", "messages", "text", "steps", "labels")
+
+
+def check_columns(columns: dict | None, key: str = "data.columns") -> dict[str, str]:
+    """``columns`` as a plain dict, or a ConfigError for a name that is not standard or a non-string column."""
+    out = dict(columns or {})
+    for name, column in out.items():
+        if name not in STANDARD_COLUMNS:
+            close = difflib.get_close_matches(str(name), STANDARD_COLUMNS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"one of {', '.join(STANDARD_COLUMNS)}"
+            raise ConfigError(
+                f"{key}: '{name}' is not a standard column name ({hint}); the mapping goes from the "
+                "standard name to your column, e.g. {prompt: question}"
+            )
+        if not isinstance(column, str) or not column:
+            raise ConfigError(f"{key}.{name}: expected the name of a column, got {column!r}")
+    targets = list(out.values())
+    twice = sorted({c for c in targets if targets.count(c) > 1})
+    if twice:
+        raise ConfigError(f"{key}: column(s) {', '.join(twice)} mapped to more than one standard name")
+    return out
+
+
+def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
+    def fail(key: str, message: str) -> None:
+        where = f" (set in {set_by[key]})" if key in set_by else ""
+        raise ConfigError(f"{key}{where}: {message}")
+
+    if run.kind != kind:
+        fail("kind", f"this configuration is for `train {run.kind}`, but the command is `train {kind}`")
+    for key, value in KIND_FORCED.get(kind, {}).items():
+        if get_dotted(run, key) != value:
+            fail(
+                key,
+                f"`train {kind}` always uses {value}; for another choice run "
+                f"`train ppo {key}={get_dotted(run, key)}`",
+            )
+    _check_bounds(run, "", fail)
+    _check_choices(run, "", fail)
+    check_columns(run.data.columns)
+    for key in ("output_dir", "model.name_or_path", "data.train_file"):
+        if not get_dotted(run, key):
+            fail(key, f"required; set it in the config file or on the command line ({key}=...)")
+    t = run.train
+    # Online runs accumulate over responses (batch_size * group_size per rollout, split in minibatches), and
+    # a last, smaller micro-batch is exact there (whole-minibatch normaliser): no divisibility needed.
+    if t.micro_batch_size is not None and kind not in ONLINE_KINDS and t.batch_size % t.micro_batch_size:
+        fail(
+            "train.micro_batch_size",
+            f"must divide train.batch_size ({t.batch_size}), got {t.micro_batch_size}",
+        )
+    if kind not in ONLINE_KINDS and run.data.max_prompt_length >= run.data.max_length:
+        fail(
+            "data.max_prompt_length",
+            f"must be below data.max_length ({run.data.max_length}) to leave room "
+            f"for a response, got {run.data.max_prompt_length}",
+        )
+    if kind not in ("sft", "reward", "prm") and t.sharding != "none":
+        fail(
+            "train.sharding",
+            f"{t.sharding} is not supported by `train {kind}` yet (sft, reward and prm only); "
+            "use train.sharding=none (data parallel: each process holds the whole model) with LoRA "
+            "(model.lora_rank) to fit a larger policy",
+        )
+    if kind == "dpo" and run.dpo.loss == "ipo" and run.dpo.label_smoothing:
+        fail("dpo.label_smoothing", "applies to the sigmoid loss only; set it to 0 with dpo.loss=ipo")
+    if kind in ONLINE_KINDS:
+        o = run.online
+        if run.model.lora_rank and run.model.lora_dropout and run.model.disable_dropout:
+            fail(
+                "model.lora_dropout",
+                f"{run.model.lora_dropout} makes the PPO ratio differ from 1 before any "
+                "update; set it to 0 (or model.disable_dropout=false to keep every dropout)",
+            )
+        if not o.reward_model and not o.reward_functions:
+            fail(
+                "online.reward_model",
+                "set online.reward_model and/or online.reward_functions: nothing scores the responses",
+            )
+        if o.advantage_estimator in ("grpo", "rloo") and o.group_size < 2:
+            fail(
+                "online.group_size",
+                f"advantage_estimator={o.advantage_estimator} compares the responses to one "
+                f"prompt, so it needs group_size >= 2, got {o.group_size}",
+            )
+        responses = t.batch_size * o.group_size
+        if responses % o.num_minibatches:
+            fail(
+                "online.num_minibatches",
+                f"must divide the responses per rollout (train.batch_size * "
+                f"online.group_size = {responses}), got {o.num_minibatches}",
+            )
+
+
+def _check_bounds(obj: Any, prefix: str, fail) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_bounds(value, prefix + f.name + ".", fail)
+            continue
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(prefix + f.name, f"must be a finite number, got {value}")
+        for bound, holds in (
+            ("gt", value.__gt__),
+            ("ge", value.__ge__),
+            ("lt", value.__lt__),
+            ("le", value.__le__),
+        ):
+            limit = f.metadata.get(bound)
+            if limit is not None and not holds(limit):
+                symbol = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}[bound]
+                fail(prefix + f.name, f"must be {symbol} {limit}, got {value}")
+
+
+def _check_choices(obj: Any, prefix: str, fail) -> None:
+    hints = field_types(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, prefix + f.name + ".", fail)
+            continue
+        choices = literal_choices(hints[f.name])
+        if choices is not None and value is not None and value not in choices:
+            fail(prefix + f.name, f"must be one of {', '.join(map(str, choices))}, got {value!r}")

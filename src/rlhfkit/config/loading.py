@@ -1,0 +1,213 @@
+"""Reading a configuration (defaults < per-kind defaults < YAML file < ``dotted.key=value`` overrides, through
+omegaconf) and writing it back (``config.yaml``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+from rlhfkit.config.checks import validate
+from rlhfkit.config.fields import field_types, is_section, literal_choices
+from rlhfkit.config.run import KIND_DEFAULTS, KIND_FORCED, KINDS, RunConfig
+from rlhfkit.errors import ConfigError
+
+
+def load_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), kind: str = "sft"
+) -> RunConfig:
+    """Build a :class:`RunConfig`: dataclass defaults < per-kind defaults < YAML file < ``dotted.key=value``.
+
+    Raises:
+        ConfigError: unreadable or invalid YAML, an unknown key, a value of the wrong type or out of range,
+            a missing required value, or contradicting settings; the message names the key and where it was
+            set (the file, or the command-line override).
+    """
+    from omegaconf import OmegaConf
+
+    if kind not in KINDS:
+        raise ConfigError(f"unknown kind '{kind}'; choose one of {', '.join(KINDS)}")
+    layers: list[tuple[str, dict]] = [
+        (
+            f"the defaults of `train {kind}`",
+            _nest({**KIND_DEFAULTS.get(kind, {}), **KIND_FORCED.get(kind, {}), "kind": kind}),
+        )
+    ]
+    if path is not None:
+        layers.append((str(path), _read_yaml(path)))
+    for item in overrides:
+        layers.append((f"command-line override '{item}'", _parse_override(item)))
+
+    cfg = OmegaConf.structured(_omegaconf_schema(RunConfig))
+    set_by: dict[str, str] = {}  # dotted key -> where its value was last set
+    for source, values in layers:
+        for key in _check_keys(values, RunConfig, "", source):
+            set_by[key] = source
+        try:
+            cfg = OmegaConf.merge(cfg, values)
+        except Exception as e:  # omegaconf's ValidationError / ConfigKeyError and friends
+            raise _translate(e, source) from None
+    try:
+        run: RunConfig = _from_plain(RunConfig, OmegaConf.to_container(cfg, resolve=True))
+    except Exception as e:  # an interpolation ${...} that does not resolve
+        raise _translate(e, "the configuration") from None
+    validate(run, kind, set_by)
+    return run
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The configuration as plain nested dicts, lists and scalars (what ``config.yaml`` holds)."""
+    return dataclasses.asdict(cfg)
+
+
+RUN_INFO_PREFIX = "# run: "
+
+
+def save_config(cfg: RunConfig, path: str | Path, run_info: dict[str, Any] | None = None) -> None:
+    """Write ``cfg`` as YAML that :func:`load_config` reads back to an equal :class:`RunConfig`.
+
+    ``run_info`` (how the run was launched: processes, launcher, threads) goes into a comment line
+    ``# run: {json}`` (:func:`read_run_info`), so that the file stays a loadable configuration.
+    """
+    import json
+
+    import yaml
+
+    path = Path(path)
+    header = f"# rlhfkit resolved configuration; rerun with: rlhfkit train {cfg.kind} --config {path.name}\n"
+    if run_info:
+        header += RUN_INFO_PREFIX + json.dumps(run_info, sort_keys=True) + "\n"
+    text = header + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def read_run_info(path: str | Path) -> dict[str, Any] | None:
+    """The run line of a ``config.yaml`` that :func:`save_config` wrote, or None."""
+    import json
+
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.startswith(RUN_INFO_PREFIX):
+            return json.loads(line[len(RUN_INFO_PREFIX) :])
+    return None
+
+
+def _read_yaml(path: str | Path) -> dict:
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        # omegaconf's YAML loader: reads 1e-5 as a number and refuses duplicate keys (PyYAML keeps the last).
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}{where}: not valid YAML: {problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys (like `train:` and `model:`), got a list")
+    return data
+
+
+def _parse_override(item: str) -> dict:
+    from omegaconf import OmegaConf
+
+    key, sep, _ = item.partition("=")
+    if not sep or not all(part.isidentifier() for part in key.split(".")):
+        raise ConfigError(
+            f"command-line override '{item}': expected dotted.key=value, e.g. train.learning_rate=1e-5"
+        )
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+    except Exception as e:
+        raise ConfigError(f"command-line override '{item}': {str(e).splitlines()[0]}") from None
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _check_keys(values: dict, cls: type, prefix: str, source: str) -> list[str]:
+    """Refuse unknown keys (suggesting the closest known one); return the dotted keys set."""
+    hints = field_types(cls)
+    seen = []
+    for name, value in values.items():
+        key = prefix + str(name)
+        if name not in hints:
+            close = difflib.get_close_matches(str(name), list(hints), n=1)
+            hint = (
+                f" (did you mean '{prefix}{close[0]}'?)"
+                if close
+                else f"; known keys here: {', '.join(hints)}"
+            )
+            raise ConfigError(f"{source}: unknown key '{key}'{hint}")
+        if is_section(hints[name]):
+            if value is None:  # `online:` with every key commented out
+                values[name] = value = {}
+            if not isinstance(value, dict):
+                raise ConfigError(
+                    f"{source}: '{key}' is a section; expected a mapping of its keys, got {value!r}"
+                )
+            seen += _check_keys(value, hints[name], key + ".", source)
+        else:
+            seen.append(key)
+    return seen
+
+
+def _translate(e: Exception, source: str) -> ConfigError:
+    key = getattr(e, "full_key", None)
+    message = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return ConfigError(f"{source}: {key}: {message}" if key else f"{source}: {message}")
+
+
+_SCHEMAS: dict[type, type] = {}
+
+
+def _omegaconf_schema(cls: type) -> type:
+    """A copy of the dataclass ``cls`` (and of its sections) with ``Literal[...]`` fields typed ``str``, which
+    every omegaconf version takes; :func:`rlhfkit.config.checks.validate` checks the choices afterwards."""
+    import typing
+
+    if cls in _SCHEMAS:
+        return _SCHEMAS[cls]
+    hints, fields = field_types(cls), []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if is_section(tp):
+            section = _omegaconf_schema(tp)
+            fields.append((f.name, section, field(default_factory=section)))
+            continue
+        choices = literal_choices(tp)
+        if choices is not None:
+            tp = str if typing.get_origin(tp) is Literal else str | None
+        default = (
+            field(default_factory=f.default_factory)
+            if f.default is dataclasses.MISSING
+            else field(default=f.default)
+        )
+        fields.append((f.name, tp, default))
+    _SCHEMAS[cls] = dataclasses.make_dataclass(cls.__name__, fields)
+    return _SCHEMAS[cls]
+
+
+def _from_plain(cls: type, values: dict) -> Any:
+    """``cls`` (a section dataclass) built from the plain nested dict omegaconf gives back."""
+    hints = field_types(cls)
+    return cls(
+        **{
+            name: _from_plain(hints[name], value) if is_section(hints[name]) else value
+            for name, value in values.items()
+        }
+    )

@@ -1,0 +1,116 @@
+"""The ``online`` section: generation, reward, KL, advantages and the PPO update of ppo / grpo / rloo."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from rlhfkit.config.fields import option
+
+if TYPE_CHECKING:  # the choices rlhfkit.algos declares; read by field_types (algos imports torch)
+    from rlhfkit.algos import AdvantageEstimator, KLEstimator, LossAggregation
+
+
+@dataclass
+class OnlineConfig:
+    """Online RL (ppo / grpo / rloo): generation, reward, KL, advantages and the PPO update."""
+
+    reward_model: str | None = option(None, "Frozen reward model folder (from `rlhfkit train reward`).")
+    reward_functions: list[str] = option(
+        [], "Reward functions 'pkg.module:fn' or 'path/to/file.py:fn', added to the reward model's score."
+    )
+    process_reward_model: str | None = option(
+        None,
+        "Process reward model folder (from `rlhfkit train prm`): P(step correct) - 1 on every step-end "
+        "token of a response, beside the outcome score on its last token (rlhfkit.rollout.process_rewards).",
+    )
+    critic_model: str | None = option(
+        None,
+        "Initial critic (value model) for gae; none = the reward model, else the policy "
+        "(Huang et al. 2024: critic initialised from the reward model).",
+    )
+    response_length: int = option(64, "Most tokens generated per response.", gt=0)
+    temperature: float = option(
+        0.7, "Sampling temperature; log-probs are computed at the same temperature (Huang et al. 2024).", gt=0
+    )
+    top_p: float = option(1.0, "Nucleus sampling threshold; 1 = off.", gt=0, le=1)
+    top_k: int = option(0, "Sample from the k most likely tokens; 0 = off.", ge=0)
+    stop_token: str | None = option(
+        None, "Text of the token that ends a response; none = the tokenizer's EOS."
+    )
+    missing_eos: Literal["penalty", "mask", "none"] = option(
+        "penalty",
+        "A response that hits response_length without the stop token: its score is replaced by "
+        "missing_eos_score (penalty), it is left out of the loss (mask), or it is scored as is.",
+    )
+    missing_eos_score: float = option(
+        -1.0,
+        "The score given to a response without the stop token under missing_eos=penalty "
+        "(the 'EOS trick', Huang et al. 2024).",
+    )
+    kl_coef: float = option(0.05, "Initial coefficient of the per-token KL penalty in the reward.", ge=0)
+    kl_estimator: KLEstimator = option(
+        "k1",
+        "Per-token KL estimator (Schulman, 'Approximating KL divergence'), used in the reward and logged.",
+    )
+    kl_in_loss: bool = option(
+        False,
+        "Put the KL in the loss, kl_coef * k3(pi, pi_ref) per token against the reference (Shao et al. 2024, "
+        "DeepSeekMath's GRPO), instead of -kl_coef * kl_t in the reward; kl_estimator is then what is logged.",
+    )
+    kl_target: float | None = option(
+        None,
+        "Adaptive KL controller target, nats per response (Ziegler et al. 2019); none = fixed kl_coef.",
+        gt=0,
+    )
+    kl_horizon: int = option(
+        10000, "Adaptive KL controller horizon, in responses (Ziegler et al. 2019).", gt=0
+    )
+    advantage_estimator: AdvantageEstimator = option(
+        "gae",
+        "Advantage estimator: gae (PPO with a critic) or a critic-free one. Set by the command for "
+        "`train grpo` / `train rloo`.",
+    )
+    group_size: int = option(1, "Responses per prompt (critic-free grpo / rloo need at least 2).", gt=0)
+    norm_by_std: bool = option(
+        True,
+        "grpo: divide group-centred scores by the group's std (Shao et al. 2024); false = Dr. GRPO "
+        "(Liu et al. 2025).",
+    )
+    advantage_eps: float = option(
+        1.0e-6, "Added to standard deviations before dividing (grpo, whitening).", gt=0
+    )
+    gamma: float = option(1.0, "Discount factor.", ge=0, le=1)
+    lam: float = option(0.95, "GAE lambda (Schulman et al. 2016).", ge=0, le=1)
+    whiten_advantages: bool = option(
+        True,
+        "gae and reinforce_pp: whiten advantages over the valid tokens of the batch (grpo's own "
+        "normalisation is norm_by_std; rloo has none).",
+    )
+    ppo_epochs: int = option(4, "Passes over each rollout batch.", gt=0)
+    num_minibatches: int = option(1, "Optimizer steps per PPO epoch.", gt=0)
+    clip_eps: float = option(0.2, "PPO policy ratio clip (Schulman et al. 2017, eq. 7).", gt=0)
+    value_clip_eps: float = option(0.2, "Value clip around the rollout's values.", gt=0)
+    vf_coef: float = option(0.1, "Value-loss coefficient.", ge=0)
+    ent_coef: float = option(0.0, "Entropy-bonus coefficient.", ge=0)
+    loss_agg_mode: LossAggregation = option(
+        "token-mean", "How per-token losses become a scalar (rlhfkit.algos.aggregate_loss)."
+    )
+    critic_learning_rate: float | None = option(
+        None, "Critic learning rate; none = train.learning_rate.", gt=0
+    )
+    score_clip: float | None = option(
+        None,
+        "Clip every score to [-score_clip, score_clip] before the KL penalty is added (Zheng et al. 2023, "
+        "PPO-max); none = off.",
+        gt=0,
+    )
+    rollout_batch_size: int | None = option(
+        None,
+        "Responses per generate() call and per no-grad forward (reference, reward model, values) in a "
+        "rollout, per process; none = all of them at once.",
+        gt=0,
+    )
+    critic_warmup_steps: int = option(
+        0, "Rollouts at the start during which only the critic is trained (Zheng et al. 2023).", ge=0
+    )
