@@ -11,8 +11,8 @@ the peak. They fit, for best-of-n and for RL,
 
 1. one SFT policy (the quickstart's tiny one: trained here, or taken from ``--quickstart DIR``) and one pool of
    pairs sampled from it and labelled by the task's annotators (4,096 for training, 512 held out);
-2. per seed, reward models from that SFT policy on the first 256, 1,024 and 4,000 pairs of the pool (1.5 epochs,
-   at least ``--rm-steps`` steps): the reward-model quality is the held-out gold accuracy;
+2. per seed, reward models from that SFT policy on the first 256, 1,024 and 4,000 pairs of the pool (1.5
+   epochs at batch 32, at least ``--rm-steps`` = 150 steps): the reward-model quality is the held-out gold accuracy;
 3. per seed and reward model, PPO runs long enough (constant learning rate) to go far from the SFT policy:
    kl_coef 0 and 0.05, and kl_coef 0 with the online reward-model refresh of :mod:`rlhfkit.trainers.refresh`
    every ``--refresh-steps`` rollouts (the quickstart's ``--refresh-steps``);
@@ -56,7 +56,7 @@ SIZES = {
     "default": replace(
         Sizes(),
         pairs=4096,
-        rm_steps=48,
+        rm_steps=150,
         rm_batch=32,
         ppo_batch=16,
         ppo_lr=1e-4,

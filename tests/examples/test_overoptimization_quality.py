@@ -109,7 +109,7 @@ def test_the_runs_and_reward_model_steps_of_each_quality_and_the_child_command()
     ]
     assert [ex.run_name(r["kl_coef"], r["refresh_steps"]) for r in ex.runs_of(args, 4)] == ["kl0", "kl0.05"]
     s = ex.SIZES["default"]
-    assert [ex.rm_steps(n, s, 1.5) for n in (256, 1024, 4000)] == [48, 48, 188]
+    assert [ex.rm_steps(n, s, 1.5) for n in (256, 1024, 4000)] == [150, 150, 188]
     again = ex.parse_args(ex.child_argv(args, 2, 16))
     assert again.seeds == [2] and again.qualities == [16] and again.child and again.no_report
     assert (
