@@ -115,14 +115,14 @@ def shared_stage(args, s: Sizes) -> dict:
         }
         for path in (stage["sft"], *stage["files"].values()):
             if not path.exists():
-                raise SystemExit(f"--quickstart {q}: {path} not found (is it a finished quickstart folder?)")
+                _fail(f"--quickstart {q}: {path} not found (is it a finished quickstart folder?)")
     else:
         stage = train_sft(root, args.task_seed, s, args)
     pool = label(root / "pairs", stage, args.task_seed, s, args, num_eval_pairs=EVAL_PAIRS[args.size])
     lines = (pool / "pairs_train.jsonl").read_text().splitlines()
     if len(lines) < max(args.qualities):
-        raise SystemExit(
-            f"the pool holds {len(lines)} pairs (after dropping ties), fewer than {max(args.qualities)}"
+        _fail(
+            f"the pool holds {len(lines)} pairs (after dropping ties), fewer than --qualities' {max(args.qualities)}"
         )
     subsets = {}
     for n in args.qualities:  # the first n pairs: a random subset (the pool's prompts are drawn at random)
@@ -132,6 +132,11 @@ def shared_stage(args, s: Sizes) -> dict:
     return {**stage, "pool": pool, "subsets": subsets}
 
 
+def _fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def run_job(seed: int, quality: int, shared: dict, s: Sizes, args) -> None:
     """One seed and reward model: train the reward model, then its PPO runs (each cached in ``run.json``)."""
     from rlhfkit.pipeline import task_refresh
@@ -139,7 +144,7 @@ def run_job(seed: int, quality: int, shared: dict, s: Sizes, args) -> None:
 
     root = args.out / f"seed-{seed}" / f"rm{quality}"
     sized = replace(s, rm_steps=rm_steps(quality, s, args.rm_epochs))
-    clock = time.process_time()
+    clock, trained = time.process_time(), args.overwrite or not (root / "reward" / "summary.json").is_file()
     train_reward_model(
         root / "reward",
         shared["sft"],
@@ -151,16 +156,15 @@ def run_job(seed: int, quality: int, shared: dict, s: Sizes, args) -> None:
     )
     rm_summary = json.loads((root / "reward" / "summary.json").read_text())
     stage = {**shared, "reward": root / "reward" / "final"}
-    if not (root / "rm_cpu.json").is_file():
+    if trained:  # its CPU time counts (not when read back)
         (root / "rm_cpu.json").write_text(json.dumps({"cpu_seconds": time.process_time() - clock}))
     for run in runs_of(args, quality):
         folder = root / run_name(run["kl_coef"], run["refresh_steps"])
         if (folder / "run.json").is_file() and not args.overwrite:
             continue
         clock = time.process_time()
-        meter = Meter(
-            stage, s, seed
-        )  # its own reward model: a refresh trains the trainer's copy and hands it over
+        # A meter per run: a refresh trains the trainer's copy of the reward model and hands it to this meter.
+        meter = Meter(stage, s, seed)
         evals: list[dict] = []
 
         def hook(policy, step, evals=evals, meter=meter):

@@ -152,3 +152,11 @@ def test_the_experiment_end_to_end_at_the_smoke_size(tmp_path, capsys):
     table = (out / "table.md").read_text()
     assert ex.main(["--out", str(out), "--report-only"]) == 0
     assert (out / "table.md").read_text() == table
+
+
+def test_a_quickstart_folder_without_its_sft_policy_is_refused_with_exit_code_2(tmp_path, capsys):
+    (tmp_path / "qs" / "task").mkdir(parents=True)
+    with pytest.raises(SystemExit) as stop:
+        ex.main(["--out", str(tmp_path / "out"), "--quickstart", str(tmp_path / "qs"), "--jobs", "1"])
+    assert stop.value.code == 2 and "sft/final not found" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "seed-0").exists()
