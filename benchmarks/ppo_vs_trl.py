@@ -7,7 +7,8 @@ transformers (``--system-site-packages``), so both systems run the same kernels.
 Both systems train the same local models (a Llama policy, and a Llama sequence classifier as reward model and
 critic initialisation, built by ``prepare``) on the same prompts, with the same work per rollout: B prompts,
 exactly R response tokens each (forced: generation never stops early, in either system), 4 PPO epochs of one
-optimizer step each over the whole batch, fp32, the same torch thread count. Each measurement is its own
+optimizer step each over the whole batch, fp32, the same torch thread count, no gradient checkpointing (TRL
+turns it on by default; ``BENCH_TRL_CHECKPOINTING=1`` measures that default). Each measurement is its own
 process; the two systems alternate (A B A B ...), and the table gives the median over repeats.
 
 Per rollout seconds come from inside the process: the time between the start of rollout 2 and the start of
@@ -35,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import functools
 import json
 import os
 import random
@@ -91,7 +94,9 @@ def prepare(work: Path, preset: str, num_pairs: int = 2048, seed: int = 0) -> di
     build_causal_lm(config, seed).save_pretrained(work / "policy")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
-        reward = LlamaForSequenceClassification(config.__class__(**{**config.to_dict(), "num_labels": 1}))
+        scalar = copy.deepcopy(config)
+        scalar.num_labels = 1  # also resets id2label
+        reward = LlamaForSequenceClassification(scalar)
     reward.config.pad_token_id = tokenizer.pad_token_id
     reward.save_pretrained(work / "reward")
     tokenizer.save_pretrained(work / "reward")
@@ -159,7 +164,7 @@ class PhaseTimer:
     def install(self, mark_on: str) -> None:
         """Wrap generate, the Llama forwards, backward and the optimizer step; ``mark_on`` is "generate"
         (a PPO rollout starts with one generate call) or "step" (a reward-model step ends with one
-        optimizer step)."""
+        optimizer step). :meth:`uninstall` puts everything back."""
         import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         from transformers.generation.utils import GenerationMixin
@@ -167,7 +172,9 @@ class PhaseTimer:
 
         timer = self
         generate = GenerationMixin.generate
+        self.undo = [lambda: setattr(GenerationMixin, "generate", generate)]
 
+        @functools.wraps(generate)
         def timed_generate(model, *args, **kwargs):
             if mark_on == "generate":
                 timer.mark()
@@ -180,10 +187,16 @@ class PhaseTimer:
 
         GenerationMixin.generate = timed_generate
         for cls in (llama.LlamaModel, llama.LlamaForCausalLM, llama.LlamaForSequenceClassification):
+            own = cls.__dict__.get("forward")  # None: inherited (a generic sequence classifier)
             cls.forward = self._wrap_forward(cls.forward)
+            self.undo.append(
+                lambda cls=cls, own=own: setattr(cls, "forward", own) if own else delattr(cls, "forward")
+            )
 
         backward = torch.autograd.backward
+        self.undo.append(lambda: setattr(torch.autograd, "backward", backward))
 
+        @functools.wraps(backward)
         def timed_backward(*args, **kwargs):
             with timer.timed("backward"):
                 return backward(*args, **kwargs)
@@ -199,14 +212,20 @@ class PhaseTimer:
             if mark_on == "step":
                 timer.mark()
 
-        register_optimizer_step_pre_hook(pre_step)
-        register_optimizer_step_post_hook(post_step)
+        self.undo.append(register_optimizer_step_pre_hook(pre_step).remove)
+        self.undo.append(register_optimizer_step_post_hook(post_step).remove)
+
+    def uninstall(self) -> None:
+        for undo in reversed(getattr(self, "undo", [])):
+            undo()
+        self.undo = []
 
     def _wrap_forward(self, forward):
         import torch
 
         timer = self
 
+        @functools.wraps(forward)
         def timed_forward(module, *args, **kwargs):
             if timer.in_generate or timer.depth:
                 return forward(module, *args, **kwargs)
@@ -293,6 +312,14 @@ def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         return ctx
 
     online.build_context = forced_length
+    try:
+        _train_ppo(a, out)
+    finally:
+        online.build_context = build_context
+    return {}
+
+
+def _train_ppo(a, out: Path) -> None:
     work = Path(a.work)
     overrides = {
         "output_dir": out / "run",
@@ -314,7 +341,6 @@ def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         "logging.samples_per_step": 0,
     }
     run_rlhfkit("ppo", nested(overrides), out)
-    return {}
 
 
 def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
@@ -437,6 +463,16 @@ def run_worker(a) -> None:
     torch.set_num_threads(a.threads)  # rlhfkit sets it again from RLHFKIT_NUM_THREADS, to the same value
     timer = PhaseTimer()
     timer.install("generate" if a.kind == "ppo" else "step")
+    try:
+        result = _measure(a, timer)
+    finally:
+        timer.uninstall()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _measure(a, timer: PhaseTimer) -> dict:
+    import torch
+
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         if os.environ.get("BENCH_PROFILE"):  # the operators, for finding where the time goes
@@ -465,7 +501,7 @@ def run_worker(a) -> None:
         threads=torch.get_num_threads(),
         matmul_flops=matmul_peak(a.threads),
     )
-    print("RESULT " + json.dumps(result), flush=True)
+    return result
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -566,10 +602,12 @@ def compare_ppo(a, batch: int, response_length: int) -> dict:
     flops = useful_flops_ppo(work, batch, response_length, mean_tokens(work, "policy", prompts))
     result = {"kind": "ppo", "preset": a.preset, "batch": batch, "response_length": response_length}
     result.update(threads=a.threads, parameters=info["policy_parameters"], rounds=a.repeats)
+    peak = statistics.median(r["matmul_flops"] for rs in runs.values() for r in rs)
+    result.update(useful_flops=flops, peak_flops=peak)
     for system, rs in runs.items():
         m = median_run(rs)
         m["tokens_per_second"] = batch * response_length / m["seconds"]
-        m["mfu"] = flops / (m["seconds"] * m["matmul_flops"])
+        m["mfu"] = flops / (m["seconds"] * peak)
         result[system] = m
     result["speedup"] = result["trl"]["seconds"] / result["rlhfkit"]["seconds"]
     return result
@@ -590,10 +628,13 @@ def compare_reward(a) -> dict:
     n = non_embedding_parameters(work / "reward")
     result = {"kind": "reward", "preset": a.preset, "batch": a.batch_rm, "threads": a.threads}
     result.update(parameters=info["policy_parameters"], rounds=a.repeats)
+    flops = 6 * n * tokens_per_pair * a.batch_rm
+    peak = statistics.median(r["matmul_flops"] for rs in runs.values() for r in rs)
+    result.update(useful_flops=flops, peak_flops=peak)
     for system, rs in runs.items():
         m = median_run(rs)
         m["pairs_per_second"] = a.batch_rm / m["seconds"]
-        m["mfu"] = 6 * n * tokens_per_pair * a.batch_rm / (m["seconds"] * m["matmul_flops"])
+        m["mfu"] = flops / (m["seconds"] * peak)
         result[system] = m
     result["speedup"] = result["trl"]["seconds"] / result["rlhfkit"]["seconds"]
     return result
@@ -603,7 +644,23 @@ def label(system: str) -> str:
     return {"trl": "TRL 1.12", "rlhfkit": "rlhfkit", "rlhfkit-before": "rlhfkit (before)"}[system]
 
 
+def common_peak(r: dict) -> dict:
+    """Results written before MFU used one peak for all systems: derive the useful FLOPs from rlhfkit's
+    figure and recompute every system's MFU against the median of the systems' peaks."""
+    if "peak_flops" in r:
+        return r
+    names = [n for n in ("rlhfkit", "rlhfkit-before", "trl") if n in r]
+    k = r["rlhfkit"]
+    flops = k["mfu"] * k["seconds"] * k["matmul_flops"]
+    peak = statistics.median(r[n]["matmul_flops"] for n in names)
+    out = {**r, "useful_flops": flops, "peak_flops": peak}
+    for n in names:
+        out[n] = {**r[n], "mfu": flops / (r[n]["seconds"] * peak)}
+    return out
+
+
 def report(r: dict) -> str:
+    r = common_peak(r)
     names = [n for n in ("rlhfkit", "rlhfkit-before", "trl") if n in r]
     unit = "tokens_per_second" if r["kind"] == "ppo" else "pairs_per_second"
     what = (
@@ -644,41 +701,67 @@ def scaling(a) -> list[dict]:
 
 
 def plot_scaling(results: list[dict], path: Path) -> None:
+    """Top: seconds per rollout of both systems against response length and against prompts per rollout
+    (log-log). Bottom: where each system's time goes at each size (shares of the rollout)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, fixed, x_key, x_label in (
-        (axes[0], ("batch", 32), "response_length", "response tokens (32 prompts)"),
-        (axes[1], ("response_length", 48), "batch", "prompts per rollout (48 tokens)"),
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), gridspec_kw={"height_ratios": [1.2, 1]})
+    colors = dict(
+        zip(PHASES, ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"], strict=True)
+    )
+    for col, (fixed, x_key, x_label) in enumerate(
+        (
+            (("batch", 32), "response_length", "response tokens (32 prompts)"),
+            (("response_length", 48), "batch", "prompts per rollout (48 response tokens)"),
+        )
     ):
         rows = sorted((r for r in results if r[fixed[0]] == fixed[1]), key=lambda r: r[x_key])
         xs = [r[x_key] for r in rows]
+        top, bottom = axes[0, col], axes[1, col]
         for system, style in (("rlhfkit", "o-"), ("trl", "s--")):
-            ax.plot(xs, [r[system]["seconds"] for r in rows], style, label=label(system))
-        bottom = [0.0] * len(rows)
-        # where rlhfkit's time goes, stacked under its line
-        for phase in PHASES:
-            heights = [r["rlhfkit"]["phases"][phase] for r in rows]
-            ax.bar(
-                xs,
-                heights,
-                bottom=bottom,
-                width=[x * 0.25 for x in xs],
-                alpha=0.35,
-                label=f"rlhfkit: {phase}",
+            top.plot(xs, [r[system]["seconds"] for r in rows], style, label=label(system))
+        for x, r in zip(xs, rows, strict=True):
+            top.annotate(
+                f"{r['speedup']:.2f}x",
+                (x, r["rlhfkit"]["seconds"]),
+                textcoords="offset points",
+                xytext=(0, -14),
+                ha="center",
+                fontsize=8,
             )
-            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel(x_label)
-        ax.set_ylabel("seconds per rollout")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+        top.set_xscale("log", base=2)
+        top.set_yscale("log")
+        top.set_xticks(xs, [str(x) for x in xs])
+        top.set_ylabel("seconds per rollout")
+        top.grid(alpha=0.3)
+        top.legend(fontsize=8)
+        positions = range(len(rows))
+        for offset, system in ((-0.2, "rlhfkit"), (0.2, "trl")):
+            base = [0.0] * len(rows)
+            for phase in PHASES:
+                share = [100 * r[system]["phases"][phase] / r[system]["seconds"] for r in rows]
+                bottom.bar(
+                    [i + offset for i in positions],
+                    share,
+                    width=0.38,
+                    bottom=base,
+                    color=colors[phase],
+                    label=phase if system == "rlhfkit" else None,
+                    edgecolor="white",
+                    linewidth=0.5,
+                )
+                base = [b + s for b, s in zip(base, share, strict=True)]
+        bottom.set_xticks(list(positions), [f"{x}\nrlhfkit | TRL" for x in xs], fontsize=8)
+        bottom.set_ylabel("share of the rollout (%)")
+        bottom.set_xlabel(x_label)
+    axes[1, 0].legend(fontsize=7, ncol=3, loc="upper left")
+    rounds = results[0]["rounds"]
     fig.suptitle(
-        f"PPO rollout time, tiny preset, {results[0]['threads']} threads (median of {results[0]['rounds']})"
+        f"PPO, tiny preset: rlhfkit and TRL 1.12 side by side, {results[0]['threads']} threads "
+        f"({'median of ' + str(rounds) if rounds > 1 else 'one round'} per point)"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -687,7 +770,7 @@ def plot_scaling(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["setup", "ppo", "reward", "scaling", "worker"])
+    p.add_argument("command", choices=["setup", "ppo", "reward", "scaling", "plot", "worker"])
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV)
     p.add_argument("--work", default=str(ROOT / ".bench" / "inputs"))
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
@@ -712,6 +795,10 @@ def main() -> None:
         return
     if a.command == "setup":
         print(setup(a.venv))
+        return
+    if a.command == "plot":  # redraw the scaling plot from a --json of the scaling command
+        plot_scaling(json.loads(a.json.read_text()), a.plot)
+        print(f"wrote {a.plot}")
         return
     a.python_trl = str(setup(a.venv))
     if a.command == "ppo":

@@ -7,26 +7,14 @@ end to end (compute_gae must agree with them before anything is timed).
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gae_bench.py"
+from tests.examples.loader import ROOT, load_example
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("gae_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gb = _load_bench()
+gb = load_example("gae_bench", ROOT / "benchmarks")
 
 
 def test_reference_loops_on_a_hand_computed_case():
