@@ -181,7 +181,6 @@ def run_job(seed: int, quality: int, shared: dict, s: Sizes, args) -> None:
             hooks.refresh_reward_model = task_refresh(
                 stage["task"], meter, shared["subsets"][quality], s, seed, **json.loads(args.refresh_settings)
             )
-            hooks.refresh_steps = run["refresh_steps"]
         print(f"seed {seed}, reward model on {quality} pairs: PPO {run}, {s.rollouts} rollouts", flush=True)
         cfg = ppo_config(
             folder,
@@ -191,7 +190,7 @@ def run_job(seed: int, quality: int, shared: dict, s: Sizes, args) -> None:
             s.rollouts,
             EVAL_TEMPERATURE,
             run["kl_coef"],
-            **{"train.lr_schedule": "constant"},
+            **{"train.lr_schedule": "constant", "refresh.every": run["refresh_steps"]},
         )
         online.train(cfg, overwrite=True, hooks=hooks)
         record = {
