@@ -139,7 +139,7 @@ class PhaseTimer:
         self.depth = 0  # nesting of wrapped model forwards (only the outermost one is timed)
         self.in_generate = False
         self.marks: list[tuple[float, dict[str, float]]] = []
-        self.tokens = {"forward_nograd": 0, "forward_grad": 0}
+        self.phase = "other"  # the phase running now (for the RSS sampler)
 
     def mark(self) -> None:
         self.marks.append((time.perf_counter(), dict(self.seconds)))
@@ -155,11 +155,13 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def timed(self, phase: str):
-        start = time.perf_counter()
+        start, outer = time.perf_counter(), self.phase
+        self.phase = phase
         try:
             yield
         finally:
             self.seconds[phase] += time.perf_counter() - start
+            self.phase = outer
 
     def install(self, mark_on: str) -> None:
         """Wrap generate, the Llama forwards, backward and the optimizer step; ``mark_on`` is "generate"
@@ -470,7 +472,44 @@ def run_worker(a) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+class RSSSampler:
+    """``BENCH_RSS=1``: a thread reads the resident set every 5 ms and keeps each phase's largest value, to
+    show in which phase the peak falls."""
+
+    def __init__(self, timer: PhaseTimer) -> None:
+        import threading
+
+        self.timer, self.peaks, self.stop = timer, {}, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.page = os.sysconf("SC_PAGE_SIZE")
+
+    def run(self) -> None:
+        while not self.stop.wait(0.005):
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * self.page / 2**20
+            phase = self.timer.phase
+            self.peaks[phase] = max(self.peaks.get(phase, 0.0), rss)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def _measure(a, timer: PhaseTimer) -> dict:
+
+    if os.environ.get("BENCH_RSS"):
+        with RSSSampler(timer) as sampler:
+            result = _measure_once(a, timer)
+        result["rss_peak_by_phase_mib"] = {k: round(v) for k, v in sampler.peaks.items()}
+        return result
+    return _measure_once(a, timer)
+
+
+def _measure_once(a, timer: PhaseTimer) -> dict:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:

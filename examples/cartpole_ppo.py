@@ -320,7 +320,7 @@ def train(args: Args, agent: ActorCritic | None = None) -> Result:
                 f"steps {env_steps:7d}  episodes {len(tracker.returns):5d}  "
                 f"mean return (last {args.window}) {tracker.mean():6.1f}  "
                 f"policy {stats['loss/policy']:+.4f}  value {stats['loss/value']:.3f}  "
-                f"entropy {stats['entropy/mean']:.3f}  clip {stats['policy/clip_frac']:.3f}  "
+                f"entropy {stats['entropy/mean']:.3f}  clip {stats['policy/clipfrac']:.3f}  "
                 f"approx-KL {stats['policy/approx_kl']:.4f}  steps/s {sps:.0f}",
                 flush=True,
             )

@@ -367,7 +367,6 @@ def run_ppo(inputs: Inputs, out: Path, args, refresh_steps: int = 0) -> Path:
         hooks.refresh_reward_model = task_refresh(
             task, meter, inputs.pairs, preset, args.seed, **json.loads(args.refresh_settings)
         )
-        hooks.refresh_steps = refresh_steps
     overrides = {
         "output_dir": out,
         "seed": args.seed,
@@ -384,6 +383,7 @@ def run_ppo(inputs: Inputs, out: Path, args, refresh_steps: int = 0) -> Path:
         "train.save_steps": args.rollouts,
         "train.eval_steps": args.eval_every,
         "train.log_steps": 1,
+        "refresh.every": refresh_steps,
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()], "ppo")
     print(

@@ -325,6 +325,7 @@ def test_refresh_in_ppo_resumes_bit_identically(problem, tmp_path):
         "train.save_steps=2",
         "online.critic_learning_rate=3e-3",
         "train.eval_steps=100",
+        "refresh.every=2",
     )
     config = RefreshConfig(pairs=4, steps=2, batch_size=4, learning_rate=1e-2, max_new_tokens=6)
 
@@ -343,18 +344,18 @@ def test_refresh_in_ppo_resumes_bit_identically(problem, tmp_path):
     full = hook()
     online.train(
         online_config(paths, tmp_path / "full", "train.max_steps=4", *args),
-        hooks=OnlineHooks(refresh_reward_model=full, refresh_steps=2),
+        hooks=OnlineHooks(refresh_reward_model=full),
     )
     assert len(seen) == 2 and seen[0] is seen[1]  # the trainer's own reward model, refreshed in place
     online.train(
         online_config(paths, tmp_path / "part", "train.max_steps=2", *args),
-        hooks=OnlineHooks(refresh_reward_model=hook(), refresh_steps=2),
+        hooks=OnlineHooks(refresh_reward_model=hook()),
     )
     resumed = hook()
     online.train(
         online_config(paths, tmp_path / "part", "train.max_steps=4", *args),
         resume=True,
-        hooks=OnlineHooks(refresh_reward_model=resumed, refresh_steps=2),
+        hooks=OnlineHooks(refresh_reward_model=resumed),
     )
     assert resumed.state_dict() == full.state_dict() and full.calls == [2, 4]
     saved = json.loads((tmp_path / "full" / "checkpoints" / "step-2" / "trainer_state.json").read_text())

@@ -104,14 +104,33 @@ def _done(folder: Path, args) -> bool:
 
 def train_sft_and_reward(root: Path, seed: int, s: Sizes, args) -> dict:
     """Task files, SFT policy, labelled pairs and reward model of one seed (the quickstart's stages 1-4)."""
-    from rlhfkit.rollout.pairs import label_pairs
+    stage = train_sft(root, seed, s, args)
+    pairs_dir = label(root / "pairs", stage, seed, s, args)
+    train_reward_model(
+        root / "reward",
+        stage["sft"],
+        pairs_dir / "pairs_train.jsonl",
+        pairs_dir / "pairs_eval.jsonl",
+        seed,
+        s,
+        args,
+    )
+    rm_summary = json.loads((root / "reward" / "summary.json").read_text())
+    return {
+        **stage,
+        "reward": root / "reward" / "final",
+        "rm_accuracy": rm_summary.get("heldout_gold_accuracy"),
+    }
+
+
+def train_sft(root: Path, seed: int, s: Sizes, args) -> dict:
+    """Task files and SFT policy of one seed (the quickstart's stages 1-2): ``task``, ``files``, ``sft``."""
     from rlhfkit.tasks import get_task
     from rlhfkit.tasks.files import prepare_task_files
-    from rlhfkit.trainers import reward, sft
+    from rlhfkit.trainers import sft
 
     task = get_task("reviews", seed=seed)
     files = prepare_task_files(task, root / "task", s.model, num_sft_eval=min(256, 4 * s.eval_prompts))
-    common = {"seed": seed, "data.max_prompt_length": 32, "data.max_length": 32 + s.response_length}
     if not _done(root / "sft", args):
         print(f"seed {seed}: SFT, {s.sft_steps} steps", flush=True)
         sft.train(
@@ -119,7 +138,7 @@ def train_sft_and_reward(root: Path, seed: int, s: Sizes, args) -> dict:
                 "sft",
                 root / "sft",
                 {
-                    **common,
+                    **_common(seed, s),
                     "model.name_or_path": files["init_model"],
                     "data.train_file": files["sft_train"],
                     "data.eval_file": files["sft_eval"],
@@ -135,53 +154,65 @@ def train_sft_and_reward(root: Path, seed: int, s: Sizes, args) -> dict:
             ),
             overwrite=True,
         )
-    sft_dir = root / "sft" / "final"
-    pairs_dir = root / "pairs"
+    return {"task": task, "files": files, "sft": root / "sft" / "final"}
+
+
+def _common(seed: int, s: Sizes) -> dict:
+    return {"seed": seed, "data.max_prompt_length": 32, "data.max_length": 32 + s.response_length}
+
+
+def label(pairs_dir: Path, stage: dict, seed: int, s: Sizes, args, num_eval_pairs: int | None = None) -> Path:
+    """``s.pairs`` training pairs (and ``num_eval_pairs``, default a quarter as many, held out) sampled from the
+    SFT policy and labelled by the task's annotators, in ``pairs_dir`` (kept when already there)."""
+    from rlhfkit.rollout.pairs import label_pairs
+
     if args.overwrite or not (pairs_dir / "pairs_train.jsonl").is_file():
         print(f"seed {seed}: {s.pairs} labelled pairs", flush=True)
         label_pairs(
-            str(sft_dir),
+            str(stage["sft"]),
             pairs_dir,
-            task=task.name,
+            task=stage["task"].name,
             task_seed=seed,
             num_pairs=s.pairs,
-            num_eval_pairs=max(16, s.pairs // 4),
+            num_eval_pairs=max(16, s.pairs // 4) if num_eval_pairs is None else num_eval_pairs,
             seed=seed,
             max_new_tokens=s.response_length,
             overwrite=True,
         )
-    if not _done(root / "reward", args):
-        print(f"seed {seed}: reward model, {s.rm_steps} steps", flush=True)
-        reward.train(
-            _config(
-                "reward",
-                root / "reward",
-                {
-                    **common,
-                    "model.name_or_path": sft_dir,
-                    "data.train_file": pairs_dir / "pairs_train.jsonl",
-                    "data.eval_file": pairs_dir / "pairs_eval.jsonl",
-                    "train.max_steps": s.rm_steps,
-                    "train.batch_size": s.rm_batch,
-                    "train.learning_rate": s.rm_lr,
-                    "train.weight_decay": 0.1,
-                    "train.warmup_steps": max(1, s.rm_steps // 15),
-                    "train.lr_schedule": "linear",
-                    "train.save_steps": s.rm_steps,
-                    "train.eval_steps": s.rm_steps,
-                    "train.log_steps": 10,
-                },
-            ),
-            overwrite=True,
-        )
-    rm_summary = json.loads((root / "reward" / "summary.json").read_text())
-    return {
-        "task": task,
-        "files": files,
-        "sft": sft_dir,
-        "reward": root / "reward" / "final",
-        "rm_accuracy": rm_summary.get("heldout_gold_accuracy"),
-    }
+    return pairs_dir
+
+
+def train_reward_model(
+    folder: Path, sft_dir: Path, train_file: Path, eval_file: Path, seed: int, s: Sizes, args
+) -> None:
+    """A reward model from the SFT policy on ``train_file`` (``s.rm_steps`` steps), unless ``folder`` holds one."""
+    from rlhfkit.trainers import reward
+
+    if _done(folder, args):
+        return
+    print(f"seed {seed}: reward model on {train_file.name}, {s.rm_steps} steps", flush=True)
+    reward.train(
+        _config(
+            "reward",
+            folder,
+            {
+                **_common(seed, s),
+                "model.name_or_path": sft_dir,
+                "data.train_file": train_file,
+                "data.eval_file": eval_file,
+                "train.max_steps": s.rm_steps,
+                "train.batch_size": s.rm_batch,
+                "train.learning_rate": s.rm_lr,
+                "train.weight_decay": 0.1,
+                "train.warmup_steps": max(1, s.rm_steps // 15),
+                "train.lr_schedule": "linear",
+                "train.save_steps": s.rm_steps,
+                "train.eval_steps": s.rm_steps,
+                "train.log_steps": 10,
+            },
+        ),
+        overwrite=True,
+    )
 
 
 class Evaluator:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhfkit.config import load_config
+from rlhfkit.config import RefreshConfig, load_config
 from rlhfkit.engine.run import write_summary_json
 from rlhfkit.pipeline_dpo import comparison_rows, format_comparison
 from rlhfkit.pipeline_report import format_table, write_quickstart_report
@@ -227,12 +227,14 @@ def quickstart(
             "train.save_steps": p.ppo_rollouts,
             "train.eval_steps": max(1, p.ppo_rollouts // 6),
             "train.log_steps": 1,
+            "refresh.every": refresh_steps,
+            "refresh.max_new_tokens": p.response_length,
         },
     )
     hooks = online.OnlineHooks(evaluate=meter.during_training)
     if refresh_steps:
-        hooks.refresh_reward_model = task_refresh(task, meter, labels["paths"]["train"], p, seed)
-        hooks.refresh_steps = refresh_steps
+        pairs = labels["paths"]["train"]
+        hooks.refresh_reward_model = task_refresh(task, meter, pairs, p, seed, config=ppo_cfg.refresh)
     online.train(ppo_cfg, hooks=hooks)
     seconds["ppo"] = time.perf_counter() - t
 
@@ -373,14 +375,24 @@ class HackingMeter:
         return out
 
 
-def task_refresh(task, meter: HackingMeter, pairs_file: str | Path, preset: Preset, seed: int, **settings):
+def task_refresh(
+    task,
+    meter: HackingMeter,
+    pairs_file: str | Path,
+    preset: Preset,
+    seed: int,
+    config: RefreshConfig | None = None,
+    **settings,
+):
     """The online reward-model refresh (:mod:`rlhfkit.trainers.refresh`) on the task's annotators,
-    replaying the reward model's training pairs; the meter's proxy follows the refreshed model (the trainer's own object).
-    ``settings`` override :class:`rlhfkit.trainers.refresh.RefreshConfig` fields."""
+    replaying the reward model's training pairs; the meter's proxy follows the refreshed model (the trainer's
+    own object). ``config``: the PPO run's ``refresh`` section; without it, one with the preset's response
+    length and ``settings`` (:class:`rlhfkit.config.RefreshConfig` fields)."""
     from rlhfkit.data import load_dataset_records
-    from rlhfkit.trainers.refresh import RefreshConfig, RewardRefresh
+    from rlhfkit.trainers.refresh import RewardRefresh
 
-    config = RefreshConfig(**{"max_new_tokens": preset.response_length, **settings})
+    if config is None:
+        config = RefreshConfig(**{"max_new_tokens": preset.response_length, **settings})
     return RewardRefresh(
         meter.tokenizer,
         task.prompts("train"),

@@ -25,7 +25,9 @@ def test_ppo_ratio_is_exactly_one_before_the_first_update():
     loss, stats = ppo_policy_loss(logprobs, old, adv)
     assert torch.equal(loss, -adv)
     assert (
-        stats["ratio"].item() == 1.0 and stats["clip_frac"].item() == 0.0 and stats["approx_kl"].item() == 0.0
+        stats["ratio/mean"].item() == 1.0
+        and stats["clipfrac"].item() == 0.0
+        and stats["approx_kl"].item() == 0.0
     )
     loss.sum().backward()
     assert torch.equal(logprobs.grad, -adv)  # d(-A * ratio)/d logprob = -A * ratio = -A
@@ -44,7 +46,7 @@ def test_ppo_clipping_by_hand():
     loss.sum().backward()
     # no gradient where the clipped term wins; -A * ratio where the unclipped one does
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -0.5, 1.5, 0.0]]))
-    assert stats["clip_frac"].item() == 0.5
+    assert stats["clipfrac"].item() == 0.5
     expected_kl = (ratio - 1 - ratio.log()).mean()  # k3 of KL(old || new): r - 1 - log r, r = new / old
     torch.testing.assert_close(stats["approx_kl"], expected_kl)
 
@@ -99,7 +101,7 @@ def test_value_loss_by_hand():
     loss, stats = value_loss(values, old, returns, value_clip_eps=0.2)
     # V_clip = [1.2, 0.9, 1.2, 0.8]; unclipped (V-R)^2 = [0.25, 0.81, 1, 0.25]; clipped = [0.64, 0.81, 3.24, 0.09]
     torch.testing.assert_close(loss, 0.5 * torch.tensor([[0.64, 0.81, 3.24, 0.25]]))
-    assert stats["clip_frac"].item() == 0.5  # the clipped error is larger at positions 0 and 2
+    assert stats["clipfrac"].item() == 0.5  # the clipped error is larger at positions 0 and 2
     torch.testing.assert_close(stats["mse"], torch.tensor((0.25 + 0.81 + 1 + 0.25) / 4))
     loss.sum().backward()
     # gradient only through the unclipped branch, where it wins: (V - R) at positions 1 and 3

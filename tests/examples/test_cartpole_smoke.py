@@ -96,9 +96,9 @@ def test_smoke_run_changes_parameters_with_finite_losses():
             "loss/policy",
             "loss/value",
             "entropy/mean",
-            "policy/clip_frac",
+            "policy/clipfrac",
             "policy/approx_kl",
-            "value/clip_frac",
+            "value/clipfrac",
         ):
             assert math.isfinite(stats[name]), (name, stats)
         assert 0.0 < stats["entropy/mean"] <= math.log(2) + 1e-6

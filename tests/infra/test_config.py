@@ -72,7 +72,12 @@ def test_defaults_follow_the_papers():
         0.2,
         0.1,
     )
-    assert (o.temperature, o.kl_estimator, o.whiten_advantages, o.missing_eos) == (0.7, "k1", True, "penalty")
+    assert (o.temperature, o.kl_estimator, o.normalize_advantages, o.missing_eos) == (
+        0.7,
+        "k1",
+        True,
+        "penalty",
+    )
     assert RunConfig().model.disable_dropout and RunConfig().model.dtype == "auto"
     assert RunConfig().model.trust_remote_code is False
 

@@ -532,21 +532,22 @@ def test_reward_model_refresh_hook_is_checkpointed_and_resumes(tmp_path):
         f"online.reward_model={paths['reward']}",
         "train.save_steps=2",
         "online.critic_learning_rate=3e-3",
+        "refresh.every=2",
     )
     full, part = ShiftingRewardModel(), ShiftingRewardModel()
     online.train(
         online_config(paths, tmp_path / "full", "train.max_steps=4", *args),
-        hooks=OnlineHooks(refresh_reward_model=full, refresh_steps=2),
+        hooks=OnlineHooks(refresh_reward_model=full),
     )
     online.train(
         online_config(paths, tmp_path / "part", "train.max_steps=2", *args),
-        hooks=OnlineHooks(refresh_reward_model=part, refresh_steps=2),
+        hooks=OnlineHooks(refresh_reward_model=part),
     )
     resumed = ShiftingRewardModel()
     online.train(
         online_config(paths, tmp_path / "part", "train.max_steps=4", *args),
         resume=True,
-        hooks=OnlineHooks(refresh_reward_model=resumed, refresh_steps=2),
+        hooks=OnlineHooks(refresh_reward_model=resumed),
     )
     assert full.calls == [2, 4] and resumed.calls == [2, 4]  # the hook's own state came back
     marker = json.loads((tmp_path / "full" / "checkpoints" / "step-2" / "COMPLETE").read_text())

@@ -100,9 +100,9 @@ def ppo_policy_loss(
         mask: optional ``(B, T)`` valid tokens.
 
     Returns:
-        ``(loss (B, T), stats)`` with stats ``clip_frac`` (share of tokens where the clipped term is the
+        ``(loss (B, T), stats)`` with stats ``clipfrac`` (share of tokens where the clipped term is the
         larger, i.e. the gradient is cut), ``approx_kl`` (k3 estimate of KL(pi_old || pi), the samples
-        being pi_old's), ``ratio`` (mean).
+        being pi_old's), ``ratio/mean``: the names the online trainer logs them under.
     """
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     logprobs, old_logprobs, advantages = _read(mask, logprobs, old_logprobs, advantages)
@@ -113,9 +113,9 @@ def ppo_policy_loss(
     if mask is not None:
         loss = fill_masked(loss, mask)
     stats = {
-        "clip_frac": _mean((clipped > unclipped).float(), mask),
+        "clipfrac": _mean((clipped > unclipped).float(), mask),
         "approx_kl": _mean(kl_k3(old_logprobs.detach(), logprobs.detach()), mask),
-        "ratio": _mean(ratio, mask),
+        "ratio/mean": _mean(ratio, mask),
     }
     return loss, stats
 
@@ -142,22 +142,22 @@ def value_loss(
         mask: optional ``(B, T)`` valid tokens.
 
     Returns:
-        ``(loss (B, T), stats)`` with stats ``clip_frac`` (share of tokens where the clipped error is
-        the larger) and ``mse`` (mean unclipped squared error).
+        ``(loss (B, T), stats)`` with stats ``clipfrac`` (share of tokens where the clipped error is
+        the larger; logged as ``value/clipfrac``) and ``mse`` (mean unclipped squared error).
     """
     _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     values, old_values, returns = _read(mask, values, old_values, returns)
     unclipped = (values - returns) ** 2  # (B, T)
     if value_clip_eps is None:
-        loss, clip_frac = 0.5 * unclipped, torch.zeros((), device=values.device)
+        loss, clipfrac = 0.5 * unclipped, torch.zeros((), device=values.device)
     else:
         v_clipped = old_values + torch.clamp(values - old_values, -value_clip_eps, value_clip_eps)
         clipped = (v_clipped - returns) ** 2  # (B, T)
         loss = 0.5 * torch.maximum(unclipped, clipped)
-        clip_frac = _mean((clipped > unclipped).float(), mask)
+        clipfrac = _mean((clipped > unclipped).float(), mask)
     if mask is not None:
         loss = fill_masked(loss, mask)
-    return loss, {"clip_frac": clip_frac, "mse": _mean(unclipped, mask)}
+    return loss, {"clipfrac": clipfrac, "mse": _mean(unclipped, mask)}
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from rlhfkit.config.loading import (
     read_run_info,
     save_config,
 )
-from rlhfkit.config.online import OnlineConfig
+from rlhfkit.config.online import OnlineConfig, RefreshConfig
 from rlhfkit.config.run import KIND_DEFAULTS, KIND_FORCED, KINDS, ONLINE_KINDS, Kind, RunConfig
 from rlhfkit.config.sections import (
     DataConfig,
@@ -52,6 +52,7 @@ __all__ = [
     "LoggingConfig",
     "ModelConfig",
     "OnlineConfig",
+    "RefreshConfig",
     "RewardConfig",
     "RunConfig",
     "TrainConfig",

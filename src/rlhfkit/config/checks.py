@@ -1,14 +1,14 @@
-"""Checks of a loaded configuration: numeric bounds, ``Literal`` choices, the column mapping and every
-cross-field rule (:func:`validate`), each failure a ConfigError naming the key and where it was set."""
+"""Checks of a configuration: numeric bounds, ``Literal`` choices, the column mapping and every cross-field
+rule, at load time (:func:`validate`; each failure a ConfigError naming the key and where it was set), and
+the one rule that needs the launch, the process count (:func:`check_process_count`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from typing import Any
 
-from rlhfkit.config.fields import field_types, get_dotted, literal_choices
+from rlhfkit.config.fields import check_bounds, field_types, get_dotted, literal_choices
 from rlhfkit.config.run import KIND_FORCED, ONLINE_KINDS, RunConfig
 from rlhfkit.errors import ConfigError
 
@@ -36,11 +36,18 @@ def check_columns(columns: dict | None, key: str = "data.columns") -> dict[str, 
     return out
 
 
-def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
+def key_failure(set_by: dict[str, str]):
+    """``fail(key, message)``: a ConfigError naming the key and where it was last set (``set_by``)."""
+
     def fail(key: str, message: str) -> None:
         where = f" (set in {set_by[key]})" if key in set_by else ""
         raise ConfigError(f"{key}{where}: {message}")
 
+    return fail
+
+
+def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
+    fail = key_failure(set_by)
     if run.kind != kind:
         fail("kind", f"this configuration is for `train {run.kind}`, but the command is `train {kind}`")
     for key, value in KIND_FORCED.get(kind, {}).items():
@@ -50,19 +57,23 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 f"`train {kind}` always uses {value}; for another choice run "
                 f"`train ppo {key}={get_dotted(run, key)}`",
             )
-    _check_bounds(run, "", fail)
+    check_bounds(run, "", fail)
     _check_choices(run, "", fail)
     check_columns(run.data.columns)
     for key in ("output_dir", "model.name_or_path", "data.train_file"):
         if not get_dotted(run, key):
             fail(key, f"required; set it in the config file or on the command line ({key}=...)")
-    t = run.train
+    train = run.train
     # Online runs accumulate over responses (batch_size * group_size per rollout, split in minibatches), and
     # a last, smaller micro-batch is exact there (whole-minibatch normaliser): no divisibility needed.
-    if t.micro_batch_size is not None and kind not in ONLINE_KINDS and t.batch_size % t.micro_batch_size:
+    if (
+        train.micro_batch_size is not None
+        and kind not in ONLINE_KINDS
+        and train.batch_size % train.micro_batch_size
+    ):
         fail(
             "train.micro_batch_size",
-            f"must divide train.batch_size ({t.batch_size}), got {t.micro_batch_size}",
+            f"must divide train.batch_size ({train.batch_size}), got {train.micro_batch_size}",
         )
     if kind not in ONLINE_KINDS and run.data.max_prompt_length >= run.data.max_length:
         fail(
@@ -70,63 +81,59 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
             f"must be below data.max_length ({run.data.max_length}) to leave room "
             f"for a response, got {run.data.max_prompt_length}",
         )
-    if kind not in ("sft", "reward", "prm") and t.sharding != "none":
+    if kind not in ("sft", "reward", "prm") and train.sharding != "none":
         fail(
             "train.sharding",
-            f"{t.sharding} is not supported by `train {kind}` yet (sft, reward and prm only); "
+            f"{train.sharding} is not supported by `train {kind}` yet (sft, reward and prm only); "
             "use train.sharding=none (data parallel: each process holds the whole model) with LoRA "
             "(model.lora_rank) to fit a larger policy",
         )
     if kind == "dpo" and run.dpo.loss == "ipo" and run.dpo.label_smoothing:
         fail("dpo.label_smoothing", "applies to the sigmoid loss only; set it to 0 with dpo.loss=ipo")
+    heldout = run.data.eval_file or run.data.eval_split
+    if kind in ("reward", "prm") and run.reward.early_stopping_patience is not None and not heldout:
+        fail(
+            "reward.early_stopping_patience",
+            "early stopping watches the held-out accuracy, so it needs data.eval_file (or data.eval_split)",
+        )
     if kind in ONLINE_KINDS:
-        o = run.online
+        online = run.online
         if run.model.lora_rank and run.model.lora_dropout and run.model.disable_dropout:
             fail(
                 "model.lora_dropout",
                 f"{run.model.lora_dropout} makes the PPO ratio differ from 1 before any "
                 "update; set it to 0 (or model.disable_dropout=false to keep every dropout)",
             )
-        if not o.reward_model and not o.reward_functions:
+        if online.advantage_estimator != "gae" and online.critic_model:
+            fail(
+                "online.critic_model",
+                f"is set, but advantage_estimator={online.advantage_estimator} has no critic; remove it or "
+                "use advantage_estimator=gae",
+            )
+        if online.advantage_estimator != "gae" and online.critic_warmup_steps:
+            fail(
+                "online.critic_warmup_steps",
+                f"{online.critic_warmup_steps}, but advantage_estimator={online.advantage_estimator} has no "
+                "critic to warm up; set it to 0",
+            )
+        if not online.reward_model and not online.reward_functions:
             fail(
                 "online.reward_model",
                 "set online.reward_model and/or online.reward_functions: nothing scores the responses",
             )
-        if o.advantage_estimator in ("grpo", "rloo") and o.group_size < 2:
+        if online.advantage_estimator in ("grpo", "rloo") and online.group_size < 2:
             fail(
                 "online.group_size",
-                f"advantage_estimator={o.advantage_estimator} compares the responses to one "
-                f"prompt, so it needs group_size >= 2, got {o.group_size}",
+                f"advantage_estimator={online.advantage_estimator} compares the responses to one "
+                f"prompt, so it needs group_size >= 2, got {online.group_size}",
             )
-        responses = t.batch_size * o.group_size
-        if responses % o.num_minibatches:
+        responses = train.batch_size * online.group_size
+        if responses % online.num_minibatches:
             fail(
                 "online.num_minibatches",
                 f"must divide the responses per rollout (train.batch_size * "
-                f"online.group_size = {responses}), got {o.num_minibatches}",
+                f"online.group_size = {responses}), got {online.num_minibatches}",
             )
-
-
-def _check_bounds(obj: Any, prefix: str, fail) -> None:
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            _check_bounds(value, prefix + f.name + ".", fail)
-            continue
-        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(prefix + f.name, f"must be a finite number, got {value}")
-        for bound, holds in (
-            ("gt", value.__gt__),
-            ("ge", value.__ge__),
-            ("lt", value.__lt__),
-            ("le", value.__le__),
-        ):
-            limit = f.metadata.get(bound)
-            if limit is not None and not holds(limit):
-                symbol = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}[bound]
-                fail(prefix + f.name, f"must be {symbol} {limit}, got {value}")
 
 
 def _check_choices(obj: Any, prefix: str, fail) -> None:
@@ -139,3 +146,19 @@ def _check_choices(obj: Any, prefix: str, fail) -> None:
         choices = literal_choices(hints[f.name])
         if choices is not None and value is not None and value not in choices:
             fail(prefix + f.name, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def check_process_count(cfg: RunConfig, num_processes: int) -> None:
+    """ConfigError unless ``train.batch_size`` splits evenly over the processes of the launch (each process
+    takes an equal share of every batch; online, whole prompt groups)."""
+    batch_size = cfg.train.batch_size
+    if batch_size % num_processes:
+        share = (
+            "samples whole prompt groups"
+            if cfg.kind in ONLINE_KINDS
+            else "takes an equal share of every batch"
+        )
+        raise ConfigError(
+            f"train.batch_size ({batch_size}) must be a multiple of the number of processes "
+            f"({num_processes}): each process {share}"
+        )

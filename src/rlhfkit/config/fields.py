@@ -5,6 +5,7 @@ choices."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import field
 from typing import Any, Literal
 
@@ -81,3 +82,29 @@ def get_dotted(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def check_bounds(section: Any, prefix: str, fail, cls: type | None = None) -> None:
+    """``fail(key, message)`` for the first number of ``section`` outside the bounds its :func:`option`
+    declares, or not finite; ``section`` is a section dataclass, or its plain dict with ``cls``."""
+    cls = cls or type(section)
+    hints = field_types(cls)
+    for f in dataclasses.fields(cls):
+        value = section.get(f.name) if isinstance(section, dict) else getattr(section, f.name)
+        if is_section(hints[f.name]):
+            check_bounds(value, prefix + f.name + ".", fail, hints[f.name])
+            continue
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(prefix + f.name, f"must be a finite number, got {value}")
+        for bound, holds in (
+            ("gt", value.__gt__),
+            ("ge", value.__ge__),
+            ("lt", value.__lt__),
+            ("le", value.__le__),
+        ):
+            limit = f.metadata.get(bound)
+            if limit is not None and not holds(limit):
+                symbol = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}[bound]
+                fail(prefix + f.name, f"must be {symbol} {limit}, got {value}")

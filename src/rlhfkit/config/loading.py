@@ -9,8 +9,9 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlhfkit.config.checks import validate
-from rlhfkit.config.fields import field_types, is_section, literal_choices
+from rlhfkit.config.checks import key_failure, validate
+from rlhfkit.config.fields import check_bounds, field_types, is_section, literal_choices
+from rlhfkit.config.legacy import apply_old_keys, pop_old_keys
 from rlhfkit.config.run import KIND_DEFAULTS, KIND_FORCED, KINDS, RunConfig
 from rlhfkit.errors import ConfigError
 
@@ -42,7 +43,9 @@ def load_config(
 
     cfg = OmegaConf.structured(_omegaconf_schema(RunConfig))
     set_by: dict[str, str] = {}  # dotted key -> where its value was last set
+    old_keys = []  # keys of earlier versions (rlhfkit.config.legacy)
     for source, values in layers:
+        old_keys += pop_old_keys(values, source)
         for key in _check_keys(values, RunConfig, "", source):
             set_by[key] = source
         try:
@@ -50,9 +53,12 @@ def load_config(
         except Exception as e:  # omegaconf's ValidationError / ConfigKeyError and friends
             raise _translate(e, source) from None
     try:
-        run: RunConfig = _from_plain(RunConfig, OmegaConf.to_container(cfg, resolve=True))
+        plain = OmegaConf.to_container(cfg, resolve=True)
     except Exception as e:  # an interpolation ${...} that does not resolve
         raise _translate(e, "the configuration") from None
+    check_bounds(plain, "", key_failure(set_by), RunConfig)  # before a section checks itself (RefreshConfig)
+    run: RunConfig = _from_plain(RunConfig, plain)
+    apply_old_keys(run, old_keys, set_by)
     validate(run, kind, set_by)
     return run
 

@@ -1,11 +1,13 @@
-"""The ``online`` section: generation, reward, KL, advantages and the PPO update of ppo / grpo / rloo."""
+"""The ``online`` section (generation, reward, KL, advantages and the PPO update of ppo / grpo / rloo) and the
+``refresh`` section (the online reward-model refresh)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from rlhfkit.config.fields import option
+from rlhfkit.config.fields import check_bounds, option
+from rlhfkit.errors import ConfigError
 
 if TYPE_CHECKING:  # the choices rlhfkit.algos declares; read by field_types (algos imports torch)
     from rlhfkit.algos import AdvantageEstimator, KLEstimator, LossAggregation
@@ -72,21 +74,18 @@ class OnlineConfig:
         "`train grpo` / `train rloo`.",
     )
     group_size: int = option(1, "Responses per prompt (critic-free grpo / rloo need at least 2).", gt=0)
-    norm_by_std: bool = option(
+    normalize_advantages: bool = option(
         True,
-        "grpo: divide group-centred scores by the group's std (Shao et al. 2024); false = Dr. GRPO "
-        "(Liu et al. 2025).",
+        "Normalise the advantages as the estimator defines it: gae and reinforce_pp whiten them over the "
+        "valid tokens of the batch; grpo divides the group-centred scores by the group's std (Shao et al. "
+        "2024; false = Dr. GRPO, Liu et al. 2025); rloo has no normalisation. Replaces norm_by_std (grpo) "
+        "and whiten_advantages (gae, reinforce_pp), still read with a warning.",
     )
     advantage_eps: float = option(
         1.0e-6, "Added to standard deviations before dividing (grpo, whitening).", gt=0
     )
     gamma: float = option(1.0, "Discount factor.", ge=0, le=1)
     lam: float = option(0.95, "GAE lambda (Schulman et al. 2016).", ge=0, le=1)
-    whiten_advantages: bool = option(
-        True,
-        "gae and reinforce_pp: whiten advantages over the valid tokens of the batch (grpo's own "
-        "normalisation is norm_by_std; rloo has none).",
-    )
     ppo_epochs: int = option(4, "Passes over each rollout batch.", gt=0)
     num_minibatches: int = option(1, "Optimizer steps per PPO epoch.", gt=0)
     clip_eps: float = option(0.2, "PPO policy ratio clip (Schulman et al. 2017, eq. 7).", gt=0)
@@ -114,3 +113,45 @@ class OnlineConfig:
     critic_warmup_steps: int = option(
         0, "Rollouts at the start during which only the critic is trained (Zheng et al. 2023).", ge=0
     )
+
+
+@dataclass
+class RefreshConfig:
+    """The online reward-model refresh (:mod:`rlhfkit.trainers.refresh`; defaults measured on the built-in
+    task's tiny preset with a refresh every 5 rollouts, examples/README.md)."""
+
+    every: int = option(
+        0,
+        "Refresh the reward model after every K-th rollout; 0 = never. Needs a refresh hook: the quickstart's "
+        "--refresh-steps, or rlhfkit.trainers.refresh.RewardRefresh as OnlineHooks.refresh_reward_model.",
+        ge=0,
+    )
+    pairs: int = option(
+        128, "Prompts sampled per refresh (two responses each; identical or empty pairs are dropped).", ge=1
+    )
+    steps: int = option(16, "AdamW steps on the accumulated pairs per refresh.", ge=0)
+    batch_size: int = option(32, "Pairs per optimizer step.", ge=1)
+    fresh_fraction: float = option(
+        0.5,
+        "Share of each batch drawn from the pairs collected by refreshes; the rest comes from the initial "
+        "pairs (all of it from collected pairs when there are no initial pairs).",
+        ge=0,
+        le=1,
+    )
+    learning_rate: float = option(2e-4, "Learning rate of a fresh AdamW at every refresh.")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    max_grad_norm: float | None = option(1.0, "Clip the gradient norm to this; none = no clipping.")
+    temperature: float = option(1.0, "Sampling temperature of the pairs (as `rlhfkit label-pairs`).", gt=0)
+    max_new_tokens: int = option(48, "The longest response, in tokens (the online run's response_length).")
+    normalize_max_pairs: int = option(
+        512, "Pairs of the anchor set the normalisation is re-fitted on (both sides).", ge=1
+    )
+    center_coef: float = option(0.0, "The reward trainer's centring coefficient (reward.center_coef).")
+    sample_batch_size: int = option(256, "Responses per generate() call.")
+
+    def __post_init__(self) -> None:  # also when built from Python, not from a configuration file
+        check_bounds(self, "refresh.", _raise)
+
+
+def _raise(key: str, message: str) -> None:
+    raise ConfigError(f"{key}: {message}")

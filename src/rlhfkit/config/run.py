@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from rlhfkit.config.fields import option
-from rlhfkit.config.online import OnlineConfig
+from rlhfkit.config.online import OnlineConfig, RefreshConfig
 from rlhfkit.config.sections import (
     DataConfig,
     DPOConfig,
@@ -34,6 +34,9 @@ class RunConfig:
     data: DataConfig = option(DataConfig, "The data.")
     train: TrainConfig = option(TrainConfig, "The optimisation loop.")
     online: OnlineConfig = option(OnlineConfig, "Online RL (ppo / grpo / rloo only).")
+    refresh: RefreshConfig = option(
+        RefreshConfig, "The online reward-model refresh (ppo / grpo / rloo only)."
+    )
     reward: RewardConfig = option(RewardConfig, "Reward-model training (reward / prm only).")
     dpo: DPOConfig = option(DPOConfig, "Direct Preference Optimization (dpo only).")
     logging: LoggingConfig = option(LoggingConfig, "Extra metric sinks.")

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rlhfkit.config import RunConfig
 from rlhfkit.engine import sharded
 from rlhfkit.engine.atomic import atomic_write, atomic_write_text
 
@@ -95,7 +96,7 @@ def keep_best_warnings(keeper: BestKeeper, eval_steps: int, last_step: int) -> l
     return warnings
 
 
-def patience_stop(cfg, keeper: BestKeeper):
+def patience_stop(cfg: RunConfig, keeper: BestKeeper):
     """``should_stop(step)``: True once ``reward.early_stopping_patience`` evaluations in a row have not beaten
     the best (counted from the best evaluation's step, so it needs no state of its own across a resume)."""
     patience, every = cfg.reward.early_stopping_patience, cfg.train.eval_steps

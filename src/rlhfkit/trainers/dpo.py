@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from rlhfkit.algos import aggregate_loss, dpo_loss
+from rlhfkit.config import RunConfig
 from rlhfkit.data import PreferenceCollator, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import open_run
@@ -206,10 +207,12 @@ def heldout_figures(
     return out
 
 
-def dpo_objective(cfg, collate: DPOCollator, reference, heldout: HeldOut | None, device) -> Objective:
+def dpo_objective(
+    cfg: RunConfig, collate: DPOCollator, reference, heldout: HeldOut | None, device
+) -> Objective:
     """The DPO loss against ``reference`` and the held-out evaluation (reference log-probs of the held-out
     pairs computed once, at the first evaluation)."""
-    d = cfg.dpo
+    dpo = cfg.dpo
     eval_batch = 4 * (cfg.train.micro_batch_size or cfg.train.batch_size)  # no activations kept
     cache: dict[str, torch.Tensor] = {}
 
@@ -218,7 +221,7 @@ def dpo_objective(cfg, collate: DPOCollator, reference, heldout: HeldOut | None,
             ref = pair_logprobs(reference, batch)
         policy = pair_logprobs(model, batch)
         return dpo_pair_loss(
-            policy, ref, normalizer, beta=d.beta, loss_type=d.loss, label_smoothing=d.label_smoothing
+            policy, ref, normalizer, beta=dpo.beta, loss_type=dpo.loss, label_smoothing=dpo.label_smoothing
         )
 
     def evaluate(model, step):
@@ -227,32 +230,34 @@ def dpo_objective(cfg, collate: DPOCollator, reference, heldout: HeldOut | None,
         if "reference" not in cache:
             cache["reference"] = all_pair_logprobs(reference, collate, heldout.examples, eval_batch, device)
         policy = all_pair_logprobs(model, collate, heldout.examples, eval_batch, device)
-        return heldout_figures(policy, cache["reference"], d.beta, d.loss, d.label_smoothing, heldout.gold)
+        return heldout_figures(
+            policy, cache["reference"], dpo.beta, dpo.loss, dpo.label_smoothing, heldout.gold
+        )
 
     return Objective(collate=collate, loss=loss, normalizer=len, evaluate=evaluate)
 
 
-def build_reference(cfg, model: torch.nn.Module, tokenizer, device) -> torch.nn.Module:
+def build_reference(cfg: RunConfig, model: torch.nn.Module, tokenizer, device) -> torch.nn.Module:
     """The frozen reference: ``dpo.reference_model`` when set, else under LoRA the policy with its adapter
     disabled, else a second load of ``model.name_or_path``."""
-    m, source = cfg.model, cfg.dpo.reference_model
+    model_cfg, source = cfg.model, cfg.dpo.reference_model
     if source is None and is_peft_model(model):
         return AdapterDisabled(model)
-    if source is not None and source != m.name_or_path:
+    if source is not None and source != model_cfg.name_or_path:
         from rlhfkit.trainers.online_roles import check_same_vocabulary
 
-        check_same_vocabulary(tokenizer, source, "dpo.reference_model", m.trust_remote_code)
+        check_same_vocabulary(tokenizer, source, "dpo.reference_model", model_cfg.trust_remote_code)
     reference = load_causal_lm(
-        source or m.name_or_path,
-        trust_remote_code=m.trust_remote_code,
-        dtype=m.dtype,
+        source or model_cfg.name_or_path,
+        trust_remote_code=model_cfg.trust_remote_code,
+        dtype=model_cfg.dtype,
         tokenizer=tokenizer,
         frozen=True,
     )
     return reference.to(device).eval().requires_grad_(False)
 
 
-def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run DPO as configured; write ``final/`` and ``summary.json``; return the summary."""
     seed_everything(cfg.seed)
     accelerator = make_accelerator()
@@ -263,15 +268,15 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     heldout = heldout_pairs(heldout_examples) if heldout_examples is not None else None
     run = open_run(cfg, accelerator, resume, overwrite)
 
-    m = cfg.model
+    model_cfg = cfg.model
     model = load_causal_lm(
-        m.name_or_path,
-        trust_remote_code=m.trust_remote_code,
-        dtype=m.dtype,
+        model_cfg.name_or_path,
+        trust_remote_code=model_cfg.trust_remote_code,
+        dtype=model_cfg.dtype,
         tokenizer=tokenizer,
-        dropout=not m.disable_dropout,
+        dropout=not model_cfg.disable_dropout,
     )
-    model = prepare_trained(model, m).to(accelerator.device)  # LoRA / gradient checkpointing
+    model = prepare_trained(model, model_cfg).to(accelerator.device)  # LoRA / gradient checkpointing
     reference = build_reference(cfg, model, tokenizer, accelerator.device)
     collate = DPOCollator(tokenizer.pad_token_id)
     objective = dpo_objective(cfg, collate, reference, heldout, accelerator.device)
@@ -296,7 +301,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
         "pairs_per_second": result["examples_per_second"],
     }
     if accelerator.is_main_process:
-        save_hf_folder(accelerator.unwrap_model(model), tokenizer, run.final_dir, dtype=m.save_dtype)
+        save_hf_folder(accelerator.unwrap_model(model), tokenizer, run.final_dir, dtype=model_cfg.save_dtype)
         run.write_summary(summary)
     run.close()
     if accelerator.is_main_process:

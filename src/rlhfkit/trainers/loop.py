@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from rlhfkit.config import RunConfig
+from rlhfkit.config.checks import check_process_count
 from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import all_sum, dp_scale
 from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -59,7 +61,7 @@ class Objective:
     should_stop: Callable[[int], bool] | None = None
 
 
-def run_tokenizer(cfg):
+def run_tokenizer(cfg: RunConfig):
     """The run's tokenizer: ``model.name_or_path``'s, with ``model.missing_pad`` and ``data.chat_template``."""
     from rlhfkit.models import load_tokenizer
 
@@ -124,7 +126,7 @@ def micro_batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
 
 
 def train_offline(
-    cfg,
+    cfg: RunConfig,
     run: RunDir,
     model: torch.nn.Module,
     examples: Sequence[Any],
@@ -148,20 +150,15 @@ def train_offline(
         ``model``, afterwards), "step": the last step trained (below max_steps after an early stop), "loss", "eval": last
         evaluation metrics, "wall_seconds", "examples_per_second"}``.
     """
-    t = cfg.train
+    train = cfg.train
     world, rank = accelerator.num_processes, accelerator.process_index
-    if t.batch_size % world:
-        from rlhfkit.errors import ConfigError
-
-        raise ConfigError(
-            f"train.batch_size ({t.batch_size}) must be a multiple of the number of processes ({world})"
-        )
-    local_batch = t.batch_size // world
-    micro = t.micro_batch_size or local_batch
+    check_process_count(cfg, world)
+    local_batch = train.batch_size // world
+    micro = train.micro_batch_size or local_batch
     sharding = sharded.sharding_mode(cfg)
     if sharding != "none":  # FSDP2: each process holds a shard (rlhfkit.engine.sharded)
         model = sharded.shard_model(model, sharding)
-    optimizer, scheduler = optimizer_and_scheduler(model, t)
+    optimizer, scheduler = optimizer_and_scheduler(model, train)
     if sharding == "none":
         model, optimizer = accelerator.prepare(model, optimizer)
 
@@ -176,16 +173,18 @@ def train_offline(
             {"model": scheduler},
         )
     last_eval: dict[str, float] = dict(state.get("last_eval", {}))
-    guard = FiniteGuard(accelerator, t.skip_nonfinite_steps, run.checkpoints_dir)
+    guard = FiniteGuard(accelerator, train.skip_nonfinite_steps, run.checkpoints_dir)
     guard.load_state_dict(state.get("guard"))
     start_time, seen = time.perf_counter(), 0
     loss_value = logged_at(run.path, state["step"]).get("loss")  # reported when nothing is left to train
     loss_value = float("nan") if loss_value is None else loss_value
     last_step = state["step"]
     model.train()
-    for step in run.progress(range(state["step"] + 1, t.max_steps + 1), total=t.max_steps, desc="train"):
+    for step in run.progress(
+        range(state["step"] + 1, train.max_steps + 1), total=train.max_steps, desc="train"
+    ):
         step_start = time.perf_counter()
-        indices = batch_indices(len(examples), t.batch_size, step, cfg.seed, cfg.data.shuffle)
+        indices = batch_indices(len(examples), train.batch_size, step, cfg.seed, cfg.data.shuffle)
         batch = [examples[i] for i in indices]
         norm = max(float(objective.normalizer(batch)), 1.0)
         mine = batch[rank::world]
@@ -204,10 +203,10 @@ def train_offline(
             for name, value in stats.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
         grad_norm = None
-        if t.max_grad_norm is not None and sharding != "none":
-            grad_norm = sharded.clip_grad_norm(model, t.max_grad_norm)
-        elif t.max_grad_norm is not None:
-            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm))
+        if train.max_grad_norm is not None and sharding != "none":
+            grad_norm = sharded.clip_grad_norm(model, train.max_grad_norm)
+        elif train.max_grad_norm is not None:
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), train.max_grad_norm))
         lr = optimizer.param_groups[0]["lr"]
         # A non-finite loss or gradient norm stops the run here (or skips the step), on every process.
         if not guard.check(step, {"loss": loss_sum, "gradient norm": grad_norm}):
@@ -231,16 +230,16 @@ def train_offline(
             metrics["grad_norm"] = grad_norm
         metrics.update(guard.metrics())
         stop = False
-        if objective.evaluate is not None and (step % t.eval_steps == 0 or step == t.max_steps):
+        if objective.evaluate is not None and (step % train.eval_steps == 0 or step == train.max_steps):
             model.eval()
             with torch.no_grad():
                 last_eval = objective.evaluate(accelerator.unwrap_model(model), step)
             model.train()
             metrics.update({f"eval/{k}": v for k, v in last_eval.items()})
             stop = objective.should_stop is not None and bool(objective.should_stop(step))
-        if step % t.log_steps == 0 or step == t.max_steps or "eval/loss" in metrics:
+        if step % train.log_steps == 0 or step == train.max_steps or "eval/loss" in metrics:
             run.metrics.log(step, metrics)
-        save = step % t.save_steps == 0 or step == t.max_steps or stop or guard.stop_signal
+        save = step % train.save_steps == 0 or step == train.max_steps or stop or guard.stop_signal
         if save and sharding != "none":  # every process writes its shards
             sharded.save_checkpoint(
                 run.checkpoints_dir,
@@ -250,7 +249,7 @@ def train_offline(
                 scheduler,
                 {"last_eval": last_eval, "guard": guard.state_dict()},
                 main_process=accelerator.is_main_process,
-                keep_last=t.keep_last_checkpoints,
+                keep_last=train.keep_last_checkpoints,
             )
             if on_save is not None:
                 on_save(step)
@@ -264,7 +263,7 @@ def train_offline(
                     {"model": optimizer},
                     {"model": scheduler},
                     {"last_eval": last_eval, "guard": guard.state_dict()},
-                    keep_last=t.keep_last_checkpoints,
+                    keep_last=train.keep_last_checkpoints,
                 )
             if on_save is not None:
                 on_save(step)

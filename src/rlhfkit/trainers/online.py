@@ -81,6 +81,8 @@ from typing import Any
 import torch
 
 from rlhfkit.algos import AdaptiveKLController, FixedKLController, explained_variance
+from rlhfkit.config import RunConfig
+from rlhfkit.config.checks import check_process_count
 from rlhfkit.data import TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.folder import logged_at
@@ -96,7 +98,7 @@ from rlhfkit.trainers.loop import router_aux_coef, run_tokenizer
 from rlhfkit.trainers.online_checkpoint import resume_state, save, score_or_stop
 from rlhfkit.trainers.online_context import OnlineContext, StageClock, StatSums, derived_seed
 from rlhfkit.trainers.online_metrics import evaluate, rollout_stats
-from rlhfkit.trainers.online_roles import build_optimizers, build_roles, check_online_config
+from rlhfkit.trainers.online_roles import build_optimizers, build_roles
 from rlhfkit.trainers.online_shaping import (
     estimate_advantages,
     group_stats,
@@ -121,22 +123,20 @@ class OnlineHooks:
             so it never changes what training samples.
         evaluate_at_start: also evaluate the initial policy, logged as step 0.
         refresh_reward_model: ``(policy, reward_model, step) -> {name: number}``, called after the update
-            of every ``refresh_steps``-th rollout; it may train the reward model in place
-            (:mod:`rlhfkit.trainers.refresh`). The reward model is then saved in every checkpoint, and when the
+            of every ``refresh.every``-th rollout (:class:`rlhfkit.config.RefreshConfig`); it may train the
+            reward model in place (:mod:`rlhfkit.trainers.refresh`). The reward model is then saved in every checkpoint, and when the
             callable has ``state_dict()`` / ``load_state_dict()`` (e.g. its accumulated pairs, as plain data) that state is
             checkpointed too, and so is the model's normalisation (gain, bias in its config), which a refresh
             may re-fit. It is frozen again (eval mode, no gradients) after each call.
-        refresh_steps: how often ``refresh_reward_model`` runs (in rollouts; 0 = never).
     """
 
     evaluate: Callable[[torch.nn.Module, int], dict[str, float]] | None = None
     evaluate_at_start: bool = True
     refresh_reward_model: Callable[[torch.nn.Module, torch.nn.Module, int], dict[str, float]] | None = None
-    refresh_steps: int = 0
 
 
 def train(
-    cfg, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks | None = None
+    cfg: RunConfig, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks | None = None
 ) -> dict[str, Any]:
     """Run ppo / grpo / rloo as configured; write ``final/``, ``final_critic/`` and ``summary.json``.
 
@@ -151,7 +151,13 @@ def train(
     hooks = hooks or OnlineHooks()
     seed_everything(cfg.seed)
     accelerator = make_accelerator()
-    check_online_config(cfg, accelerator.num_processes)
+    check_process_count(cfg, accelerator.num_processes)
+    if cfg.refresh.every and hooks.refresh_reward_model is None:
+        raise ConfigError(
+            f"refresh.every={cfg.refresh.every}: nothing refreshes the reward model (a refresh needs a "
+            "labeller: the quickstart's --refresh-steps, or OnlineHooks.refresh_reward_model from Python); "
+            "set it to 0"
+        )
 
     # All data is read and validated, and the reward functions imported and checked against its columns,
     # before any model is loaded or the run folder written: bad input stops here and leaves nothing behind.
@@ -191,7 +197,7 @@ def train(
 
 
 def build_context(
-    cfg, accelerator, tokenizer, functions: list | None = None, train_reward_model: bool = False
+    cfg: RunConfig, accelerator, tokenizer, functions: list | None = None, train_reward_model: bool = False
 ) -> OnlineContext:
     """Load the roles, build the optimizers, the scorer, the KL controller and the sampling, and prepare for
     accelerate.
@@ -205,17 +211,17 @@ def build_context(
     prepared = accelerator.prepare(*[getattr(roles, n) for n in names], *[optimizers[n] for n in names])
     trained = dict(zip(names, prepared[: len(names)], strict=True))
     optimizers = dict(zip(names, prepared[len(names) :], strict=True))
-    o = cfg.online
+    online = cfg.online
     kl_ctl = (
-        AdaptiveKLController(o.kl_coef, o.kl_target, o.kl_horizon)
-        if o.kl_target is not None
-        else FixedKLController(o.kl_coef)
+        AdaptiveKLController(online.kl_coef, online.kl_target, online.kl_horizon)
+        if online.kl_target is not None
+        else FixedKLController(online.kl_coef)
     )
     if functions is None:
-        functions = Scorer.load_functions(o.reward_functions)
-    scorer = Scorer(roles.reward_model, functions, o.rollout_batch_size)
+        functions = Scorer.load_functions(online.reward_functions)
+    scorer = Scorer(roles.reward_model, functions, online.rollout_batch_size)
     stops = stop_token_ids(cfg, tokenizer)
-    sampling = sampling_for(tokenizer.pad_token_id, stops, o.temperature, o.top_k, o.top_p)
+    sampling = sampling_for(tokenizer.pad_token_id, stops, online.temperature, online.top_k, online.top_p)
     prm, table = load_process_reward_model(cfg, tokenizer, accelerator.device)
     return OnlineContext(
         cfg,
@@ -235,7 +241,7 @@ def build_context(
     )
 
 
-def stop_token_ids(cfg, tokenizer) -> list[int]:
+def stop_token_ids(cfg: RunConfig, tokenizer) -> list[int]:
     """EOS, plus ``online.stop_token`` when set (a token's text as in the vocabulary, or text that is one token)."""
     ids = [tokenizer.eos_token_id]
     text = cfg.online.stop_token
@@ -262,9 +268,9 @@ def train_online(
     eval_examples: list[dict] | None = None,
 ) -> dict[str, Any]:
     """The loop: ``train.max_steps`` rollouts of the five stages, with logging, evaluation and checkpoints."""
-    cfg, acc = ctx.cfg, ctx.accelerator
-    o, t = cfg.online, cfg.train
-    ctx.guard = FiniteGuard(acc, t.skip_nonfinite_steps, run.checkpoints_dir, unit="rollout")
+    cfg, accelerator = ctx.cfg, ctx.accelerator
+    online, train = cfg.online, cfg.train
+    ctx.guard = FiniteGuard(accelerator, train.skip_nonfinite_steps, run.checkpoints_dir, unit="rollout")
     state = resume_state(ctx, run, hooks)
     last_eval: dict[str, float] = dict(state.get("last_eval", {}))
     if state["step"] == 0 and hooks.evaluate_at_start and (hooks.evaluate or eval_examples):
@@ -273,14 +279,17 @@ def train_online(
     samples = SamplesWriter(
         run.path / "samples.jsonl",
         keep_until=run.resume_step if run.resume_checkpoint else -1,
-        enabled=acc.is_main_process and cfg.logging.samples_per_step > 0,
+        enabled=accelerator.is_main_process and cfg.logging.samples_per_step > 0,
     )
     start_time, step_seconds = time.perf_counter(), []
-    last = logged_at(run.path, state["step"]) if state["step"] == t.max_steps else {}  # nothing left to train
-    for step in run.progress(range(state["step"] + 1, t.max_steps + 1), total=t.max_steps, desc=cfg.kind):
-        clock, step_start, rng_at_start = StageClock(acc.device), time.perf_counter(), get_rng_state()
+    # a run that has nothing left to train reports its last logged step
+    last = logged_at(run.path, state["step"]) if state["step"] == train.max_steps else {}
+    for step in run.progress(
+        range(state["step"] + 1, train.max_steps + 1), total=train.max_steps, desc=cfg.kind
+    ):
+        clock, step_start, rng_at_start = StageClock(accelerator.device), time.perf_counter(), get_rng_state()
         # 1. generate: sample responses, cut them at the stop token; old and reference log-probs, values
-        torch.manual_seed(derived_seed("sampling", cfg.seed, step, acc.process_index))
+        torch.manual_seed(derived_seed("sampling", cfg.seed, step, accelerator.process_index))
         batch = prompt_batch(ctx, examples, step)
         rollout = sample_rollout(ctx, batch, clock)
 
@@ -312,16 +321,16 @@ def train_online(
 
         # Non-finite scores, values, log-probs or advantages stop the run (or skip the update), on every
         # process: one host sync, which also agrees on a SIGTERM / SIGINT stop.
-        m = rollout.mask
+        mask = rollout.mask
         skip = ctx.guard.check(
             step,
             {
                 "reward-model score": scores.parts.get("reward_model"),
                 "reward": rollout.scores,
-                "value": masked(rollout.values, m),
-                "log-prob": masked(rollout.logprobs, m),
-                "reference log-prob": masked(rollout.ref_logprobs, m),
-                "advantage": masked(rollout.advantages, m),
+                "value": masked(rollout.values, mask),
+                "log-prob": masked(rollout.logprobs, mask),
+                "reference log-prob": masked(rollout.ref_logprobs, mask),
+                "advantage": masked(rollout.advantages, mask),
             },
         )
 
@@ -330,7 +339,7 @@ def train_online(
             update = (
                 UpdateResult(StatSums(ctx.device))
                 if skip
-                else ppo_update(ctx, rollout, step, train_actor=step > o.critic_warmup_steps)
+                else ppo_update(ctx, rollout, step, train_actor=step > online.critic_warmup_steps)
             )
 
         # the rollout's and the update's statistics, summed over processes in one all-reduce
@@ -365,34 +374,37 @@ def train_online(
             step, {k: v for k, v in metrics.items() if k.startswith(("loss/", "grad_norm/"))}
         )
         if not skip:
-            ctx.kl_ctl.update(metrics["kl/mean"], t.batch_size * o.group_size)
+            ctx.kl_ctl.update(metrics["kl/mean"], train.batch_size * online.group_size)
         step_schedulers(ctx, metrics)
 
         # Between rollouts: the reward-model refresh, then timing, evaluation, the log line, the checkpoint.
-        if hooks.refresh_reward_model is not None and hooks.refresh_steps and step % hooks.refresh_steps == 0:
+        every = cfg.refresh.every
+        if hooks.refresh_reward_model is not None and every and step % every == 0:
             metrics.update(refresh_reward_model(ctx, hooks, step))
         seconds = time.perf_counter() - step_start
         step_seconds.append(seconds)
         metrics.update({f"time/{k}": v for k, v in clock.seconds.items()})
         metrics["time/step_seconds"] = seconds
-        metrics["tokens_per_second"] = metrics["response_length/mean"] * t.batch_size * o.group_size / seconds
+        metrics["tokens_per_second"] = (
+            metrics["response_length/mean"] * train.batch_size * online.group_size / seconds
+        )
         evaluated = bool(hooks.evaluate or eval_examples) and (
-            step % t.eval_steps == 0 or step == t.max_steps
+            step % train.eval_steps == 0 or step == train.max_steps
         )
         if evaluated:
             last_eval = evaluate(ctx, hooks, eval_examples, step)
             metrics.update(last_eval)
         last = metrics
-        if step % t.log_steps == 0 or step == t.max_steps or evaluated:
+        if step % train.log_steps == 0 or step == train.max_steps or evaluated:
             run.metrics.log(step, metrics)
-        if step % t.save_steps == 0 or step == t.max_steps or ctx.guard.stop_signal:
+        if step % train.save_steps == 0 or step == train.max_steps or ctx.guard.stop_signal:
             save(ctx, run, hooks, step, last_eval)
         ctx.guard.stop_if_asked(step)  # SIGTERM / SIGINT: this rollout is checkpointed; exit 128 + signal
     samples.close()
     wall = time.perf_counter() - start_time
     summary_keys = ("score/mean", "kl/mean", "kl_coef", "response_length/mean", "tokens_per_second")
     return {
-        "step": t.max_steps,
+        "step": train.max_steps,
         "last": {k.replace("/", "_"): last[k] for k in summary_keys if k in last},
         "eval": last_eval,
         "wall_seconds": wall,

@@ -37,13 +37,13 @@ def score_or_stop(
     ``step - 1`` (unless one exists: the resume point, or a ``save_steps`` multiple) with the RNG as it was when
     that rollout ended, then a RewardFunctionError naming the rollout, so that ``--resume`` continues from there
     once the function is fixed."""
-    acc = ctx.accelerator
+    accelerator = ctx.accelerator
     try:
         result, failure = score_rollout(ctx, rollout, records), None
     except RewardFunctionError as e:
         result, failure = None, e
     failed = failure is not None
-    if acc.num_processes > 1:  # every process must stop together (the checkpoint is collective)
+    if accelerator.num_processes > 1:  # every process must stop together (the checkpoint is collective)
         failed = bool(ctx.all_sum(torch.tensor([float(failed)])).item() > 0)
     if not failed:
         return result
@@ -74,9 +74,9 @@ def _checkpoint_models(ctx: OnlineContext, hooks: OnlineHooks) -> dict[str, torc
 
 def save(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, step: int, last_eval: dict[str, float]) -> None:
     """Write ``checkpoints/step-<step>/`` (main process; the others wait)."""
-    acc = ctx.accelerator
-    acc.wait_for_everyone()
-    if not acc.is_main_process:
+    accelerator = ctx.accelerator
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
         return
     state = {
         "kl_controller": ctx.kl_ctl.state_dict(),

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rlhfkit.config import RunConfig
 from rlhfkit.engine.accel import all_sum
 from rlhfkit.models import Sampling, response_values
 from rlhfkit.rollout.scoring import Scorer, reward_normalization
@@ -44,7 +45,7 @@ class OnlineContext:
         step_end_table: ``(V,)`` bool, the token ids that end a step (with a PRM).
     """
 
-    cfg: Any
+    cfg: RunConfig
     accelerator: Any
     tokenizer: Any
     roles: Roles

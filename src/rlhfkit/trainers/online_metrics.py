@@ -89,10 +89,10 @@ def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, floa
     """One response per held-out prompt at the training temperature: ``eval/score/mean`` (the scorer's raw
     score, over the responses something scored), ``eval/kl/mean`` (nats per response, the trained estimator over each response's trained
     tokens), ``eval/response_length/mean``, ``eval/response/ended_frac``."""
-    acc, o = ctx.accelerator, ctx.cfg.online
+    accelerator, online = ctx.accelerator, ctx.cfg.online
     s = StatSums(ctx.device)
-    mine = examples[acc.process_index :: acc.num_processes]
-    size = max(1, ctx.cfg.train.batch_size * o.group_size // acc.num_processes)
+    mine = examples[accelerator.process_index :: accelerator.num_processes]
+    size = max(1, ctx.cfg.train.batch_size * online.group_size // accelerator.num_processes)
     collate = PromptCollator(ctx.tokenizer.pad_token_id)
     for chunk in micro_batches(mine, size):
         b = collate(list(chunk))
@@ -110,7 +110,7 @@ def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, floa
             rollout.ref_logprobs,
             rollout.mask,
             0.0,
-            o.kl_estimator,
+            online.kl_estimator,
         )
         s.add_sum("eval/score/mean", raw_scores[scored].sum(), scored.sum())
         s.add_sum("eval/kl/mean", kl.sum(), len(chunk))

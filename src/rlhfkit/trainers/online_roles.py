@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhfkit.config import RunConfig
 from rlhfkit.engine.optim import optimizer_and_scheduler
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import AdapterDisabled, load_causal_lm, load_scalar_model, load_tokenizer, prepare_trained
@@ -48,16 +49,16 @@ class Roles:
     reward_model: torch.nn.Module | None
 
 
-def critic_source(cfg) -> str | None:
+def critic_source(cfg: RunConfig) -> str | None:
     """Where the critic is loaded from, or None for the critic-free estimators."""
-    o = cfg.online
-    if o.advantage_estimator != "gae":
+    online = cfg.online
+    if online.advantage_estimator != "gae":
         return None
-    return o.critic_model or o.reward_model or cfg.model.name_or_path
+    return online.critic_model or online.reward_model or cfg.model.name_or_path
 
 
 def build_roles(
-    cfg, tokenizer, device: torch.device | str = "cpu", train_reward_model: bool = False
+    cfg: RunConfig, tokenizer, device: torch.device | str = "cpu", train_reward_model: bool = False
 ) -> Roles:
     """Load the actor, the reference, the reward model and the critic as ``cfg`` says, on ``device``.
 
@@ -74,15 +75,17 @@ def build_roles(
     Raises:
         ConfigError: a reward or critic model whose tokenizer numbers tokens differently from the policy's.
     """
-    m = cfg.model
-    common = dict(trust_remote_code=m.trust_remote_code, dtype=m.dtype, tokenizer=tokenizer)
-    dropout = not m.disable_dropout
-    lora = m.lora_rank > 0
-    actor = prepare_trained(load_causal_lm(m.name_or_path, dropout=dropout, **common), m).to(device)
+    model_cfg = cfg.model
+    common = dict(trust_remote_code=model_cfg.trust_remote_code, dtype=model_cfg.dtype, tokenizer=tokenizer)
+    dropout = not model_cfg.disable_dropout
+    lora = model_cfg.lora_rank > 0
+    actor = prepare_trained(load_causal_lm(model_cfg.name_or_path, dropout=dropout, **common), model_cfg).to(
+        device
+    )
     reference = (
         AdapterDisabled(actor)
         if lora
-        else _frozen(load_causal_lm(m.name_or_path, frozen=True, **common).to(device))
+        else _frozen(load_causal_lm(model_cfg.name_or_path, frozen=True, **common).to(device))
     )
     source = critic_source(cfg)
     # LoRA: the critic's adapters and trained head copy live on the reward model's own weights (unless a
@@ -96,7 +99,11 @@ def build_roles(
     reward_model = None
     if cfg.online.reward_model:
         check_same_vocabulary(
-            tokenizer, cfg.online.reward_model, "online.reward_model", m.trust_remote_code, m.name_or_path
+            tokenizer,
+            cfg.online.reward_model,
+            "online.reward_model",
+            model_cfg.trust_remote_code,
+            model_cfg.name_or_path,
         )
         reward_model = _frozen(
             load_scalar_model(cfg.online.reward_model, frozen=not (train_reward_model or share), **common).to(
@@ -105,15 +112,18 @@ def build_roles(
         )
     critic = None
     if source is not None:
-        if source != m.name_or_path:
+        if source != model_cfg.name_or_path:
             check_same_vocabulary(
-                tokenizer, source, "online.critic_model", m.trust_remote_code, m.name_or_path
+                tokenizer, source, "online.critic_model", model_cfg.trust_remote_code, model_cfg.name_or_path
             )
         if share:
-            critic = prepare_trained(reward_model, m)  # adapters injected into the reward model's modules
+            # adapters injected into the reward model's modules
+            critic = prepare_trained(reward_model, model_cfg)
             reward_model = AdapterDisabled(critic)
         else:
-            critic = prepare_trained(load_scalar_model(source, dropout=dropout, **common), m).to(device)
+            critic = prepare_trained(load_scalar_model(source, dropout=dropout, **common), model_cfg).to(
+                device
+            )
     return Roles(actor, reference, critic, reward_model)
 
 
@@ -178,7 +188,7 @@ def _check_vocabulary_size(
         )
 
 
-def build_optimizers(cfg, roles: Roles) -> tuple[dict, dict]:
+def build_optimizers(cfg: RunConfig, roles: Roles) -> tuple[dict, dict]:
     """AdamW + schedule for the actor and (when there is one) the critic: ``({name: opt}, {name: sched})``.
 
     Both schedules count rollouts (one scheduler step per rollout, ``train.max_steps`` in all).
@@ -189,30 +199,3 @@ def build_optimizers(cfg, roles: Roles) -> tuple[dict, dict]:
         lr = cfg.online.critic_learning_rate or cfg.train.learning_rate
         optimizers["critic"], schedulers["critic"] = optimizer_and_scheduler(roles.critic, cfg.train, lr=lr)
     return optimizers, schedulers
-
-
-def check_online_config(cfg, num_processes: int = 1) -> None:
-    """Cross-field checks of an online run that :func:`rlhfkit.config.load_config` does not make."""
-    o, t = cfg.online, cfg.train
-    if o.advantage_estimator != "gae":
-        if o.critic_model:
-            raise ConfigError(
-                f"online.critic_model is set, but advantage_estimator={o.advantage_estimator} has no "
-                "critic; remove it or use advantage_estimator=gae"
-            )
-        if o.critic_warmup_steps:
-            raise ConfigError(
-                f"online.critic_warmup_steps={o.critic_warmup_steps}, but advantage_estimator="
-                f"{o.advantage_estimator} has no critic to warm up; set it to 0"
-            )
-    if t.batch_size % num_processes:
-        raise ConfigError(
-            f"train.batch_size ({t.batch_size}) must be a multiple of the number of processes "
-            f"({num_processes}): each process samples whole prompt groups"
-        )
-    responses = t.batch_size * o.group_size
-    if responses % o.num_minibatches:
-        raise ConfigError(
-            f"online.num_minibatches ({o.num_minibatches}) must divide the responses per rollout "
-            f"(train.batch_size x online.group_size = {responses})"
-        )

@@ -9,6 +9,7 @@ import torch
 
 from rlhfkit.algos import ADVANTAGE_ESTIMATORS, shape_rewards
 from rlhfkit.algos.groups import group_counts
+from rlhfkit.config import RunConfig
 from rlhfkit.data import TokenLimits
 from rlhfkit.models import load_scalar_model
 from rlhfkit.rollout.process_rewards import outcome_and_steps, process_rewards, step_end_table, step_ends
@@ -17,7 +18,9 @@ from rlhfkit.trainers.online_roles import check_same_vocabulary
 from rlhfkit.types import Rollout
 
 
-def load_process_reward_model(cfg, tokenizer, device) -> tuple[torch.nn.Module | None, torch.Tensor | None]:
+def load_process_reward_model(
+    cfg: RunConfig, tokenizer, device
+) -> tuple[torch.nn.Module | None, torch.Tensor | None]:
     """The frozen PRM of ``online.process_reward_model`` and its step-end table (None, None without one)."""
     path = cfg.online.process_reward_model
     if not path:
@@ -81,7 +84,7 @@ def estimate_advantages(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Ten
     A fully masked response (``missing_eos=mask``) is put in a group of its own, so that it neither gets an
     advantage nor shifts its group's baseline (grpo / rloo).
     """
-    o = ctx.cfg.online
+    online = ctx.cfg.online
     first, _, _ = ctx.rows()
     rows = first + torch.arange(
         rollout.batch_size, device=rollout.group_ids.device
@@ -89,20 +92,19 @@ def estimate_advantages(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Ten
     group_ids = torch.where(
         rollout.mask.any(1), rollout.group_ids, -1 - rows
     )  # (B,); -1 - row: distinct, alone
-    if o.advantage_estimator in ("grpo", "rloo"):
+    if online.advantage_estimator in ("grpo", "rloo"):
         check_groups_on_one_process(ctx, group_ids)
-    # grpo's division by the group std is its own switch (off = Dr. GRPO); for gae and reinforce_pp the
-    # estimator's normalisation is whitening over the batch (all processes: all_sum); rloo has none.
-    norm_by_std = o.norm_by_std if o.advantage_estimator == "grpo" else o.whiten_advantages
-    return ADVANTAGE_ESTIMATORS[o.advantage_estimator](
+    # Each estimator defines its own normalisation (algos.ADVANTAGE_ESTIMATORS): whitening over the batch
+    # for gae and reinforce_pp (all processes: all_sum), the group std for grpo, none for rloo.
+    return ADVANTAGE_ESTIMATORS[online.advantage_estimator](
         rollout.rewards,
         rollout.mask,
         rollout.values,
         group_ids,
-        gamma=o.gamma,
-        lam=o.lam,
-        norm_by_std=norm_by_std,
-        eps=o.advantage_eps,
+        gamma=online.gamma,
+        lam=online.lam,
+        norm_by_std=online.normalize_advantages,
+        eps=online.advantage_eps,
         all_sum=ctx.all_sum,
     )
 

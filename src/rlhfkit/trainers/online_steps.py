@@ -41,10 +41,10 @@ def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int) -> dict[st
         ``query_ids`` (B, P) left padded, ``query_mask`` (B, P), ``records`` (B data rows), ``group_ids``
         (B,) long (the prompt's position in the global batch).
     """
-    cfg, acc = ctx.cfg, ctx.accelerator
+    cfg, accelerator = ctx.cfg, ctx.accelerator
     indices = batch_indices(len(examples), cfg.train.batch_size, step, cfg.seed, cfg.data.shuffle)
-    local = len(indices) // acc.num_processes
-    first = acc.process_index * local
+    local = len(indices) // accelerator.num_processes
+    first = accelerator.process_index * local
     batch = PromptCollator(ctx.tokenizer.pad_token_id)([examples[i] for i in indices[first : first + local]])
     g = cfg.online.group_size
     return {
@@ -71,9 +71,9 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
         ``response_mask`` ((B, T) bool: the response up to its stop token, also for masked-out responses;
         what the reward model reads) and ``entropy`` ((B, T): the actor's entropy at each valid token).
     """
-    o, roles = ctx.cfg.online, ctx.roles
+    online, roles = ctx.cfg.online, ctx.roles
     n = batch["query_ids"].shape[0]
-    size = o.rollout_batch_size or n
+    size = online.rollout_batch_size or n
     pad = ctx.tokenizer.pad_token_id
     clock = clock or StageClock()
     with clock("generate"):
@@ -82,7 +82,7 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
                 roles.actor,
                 batch["query_ids"][i : i + size],
                 batch["query_mask"][i : i + size],
-                max_new_tokens=o.response_length,
+                max_new_tokens=online.response_length,
                 stop_token_ids=ctx.stop_token_ids,
                 pad_token_id=pad,
                 sampling=ctx.sampling,
@@ -94,7 +94,7 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     response_mask = response_mask[:, :width]
     response_ids = torch.cat([p.response_ids for p in pieces])[:, :width]  # (B, T)
     ended = torch.cat([p.ended for p in pieces])  # (B,)
-    mask = response_mask & ended[:, None] if o.missing_eos == "mask" else response_mask
+    mask = response_mask & ended[:, None] if online.missing_eos == "mask" else response_mask
 
     def zeros():
         return torch.zeros(n, width, device=ctx.device)
@@ -159,7 +159,7 @@ def score_rollout(ctx: OnlineContext, rollout: Rollout, records: list[dict]) -> 
     ``missing_eos=mask`` leaves out of the loss. Under ``missing_eos=penalty`` a response without a stop
     token scores ``online.missing_eos_score`` whatever it says (the N+ "EOS trick", Huang et al. 2024).
     """
-    o = ctx.cfg.online
+    online = ctx.cfg.online
     response_mask = rollout.response_mask
     ids, attn, _, _ = model_inputs(rollout.query_ids, rollout.query_mask, rollout.response_ids, response_mask)
     texts, responses = {}, None
@@ -174,10 +174,10 @@ def score_rollout(ctx: OnlineContext, rollout: Rollout, records: list[dict]) -> 
         }
     raw_scores, parts, scored = ctx.scorer(ids, attn, **texts)
     scores = raw_scores
-    if o.missing_eos == "penalty":
-        scores = torch.where(rollout.ended, scores, torch.full_like(scores, o.missing_eos_score))
-    if o.score_clip is not None:
-        scores = scores.clamp(-o.score_clip, o.score_clip)
+    if online.missing_eos == "penalty":
+        scores = torch.where(rollout.ended, scores, torch.full_like(scores, online.missing_eos_score))
+    if online.score_clip is not None:
+        scores = scores.clamp(-online.score_clip, online.score_clip)
     return Scores(scores, raw_scores, parts, scored, responses)
 
 

@@ -97,16 +97,16 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
         rollout: with ``advantages``, ``returns`` and (critic) ``values`` filled in; this process's rows.
         step: the rollout's number (seeds the minibatch order).
     """
-    o, t = ctx.cfg.online, ctx.cfg.train
-    micro = t.micro_batch_size or rollout.batch_size // o.num_minibatches
+    online, train = ctx.cfg.online, ctx.cfg.train
+    micro = train.micro_batch_size or rollout.batch_size // online.num_minibatches
     names = [name for name in ("actor", "critic") if name in ctx.trained and (name != "actor" or train_actor)]
     for name in names:  # the forwards of the rollout, whose outputs are the old log-probs and values
         set_update_mode(ctx.trained[name], dropout=not ctx.cfg.model.disable_dropout)
     result, diffs = UpdateResult(StatSums(ctx.device)), []
-    for epoch in range(o.ppo_epochs):
+    for epoch in range(online.ppo_epochs):
         for k, rows in enumerate(local_minibatches(ctx, step, epoch)):
             minibatch = rollout.select(rows)
-            normalizer = float(ctx.all_sum(loss_normalizer(minibatch.mask, o.loss_agg_mode)))
+            normalizer = float(ctx.all_sum(loss_normalizer(minibatch.mask, online.loss_agg_mode)))
             if normalizer == 0:
                 result.skipped_minibatches += 1
                 continue
@@ -171,13 +171,15 @@ def micro_batch_loss(
         (loss: a scalar to backpropagate; parts: ``loss/policy``, ``loss/value``, ``loss/entropy``, each
         aggregated like the loss; the largest |logprobs - old_logprobs| at a valid token).
     """
-    o = ctx.cfg.online
+    online = ctx.cfg.online
     ids, attn, start, w = model_inputs(mb.query_ids, mb.query_mask, mb.response_ids, mb.mask)
     mask = mb.mask[:, :w]  # (b, w)
     tokens = mask.sum()
 
     def aggregate(per_token: torch.Tensor) -> torch.Tensor:
-        return aggregate_loss(per_token, mask, o.loss_agg_mode, normalizer, max_length=o.response_length)
+        return aggregate_loss(
+            per_token, mask, online.loss_agg_mode, normalizer, max_length=online.response_length
+        )
 
     loss = torch.zeros((), device=ctx.device)
     parts: dict[str, torch.Tensor] = {}
@@ -188,18 +190,20 @@ def micro_batch_loss(
         )
         logprobs = sampled_logprobs(logits, mb.response_ids[:, :w], ctx.sampling)  # (b, w)
         old = mb.logprobs[:, :w]
-        per_token, pg = ppo_policy_loss(logprobs, old, mb.advantages[:, :w], o.clip_eps, mask=mask)
+        per_token, pg = ppo_policy_loss(logprobs, old, mb.advantages[:, :w], online.clip_eps, mask=mask)
         parts["loss/policy"] = aggregate(per_token)
         loss = loss + parts["loss/policy"]
         diff = fill_masked((logprobs.detach() - old).abs(), mask).max()
-        for key, name in (("clip_frac", "clipfrac"), ("approx_kl", "approx_kl"), ("ratio", "ratio/mean")):
-            stats.add(name, pg[key], tokens)
-        if o.ent_coef > 0:
+        for name, value in pg.items():  # clipfrac, approx_kl, ratio/mean
+            stats.add(name, value, tokens)
+        if online.ent_coef > 0:
             parts["loss/entropy"] = aggregate(
                 entropy_from_logits(processed_logits(logits, ctx.sampling, mb.response_ids[:, :w]))
             )
-            loss = loss - o.ent_coef * parts["loss/entropy"]
-        if o.kl_in_loss:  # DeepSeekMath's GRPO: k3 against the reference as a loss term, not in the reward
+            loss = loss - online.ent_coef * parts["loss/entropy"]
+        if (
+            online.kl_in_loss
+        ):  # DeepSeekMath's GRPO: k3 against the reference as a loss term, not in the reward
             # masked inputs filled first: a junk log-prob there must not reach the gradient (0 * inf)
             kl = kl_estimator("k3")(fill_masked(logprobs, mask), fill_masked(mb.ref_logprobs[:, :w], mask))
             parts["loss/kl"] = aggregate(fill_masked(kl, mask))  # (b, w) per token, then aggregated
@@ -209,10 +213,12 @@ def micro_batch_loss(
             loss = loss + ctx.router_aux_coef * parts["loss/router_aux"]
     if "critic" in ctx.trained:
         values = critic_values(ctx.trained["critic"], ids, attn, start)  # (b, w)
-        per_token, vf = value_loss(values, mb.values[:, :w], mb.returns[:, :w], o.value_clip_eps, mask=mask)
+        per_token, vf = value_loss(
+            values, mb.values[:, :w], mb.returns[:, :w], online.value_clip_eps, mask=mask
+        )
         parts["loss/value"] = aggregate(per_token)
-        loss = loss + o.vf_coef * parts["loss/value"]
-        stats.add("value/clipfrac", vf["clip_frac"], tokens)
+        loss = loss + online.vf_coef * parts["loss/value"]
+        stats.add("value/clipfrac", vf["clipfrac"], tokens)
     return loss, parts, diff
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhfkit.algos import aggregate_loss
+from rlhfkit.config import RunConfig
 from rlhfkit.data import PRMCollator
 from rlhfkit.models import token_scores
 from rlhfkit.trainers.best_model import BestKeeper, patience_stop
@@ -95,7 +96,12 @@ def evaluate_prm(model, collate, examples: list[dict], batch_size: int, device) 
 
 
 def prm_objective(
-    cfg, collate, heldout: list[dict] | None, keeper: BestKeeper, device, counters: dict[str, float]
+    cfg: RunConfig,
+    collate,
+    heldout: list[dict] | None,
+    keeper: BestKeeper,
+    device,
+    counters: dict[str, float],
 ) -> Objective:
     """Loss, evaluation and early stopping of a process-reward-model run."""
     eval_batch = scoring_batch_size(cfg)
@@ -122,7 +128,7 @@ def prm_objective(
     )
 
 
-def train_prm(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+def train_prm(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train a process reward model on ``{"prompt", "steps", "labels"}`` records: binary cross-entropy on
     each step's correctness, read at the step's last token (the separator after it). The saved model's
     token scores are logits of P(step correct); no normalisation is fitted (reward.normalize is ignored)."""

@@ -2,10 +2,10 @@
 
 The third defence against reward hacking, after the KL penalty and diverse data: the reward model is
 only accurate near the responses it was trained on, and PPO walks away from them. Every ``K`` rollouts
-(``OnlineHooks.refresh_steps``) a :class:`RewardRefresh` (the ``refresh_reward_model`` hook of
-:class:`rlhfkit.trainers.online.OnlineHooks`):
+(``refresh.every``: the ``refresh`` section, :class:`rlhfkit.config.RefreshConfig`) a :class:`RewardRefresh`
+(the ``refresh_reward_model`` hook of :class:`rlhfkit.trainers.online.OnlineHooks`):
 
-1. **samples** two responses per prompt from the current policy on ``RefreshConfig.pairs`` training
+1. **samples** two responses per prompt from the current policy on ``refresh.pairs`` training
    prompts (:func:`rlhfkit.rollout.pairs.sample_response_pairs`; identical or empty pairs dropped);
 2. **labels** them: a built-in task's noisy annotators (:func:`rlhfkit.rollout.pairs.annotate_records`,
    with the gold fields), or a user's function ``(prompt, a, b) -> bool`` (True: ``a`` is preferred);
@@ -13,7 +13,7 @@ only accurate near the responses it was trained on, and PPO walks away from them
    labels and, with a task, against gold: how far the proxy has drifted where the policy now samples);
 4. **accumulates** them with the earlier ones (the hook's ``state_dict()``: the pairs as plain data, so
    the online trainer's checkpoints carry them);
-5. **trains** the reward model in place for ``RefreshConfig.steps`` AdamW steps of Bradley-Terry loss
+5. **trains** the reward model in place for ``refresh.steps`` AdamW steps of Bradley-Terry loss
    (:func:`rlhfkit.trainers.reward.pair_loss`, the reward trainer's loss) on batches drawn from the
    accumulated pairs: a ``fresh_fraction`` share from the pairs collected by refreshes, the rest from
    the initial pairs the reward model was trained on (replay, so that it does not forget them);
@@ -42,10 +42,10 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from rlhfkit.config import RefreshConfig
 from rlhfkit.data import TokenLimits, tokenize_preference
 from rlhfkit.data.records import FieldError
 from rlhfkit.engine.optim import build_optimizer
@@ -59,50 +59,6 @@ from rlhfkit.trainers.reward import fit_normalization, pair_loss, pair_scores, s
 from rlhfkit.trainers.reward_metrics import heldout_metrics
 
 LabelFunction = Callable[[str, str, str], bool]
-
-
-@dataclass(frozen=True)
-class RefreshConfig:
-    """Settings of one online refresh (defaults: those measured on the built-in task's tiny preset with a refresh
-    every 5 rollouts, examples/README.md).
-
-    Attributes:
-        pairs: prompts sampled per refresh (two responses each; identical or empty pairs are dropped).
-        steps: AdamW steps on the accumulated pairs per refresh.
-        batch_size: pairs per optimizer step.
-        fresh_fraction: share of each batch drawn from the pairs collected by refreshes; the rest comes
-            from the initial pairs (all of it from collected pairs when there are no initial pairs).
-        learning_rate, weight_decay, max_grad_norm: the optimizer (a fresh AdamW at every refresh).
-        temperature: sampling temperature of the pairs (1.0, as ``rlhfkit label-pairs``).
-        max_new_tokens: the longest response, in tokens (the online run's ``response_length``).
-        normalize_max_pairs: pairs of the anchor set the normalisation is re-fitted on (both sides).
-        center_coef: the reward trainer's centring coefficient (``reward.center_coef``).
-        sample_batch_size: responses per ``generate`` call.
-    """
-
-    pairs: int = 128
-    steps: int = 16
-    batch_size: int = 32
-    fresh_fraction: float = 0.5
-    learning_rate: float = 2e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    temperature: float = 1.0
-    max_new_tokens: int = 48
-    normalize_max_pairs: int = 512
-    center_coef: float = 0.0
-    sample_batch_size: int = 256
-
-    def __post_init__(self):
-        if self.pairs < 1 or self.steps < 0 or self.batch_size < 1 or self.normalize_max_pairs < 1:
-            raise ConfigError(
-                f"refresh: pairs, batch_size and normalize_max_pairs must be >= 1 and steps >= 0, "
-                f"got {self.pairs}, {self.batch_size}, {self.normalize_max_pairs}, {self.steps}"
-            )
-        if not 0.0 <= self.fresh_fraction <= 1.0:
-            raise ConfigError(f"refresh.fresh_fraction must be in [0, 1], got {self.fresh_fraction}")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ConfigError(f"refresh.temperature must be a positive number, got {self.temperature}")
 
 
 class RewardRefresh:

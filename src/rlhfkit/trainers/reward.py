@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from rlhfkit.algos import aggregate_loss, bradley_terry_loss
+from rlhfkit.config import RunConfig
 from rlhfkit.engine.atomic import atomic_write_text
 from rlhfkit.models import sequence_scores
 from rlhfkit.reporting.runs import HELDOUT_SCORES
@@ -241,7 +242,7 @@ def fit_normalization(scores: torch.Tensor) -> tuple[float, float]:
 
 
 def reward_objective(
-    cfg,
+    cfg: RunConfig,
     collate: PairCollator,
     heldout: HeldOut | None,
     keeper: BestKeeper,
@@ -286,7 +287,7 @@ def reward_objective(
     )
 
 
-def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train a Bradley-Terry reward model as configured; write ``final/`` and ``summary.json``; return the
     summary."""
     # 1. data: read, validate and tokenise everything before a model is built (bad input stops here).
@@ -373,7 +374,14 @@ def write_heldout_scores(
 
 
 def final_figures(
-    cfg, model, collate, heldout: HeldOut, keeper: BestKeeper, latest: dict[str, Any], step: int, device
+    cfg: RunConfig,
+    model,
+    collate,
+    heldout: HeldOut,
+    keeper: BestKeeper,
+    latest: dict[str, Any],
+    step: int,
+    device,
 ) -> tuple[dict[str, float], list[dict]]:
     """The held-out figures of the final model: those of the evaluation it comes from (the best one, or the
     last step's), else (a resumed run with nothing left to train) evaluated again."""

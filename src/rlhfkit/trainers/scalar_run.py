@@ -10,30 +10,21 @@ from typing import Any
 
 import torch
 
+from rlhfkit.config import RunConfig
 from rlhfkit.data import Examples, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir, open_run
 from rlhfkit.engine.seed import seed_everything
-from rlhfkit.errors import ConfigError
 from rlhfkit.models import load_scalar_model, prepare_trained, save_hf_folder
 from rlhfkit.report import write_report
 from rlhfkit.trainers.best_model import BestKeeper, keep_best_warnings
 from rlhfkit.trainers.loop import Objective, run_tokenizer, train_offline
 
 
-def scoring_batch_size(cfg) -> int:
+def scoring_batch_size(cfg: RunConfig) -> int:
     """Pairs per forward pass when only scoring (evaluation, normalisation): 4 training micro-batches, as
     no activations are kept for a backward pass."""
     return 4 * (cfg.train.micro_batch_size or cfg.train.batch_size)
-
-
-def check_config(cfg) -> None:
-    """Cross-field settings of a scalar-model run that the config loader cannot judge alone."""
-    if not (cfg.data.eval_file or cfg.data.eval_split) and cfg.reward.early_stopping_patience is not None:
-        raise ConfigError(
-            "reward.early_stopping_patience: early stopping watches the held-out accuracy, so it "
-            "needs data.eval_file (or data.eval_split)"
-        )
 
 
 @dataclass
@@ -47,9 +38,8 @@ class ScalarSession:
     save_dtype: str = "float32"
 
 
-def open_session(cfg, kind: str) -> tuple[ScalarSession, Examples, Examples | None]:
+def open_session(cfg: RunConfig, kind: str) -> tuple[ScalarSession, Examples, Examples | None]:
     """Processes, tokenizer and all data of the run (bad data stops here, before the run folder is written)."""
-    check_config(cfg)
     seed_everything(cfg.seed)
     accelerator = make_accelerator(sharding=True)
     tokenizer = run_tokenizer(cfg)
@@ -58,13 +48,13 @@ def open_session(cfg, kind: str) -> tuple[ScalarSession, Examples, Examples | No
     return ScalarSession(accelerator, None, tokenizer, limits, cfg.model.save_dtype), examples, heldout
 
 
-def start_run(cfg, session: ScalarSession, resume: bool, overwrite: bool) -> RunDir:
+def start_run(cfg: RunConfig, session: ScalarSession, resume: bool, overwrite: bool) -> RunDir:
     """Open (or resume) the run folder, after the data has passed its checks."""
     session.run = open_run(cfg, session.accelerator, resume, overwrite)
     return session.run
 
 
-def scalar_model(cfg, session: ScalarSession) -> torch.nn.Module:
+def scalar_model(cfg: RunConfig, session: ScalarSession) -> torch.nn.Module:
     """The backbone with a fresh scalar head (N+ init, :func:`rlhfkit.models.load_scalar_model`), dropout off."""
     model = load_scalar_model(
         cfg.model.name_or_path,
@@ -77,7 +67,7 @@ def scalar_model(cfg, session: ScalarSession) -> torch.nn.Module:
 
 
 def fit_keeping_best(
-    cfg,
+    cfg: RunConfig,
     session: ScalarSession,
     model,
     examples,
@@ -106,7 +96,7 @@ def fit_keeping_best(
 
 
 def run_summary(
-    cfg,
+    cfg: RunConfig,
     kind: str,
     unit: str,
     result,

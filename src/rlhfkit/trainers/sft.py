@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rlhfkit.algos import aggregate_loss
+from rlhfkit.config import RunConfig
 from rlhfkit.data import SFTCollator, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import open_run
@@ -95,7 +96,7 @@ def count_completion_tokens(examples: list[dict]) -> float:
     return float(sum(len(e["completion_ids"]) for e in examples))
 
 
-def train(cfg, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run SFT as configured; write ``final/`` and ``summary.json``; return the summary."""
     seed_everything(cfg.seed)
     accelerator = make_accelerator(sharding=True)

@@ -1,0 +1,162 @@
+"""examples/experiments/overoptimization_quality.py: the best-of-n form's fit and its peak, an arm's measured
+curve, peak, end and pooled points by hand, the runs and reward-model steps of each quality, the per-job child
+command, and the script end to end at the smoke size (each reward model trained on its own subset of the pool,
+the KL coefficient and the refresh reaching PPO, the tables, the plot, --report-only). The figures themselves
+come from the full run (docs/experiments.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.examples.loader import load_example
+
+ex = load_example("experiments/overoptimization_quality")
+rep = load_example("experiments/overoptimization_quality_report")
+
+
+def test_the_best_of_n_form_is_recovered_exactly_with_its_peak_and_matches_the_normal_equations():
+    alpha, beta = 1.2, 0.3
+    d = np.linspace(0.2, 5.0, 20)
+    fit = rep.fit_quadratic(d, d * (alpha - beta * d))
+    assert (fit["alpha"], fit["beta"]) == pytest.approx((alpha, beta), abs=1e-10) and fit[
+        "r2"
+    ] == pytest.approx(1.0)
+    assert fit["d_peak"] == pytest.approx(2.0) and fit["kl_peak"] == pytest.approx(4.0)
+    grid = np.linspace(0.0, 5.0, 500001)
+    curve = grid * (alpha - beta * grid)
+    assert grid[np.argmax(curve)] == pytest.approx(fit["d_peak"], abs=1e-4)
+    assert curve.max() == pytest.approx(fit["delta_peak"])
+    rng = np.random.default_rng(0)
+    y = d * (alpha - beta * d) + rng.normal(0, 0.1, len(d))
+    fit = rep.fit_quadratic(d, y)
+    x = np.stack([d, -(d**2)], 1)
+    assert (fit["alpha"], fit["beta"]) == pytest.approx(tuple(np.linalg.solve(x.T @ x, x.T @ y)))
+    residual = y - x @ np.array([fit["alpha"], fit["beta"]])
+    assert fit["r2"] == pytest.approx(1 - (residual**2).sum() / ((y - y.mean()) ** 2).sum())
+    assert rep.fit_quadratic(d, 0.5 * d + 0.1 * d**2)["d_peak"] is None  # β < 0: no maximum
+
+
+def _run(seed, golds, kls, proxies=None, quality=256, kl_coef=0.0, refresh=0):
+    proxies = proxies or [0.1 * i for i in range(len(golds))]
+    evals = [
+        {"rollout": 5 * i, "gold": g, "kl": k, "proxy": p, "valid_rate": 1.0, "length": 10.0, "ended": 1.0}
+        for i, (g, k, p) in enumerate(zip(golds, kls, proxies, strict=True))
+    ]
+    return {
+        "seed": seed,
+        "quality": quality,
+        "kl_coef": kl_coef,
+        "refresh_steps": refresh,
+        "rm_accuracy": 0.7 + 0.1 * seed,
+        "eval": evals,
+        "cpu_seconds": 1.0,
+    }
+
+
+def test_an_arm_is_summarised_over_its_seeds_by_hand():
+    runs = [
+        _run(0, [0.5, 1.5, 2.0, 1.0], [0.0, 1.0, 4.0, 9.0]),
+        _run(1, [1.0, 1.5, 3.0, 1.0], [0.0, 1.0, 4.0, 16.0]),
+    ]
+    s = rep.summarise(runs)
+    assert [c["gold"] for c in s["curve"]] == [0.75, 1.5, 2.5, 1.0] and s["curve"][3]["kl"] == 12.5
+    assert s["peak"]["rollout"] == 10 and s["peak"]["delta"] == pytest.approx(1.75) and s["drop"] == 1.5
+    assert s["end_delta_per_seed"] == [0.5, 0.0] and s["end_delta"][0] == pytest.approx(0.25)
+    assert s["end_delta"][1] == pytest.approx(math.sqrt(0.125)) and s["end_kl"][0] == 12.5
+    assert s["end_proxy_delta"][0] == pytest.approx(0.3) and s["rm_accuracy"][0] == pytest.approx(0.75)
+    # Every seed's points relative to its own SFT gold, the SFT points left out.
+    assert sorted(zip(s["d"], s["delta"], strict=True)) == [
+        (1.0, 0.5),
+        (1.0, 1.0),
+        (2.0, 1.5),
+        (2.0, 2.0),
+        (3.0, 0.5),
+        (4.0, 0.0),
+    ]
+    assert s["max_kl"] == 16.0 and s["quadratic"]["points"] == 6 and s["log"]["points"] == 6
+    assert s["quadratic"]["beta"] > 0 and s["quadratic"]["kl_peak"] < s["max_kl"]
+    text = rep.markdown([s])
+    assert (
+        "| 256 (0.75 ± 0.07) | kl_coef 0 | 0.75 | +1.75 (10, 4.0) | 0.25 ± 0.35 | 0.30 ± 0.00 | 12.5 ± 4.9 | 1.00 | +0.50 / +0.00 | 1.50 |"
+        in text
+    )
+    assert "(inside)" in text
+
+
+def test_the_refresh_table_pairs_each_refresh_run_with_the_plain_run_of_its_reward_model_and_kl_coef():
+    runs = [
+        _run(0, [0.0, 1.0, 0.5], [0.0, 1.0, 4.0]),
+        _run(0, [0.0, 1.0, 1.5], [0.0, 1.0, 2.0], refresh=5),
+        _run(0, [0.0, 0.2, 0.3], [0.0, 1.0, 2.0], kl_coef=0.05),
+    ]
+    text = rep.markdown(rep.summaries(runs))
+    assert "| 256 | 0 | 0.50 → 1.50 | +1.00 | +1.00 → +1.50 | 4.0 → 2.0 |" in text
+
+
+def test_the_runs_and_reward_model_steps_of_each_quality_and_the_child_command():
+    args = ex.parse_args(
+        ["--out", "x", "--size", "smoke", "--qualities", "4", "16", "--refresh-qualities", "16"]
+    )
+    assert [ex.run_name(r["kl_coef"], r["refresh_steps"]) for r in ex.runs_of(args, 16)] == [
+        "kl0",
+        "kl0.05",
+        "kl0-refresh5",
+    ]
+    assert [ex.run_name(r["kl_coef"], r["refresh_steps"]) for r in ex.runs_of(args, 4)] == ["kl0", "kl0.05"]
+    s = ex.SIZES["default"]
+    assert [ex.rm_steps(n, s, 1.5) for n in (256, 1024, 4000)] == [150, 150, 188]
+    again = ex.parse_args(ex.child_argv(args, 2, 16))
+    assert again.seeds == [2] and again.qualities == [16] and again.child and again.no_report
+    assert (
+        again.refresh_qualities == [16]
+        and again.kl_coefs == [0.0, 0.05]
+        and ex.sizes_of(again) == ex.sizes_of(args)
+    )
+    with pytest.raises(SystemExit):
+        ex.parse_args(["--out", "x", "--kl-coefs", "-0.1"])
+
+
+@pytest.mark.slow
+def test_the_experiment_end_to_end_at_the_smoke_size(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--size", "smoke", "--seeds", "0", "--qualities", "4", "12", "--jobs", "1"]
+    argv += ["--refresh-qualities", "12", "--refresh-steps", "1", "--rollouts", "3"]
+    argv += ["--refresh-settings", '{"pairs": 4, "steps": 2, "batch_size": 4, "normalize_max_pairs": 8}']
+    assert ex.main(argv) == 0
+    printed = capsys.readouterr().out
+    pool = out / "shared" / "pairs"
+    assert len((pool / "pairs_train_4.jsonl").read_text().splitlines()) == 4
+    assert (pool / "pairs_train.jsonl").read_text().startswith((pool / "pairs_train_12.jsonl").read_text())
+    for quality, steps in ((4, 2), (12, 3)):  # 1.5 epochs of batch 8, at least 2 steps
+        cfg = yaml.safe_load((out / "seed-0" / f"rm{quality}" / "reward" / "config.yaml").read_text())
+        assert (
+            cfg["data"]["train_file"].endswith(f"pairs_train_{quality}.jsonl")
+            and cfg["train"]["max_steps"] == steps
+        )
+        for name, kl_coef in (("kl0", 0.0), ("kl0.05", 0.05)):
+            folder = out / "seed-0" / f"rm{quality}" / name
+            assert yaml.safe_load((folder / "config.yaml").read_text())["online"]["kl_coef"] == kl_coef
+            record = json.loads((folder / "run.json").read_text())
+            assert [e["rollout"] for e in record["eval"]] == [0, 1, 2, 3] and record["eval"][0]["kl"] == 0.0
+    refreshed = out / "seed-0" / "rm12" / "kl0-refresh1"
+    metrics = [json.loads(line) for line in (refreshed / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "refresh/pairs" in m] == [1, 2, 3]
+    assert not (out / "seed-0" / "rm4" / "kl0-refresh1").exists()
+    assert "| 12 | 0 |" in printed and "d(α − β d)" in printed and "CPU time" in printed
+    assert (out / "overoptimization.png").stat().st_size > 20_000 and (out / "fits.csv").is_file()
+    table = (out / "table.md").read_text()
+    assert ex.main(["--out", str(out), "--report-only"]) == 0
+    assert (out / "table.md").read_text() == table
+
+
+def test_a_quickstart_folder_without_its_sft_policy_is_refused_with_exit_code_2(tmp_path, capsys):
+    (tmp_path / "qs" / "task").mkdir(parents=True)
+    with pytest.raises(SystemExit) as stop:
+        ex.main(["--out", str(tmp_path / "out"), "--quickstart", str(tmp_path / "qs"), "--jobs", "1"])
+    assert stop.value.code == 2 and "sft/final not found" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "seed-0").exists()
