@@ -60,10 +60,8 @@ from rlhfkit.models import (
     load_causal_lm,
     logprobs_from_logits,
     prepare_trained,
-    save_hf_folder,
 )
-from rlhfkit.report import write_report
-from rlhfkit.trainers.loop import Objective, run_tokenizer, train_offline
+from rlhfkit.trainers.loop import Objective, finish_run, run_tokenizer, train_offline
 from rlhfkit.trainers.preference_data import HeldOut, heldout_pairs
 from rlhfkit.trainers.reward_metrics import GOLD_TIE
 
@@ -300,10 +298,5 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict
         "wall_seconds": time.perf_counter() - start,
         "pairs_per_second": result["examples_per_second"],
     }
-    if accelerator.is_main_process:
-        save_hf_folder(accelerator.unwrap_model(model), tokenizer, run.final_dir, dtype=model_cfg.save_dtype)
-        run.write_summary(summary)
-    run.close()
-    if accelerator.is_main_process:
-        write_report(run.path)
+    finish_run(run, accelerator, summary, tokenizer, accelerator.unwrap_model(model), model_cfg.save_dtype)
     return summary

@@ -36,6 +36,8 @@ from rlhfkit.engine.folder import logged_at
 from rlhfkit.engine.guards import FiniteGuard
 from rlhfkit.engine.optim import optimizer_and_scheduler
 from rlhfkit.engine.run import RunDir
+from rlhfkit.models import save_hf_folder
+from rlhfkit.report import write_report
 
 
 @dataclass
@@ -280,3 +282,24 @@ def train_offline(
         "wall_seconds": elapsed,
         "examples_per_second": seen / elapsed if elapsed > 0 else None,
     }
+
+
+def finish_run(
+    run: RunDir,
+    accelerator,
+    summary: dict[str, Any],
+    tokenizer,
+    model: torch.nn.Module,
+    dtype: str = "float32",
+    more: dict[Any, torch.nn.Module] | None = None,
+) -> None:
+    """The end of every trainer's run: on the main process, save ``model`` to ``run.final_dir`` (and each of
+    ``more``, folder -> model) as a Hugging Face folder in ``dtype`` and write ``summary.json``; close the run
+    on every process; then write the run's report (main process)."""
+    if accelerator.is_main_process:
+        for folder, saved in {run.final_dir: model, **(more or {})}.items():
+            save_hf_folder(saved, tokenizer, folder, dtype=dtype)
+        run.write_summary(summary)
+    run.close()
+    if accelerator.is_main_process:
+        write_report(run.path)

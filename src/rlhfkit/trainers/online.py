@@ -90,11 +90,10 @@ from rlhfkit.engine.guards import FiniteGuard, masked
 from rlhfkit.engine.run import RunDir, open_run
 from rlhfkit.engine.seed import get_rng_state, seed_everything
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import sampling_for, save_hf_folder
-from rlhfkit.report import write_report
+from rlhfkit.models import sampling_for
 from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
 from rlhfkit.rollout.scoring import Scorer, check_signature, data_columns
-from rlhfkit.trainers.loop import router_aux_coef, run_tokenizer
+from rlhfkit.trainers.loop import finish_run, router_aux_coef, run_tokenizer
 from rlhfkit.trainers.online_checkpoint import resume_state, save, score_or_stop
 from rlhfkit.trainers.online_context import OnlineContext, StageClock, StatSums, derived_seed
 from rlhfkit.trainers.online_metrics import evaluate, rollout_stats
@@ -185,14 +184,8 @@ def train(
         "seconds_per_rollout": result["seconds_per_rollout"],
         "train_prompts": len(examples),
     }
-    if accelerator.is_main_process:
-        save_hf_folder(ctx.roles.actor, tokenizer, run.final_dir, dtype=cfg.model.save_dtype)
-        if ctx.roles.critic is not None:
-            save_hf_folder(ctx.roles.critic, tokenizer, run.path / CRITIC_DIR, dtype=cfg.model.save_dtype)
-        run.write_summary(summary)
-    run.close()
-    if accelerator.is_main_process:
-        write_report(run.path)
+    critic = {run.path / CRITIC_DIR: ctx.roles.critic} if ctx.roles.critic is not None else {}
+    finish_run(run, accelerator, summary, tokenizer, ctx.roles.actor, cfg.model.save_dtype, critic)
     return summary
 
 

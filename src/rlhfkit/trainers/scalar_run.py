@@ -15,8 +15,8 @@ from rlhfkit.data import Examples, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.run import RunDir, open_run
 from rlhfkit.engine.seed import seed_everything
-from rlhfkit.models import load_scalar_model, prepare_trained, save_hf_folder
-from rlhfkit.report import write_report
+from rlhfkit.models import load_scalar_model, prepare_trained
+from rlhfkit.trainers import loop
 from rlhfkit.trainers.best_model import BestKeeper, keep_best_warnings
 from rlhfkit.trainers.loop import Objective, run_tokenizer, train_offline
 
@@ -132,10 +132,7 @@ def run_summary(
 
 
 def finish_run(session: ScalarSession, model, summary: dict[str, Any]) -> None:
-    """Save ``final/`` and ``summary.json`` (main process), close the run, write the report."""
-    if session.accelerator.is_main_process:
-        save_hf_folder(model, session.tokenizer, session.run.final_dir, dtype=session.save_dtype)
-        session.run.write_summary(summary)
-    session.run.close()
-    if session.accelerator.is_main_process:
-        write_report(session.run.path)
+    """Save ``final/`` and ``summary.json`` (main process), close the run, write the report
+    (:func:`rlhfkit.trainers.loop.finish_run`)."""
+    run = session.run
+    loop.finish_run(run, session.accelerator, summary, session.tokenizer, model, session.save_dtype)

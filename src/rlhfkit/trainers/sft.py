@@ -33,10 +33,15 @@ from rlhfkit.models import (
     load_causal_lm,
     logprobs_from_logits,
     prepare_trained,
-    save_hf_folder,
 )
-from rlhfkit.report import write_report
-from rlhfkit.trainers.loop import Objective, micro_batches, router_aux_coef, run_tokenizer, train_offline
+from rlhfkit.trainers.loop import (
+    Objective,
+    finish_run,
+    micro_batches,
+    router_aux_coef,
+    run_tokenizer,
+    train_offline,
+)
 
 
 def completion_nll(
@@ -138,10 +143,5 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict
         "wall_seconds": result["wall_seconds"],
         "examples_per_second": result["examples_per_second"],
     }
-    if accelerator.is_main_process:
-        save_hf_folder(accelerator.unwrap_model(model), tokenizer, run.final_dir, dtype=cfg.model.save_dtype)
-        run.write_summary(summary)
-    run.close()
-    if accelerator.is_main_process:
-        write_report(run.path)
+    finish_run(run, accelerator, summary, tokenizer, accelerator.unwrap_model(model), cfg.model.save_dtype)
     return summary
