@@ -299,7 +299,7 @@ def nested(flat: dict) -> dict:
     return out
 
 
-def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
+def worker_ppo_rlhfkit(a, out: Path) -> None:
     import dataclasses
 
     from rlhfkit.trainers import online
@@ -318,7 +318,6 @@ def worker_ppo_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         _train_ppo(a, out)
     finally:
         online.build_context = build_context
-    return {}
 
 
 def _train_ppo(a, out: Path) -> None:
@@ -345,7 +344,23 @@ def _train_ppo(a, out: Path) -> None:
     run_rlhfkit("ppo", nested(overrides), out)
 
 
-def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
+def trl_common(out: Path) -> dict:
+    """The TrainingArguments both TRL trainers get: no saving, logging, bars or bf16; CPU; no gradient
+    checkpointing unless BENCH_TRL_CHECKPOINTING=1 (TRL's own default is on: it recomputes every forward)."""
+    return dict(
+        output_dir=str(out / "run"),
+        save_strategy="no",
+        report_to=[],
+        logging_steps=10**6,
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",
+    )
+
+
+def worker_ppo_trl(a, out: Path) -> None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -361,7 +376,7 @@ def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
     prompts = [json.loads(line)["prompt"] for line in open(work / "prompts.jsonl")]
     dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in prompts]})
     args = PPOConfig(
-        output_dir=str(out / "run"),
+        **trl_common(out),
         per_device_train_batch_size=a.batch,
         gradient_accumulation_steps=1,
         num_mini_batches=1,
@@ -374,14 +389,6 @@ def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
         kl_coef=0.05,
         learning_rate=1e-5,
         num_sample_generations=0,
-        save_strategy="no",
-        report_to=[],
-        logging_steps=10**6,
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        disable_tqdm=True,
-        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",  # TRL's default: True
     )
     trainer = PPOTrainer(
         args=args,
@@ -393,10 +400,9 @@ def worker_ppo_trl(a, timer: PhaseTimer, out: Path) -> dict:
         train_dataset=dataset,
     )
     trainer.train()
-    return {}
 
 
-def worker_reward_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
+def worker_reward_rlhfkit(a, out: Path) -> None:
     work = Path(a.work)
     overrides = {
         "output_dir": out / "run",
@@ -413,10 +419,9 @@ def worker_reward_rlhfkit(a, timer: PhaseTimer, out: Path) -> dict:
         "train.log_steps": 10**6,
     }
     run_rlhfkit("reward", nested(overrides), out)
-    return {}
 
 
-def worker_reward_trl(a, timer: PhaseTimer, out: Path) -> dict:
+def worker_reward_trl(a, out: Path) -> None:
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RewardConfig, RewardTrainer
@@ -432,23 +437,14 @@ def worker_reward_trl(a, timer: PhaseTimer, out: Path) -> dict:
         }
     )
     args = RewardConfig(
-        output_dir=str(out / "run"),
+        **trl_common(out),
         per_device_train_batch_size=a.batch,
         max_steps=a.steps,
         max_length=a.max_length,
         learning_rate=1e-4,
-        save_strategy="no",
-        report_to=[],
-        logging_steps=10**6,
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        disable_tqdm=True,
         dataloader_num_workers=0,
-        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",  # TRL's default: True
     )
     RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
-    return {}
 
 
 WORKERS = {
@@ -518,14 +514,14 @@ def _measure_once(a, timer: PhaseTimer) -> dict:
             from torch.profiler import profile
 
             with profile() as prof:
-                WORKERS[a.kind, a.system](a, timer, Path(tmp))
+                WORKERS[a.kind, a.system](a, Path(tmp))
             print(
                 prof.key_averages().table(
                     sort_by="self_cpu_time_total", row_limit=int(os.environ["BENCH_PROFILE"])
                 )
             )
         else:
-            WORKERS[a.kind, a.system](a, timer, Path(tmp))
+            WORKERS[a.kind, a.system](a, Path(tmp))
         total = time.perf_counter() - start
     if a.kind == "ppo":
         result = timer.window(1, len(timer.marks) - 1)  # rollout 2 .. the start of the last one
@@ -683,23 +679,7 @@ def label(system: str) -> str:
     return {"trl": "TRL 1.12", "rlhfkit": "rlhfkit", "rlhfkit-before": "rlhfkit (before)"}[system]
 
 
-def common_peak(r: dict) -> dict:
-    """Results written before MFU used one peak for all systems: derive the useful FLOPs from rlhfkit's
-    figure and recompute every system's MFU against the median of the systems' peaks."""
-    if "peak_flops" in r:
-        return r
-    names = [n for n in ("rlhfkit", "rlhfkit-before", "trl") if n in r]
-    k = r["rlhfkit"]
-    flops = k["mfu"] * k["seconds"] * k["matmul_flops"]
-    peak = statistics.median(r[n]["matmul_flops"] for n in names)
-    out = {**r, "useful_flops": flops, "peak_flops": peak}
-    for n in names:
-        out[n] = {**r[n], "mfu": flops / (r[n]["seconds"] * peak)}
-    return out
-
-
 def report(r: dict) -> str:
-    r = common_peak(r)
     names = [n for n in ("rlhfkit", "rlhfkit-before", "trl") if n in r]
     unit = "tokens_per_second" if r["kind"] == "ppo" else "pairs_per_second"
     what = (

@@ -341,15 +341,16 @@ def sequence_scores(
     Returns:
         (B,) in the head's dtype.
     """
+
+    def last_scores(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        ids, mask = trim_padding(ids, mask)
+        scores = token_scores(model, ids, mask)  # (b, L')
+        return scores.gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1)
+
     groups = length_buckets(attention_mask) if buckets and not _several_processes() else None
     if groups is None or len(groups) == 1:
-        ids, mask = trim_padding(input_ids, attention_mask)
-        scores = token_scores(model, ids, mask)  # (B, L')
-        return scores.gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1)
-    parts = []
-    for rows in groups:
-        ids, mask = trim_padding(input_ids[rows], attention_mask[rows])
-        parts.append(token_scores(model, ids, mask).gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1))
+        return last_scores(input_ids, attention_mask)
+    parts = [last_scores(input_ids[rows], attention_mask[rows]) for rows in groups]
     order = torch.cat(groups)  # the bucketed order of the rows
     return torch.cat(parts)[torch.argsort(order)]
 
