@@ -38,14 +38,23 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(
     0, str(Path(__file__).resolve().parent)
 )  # the stages, the meter and the report beside this script
+import temperature  # noqa: E402
 from ppo_sweep import Meter  # noqa: E402
-from temperature import Sizes, label, ppo_config, train_reward_model, train_sft  # noqa: E402
+from temperature import (  # noqa: E402
+    Sizes,
+    add_size_arguments,
+    label,
+    ppo_config,
+    sizes_argv,
+    train_reward_model,
+    train_sft,
+)
 
 QUALITIES = (256, 1024, 4000)  # training pairs per reward model (the pool keeps ~4,070 of 4,096 after ties)
 KL_COEFS = (0.0, 0.05)
@@ -231,10 +240,7 @@ def parse_args(argv=None):
         help="RefreshConfig fields, e.g. '{\"pairs\": 64}'",
     )
     p.add_argument("--rm-epochs", type=float, default=1.5, help="passes over each reward model's pairs")
-    p.add_argument("--size", choices=sorted(SIZES), default="default", help="smoke: seconds, for the tests")
-    for field, value in asdict(Sizes()).items():
-        if field != "model":
-            p.add_argument("--" + field.replace("_", "-"), type=type(value), help=f"default {value}")
+    add_size_arguments(p, SIZES)
     p.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="(seed, reward model) jobs at once"
     )
@@ -249,8 +255,7 @@ def parse_args(argv=None):
 
 
 def sizes_of(args) -> Sizes:
-    s = SIZES[args.size]
-    return replace(s, **{k: getattr(args, k) for k in asdict(s) if getattr(args, k, None) is not None})
+    return temperature.sizes_of(args, SIZES)
 
 
 def child_argv(args, seed: int, quality: int) -> list[str]:
@@ -260,10 +265,7 @@ def child_argv(args, seed: int, quality: int) -> list[str]:
     argv += ["--refresh-steps", str(args.refresh_steps), "--refresh-settings", args.refresh_settings]
     argv += ["--rm-epochs", str(args.rm_epochs), "--task-seed", str(args.task_seed), "--no-report", "--child"]
     argv += ["--quickstart", str(args.quickstart)] if args.quickstart is not None else []
-    for field, value in asdict(sizes_of(args)).items():
-        if field != "model":
-            argv += ["--" + field.replace("_", "-"), str(value)]
-    return argv + (["--overwrite"] if args.overwrite else [])
+    return argv + sizes_argv(args, SIZES)
 
 
 def main(argv=None) -> int:

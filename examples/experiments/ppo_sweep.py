@@ -39,12 +39,19 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stages and report beside this script
 from ppo_sweep_report import report  # noqa: E402
-from temperature import SIZES, Sizes, ppo_config, train_sft_and_reward  # noqa: E402
+from temperature import (  # noqa: E402
+    SIZES,
+    Sizes,
+    add_size_arguments,
+    ppo_config,
+    sizes_argv,
+    sizes_of,
+    train_sft_and_reward,
+)
 
 SWEEPS = {"kl_coef": (0.0, 0.02, 0.05, 0.2), "gamma": (1.0, 0.99, 0.9), "lam": (0.0, 0.5, 0.9, 0.95, 1.0)}
 BASE = {
@@ -186,10 +193,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--out", type=Path, required=True, help="output folder (the sweeps can share it)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--size", choices=sorted(SIZES), default="default", help="smoke: seconds, for the tests")
-    for field, value in asdict(Sizes()).items():
-        if field != "model":
-            p.add_argument("--" + field.replace("_", "-"), type=type(value), help=f"default {value}")
+    add_size_arguments(p, SIZES)  # the temperature experiment's sizes
     p.add_argument(
         "--jobs",
         type=int,
@@ -207,18 +211,9 @@ def parse_args(argv=None):
     return args
 
 
-def sizes_of(args) -> Sizes:
-    s = SIZES[args.size]
-    return replace(s, **{k: getattr(args, k) for k in asdict(s) if getattr(args, k, None) is not None})
-
-
 def child_argv(args, seed: int) -> list[str]:
     argv = ["--sweep", args.sweep, "--values", *map(str, args.values), "--out", str(args.out)]
-    argv += ["--seeds", str(seed), "--size", args.size, "--no-report"]
-    for field, value in asdict(sizes_of(args)).items():
-        if field != "model":
-            argv += ["--" + field.replace("_", "-"), str(value)]
-    return argv + (["--overwrite"] if args.overwrite else [])
+    return argv + ["--seeds", str(seed), "--size", args.size, "--no-report", *sizes_argv(args)]
 
 
 def main(argv=None) -> int:

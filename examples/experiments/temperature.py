@@ -383,10 +383,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES), help="0 = greedy")
-    p.add_argument("--size", choices=sorted(SIZES), default="default", help="smoke: seconds, for the tests")
-    for field, value in asdict(Sizes()).items():
-        if field != "model":
-            p.add_argument("--" + field.replace("_", "-"), type=type(value), help=f"default {value}")
+    add_size_arguments(p)
     p.add_argument(
         "--jobs",
         type=int,
@@ -409,18 +406,36 @@ def parse_args(argv=None):
     return args
 
 
-def sizes_of(args) -> Sizes:
-    s = SIZES[args.size]
+def add_size_arguments(p: argparse.ArgumentParser, sizes: dict[str, Sizes] | None = None) -> None:
+    """``--size`` (one of ``sizes``, default this module's) and one option per :class:`Sizes` field, each
+    overriding the chosen size (shared by the experiments that train the quickstart's stages)."""
+    p.add_argument(
+        "--size", choices=sorted(sizes or SIZES), default="default", help="smoke: seconds, for the tests"
+    )
+    for field, value in asdict(Sizes()).items():
+        if field != "model":
+            p.add_argument("--" + field.replace("_", "-"), type=type(value), help=f"default {value}")
+
+
+def sizes_of(args, sizes: dict[str, Sizes] | None = None) -> Sizes:
+    """The chosen size of ``sizes`` (default this module's) with the options given on the command line."""
+    s = (sizes or SIZES)[args.size]
     return replace(s, **{k: getattr(args, k) for k in asdict(s) if getattr(args, k, None) is not None})
+
+
+def sizes_argv(args, sizes: dict[str, Sizes] | None = None) -> list[str]:
+    """A job's size options (exactly the parent's sizes) and ``--overwrite`` when the parent has it."""
+    argv = []
+    for field, value in asdict(sizes_of(args, sizes)).items():
+        if field != "model":
+            argv += ["--" + field.replace("_", "-"), str(value)]
+    return argv + (["--overwrite"] if args.overwrite else [])
 
 
 def child_argv(args, seed: int) -> list[str]:
     argv = ["--out", str(args.out), "--seeds", str(seed), "--size", args.size, "--no-report"]
     argv += ["--temperatures", *map(str, args.temperatures)]
-    for field, value in asdict(sizes_of(args)).items():
-        if field != "model":
-            argv += ["--" + field.replace("_", "-"), str(value)]
-    return argv + (["--overwrite"] if args.overwrite else [])
+    return argv + sizes_argv(args)
 
 
 def main(argv=None) -> int:
