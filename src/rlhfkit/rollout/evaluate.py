@@ -54,6 +54,37 @@ def _mean(xs) -> float:
     return float(sum(float(x) for x in xs) / max(len(xs), 1))
 
 
+def response_batches(
+    policy: torch.nn.Module,
+    tokenizer,
+    examples: list[dict],
+    sampling,
+    max_new_tokens: int,
+    greedy: bool,
+    batch_size: int,
+):
+    """Each chunk of ``batch_size`` prompt examples with one response per prompt from ``policy`` (stopped at
+    the tokenizer's EOS, processed by ``sampling``): yields ``(chunk, Responses)``."""
+    device = next(policy.parameters()).device
+    collate = PromptCollator(tokenizer.pad_token_id)
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        batch = collate(chunk)
+        yield (
+            chunk,
+            generate_responses(
+                policy,
+                batch["input_ids"].to(device),
+                batch["attention_mask"].to(device),
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=[tokenizer.eos_token_id],
+                pad_token_id=tokenizer.pad_token_id,
+                sampling=sampling,
+                greedy=greedy,
+            ),
+        )
+
+
 @torch.no_grad()
 def sample_and_score(
     policy: torch.nn.Module,
@@ -83,24 +114,11 @@ def sample_and_score(
         gold_score: ``(prompt, response) -> float``, the task's gold scorer.
         is_valid: ``response -> bool``, the task's validity check.
     """
-    device = next(policy.parameters()).device
-    collate = PromptCollator(tokenizer.pad_token_id)
     out = PolicySamples([], [], [], [])
-    stops = [tokenizer.eos_token_id]
-    sampling = sampling_for(tokenizer.pad_token_id, stops, temperature)
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        batch = collate(chunk)
-        r = generate_responses(
-            policy,
-            batch["input_ids"].to(device),
-            batch["attention_mask"].to(device),
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=stops,
-            pad_token_id=tokenizer.pad_token_id,
-            sampling=sampling,
-            greedy=greedy,
-        )
+    sampling = sampling_for(tokenizer.pad_token_id, [tokenizer.eos_token_id], temperature)
+    for chunk, r in response_batches(
+        policy, tokenizer, examples, sampling, max_new_tokens, greedy, batch_size
+    ):
         prompts = [_prompt_text(ex, tokenizer) for ex in chunk]
         texts = [
             tokenizer.decode(ids[m], skip_special_tokens=True)

@@ -26,9 +26,7 @@ from collections.abc import Callable
 import torch
 
 from rlhfkit.algos import entropy_from_logits, kl_k1
-from rlhfkit.data import PromptCollator
 from rlhfkit.models import processed_logits, response_logits, sampled_logprobs, sampling_for, sequence_scores
-from rlhfkit.rollout.generation import generate_responses
 from rlhfkit.rollout.scoring import reward_normalization
 
 SHARPNESS_KEYS = ("entropy", "top_mass", "ref_entropy", "ref_top_mass", "top_agree")
@@ -89,29 +87,17 @@ def measure_policy(
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    from rlhfkit.rollout.evaluate import _prompt_text
+    from rlhfkit.rollout.evaluate import _prompt_text, response_batches
 
     greedy = temperature == 0
-    device = next(policy.parameters()).device
-    collate = PromptCollator(tokenizer.pad_token_id)
     stops = [tokenizer.eos_token_id]
     sampling = sampling_for(tokenizer.pad_token_id, stops, 1.0 if greedy else temperature)
     own = sampling_for(tokenizer.pad_token_id, stops, 1.0)  # the model's own distribution
     sums: dict[str, float] = {}
     texts, lengths, ended, gold, proxy, valid, kl = [], [], [], [], [], [], []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        batch = collate(chunk)
-        r = generate_responses(
-            policy,
-            batch["input_ids"].to(device),
-            batch["attention_mask"].to(device),
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=stops,
-            pad_token_id=tokenizer.pad_token_id,
-            sampling=sampling,
-            greedy=greedy,
-        )
+    for chunk, r in response_batches(
+        policy, tokenizer, examples, sampling, max_new_tokens, greedy, batch_size
+    ):
         logits = response_logits(policy, r.input_ids, r.attention_mask, r.response_start)  # (B, R, V)
         ref = response_logits(reference, r.input_ids, r.attention_mask, r.response_start)  # (B, R, V)
         part = sharpness_sums(processed_logits(logits, own), r.mask, processed_logits(ref, own))
