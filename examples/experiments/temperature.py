@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rlhfkit.config import config_from
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the report beside this script
 from temperature_report import TEMPERATURES, TERMS, TRAIN_TEMPERATURE, report, terms_report  # noqa: E402
 
@@ -92,12 +94,6 @@ def runs_of(sizes: Sizes) -> dict[str, dict]:
     }
 
 
-def _config(kind: str, out: Path, overrides: dict):
-    from rlhfkit.config import load_config
-
-    return load_config(None, [f"output_dir={out}", *(f"{k}={v}" for k, v in overrides.items())], kind)
-
-
 def _done(folder: Path, args) -> bool:
     return (folder / "summary.json").is_file() and not args.overwrite
 
@@ -125,6 +121,7 @@ def train_sft_and_reward(root: Path, seed: int, s: Sizes, args) -> dict:
 
 def train_sft(root: Path, seed: int, s: Sizes, args) -> dict:
     """Task files and SFT policy of one seed (the quickstart's stages 1-2): ``task``, ``files``, ``sft``."""
+    from rlhfkit.pipeline import sft_stage
     from rlhfkit.tasks import get_task
     from rlhfkit.tasks.files import prepare_task_files
     from rlhfkit.trainers import sft
@@ -134,20 +131,12 @@ def train_sft(root: Path, seed: int, s: Sizes, args) -> dict:
     if not _done(root / "sft", args):
         print(f"seed {seed}: SFT, {s.sft_steps} steps", flush=True)
         sft.train(
-            _config(
+            config_from(
                 "sft",
                 root / "sft",
                 {
                     **_common(seed, s),
-                    "model.name_or_path": files["init_model"],
-                    "data.train_file": files["sft_train"],
-                    "data.eval_file": files["sft_eval"],
-                    "train.max_steps": s.sft_steps,
-                    "train.batch_size": s.sft_batch,
-                    "train.learning_rate": s.sft_lr,
-                    "train.warmup_steps": max(1, s.sft_steps // 20),
-                    "train.lr_schedule": "cosine",
-                    "train.save_steps": s.sft_steps,
+                    **sft_stage(files, s.sft_steps, s.sft_batch, s.sft_lr),
                     "train.eval_steps": s.sft_steps,
                     "train.log_steps": 10,
                 },
@@ -192,7 +181,7 @@ def train_reward_model(
         return
     print(f"seed {seed}: reward model on {train_file.name}, {s.rm_steps} steps", flush=True)
     reward.train(
-        _config(
+        config_from(
             "reward",
             folder,
             {
@@ -263,7 +252,7 @@ def ppo_config(
 ):
     """The PPO run of an experiment: the quickstart's tiny PPO from this seed's SFT policy and reward model
     (``stage``), at the given length, sampling temperature and KL coefficient; ``extra``: other dotted keys."""
-    return _config(
+    return config_from(
         "ppo",
         folder,
         {

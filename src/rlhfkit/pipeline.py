@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhfkit.config import RefreshConfig, load_config
+from rlhfkit.config import RefreshConfig, config_from
 from rlhfkit.engine.run import write_summary_json
 from rlhfkit.pipeline_dpo import comparison_rows, format_comparison
 from rlhfkit.pipeline_report import format_table, write_quickstart_report
@@ -110,9 +110,21 @@ def _stage(index: int, name: str, detail: str = "") -> float:
     return time.perf_counter()
 
 
-def _config(kind: str, out: Path, overrides: dict[str, Any]):
-    """A validated RunConfig for one stage (the same path as ``rlhfkit train`` with dotted overrides)."""
-    return load_config(None, [f"output_dir={out}", *(f"{k}={v}" for k, v in overrides.items())], kind)
+def sft_stage(files: dict[str, Path], steps: int, batch: int, lr: float) -> dict[str, Any]:
+    """The SFT stage's keys every pipeline on a built-in task shares: from the task's initial model on its SFT
+    files, ``steps`` of ``batch`` examples at peak ``lr`` with a 5% warm-up and cosine decay, one checkpoint
+    at the end (callers add the seed, lengths, evaluation and logging periods)."""
+    return {
+        "model.name_or_path": files["init_model"],
+        "data.train_file": files["sft_train"],
+        "data.eval_file": files["sft_eval"],
+        "train.max_steps": steps,
+        "train.batch_size": batch,
+        "train.learning_rate": lr,
+        "train.warmup_steps": max(1, steps // 20),
+        "train.lr_schedule": "cosine",
+        "train.save_steps": steps,
+    }
 
 
 def quickstart(
@@ -140,22 +152,14 @@ def quickstart(
     seconds["task"] = time.perf_counter() - t
 
     t = _stage(2, "SFT", f"{p.sft_steps} steps of {p.sft_batch} examples")
-    sft_cfg = _config(
+    sft_cfg = config_from(
         "sft",
         out / "sft",
         {
             "seed": seed,
-            "model.name_or_path": files["init_model"],
-            "data.train_file": files["sft_train"],
-            "data.eval_file": files["sft_eval"],
+            **sft_stage(files, p.sft_steps, p.sft_batch, p.sft_lr),
             "data.max_prompt_length": 32,
             "data.max_length": 32 + p.response_length,
-            "train.max_steps": p.sft_steps,
-            "train.batch_size": p.sft_batch,
-            "train.learning_rate": p.sft_lr,
-            "train.warmup_steps": max(1, p.sft_steps // 20),
-            "train.lr_schedule": "cosine",
-            "train.save_steps": p.sft_steps,
             "train.eval_steps": max(1, p.sft_steps // 3),
             "train.log_steps": 10,
         },
@@ -180,7 +184,7 @@ def quickstart(
     seconds["pairs"] = time.perf_counter() - t
 
     t = _stage(4, "reward model", f"{p.rm_steps} steps of {p.rm_batch} pairs")
-    rm_cfg = _config(
+    rm_cfg = config_from(
         "reward",
         out / "reward",
         {
@@ -209,7 +213,7 @@ def quickstart(
     meter = HackingMeter(
         task, sft_dir, rm_dir, files["prompts_eval"], p, seed, meter_prompts=min(64, p.num_eval_prompts)
     )
-    ppo_cfg = _config(
+    ppo_cfg = config_from(
         "ppo",
         out / "ppo",
         {

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhfkit.config import load_config
+from rlhfkit.config import config_from
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,6 @@ def dpo_stage(
 
     d = DPO_PRESETS[preset]
     overrides = {
-        "output_dir": out,
         "seed": seed,
         "model.name_or_path": sft_dir,
         "data.train_file": pairs["train"],
@@ -69,7 +68,7 @@ def dpo_stage(
         "dpo.beta": d.beta,
         **extra,
     }
-    return dpo.train(load_config(None, [f"{k}={v}" for k, v in overrides.items()], "dpo"))
+    return dpo.train(config_from("dpo", out, overrides))
 
 
 POLICIES = (("sft", "SFT"), ("dpo", "DPO"), ("ppo", "PPO"))

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhfkit.config import config_from
 from rlhfkit.engine.run import write_summary_json
+from rlhfkit.pipeline import sft_stage
 
 REWARD = "rlhfkit.tasks.arithmetic:exact_match_reward"
 
@@ -60,12 +62,6 @@ VERIFIABLE_PRESETS: dict[str, VerifiablePreset] = {
     "tiny": VerifiablePreset("tiny", 1200, 64, 2e-3, 150, 64, 1e-3, 100, 32, 1e-3, 40, 8, 8, 3e-4, 40, 256),
     "smoke": VerifiablePreset("tiny", 6, 8, 2e-3, 4, 8, 1e-3, 4, 8, 1e-3, 2, 2, 2, 3e-4, 12, 8),
 }
-
-
-def _config(kind: str, out: Path, overrides: dict[str, Any]):
-    from rlhfkit.config import load_config
-
-    return load_config(None, [f"output_dir={out}", *(f"{k}={v}" for k, v in overrides.items())], kind)
 
 
 def rl_overrides(
@@ -137,7 +133,7 @@ def train_orm(out: Path, sft_dir: str | Path, task, p: VerifiablePreset, seed: i
         "train.eval_steps": max(1, p.orm_steps // 2),
         "train.log_steps": 50,
     }
-    return reward.train(_config("reward", out / "orm", settings), overwrite=overwrite)
+    return reward.train(config_from("reward", out / "orm", settings), overwrite=overwrite)
 
 
 def measure(
@@ -206,20 +202,12 @@ def quickstart_verifiable(
     t = stage("SFT", f"{p.sft_steps} steps of {p.sft_batch}")
     common = {"seed": seed, "data.max_prompt_length": 16, "data.max_length": 16 + p.response_length}
     sft.train(
-        _config(
+        config_from(
             "sft",
             out / "sft",
             {
                 **common,
-                "model.name_or_path": files["init_model"],
-                "data.train_file": files["sft_train"],
-                "data.eval_file": files["sft_eval"],
-                "train.max_steps": p.sft_steps,
-                "train.batch_size": p.sft_batch,
-                "train.learning_rate": p.sft_lr,
-                "train.warmup_steps": max(1, p.sft_steps // 20),
-                "train.lr_schedule": "cosine",
-                "train.save_steps": p.sft_steps,
+                **sft_stage(files, p.sft_steps, p.sft_batch, p.sft_lr),
                 "train.eval_steps": p.sft_steps,
                 "train.log_steps": 50,
             },
@@ -231,7 +219,7 @@ def quickstart_verifiable(
 
     t = stage("PRM", f"{p.prm_steps} steps of {p.prm_batch} labelled solutions")
     prm_summary = train_prm(
-        _config(
+        config_from(
             "prm",
             out / "prm",
             {
@@ -273,7 +261,7 @@ def quickstart_verifiable(
     for name, (kind, prm, orm) in runs.items():
         t = stage(name, f"{p.rollouts} rollouts on {reward_of[name]}")
         settings = rl_overrides(sft_dir, files["prompts_train"], p, seed, kind, prm, orm)
-        online.train(_config(kind, out / name, settings), overwrite=overwrite)
+        online.train(config_from(kind, out / name, settings), overwrite=overwrite)
         seconds[name] = time.perf_counter() - t
 
     t = stage("evaluation", f"greedy, {p.num_eval_prompts} held-out prompts")

@@ -23,6 +23,7 @@ from rlhfkit.config.describe import config_help
 from rlhfkit.config.fields import option
 from rlhfkit.config.loading import (
     RUN_INFO_PREFIX,
+    config_from,
     config_to_dict,
     load_config,
     read_run_info,
@@ -57,6 +58,7 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "check_columns",
+    "config_from",
     "config_help",
     "config_to_dict",
     "load_config",

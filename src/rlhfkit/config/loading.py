@@ -63,6 +63,13 @@ def load_config(
     return run
 
 
+def config_from(kind: str, output_dir, overrides: dict[str, Any]) -> RunConfig:
+    """A validated RunConfig of ``kind`` writing to ``output_dir``, from a dict of dotted keys: the same path
+    as ``rlhfkit train KIND output_dir=... key=value ...`` (how the quickstart and the experiments build
+    each stage's configuration)."""
+    return load_config(None, [f"output_dir={output_dir}", *(f"{k}={v}" for k, v in overrides.items())], kind)
+
+
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     """The configuration as plain nested dicts, lists and scalars (what ``config.yaml`` holds)."""
     return dataclasses.asdict(cfg)
