@@ -30,7 +30,9 @@ class DPOPreset:
 # tiny: measured on a tiny quickstart's pairs (seed 0), 40 steps at 3e-4 reach about PPO's KL to SFT (1.5 nats per
 # response) and most of its gold gain; small: scaled like the other stages, not tuned.
 DPO_PRESETS: dict[str, DPOPreset] = {
-    "tiny": DPOPreset(steps=40, batch=32, lr=3e-4, beta=0.1),
+    # lr 2e-4: at 3e-4 on the tiny preset's 6,144 pairs seed 0 collapsed (gold -1.11, 43% valid responses, KL
+    # 6.4 nats); at 2e-4 seeds 0-4 reach win rates 0.57-0.69 over SFT with none below 0.96 gold.
+    "tiny": DPOPreset(steps=40, batch=32, lr=2e-4, beta=0.1),
     "small": DPOPreset(steps=150, batch=64, lr=5e-5, beta=0.1),
     "smoke": DPOPreset(steps=2, batch=8, lr=1e-4, beta=0.1),
 }
