@@ -242,11 +242,13 @@ class PhaseTimer:
         return timed_forward
 
 
-def matmul_peak(threads: int, size: int = 2048, repeats: int = 5) -> float:
-    """fp32 FLOP/s of a large matmul, best of ``repeats``, at the process's thread count."""
+def matmul_peak(threads: int, precision: str = "fp32", size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large matmul in the run's precision (fp32, or bf16 as autocast computes its matmuls), best
+    of ``repeats``, at the process's thread count."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     best = float("inf")
     for _ in range(repeats):
@@ -340,20 +342,27 @@ def _train_ppo(a, out: Path) -> None:
         "online.ppo_epochs": 4,
         "online.num_minibatches": 1,
         "logging.samples_per_step": 0,
+        "model.dtype": DTYPES[a.precision],
     }
     run_rlhfkit("ppo", nested(overrides), out)
 
 
-def trl_common(out: Path) -> dict:
-    """The TrainingArguments both TRL trainers get: no saving, logging, bars or bf16; CPU; no gradient
-    checkpointing unless BENCH_TRL_CHECKPOINTING=1 (TRL's own default is on: it recomputes every forward)."""
+# --precision: rlhfkit's model.dtype; TRL's bf16 flag (accelerate's bf16 mixed precision). In both, bf16 means
+# float32 weights and optimizer state for the trained models with their forwards under bf16 autocast.
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def trl_common(a, out: Path) -> dict:
+    """The TrainingArguments both TRL trainers get: no saving, logging or bars; CPU; bf16 mixed precision only
+    with --precision bf16; no gradient checkpointing unless BENCH_TRL_CHECKPOINTING=1 (TRL's own default is
+    on: it recomputes every forward)."""
     return dict(
         output_dir=str(out / "run"),
         save_strategy="no",
         report_to=[],
         logging_steps=10**6,
         use_cpu=True,
-        bf16=False,
+        bf16=a.precision == "bf16",
         seed=0,
         disable_tqdm=True,
         gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",
@@ -376,7 +385,7 @@ def worker_ppo_trl(a, out: Path) -> None:
     prompts = [json.loads(line)["prompt"] for line in open(work / "prompts.jsonl")]
     dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in prompts]})
     args = PPOConfig(
-        **trl_common(out),
+        **trl_common(a, out),
         per_device_train_batch_size=a.batch,
         gradient_accumulation_steps=1,
         num_mini_batches=1,
@@ -417,6 +426,7 @@ def worker_reward_rlhfkit(a, out: Path) -> None:
         "train.save_steps": 10**6,
         "train.eval_steps": 10**6,
         "train.log_steps": 10**6,
+        "model.dtype": DTYPES[a.precision],
     }
     run_rlhfkit("reward", nested(overrides), out)
 
@@ -437,7 +447,7 @@ def worker_reward_trl(a, out: Path) -> None:
         }
     )
     args = RewardConfig(
-        **trl_common(out),
+        **trl_common(a, out),
         per_device_train_batch_size=a.batch,
         max_steps=a.steps,
         max_length=a.max_length,
@@ -534,7 +544,7 @@ def _measure_once(a, timer: PhaseTimer) -> dict:
         total_seconds=total,
         peak_rss_mib=peak_rss_mib(),
         threads=torch.get_num_threads(),
-        matmul_flops=matmul_peak(a.threads),
+        matmul_flops=matmul_peak(a.threads, a.precision),
     )
     return result
 
@@ -549,7 +559,7 @@ def measure(system: str, kind: str, a, work: Path, **sizes) -> dict:
     python = a.python_trl if system == "trl" else sys.executable
     worker_system = "trl" if system == "trl" else "rlhfkit"
     args = [python, str(Path(__file__).resolve()), "worker", "--system", worker_system, "--kind", kind]
-    args += ["--work", str(work), "--threads", str(a.threads)]
+    args += ["--work", str(work), "--threads", str(a.threads), "--precision", a.precision]
     for k, v in sizes.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "RLHFKIT_NUM_THREADS": str(a.threads)}
@@ -629,7 +639,7 @@ def compare_ppo(a, batch: int, response_length: int) -> dict:
     info = prepare(work, a.preset)
     print(
         f"PPO, preset {a.preset} ({info['policy_parameters']:,} parameters), {batch} prompts x "
-        f"{response_length} tokens, 4 epochs, {a.threads} threads, {a.repeats} rounds",
+        f"{response_length} tokens, 4 epochs, {a.threads} threads, {a.precision}, {a.repeats} rounds",
         flush=True,
     )
     runs = alternate("ppo", a, work, rollouts=a.rollouts, batch=batch, response_length=response_length)
@@ -637,6 +647,7 @@ def compare_ppo(a, batch: int, response_length: int) -> dict:
     flops = useful_flops_ppo(work, batch, response_length, mean_tokens(work, "policy", prompts))
     result = {"kind": "ppo", "preset": a.preset, "batch": batch, "response_length": response_length}
     result.update(threads=a.threads, parameters=info["policy_parameters"], rounds=a.repeats)
+    result["precision"] = a.precision
     peak = statistics.median(r["matmul_flops"] for rs in runs.values() for r in rs)
     result.update(useful_flops=flops, peak_flops=peak)
     for system, rs in runs.items():
@@ -653,7 +664,7 @@ def compare_reward(a) -> dict:
     info = prepare(work, a.preset)
     print(
         f"Reward model, preset {a.preset} ({info['policy_parameters']:,} parameters), batch {a.batch_rm} pairs, "
-        f"max length {a.max_length}, {a.threads} threads, {a.repeats} rounds",
+        f"max length {a.max_length}, {a.threads} threads, {a.precision}, {a.repeats} rounds",
         flush=True,
     )
     runs = alternate("reward", a, work, steps=a.steps, batch=a.batch_rm, max_length=a.max_length)
@@ -662,7 +673,7 @@ def compare_reward(a) -> dict:
     tokens_per_pair = 2 * mean_tokens(work, "reward", texts)
     n = non_embedding_parameters(work / "reward")
     result = {"kind": "reward", "preset": a.preset, "batch": a.batch_rm, "threads": a.threads}
-    result.update(parameters=info["policy_parameters"], rounds=a.repeats)
+    result.update(parameters=info["policy_parameters"], rounds=a.repeats, precision=a.precision)
     flops = 6 * n * tokens_per_pair * a.batch_rm
     peak = statistics.median(r["matmul_flops"] for rs in runs.values() for r in rs)
     result.update(useful_flops=flops, peak_flops=peak)
@@ -687,7 +698,11 @@ def report(r: dict) -> str:
         if r["kind"] == "ppo"
         else f"reward model, {r['preset']} preset, {r['batch']} pairs a step"
     )
-    lines = [f"### {what} ({r['threads']} threads, median of {r['rounds']} alternating rounds)", ""]
+    precision = r.get("precision", "fp32")
+    lines = [
+        f"### {what} ({r['threads']} threads, {precision}, median of {r['rounds']} alternating rounds)",
+        "",
+    ]
     lines.append(
         "| system | s / "
         + ("rollout" if r["kind"] == "ppo" else "step")
@@ -794,6 +809,12 @@ def main() -> None:
     p.add_argument("--work", default=str(ROOT / ".bench" / "inputs"))
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--precision",
+        choices=list(DTYPES),
+        default="fp32",
+        help="fp32, or bf16 mixed precision in both systems (float32 weights, bf16 autocast)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds; the table gives the medians")
     p.add_argument("--rollouts", type=int, default=6, help="rollouts per run; the window is rollouts 2..N-1")
     p.add_argument("--batch", type=int, default=32, help="prompts per rollout")
