@@ -371,6 +371,11 @@ def trl_common(a, out: Path) -> dict:
 
 def worker_ppo_trl(a, out: Path) -> None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    if a.precision == "bf16":
+        # TRL 1.12's PPOTrainer builds its own Accelerator without a mixed-precision argument, and under
+        # transformers 5 the bf16 flag no longer reaches it: without this (what `accelerate launch
+        # --mixed_precision bf16` sets) its PPO would run in float32.
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from trl.experimental.ppo import PPOConfig, PPOTrainer

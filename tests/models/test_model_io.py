@@ -1,5 +1,6 @@
 """Loading and saving: tokenizers' pad choice, scalar heads, safetensors, remote code, HF folders."""
 
+import contextlib
 import json
 import math
 
@@ -19,6 +20,7 @@ from rlhfkit.models import (
     save_hf_folder,
     sequence_scores,
 )
+from rlhfkit.models.precision import FLOAT32_CPU_SDPA, autocast_region
 
 
 def save_tokenizer(tmp_path, pad):
@@ -175,3 +177,61 @@ def test_saved_causal_lm_loads_with_plain_transformers(tmp_path):
         torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=0, atol=0)
     reloaded = load_causal_lm(str(tmp_path / "lm"))
     assert reloaded.config.pad_token_id == tiny_tokenizer().pad_token_id
+
+
+def test_bf16_attention_runs_in_float32_on_cpu(tmp_path, monkeypatch):
+    """bf16 on a CPU: attention that autograd records runs in float32 (torch's bf16 CPU attention backward is
+    several times slower), with the padding mask sdpa gets; without grad it stays bf16; a float32 model keeps
+    plain sdpa; the saved config does not name rlhfkit's attention, so plain transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    save_hf_folder(tiny_llama("causal"), tiny_tokenizer(), tmp_path / "lm")
+    assert load_causal_lm(str(tmp_path / "lm")).config._attn_implementation == "sdpa"
+    model = load_causal_lm(str(tmp_path / "lm"), dtype="bfloat16")
+    assert model.config._attn_implementation == FLOAT32_CPU_SDPA
+
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        out = sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+        seen.append((out.dtype, attn_mask is not None))  # what the kernel computed in, after autocast
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    ids, mask = pad_batch(TEXTS_FOR_SCORES, tiny_tokenizer().pad_token_id, "left")
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    assert seen and all(dtype == torch.float32 for dtype, _ in seen)
+    assert all(has_mask for _, has_mask in seen)  # left padding: the mask reached the kernel
+    assert logits.dtype == torch.bfloat16  # the rest of the forward is still under bf16 autocast
+    logits.float().sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    seen.clear()
+    with torch.no_grad():  # no backward: the bf16 kernel, as fast as float32 forward-only
+        model(input_ids=ids, attention_mask=mask)
+    assert seen and all(dtype == torch.bfloat16 for dtype, _ in seen)
+
+    model.save_pretrained(tmp_path / "saved")
+    assert "rlhfkit" not in (tmp_path / "saved" / "config.json").read_text()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "saved").config._attn_implementation == "sdpa"
+
+
+def test_autocast_region_casts_the_weights_once(tmp_path):
+    """generate's decode steps run inside one autocast region: the float32 weights are cast to bf16 at the
+    first forward only (outside a region every forward casts them again)."""
+    from torch.profiler import profile
+
+    save_hf_folder(tiny_llama("causal"), tiny_tokenizer(), tmp_path / "lm")
+    model = load_causal_lm(str(tmp_path / "lm"), dtype="bfloat16").eval()
+    assert isinstance(autocast_region(load_causal_lm(str(tmp_path / "lm"))), contextlib.nullcontext)
+    ids = torch.tensor([TEXTS_FOR_SCORES[1]])
+
+    def casts(region: bool) -> int:
+        with torch.no_grad(), profile() as prof:
+            with autocast_region(model) if region else contextlib.nullcontext():
+                for _ in range(3):
+                    model(input_ids=ids)
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert casts(region=False) - casts(region=True) >= 2 * linears  # forwards 2 and 3 reuse the casts

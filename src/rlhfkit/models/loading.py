@@ -33,7 +33,7 @@ import torch
 
 from rlhfkit.errors import UserError
 from rlhfkit.models.lora import adapter_base, merge_adapter_folder
-from rlhfkit.models.precision import autocast_forward, warn_slow_bf16
+from rlhfkit.models.precision import autocast_forward, float32_attention_on_cpu, warn_slow_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PAD_TOKEN = "<|pad|>"
@@ -198,6 +198,7 @@ def _finish(model, dtype, tokenizer, dropout: bool):
     compute = resolve_dtype(dtype)
     if compute in (torch.bfloat16, torch.float16):  # half precision: float32 weights, half-precision forwards
         autocast_forward(model, compute)
+        float32_attention_on_cpu(model)
         if not torch.cuda.is_available():
             warn_slow_bf16("cpu")
     return model

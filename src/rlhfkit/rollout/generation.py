@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhfkit.models.precision import autocast_region
 from rlhfkit.models.sampling import Sampling, generation_kwargs, without_checkpoint_defaults
 
 
@@ -120,7 +121,7 @@ def generate_responses(
             return_dict_in_generate=True,
             **generation_kwargs(sampling, greedy),
         )
-        with without_checkpoint_defaults(model):
+        with without_checkpoint_defaults(model), autocast_region(model):
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
     finally:
         model.train(was_training)
