@@ -63,7 +63,14 @@ def test_rlhfkit_ppo_worker_forces_the_length_and_times_every_phase(tmp_path, mo
             monkeypatch.setattr(module, "generate_responses", spy)
     monkeypatch.setattr(bench.sys, "argv", ["ppo_vs_trl.py"])
     a = argparse.Namespace(
-        kind="ppo", system="rlhfkit", work=str(work), threads=1, rollouts=3, batch=4, response_length=6
+        kind="ppo",
+        system="rlhfkit",
+        work=str(work),
+        threads=1,
+        rollouts=3,
+        batch=4,
+        response_length=6,
+        precision="fp32",
     )
     bench.run_worker(a)
     result = json.loads(capsys.readouterr().out.split("RESULT ")[-1])
@@ -100,7 +107,14 @@ def test_the_worker_leaves_nothing_patched(tmp_path, monkeypatch, capsys):
     bench.prepare(work, "tiny", num_pairs=64)
     monkeypatch.setattr(bench.sys, "argv", ["ppo_vs_trl.py"])
     a = argparse.Namespace(
-        kind="ppo", system="rlhfkit", work=str(work), threads=1, rollouts=3, batch=4, response_length=4
+        kind="ppo",
+        system="rlhfkit",
+        work=str(work),
+        threads=1,
+        rollouts=3,
+        batch=4,
+        response_length=4,
+        precision="fp32",
     )
     bench.run_worker(a)
     after = (
@@ -114,3 +128,24 @@ def test_the_worker_leaves_nothing_patched(tmp_path, monkeypatch, capsys):
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
     assert not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
+
+
+def test_precision_reaches_both_systems(monkeypatch, tmp_path):
+    """--precision bf16: rlhfkit's model.dtype is bfloat16 (PPO and reward model), TRL's bf16 flag is on, and
+    fp32 leaves both in float32."""
+    seen = {}
+    monkeypatch.setattr(bench, "run_rlhfkit", lambda kind, overrides, out: seen.__setitem__(kind, overrides))
+    for precision, dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
+        a = argparse.Namespace(
+            work=str(tmp_path),
+            rollouts=2,
+            batch=4,
+            response_length=4,
+            steps=2,
+            max_length=32,
+            precision=precision,
+        )
+        bench._train_ppo(a, tmp_path)
+        bench.worker_reward_rlhfkit(a, tmp_path)
+        assert seen["ppo"]["model"]["dtype"] == dtype and seen["reward"]["model"]["dtype"] == dtype
+        assert bench.trl_common(a, tmp_path)["bf16"] is (precision == "bf16")
