@@ -73,19 +73,7 @@ SIZES = {
         eval_every=5,
         eval_prompts=128,
     ),
-    "smoke": replace(
-        Sizes(),
-        sft_steps=4,
-        sft_batch=8,
-        pairs=16,
-        rm_steps=2,
-        rm_batch=8,
-        ppo_batch=4,
-        response_length=12,
-        rollouts=2,
-        eval_every=1,
-        eval_prompts=6,
-    ),
+    "smoke": replace(temperature.SIZES["smoke"], eval_every=1),  # the temperature experiment's smoke sizes
 }
 EVAL_PAIRS = {"default": 512, "smoke": 8}
 

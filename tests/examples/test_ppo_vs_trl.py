@@ -62,17 +62,7 @@ def test_rlhfkit_ppo_worker_forces_the_length_and_times_every_phase(tmp_path, mo
         if getattr(module, "generate_responses", None) is generate:
             monkeypatch.setattr(module, "generate_responses", spy)
     monkeypatch.setattr(bench.sys, "argv", ["ppo_vs_trl.py"])
-    a = argparse.Namespace(
-        kind="ppo",
-        system="rlhfkit",
-        work=str(work),
-        threads=1,
-        rollouts=3,
-        batch=4,
-        response_length=6,
-        precision="fp32",
-    )
-    bench.run_worker(a)
+    bench.run_worker(rlhfkit_ppo_worker(work, response_length=6))
     result = json.loads(capsys.readouterr().out.split("RESULT ")[-1])
     assert lengths and all(n == 6 for rollout in lengths for n in rollout)  # never stops early
     # because the only stop token is one the sampler never emits (a random model rarely samples EOS in 6
@@ -85,6 +75,20 @@ def test_rlhfkit_ppo_worker_forces_the_length_and_times_every_phase(tmp_path, mo
     for phase in bench.PHASES[:-1]:
         assert result["phases"][phase] > 0, phase
     assert sum(result["phases"].values()) == pytest.approx(result["seconds"])
+
+
+def rlhfkit_ppo_worker(work, response_length: int) -> argparse.Namespace:
+    """The worker arguments of a 3-rollout rlhfkit PPO run of 4 prompts, one thread, fp32."""
+    return argparse.Namespace(
+        kind="ppo",
+        system="rlhfkit",
+        work=str(work),
+        threads=1,
+        rollouts=3,
+        batch=4,
+        response_length=response_length,
+        precision="fp32",
+    )
 
 
 def test_the_worker_leaves_nothing_patched(tmp_path, monkeypatch, capsys):
@@ -106,17 +110,7 @@ def test_the_worker_leaves_nothing_patched(tmp_path, monkeypatch, capsys):
     work = tmp_path / "inputs"
     bench.prepare(work, "tiny", num_pairs=64)
     monkeypatch.setattr(bench.sys, "argv", ["ppo_vs_trl.py"])
-    a = argparse.Namespace(
-        kind="ppo",
-        system="rlhfkit",
-        work=str(work),
-        threads=1,
-        rollouts=3,
-        batch=4,
-        response_length=4,
-        precision="fp32",
-    )
-    bench.run_worker(a)
+    bench.run_worker(rlhfkit_ppo_worker(work, response_length=4))
     after = (
         GenerationMixin.generate,
         llama.LlamaForCausalLM.forward,
