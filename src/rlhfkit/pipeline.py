@@ -209,7 +209,8 @@ def quickstart(
             "train.batch_size": p.rm_batch,
             "train.learning_rate": p.rm_lr,
             "train.weight_decay": 0.1,
-            "train.warmup_steps": max(10, p.rm_steps // 5),  # a gentle start keeps the SFT features (below)
+            # a gentle start keeps the SFT backbone's features (the note above PRESETS)
+            "train.warmup_steps": max(10, p.rm_steps // 5),
             "train.lr_schedule": "linear",
             "train.save_steps": p.rm_steps,
             "train.eval_steps": max(1, p.rm_steps // 4),

@@ -198,9 +198,7 @@ def _finish(model, dtype, tokenizer, dropout: bool):
     compute = resolve_dtype(dtype)
     if compute in (torch.bfloat16, torch.float16):  # half precision: float32 weights, half-precision forwards
         autocast_forward(model, compute)
-        if (
-            not torch.cuda.is_available()
-        ):  # a CPU-only machine; on a GPU the attention stays transformers' own
+        if not torch.cuda.is_available():  # on a GPU machine the attention stays transformers' own
             float32_attention_on_cpu(model)
             warn_slow_bf16("cpu")
     return model

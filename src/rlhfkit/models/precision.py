@@ -76,8 +76,7 @@ def autocast_forward(model: torch.nn.Module, dtype: torch.dtype | None) -> torch
 
     @functools.wraps(forward)
     def run(self, *args, **kwargs):
-        device_type = next(self.parameters()).device.type
-        with torch.autocast(device_type=device_type, dtype=dtype):
+        with autocast_region(self):
             return forward(self, *args, **kwargs)
 
     model.forward = types.MethodType(run, model)
