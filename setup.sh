@@ -14,7 +14,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     fi
 fi
 "$PY" -m pip install --quiet -e ".[dev]"
-# Headless Chromium for the report page's browser test (tests/test_report_browser.py), from Debian's
+# Headless Chromium for the report page's browser test (tests/reporting/test_report_browser.py), from Debian's
 # packages: only where apt-get exists and we are root, quietly, and never failing the set-up (without it
 # that test is skipped with its reason).
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -19,10 +19,11 @@ import json
 import time
 from pathlib import Path
 
+from rlhfkit.config import config_from
 from rlhfkit.engine.threads import set_num_threads
+from rlhfkit.quickstart.verifiable import VERIFIABLE_PRESETS, measure, rl_overrides, train_orm
 from rlhfkit.tasks import get_task
 from rlhfkit.trainers import online
-from rlhfkit.verifiable import VERIFIABLE_PRESETS, _config, measure, rl_overrides, train_orm
 
 
 def main() -> None:
@@ -62,7 +63,7 @@ def main() -> None:
     tag = "_prm" if args.prm else "_orm" if args.orm else ""
     out = Path(args.out or base / f"bench_{args.kind}{tag}_{args.seed}")
     start = time.perf_counter()
-    online.train(_config(args.kind, out, settings), overwrite=True)
+    online.train(config_from(args.kind, out, settings), overwrite=True)
     seconds = time.perf_counter() - start
     figures = measure(out / "final", task, base / "task" / "prompts_eval.jsonl", 256, preset.response_length)
     print(json.dumps({**vars(args), "train_seconds": seconds, "after": figures}), flush=True)

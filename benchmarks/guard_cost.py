@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from rlhfkit.config import load_config
     from rlhfkit.engine import guards
-    from rlhfkit.engine.run import read_metrics
-    from rlhfkit.pipeline import PRESETS
+    from rlhfkit.engine.metrics_writer import read_metrics
+    from rlhfkit.quickstart.pipeline import PRESETS
     from rlhfkit.tasks import get_task
     from rlhfkit.tasks.files import prepare_task_files
     from rlhfkit.trainers import online

@@ -4,7 +4,7 @@ Takes a finished quickstart folder (its SFT policy, reward model, task files and
 ``config.yaml``) and reruns that PPO stage with the same budget (rollouts, batch, response length, KL
 coefficient, seed) twice more: with full fine-tuning (the quickstart's settings, as a control that the rerun
 reproduces the quickstart) and with LoRA adapters on the actor and the critic. Each is evaluated as the
-quickstart evaluates PPO (:class:`rlhfkit.pipeline.HackingMeter`: gold, proxy and KL on the held-out prompts
+quickstart evaluates PPO (:class:`rlhfkit.quickstart.pipeline.HackingMeter`: gold, proxy and KL on the held-out prompts
 at the training temperature), and the table gives the gold gain in SFT standard deviations, KL, the win rate
 over SFT and the seconds per rollout.
 
@@ -44,7 +44,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from rlhfkit.config import load_config
-    from rlhfkit.pipeline import PRESETS, HackingMeter
+    from rlhfkit.quickstart.pipeline import PRESETS, HackingMeter
     from rlhfkit.tasks import get_task
     from rlhfkit.trainers import online
 

@@ -89,10 +89,10 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int) -> dict:
     from rlhfkit.data import TokenLimits, prepare_examples
     from rlhfkit.engine.accel import make_accelerator
     from rlhfkit.models import load_tokenizer
-    from rlhfkit.trainers.online import build_context
-    from rlhfkit.trainers.online_shaping import estimate_advantages, shape_rollout
-    from rlhfkit.trainers.online_steps import prompt_batch, sample_rollout, score_rollout, take_scores
-    from rlhfkit.trainers.online_update import ppo_update
+    from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout, score_rollout, take_scores
+    from rlhfkit.trainers.online.context import build_context
+    from rlhfkit.trainers.online.ppo_update import ppo_update
+    from rlhfkit.trainers.online.shaping import estimate_advantages, shape_rollout
 
     before = peak_rss_bytes()
     cfg = load_config(
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one configuration, JSON out
     parser.add_argument("--paths", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from rlhfkit.pipeline import PRESETS
+    from rlhfkit.quickstart.pipeline import PRESETS
 
     preset = PRESETS[args.preset]
     batch = args.batch_size or preset.ppo_batch

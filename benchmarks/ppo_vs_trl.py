@@ -304,22 +304,21 @@ def nested(flat: dict) -> dict:
 def worker_ppo_rlhfkit(a, out: Path) -> None:
     import dataclasses
 
-    from rlhfkit.trainers import online
+    from rlhfkit.trainers.online import loop
 
-    build_context = online.build_context
+    build_context = loop.build_context
 
     def forced_length(*args, **kwargs):  # the stop token is one the sampler never emits: R tokens always
         ctx = build_context(*args, **kwargs)
         pad = ctx.tokenizer.pad_token_id
-        ctx.stop_token_ids = [pad]
-        ctx.sampling = dataclasses.replace(ctx.sampling, suppress_ids=(pad,))
-        return ctx
+        sampling = dataclasses.replace(ctx.sampling, suppress_ids=(pad,))
+        return dataclasses.replace(ctx, stop_token_ids=[pad], sampling=sampling)
 
-    online.build_context = forced_length
+    loop.build_context = forced_length
     try:
         _train_ppo(a, out)
     finally:
-        online.build_context = build_context
+        loop.build_context = build_context
 
 
 def _train_ppo(a, out: Path) -> None:

@@ -3,7 +3,7 @@
 PPO with a learning rate high enough (and a KL coefficient small enough) to run far from the SFT policy:
 the proxy score (the reward model, what PPO optimises) keeps rising while the gold score (the task's
 annotators' own criterion) rises, peaks and falls. On held-out prompts the pipeline's reward-hacking
-meter (:class:`rlhfkit.pipeline.HackingMeter`) logs gold, proxy and KL (k1, nats per response, at the
+meter (:class:`rlhfkit.quickstart.pipeline.HackingMeter`) logs gold, proxy and KL (k1, nats per response, at the
 training temperature) every ``--eval-every`` rollouts. Then, with d = sqrt(KL) and Δgold = gold minus
 the SFT policy's gold (the meter's step-0 value), the script fits Gao, Schulman & Hilton 2022
 ("Scaling Laws for Reward Model Overoptimization", eq. for RL):
@@ -15,7 +15,7 @@ against the linear fit Δgold = a·d, prints α, β, R² and RMSE of both, where
 with both curves (``fit.png``; numbers in ``fit.json``).
 
 ``--refresh-steps K`` also runs the same PPO (same seed, same settings) with the online reward-model
-refresh of :mod:`rlhfkit.trainers.refresh` every K rollouts, and compares gold, proxy and KL of the two
+refresh of :mod:`rlhfkit.trainers.online.refresh` every K rollouts, and compares gold, proxy and KL of the two
 runs: at the end, and at the same KL (the mean of each run's evaluations in KL bins of 3 nats).
 The gap is reported in the proxy's units: the proxy is normalised to std 1 on SFT responses, so gold is
 put on the same footing as z = (gold − gold_SFT) / std(gold of SFT samples), and gap = proxy − z (0 for
@@ -308,7 +308,7 @@ def resolve_inputs(args) -> Inputs:
     from rlhfkit.errors import UserError
 
     if args.quickstart is None and args.sft is None:
-        from rlhfkit.pipeline import quickstart
+        from rlhfkit.quickstart.pipeline import quickstart
 
         args.quickstart = args.out / "quickstart"
         if not (args.quickstart / "summary.json").is_file():
@@ -344,7 +344,7 @@ def run_ppo(inputs: Inputs, out: Path, args, refresh_steps: int = 0) -> Path:
     """PPO from the SFT policy against the reward model, the meter every ``--eval-every`` rollouts; returns
     the run folder (reused when it already holds a finished run)."""
     from rlhfkit.config import load_config
-    from rlhfkit.pipeline import PRESETS, HackingMeter, task_refresh
+    from rlhfkit.quickstart.pipeline import PRESETS, HackingMeter, task_refresh
     from rlhfkit.tasks import get_task
     from rlhfkit.trainers import online
 
@@ -401,7 +401,7 @@ def sft_gold_std(inputs: Inputs, args) -> float:
 
     from rlhfkit.data import TokenLimits, prepare_examples
     from rlhfkit.models import load_causal_lm, load_tokenizer
-    from rlhfkit.pipeline import PRESETS
+    from rlhfkit.quickstart.pipeline import PRESETS
     from rlhfkit.rollout.evaluate import sample_and_score
     from rlhfkit.tasks import get_task
 
@@ -525,7 +525,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from rlhfkit.engine.run import read_metrics
+    from rlhfkit.engine.metrics_writer import read_metrics
     from rlhfkit.engine.threads import set_num_threads
 
     args = parse_args(argv)

@@ -14,7 +14,7 @@ the peak. They fit, for best-of-n and for RL,
 2. per seed, reward models from that SFT policy on the first 256, 1,024 and 4,000 pairs of the pool (1.5
    epochs at batch 32, at least ``--rm-steps`` = 150 steps): the reward-model quality is the held-out gold accuracy;
 3. per seed and reward model, PPO runs long enough (constant learning rate) to go far from the SFT policy:
-   kl_coef 0 and 0.05, and kl_coef 0 with the online reward-model refresh of :mod:`rlhfkit.trainers.refresh`
+   kl_coef 0 and 0.05, and kl_coef 0 with the online reward-model refresh of :mod:`rlhfkit.trainers.online.refresh`
    every ``--refresh-steps`` rollouts (the quickstart's ``--refresh-steps``);
 4. every ``--eval-every`` rollouts (and before the first): one T = 0.7 response to each of ``--eval-prompts``
    held-out prompts, the same sampling seed for every checkpoint: gold, proxy (the reward model PPO
@@ -136,7 +136,7 @@ def _fail(message: str):
 
 def run_job(seed: int, quality: int, shared: dict, s: Sizes, args) -> None:
     """One seed and reward model: train the reward model, then its PPO runs (each cached in ``run.json``)."""
-    from rlhfkit.pipeline import task_refresh
+    from rlhfkit.quickstart.pipeline import task_refresh
     from rlhfkit.trainers import online
 
     root = args.out / f"seed-{seed}" / f"rm{quality}"

@@ -56,14 +56,17 @@ ARMS = (
     ("ppo-dpo-ref-sft", "PPO → DPO (ref SFT)", "DPO from PPO, reference SFT"),
     ("dpo-ppo", "DPO → PPO", "PPO from DPO, KL to DPO"),
 )
-DPO_PRESET = {"default": "tiny", "smoke": "smoke"}  # rlhfkit.pipeline_dpo.DPO_PRESETS by experiment size
+DPO_PRESET = {
+    "default": "tiny",
+    "smoke": "smoke",
+}  # rlhfkit.quickstart.dpo_stage.DPO_PRESETS by experiment size
 
 
 def dpo_run(folder: Path, start: Path, stage: dict, meter, seed: int, s: Sizes, args, **extra):
     """DPO from ``start`` on the seed's labelled pairs (``extra``: other dotted keys); ``(meter, figures)``, the
     figures of the final policy (and DPO's held-out implicit-reward accuracy) cached in ``folder``."""
     from rlhfkit.models import load_causal_lm
-    from rlhfkit.pipeline_dpo import dpo_stage
+    from rlhfkit.quickstart.dpo_stage import dpo_stage
 
     cache = folder / "order_rows.json"
     if cache.is_file() and not args.overwrite:

@@ -121,7 +121,7 @@ def train_sft_and_reward(root: Path, seed: int, s: Sizes, args) -> dict:
 
 def train_sft(root: Path, seed: int, s: Sizes, args) -> dict:
     """Task files and SFT policy of one seed (the quickstart's stages 1-2): ``task``, ``files``, ``sft``."""
-    from rlhfkit.pipeline import sft_stage
+    from rlhfkit.quickstart.stages import sft_stage
     from rlhfkit.tasks import get_task
     from rlhfkit.tasks.files import prepare_task_files
     from rlhfkit.trainers import sft

@@ -1,8 +1,10 @@
 """rlhfkit: classic RLHF (SFT, reward model, PPO with GAE) on Hugging Face language models.
 
-The layers, from the bottom up (arrows point downward only):
+The layers, highest first (a module imports only from its own layer or lower ones; docs/design.md, "The
+layers", and tests/test_layers.py):
 
-    cli -> pipeline -> trainers -> rollout / models / data / engine -> algos / types
+    cli > commands > quickstart > trainers > reporting > rollout > models / data / tasks > engine > config
+    > algos > types / errors
 
 `rlhfkit.algos` is pure tensor math and imports nothing heavy, so ``import rlhfkit`` stays cheap.
 """

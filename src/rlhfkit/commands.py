@@ -23,7 +23,7 @@ def trainer(kind: str) -> Callable[..., dict[str, Any]]:
     elif kind == "reward":
         from rlhfkit.trainers.reward import train
     elif kind == "prm":
-        from rlhfkit.trainers.prm import train_prm as train
+        from rlhfkit.trainers.prm import train
     elif kind == "dpo":
         from rlhfkit.trainers.dpo import train
     else:  # ppo, grpo and rloo: one online loop (rlhfkit.config.ONLINE_KINDS)
@@ -35,7 +35,7 @@ def train_command(args: argparse.Namespace) -> int:
     cfg: RunConfig = load_config(args.config, args.overrides, args.kind)
     set_threads()
     from rlhfkit.engine.accel import launch_rank
-    from rlhfkit.engine.run import prepare_output_dir  # imports torch
+    from rlhfkit.engine.folder import prepare_output_dir  # imports torch
     from rlhfkit.engine.signals import graceful_stop
 
     train = trainer(args.kind)
@@ -61,7 +61,7 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def quickstart_command(args: argparse.Namespace) -> int:
-    from rlhfkit.engine.run import prepare_output_dir
+    from rlhfkit.engine.folder import prepare_output_dir
 
     set_threads()
     if args.refresh_steps < 0:
@@ -69,7 +69,7 @@ def quickstart_command(args: argparse.Namespace) -> int:
             f"--refresh-steps must be 0 (off) or a positive number of rollouts, got {args.refresh_steps}"
         )
     if args.task != "reviews":
-        from rlhfkit.verifiable import VERIFIABLE_PRESETS, quickstart_verifiable
+        from rlhfkit.quickstart.verifiable import VERIFIABLE_PRESETS, quickstart_verifiable
 
         if args.preset not in VERIFIABLE_PRESETS or args.refresh_steps:
             raise UserError(
@@ -78,7 +78,7 @@ def quickstart_command(args: argparse.Namespace) -> int:
         prepare_output_dir(args.out, overwrite=args.overwrite)
         quickstart_verifiable(args.out, args.task, args.preset, args.overwrite, seed=args.seed)
         return 0
-    from rlhfkit.pipeline import quickstart
+    from rlhfkit.quickstart.pipeline import quickstart
 
     prepare_output_dir(args.out, overwrite=args.overwrite)
     quickstart(args.out, args.preset, args.overwrite, seed=args.seed, refresh_steps=args.refresh_steps)
@@ -162,7 +162,7 @@ def report_command(args: argparse.Namespace) -> int:
             "--out names the side-by-side page of several runs; one run's page is RUN_DIR/report.html"
         )
     set_threads()
-    from rlhfkit.report import write_reports
+    from rlhfkit.reporting.report import write_reports
 
     for path in write_reports(args.run_dirs, args.out):
         print(f"wrote {path}")

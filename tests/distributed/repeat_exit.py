@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlhfkit.engine.run import read_metrics
+from rlhfkit.engine.metrics_writer import read_metrics
 from tests.distributed.test_data_parallel import torchrun, write_problems
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from tests.distributed import worker
 from tests.helpers import tiny_llama, tiny_tokenizer
-from tests.trainers.online_fixtures import write_online_problem
+from tests.trainers.online.online_fixtures import write_online_problem
 from tests.trainers.sft_fixtures import write_sft_problem
 from tests.trainers.test_reward import BODY_WORDS, write_reward_problem
 

@@ -10,9 +10,9 @@ from rlhfkit.algos import AdaptiveKLController
 from rlhfkit.cli import main
 from rlhfkit.config import read_run_info
 from rlhfkit.engine.checkpoint import complete_checkpoints
-from rlhfkit.engine.run import read_metrics
+from rlhfkit.engine.metrics_writer import read_metrics
 from tests.distributed.test_data_parallel import torchrun
-from tests.trainers.online_fixtures import online_cli_args, write_online_problem
+from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
 
 
 @pytest.mark.slow
@@ -98,7 +98,7 @@ def test_a_group_split_between_processes_is_an_error():
 
     import torch
 
-    from rlhfkit.trainers.online_shaping import check_groups_on_one_process
+    from rlhfkit.trainers.online.shaping import check_groups_on_one_process
 
     other = torch.tensor([0.0, 1.0, 1.0, 0.0])  # the other process holds groups 1 and 2
 

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from rlhfkit.algos import AdaptiveKLController
 from rlhfkit.cli import main
 from rlhfkit.config import read_run_info
-from rlhfkit.engine.run import read_metrics
+from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.models import loading
 from tests.distributed.sharded_worker import sft_run
 from tests.distributed.test_data_parallel import torchrun
-from tests.trainers.online_fixtures import online_cli_args, write_online_problem
+from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
 from tests.trainers.sft_fixtures import write_sft_problem
 
 

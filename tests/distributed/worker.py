@@ -16,6 +16,7 @@ noise, the one thing that depends on the process count, is left out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ from rlhfkit.algos import ADVANTAGE_ESTIMATORS, gae_advantages, shape_rewards
 from rlhfkit.config import load_config
 from rlhfkit.data import PRMCollator, SFTCollator, TokenLimits, prepare_examples
 from rlhfkit.engine.accel import make_accelerator
-from rlhfkit.engine.run import RunDir
+from rlhfkit.engine.folder import RunDir
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import (
     load_causal_lm,
@@ -37,17 +38,12 @@ from rlhfkit.models import (
     logprobs_from_logits,
     response_logits,
 )
-from rlhfkit.trainers import (
-    online,
-    online_context,
-    online_metrics,
-    online_shaping,
-    online_steps,
-    online_update,
-)
 from rlhfkit.trainers.best_model import BestKeeper
-from rlhfkit.trainers.loop import train_offline
-from rlhfkit.trainers.online_steps import Scores
+from rlhfkit.trainers.offline import train_offline
+from rlhfkit.trainers.online import collect, ppo_update, shaping
+from rlhfkit.trainers.online import context as online_context
+from rlhfkit.trainers.online import metrics as online_metrics
+from rlhfkit.trainers.online.collect import Scores
 from rlhfkit.trainers.preference_data import PairCollator
 from rlhfkit.trainers.prm import prm_objective
 from rlhfkit.trainers.reward import reward_objective
@@ -166,7 +162,7 @@ def _offline(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]
 def _global_rollout(ctx, examples) -> Rollout:
     """This process's rows of one seeded global rollout, with log-probs and values near the models' own."""
     first, local, total = ctx.rows()
-    batch = online_steps.prompt_batch(ctx, examples, step=1)
+    batch = collect.prompt_batch(ctx, examples, step=1)
     g = torch.Generator().manual_seed(7)
     width = 6
     response_ids = torch.randint(4, len(ctx.tokenizer), (total, width), generator=g)
@@ -239,7 +235,7 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
     cfg.model.dtype = torch.float64
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.model.name_or_path)
-    ctx = online.build_context(cfg, accelerator, tokenizer)
+    ctx = online_context.build_context(cfg, accelerator, tokenizer)
     examples = prepare_examples(cfg.data.train_file, "prompts", tokenizer, TokenLimits(16))
     rollout = _global_rollout(ctx, examples)
     rollout.rewards, rollout.kl = shape_rewards(
@@ -251,18 +247,18 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
         cfg.online.kl_estimator,
     )
     if case == "control-ppo-local-whitening":  # the bug: each process whitens its own share of the rollout
-        online_shaping.ADVANTAGE_ESTIMATORS = {
+        shaping.ADVANTAGE_ESTIMATORS = {
             **ADVANTAGE_ESTIMATORS,
             "gae": lambda *a, all_sum=None, **k: gae_advantages(*a, **k),
         }
     try:
-        rollout.advantages, rollout.returns = online_shaping.estimate_advantages(ctx, rollout)
+        rollout.advantages, rollout.returns = shaping.estimate_advantages(ctx, rollout)
     finally:
-        online_shaping.ADVANTAGE_ESTIMATORS = ADVANTAGE_ESTIMATORS
+        shaping.ADVANTAGE_ESTIMATORS = ADVANTAGE_ESTIMATORS
     if case == "control-ppo-local-normalizer":  # the bug: each process normalises by its own tokens
-        ctx.all_sum = lambda values: values.detach().double()
+        ctx = dataclasses.replace(ctx, all_sum=lambda values: values.detach().double())
     recorder = FirstStep({name: getattr(ctx.roles, name) for name in ctx.trained})  # unwrapped: plain names
-    update = online_update.ppo_update(ctx, rollout, step=1)
+    update = ppo_update.ppo_update(ctx, rollout, step=1)
     first, local, total = ctx.rows()
     scored = torch.ones(total, dtype=torch.bool)
     scored[3] = False  # the masked response, as if nothing had scored it: score/unscored counts it once

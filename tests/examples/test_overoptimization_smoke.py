@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from rlhfkit.engine.run import read_metrics
+from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.tasks import get_task
 from rlhfkit.tasks.files import write_jsonl
 from tests.examples.loader import load_example

@@ -57,8 +57,9 @@ def test_rlhfkit_ppo_worker_forces_the_length_and_times_every_phase(tmp_path, mo
         stops.append((list(kwargs["stop_token_ids"]), tuple(kwargs["sampling"].suppress_ids)))
         return out
 
-    for info in pkgutil.iter_modules(rlhfkit.trainers.__path__):  # wherever the online loop imports it
-        module = importlib.import_module(f"rlhfkit.trainers.{info.name}")
+    # wherever the online loop imports it
+    for info in pkgutil.walk_packages(rlhfkit.trainers.__path__, "rlhfkit.trainers."):
+        module = importlib.import_module(info.name)
         if getattr(module, "generate_responses", None) is generate:
             monkeypatch.setattr(module, "generate_responses", spy)
     monkeypatch.setattr(bench.sys, "argv", ["ppo_vs_trl.py"])
@@ -98,14 +99,14 @@ def test_the_worker_leaves_nothing_patched(tmp_path, monkeypatch, capsys):
     from transformers.generation.utils import GenerationMixin
     from transformers.models.llama import modeling_llama as llama
 
-    from rlhfkit.trainers import online
+    from rlhfkit.trainers.online import loop
 
     before = (
         GenerationMixin.generate,
         llama.LlamaForCausalLM.forward,
         llama.LlamaModel.forward,
         torch.autograd.backward,
-        online.build_context,
+        loop.build_context,
     )
     work = tmp_path / "inputs"
     bench.prepare(work, "tiny", num_pairs=64)
@@ -116,7 +117,7 @@ def test_the_worker_leaves_nothing_patched(tmp_path, monkeypatch, capsys):
         llama.LlamaForCausalLM.forward,
         llama.LlamaModel.forward,
         torch.autograd.backward,
-        online.build_context,
+        loop.build_context,
     )
     assert after == before
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks

@@ -1,6 +1,6 @@
 """examples/experiments/quickstart_seeds.py: the table of the quickstart's SFT, DPO and PPO over seeds, by hand from
 the quickstarts' summary.json, and the command each missing seed runs. The quickstart itself runs end to end at
-its smoke size in tests/test_pipeline.py; the figures come from the full runs (docs/experiments.md)."""
+its smoke size in tests/quickstart/test_pipeline.py; the figures come from the full runs (docs/experiments.md)."""
 
 from __future__ import annotations
 

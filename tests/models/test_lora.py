@@ -20,7 +20,12 @@ from rlhfkit.models import (
     sequence_scores,
 )
 from tests.helpers import pad_batch, tiny_llama
-from tests.trainers.online_fixtures import make_context, online_cli_args, online_config, write_online_problem
+from tests.trainers.online.online_fixtures import (
+    make_context,
+    online_cli_args,
+    online_config,
+    write_online_problem,
+)
 from tests.trainers.sft_fixtures import sft_args, write_sft_problem
 
 ROWS = [[1, 5, 6, 7, 8, 9, 2], [1, 10, 11, 12, 2], [1, 13, 14, 15, 16, 2]]
@@ -110,7 +115,7 @@ def test_lora_bf16_roles_keep_what_trains_and_the_shared_reward_base_in_float32(
     model that carries the critic's adapters and head copy stays float32 too. When a refresh trains the reward
     model, the critic gets its own base, and the reward model is float32 as a trained role."""
     from rlhfkit.engine.accel import make_accelerator
-    from rlhfkit.trainers.online_roles import build_roles
+    from rlhfkit.trainers.online.roles import build_roles
 
     paths = write_online_problem(tmp_path)
     cfg = online_config(

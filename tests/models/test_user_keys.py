@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhfkit.cli import main
 from rlhfkit.config import load_config
 from rlhfkit.models import load_causal_lm, precision
-from rlhfkit.trainers.loop import run_tokenizer
+from rlhfkit.trainers.common import run_tokenizer
 from tests.helpers import tiny_llama, tiny_tokenizer
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }} says {{ m['content'] }} ; {% endfor %}"

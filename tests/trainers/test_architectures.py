@@ -16,12 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhfkit.config import load_config
-from rlhfkit.engine.run import read_metrics
+from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.models import load_tokenizer, sequence_scores
-from rlhfkit.trainers import loop, online, reward, sft
+from rlhfkit.trainers import common, online, reward, sft
 from tests.helpers import pad_batch
 from tests.models.tiny_architectures import ARCHITECTURES, write_tiny_model
-from tests.trainers.online_fixtures import PROMPTS, REWARDS_PY
+from tests.trainers.online.online_fixtures import PROMPTS, REWARDS_PY
 
 SFT = [
     ("hello", "world ."),
@@ -45,7 +45,7 @@ FAST = [
 @pytest.fixture(autouse=True)
 def _no_plots(monkeypatch):
     """The report's plots (matplotlib, ~1.5 s a run here) are not what this matrix checks."""
-    monkeypatch.setattr(loop, "write_report", lambda run_dir: None)  # every trainer's finish_run
+    monkeypatch.setattr(common, "write_report", lambda run_dir: None)  # every trainer's finish_run
 
 
 def _jsonl(path, rows):

@@ -4,10 +4,10 @@ config, and a tokenizer without a pad token giving a step-0 KL of exactly 0."""
 import torch
 from transformers import GenerationConfig
 
-from rlhfkit.trainers.online_update import ppo_update
+from rlhfkit.trainers.online.ppo_update import ppo_update
 from tests.models.tiny_architectures import write_tiny_model
-from tests.trainers.online_fixtures import make_context, online_config, write_online_problem
-from tests.trainers.test_online import rollout_for_update
+from tests.trainers.online.online_fixtures import make_context, online_config, write_online_problem
+from tests.trainers.online.test_online import rollout_for_update
 
 
 def test_bf16_trains_fp32_master_weights_and_only_frozen_roles_hold_bf16(tmp_path):
@@ -52,7 +52,7 @@ def test_generation_config_processors_are_neutralised_and_sampling_equals_scorin
     from rlhfkit.data import TokenLimits, prepare_examples
     from rlhfkit.models import response_logprobs
     from rlhfkit.rollout import generate_responses
-    from rlhfkit.trainers.online_steps import prompt_batch
+    from rlhfkit.trainers.online.collect import prompt_batch
 
     examples = prepare_examples(ctx.cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
     torch.manual_seed(0)

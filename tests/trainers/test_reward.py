@@ -17,7 +17,7 @@ from rlhfkit.data import TokenLimits
 from rlhfkit.models import load_scalar_model, load_tokenizer, sequence_scores
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY
 from rlhfkit.trainers.best_model import BestKeeper
-from rlhfkit.trainers.preference_data import PairCollator, load_heldout
+from rlhfkit.trainers.preference_data import PairCollator, calibration, heldout_metrics, load_heldout
 from rlhfkit.trainers.reward import (
     evaluate_heldout,
     fit_normalization,
@@ -26,7 +26,6 @@ from rlhfkit.trainers.reward import (
     pair_loss,
     pair_scores,
 )
-from rlhfkit.trainers.reward_metrics import calibration, heldout_metrics
 from tests.helpers import pad_batch, tiny_llama, tiny_llama_config, tiny_tokenizer
 
 LN2 = math.log(2.0)

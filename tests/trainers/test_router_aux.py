@@ -18,10 +18,10 @@ from rlhfkit.config import load_config
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import load_tokenizer
 from rlhfkit.trainers import online
-from rlhfkit.trainers.loop import router_aux_coef
+from rlhfkit.trainers.common import router_aux_coef
 from rlhfkit.trainers.sft import SFTCollator, sft_objective
 from tests.models.tiny_architectures import write_tiny_model
-from tests.trainers.online_fixtures import PROMPTS, REWARDS_PY
+from tests.trainers.online.online_fixtures import PROMPTS, REWARDS_PY
 
 
 @pytest.fixture(scope="module")

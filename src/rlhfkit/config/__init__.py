@@ -5,7 +5,7 @@ dataclass field's ``metadata``; ``rlhfkit train --help`` lists them from there (
 there is no second schema anywhere. A YAML file only sets values; the command line overrides any key with
 ``dotted.key=value`` (the value is parsed as a YAML scalar or flow list). Parsing and type conversion are
 omegaconf structured configs, on a copy of the dataclasses with every ``Literal`` field typed ``str``
-(:func:`rlhfkit.config.loading._omegaconf_schema`: omegaconf 2.3, which hydra-core 1.3 needs, has no ``Literal``); this module checks
+(:func:`rlhfkit.config.parse._omegaconf_schema`: omegaconf 2.3, which hydra-core 1.3 needs, has no ``Literal``); this module checks
 the ``Literal`` choices itself, and adds the error messages that name the key and the file, the bounds and
 the cross-field checks.
 
@@ -21,7 +21,8 @@ whitened advantages, a fixed score for responses without EOS), unless a field sa
 from rlhfkit.config.checks import STANDARD_COLUMNS, check_columns
 from rlhfkit.config.describe import config_help
 from rlhfkit.config.fields import option
-from rlhfkit.config.loading import (
+from rlhfkit.config.online import OnlineConfig, RefreshConfig
+from rlhfkit.config.parse import (
     RUN_INFO_PREFIX,
     config_from,
     config_to_dict,
@@ -29,7 +30,6 @@ from rlhfkit.config.loading import (
     read_run_info,
     save_config,
 )
-from rlhfkit.config.online import OnlineConfig, RefreshConfig
 from rlhfkit.config.run import KIND_DEFAULTS, KIND_FORCED, KINDS, ONLINE_KINDS, Kind, RunConfig
 from rlhfkit.config.sections import (
     DataConfig,

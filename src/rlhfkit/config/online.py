@@ -117,13 +117,13 @@ class OnlineConfig:
 
 @dataclass
 class RefreshConfig:
-    """The online reward-model refresh (:mod:`rlhfkit.trainers.refresh`; defaults measured on the built-in
+    """The online reward-model refresh (:mod:`rlhfkit.trainers.online.refresh`; defaults measured on the built-in
     task's tiny preset with a refresh every 5 rollouts, examples/README.md)."""
 
     every: int = option(
         0,
         "Refresh the reward model after every K-th rollout; 0 = never. Needs a refresh hook: the quickstart's "
-        "--refresh-steps, or rlhfkit.trainers.refresh.RewardRefresh as OnlineHooks.refresh_reward_model.",
+        "--refresh-steps, or rlhfkit.trainers.online.refresh.RewardRefresh as OnlineHooks.refresh_reward_model.",
         ge=0,
     )
     pairs: int = option(

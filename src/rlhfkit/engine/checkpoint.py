@@ -46,7 +46,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from rlhfkit.engine.guards import check_finite_weights
+from rlhfkit.engine.finite import check_finite_weights
 from rlhfkit.engine.seed import get_rng_state, set_rng_state
 from rlhfkit.errors import CheckpointError
 

@@ -11,7 +11,7 @@ A non-finite quantity either stops the run (:class:`rlhfkit.errors.NonFiniteErro
 quantity and the newest checkpoint, which is left as it is) or, with ``train.skip_nonfinite_steps: N``,
 skips the step (no optimizer step) up to N times in the whole run; the count is logged as
 ``guard/skipped_steps`` and checkpointed. Checkpoints and ``final/`` are never written from non-finite
-weights (:func:`check_finite_weights`, called by the checkpoint and model-saving code).
+weights (:func:`rlhfkit.engine.finite.check_finite_weights`, called by the checkpoint and model-saving code).
 """
 
 from __future__ import annotations
@@ -27,13 +27,6 @@ import torch
 
 from rlhfkit.engine import signals
 from rlhfkit.errors import NonFiniteError
-
-
-def masked(values: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
-    """``values`` with 0 where ``mask`` is False (padding may hold anything), without a host sync."""
-    if values is None:
-        return None
-    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 class FiniteGuard:
@@ -169,29 +162,3 @@ def _nonfinite_flag(value: torch.Tensor | float, device) -> torch.Tensor:
             return torch.zeros((), dtype=torch.float64, device=device)
         return (~torch.isfinite(value)).any().to(device=device, dtype=torch.float64)
     return torch.tensor(0.0 if math.isfinite(float(value)) else 1.0, dtype=torch.float64, device=device)
-
-
-def nonfinite_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of the floating-point tensors that hold a NaN or an infinity (one host sync)."""
-    names = [n for n, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not names:
-        return []
-    flags = torch.stack([(~torch.isfinite(tensors[n].detach())).any().cpu() for n in names])
-    return [n for n, flag in zip(names, flags.tolist(), strict=True) if flag]
-
-
-def check_finite_weights(model: torch.nn.Module, where: str) -> None:
-    """Refuse to save ``model`` when a weight (or a float in its config, e.g. a reward model's normalisation)
-    is not finite: :class:`rlhfkit.errors.NonFiniteError` naming the first few."""
-    bad = nonfinite_tensors(dict(model.state_dict()))
-    config = getattr(model, "config", None)
-    if config is not None:
-        for key, value in vars(config).items():
-            if isinstance(value, float) and not math.isfinite(value):
-                bad.append(f"config.{key}")
-    if bad:
-        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise NonFiniteError(
-            f"{where}: not written, because the model's {shown} hold non-finite values (the run "
-            "diverged); lower train.learning_rate or check the data"
-        )

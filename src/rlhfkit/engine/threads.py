@@ -1,7 +1,7 @@
 """Torch thread count: every command sets it at start-up (docs/design.md, "Threads").
 
-Two processes with two threads each on a two-core machine run small tensors 25-40x slower than one
-thread each, so the count is max(1, cores // local processes), unless the user set
+Two processes with two threads each on a two-core machine run small tensors many times slower than one
+thread each (docs/performance.md), so the count is max(1, cores // local processes), unless the user set
 ``RLHFKIT_NUM_THREADS`` (or, in a process that no launcher started, ``OMP_NUM_THREADS``). Under a launcher
 (``LOCAL_WORLD_SIZE`` set: torchrun, accelerate launch) ``OMP_NUM_THREADS`` is not read: torchrun sets it
 to 1 for every process whether or not the user asked, which would leave 15 of 16 cores idle with two

@@ -44,6 +44,7 @@ from rlhfkit.models.readout import (
 )
 from rlhfkit.models.sampling import Sampling, processed_logits, sampling_for
 from rlhfkit.models.saving import is_scalar_model, save_hf_folder
+from rlhfkit.models.vocabulary import check_same_vocabulary
 
 __all__ = [
     "AdapterDisabled",
@@ -51,6 +52,7 @@ __all__ = [
     "Sampling",
     "autocast_forward",
     "causal_lm_output",
+    "check_same_vocabulary",
     "processed_logits",
     "read_chat_template",
     "response_forward",

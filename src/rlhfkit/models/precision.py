@@ -5,13 +5,10 @@ model) keeps float32 weights, so AdamW's updates (often ~1e-3 of a weight or les
 resolution) are not rounded away, and float32 optimizer state; ``model.dtype: bfloat16`` runs its forwards
 under ``torch.autocast(bfloat16)`` (matrix products in bf16, reductions in float32). A *frozen* role (the PPO
 reference, the reward model during PPO) is never updated, so it may hold bf16 weights; it runs under the same
-autocast. Measured here with a tiny Llama: 20 AdamW steps at lr 1e-6 changed 1.8% of bf16 weights and every
-float32 one.
+autocast (docs/performance.md, "Measurements behind the code's choices", has what was measured).
 
 Attention on a CPU under bf16 autocast (:func:`float32_attention_on_cpu`): torch's CPU flash-attention backward
-is several times slower in bf16 than in float32 (measured here, 2 threads, 32 x 4 heads x 59 tokens x 32:
-10.3 ms against 2.2 ms for a forward and backward), and at the tiny preset it took 30% of a bf16 PPO rollout.
-So on a CPU the models' ``sdpa`` attention runs in float32 when autograd records it (its inputs upcast, its
+is several times slower in bf16 than in float32 (docs/performance.md). So on a CPU the models' ``sdpa`` attention runs in float32 when autograd records it (its inputs upcast, its
 output cast back); without a backward (scoring, generation) the bf16 kernel is as fast and stays, and on a
 GPU it is the same ``sdpa`` call as before.
 
@@ -46,13 +43,13 @@ def cpu_has_bf16() -> bool:
 
 
 def warn_slow_bf16(device: torch.device | str) -> None:
-    """Warn once per process that bf16 on a CPU without bf16 instructions is slow (~18x here)."""
+    """Warn once per process that bf16 on a CPU without bf16 instructions is slow (emulated)."""
     if torch.device(device).type != "cpu" or cpu_has_bf16() or "cpu-bf16" in _WARNED:
         return
     _WARNED.add("cpu-bf16")
     warnings.warn(
         "model.dtype is bfloat16 on a CPU without bf16 instructions: every forward is emulated and "
-        "runs many times slower than float32 (about 18x measured on this project's CPU); "
+        "runs many times slower than float32; "
         "use model.dtype=float32 (or auto) here",
         UserWarning,
         stacklevel=2,

@@ -47,7 +47,7 @@ def save_hf_folder(
         NonFiniteError: a weight or a float in the model's config is NaN or infinite (nothing is written).
     """
     model = unwrap_model(model)
-    from rlhfkit.engine.guards import check_finite_weights
+    from rlhfkit.engine.finite import check_finite_weights
 
     check_finite_weights(model, str(path))  # final/ is never written from a diverged model
     os.makedirs(path, exist_ok=True)

@@ -1,5 +1,5 @@
 """``report.html``: one self-contained page (plots inline as base64 PNG, styles and script inline, no request
-to the network), built from blocks of HTML that :mod:`rlhfkit.report` puts in order.
+to the network), built from blocks of HTML that :mod:`rlhfkit.reporting.report` puts in order.
 
 Every piece of text from a run (prompts, responses, metric names, folder names) goes through
 :func:`html.escape` here, or through ``textContent`` in the sample browser's script, never into markup raw.
@@ -19,7 +19,7 @@ from rlhfkit import __version__
 from rlhfkit.reporting import health
 from rlhfkit.reporting.panels import Plot
 from rlhfkit.reporting.runs import Run, fmt, label
-from rlhfkit.reporting.samples import printable
+from rlhfkit.reporting.sample_file import printable
 
 MAX_SAMPLES = 5000  # rows embedded in the page (the newest ones); samples.jsonl keeps them all
 

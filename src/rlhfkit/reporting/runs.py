@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhfkit.engine.run import flatten_dict, read_metrics
+from rlhfkit.engine.metrics_writer import flatten_dict, read_metrics
 from rlhfkit.errors import UserError
-from rlhfkit.reporting.samples import SampleFile, read_samples
+from rlhfkit.reporting.sample_file import SampleFile, read_samples
 
 ONLINE_KINDS = ("ppo", "grpo", "rloo")
 HELDOUT_SCORES = "heldout_scores.jsonl"  # written by the reward trainer: the final model's held-out scores

@@ -43,7 +43,7 @@ def generate(
     scorer = None
     if reward_model is not None:
         # The same check as online training's (it lives with the roles; this command is a front end, like the CLI).
-        from rlhfkit.trainers.online_roles import check_same_vocabulary
+        from rlhfkit.models import check_same_vocabulary
 
         check_same_vocabulary(tokenizer, reward_model, "--reward-model", trust_remote_code)
         scorer = load_scalar_model(

@@ -51,7 +51,7 @@ from rlhfkit.algos import aggregate_loss, dpo_loss
 from rlhfkit.config import RunConfig
 from rlhfkit.data import PreferenceCollator, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
-from rlhfkit.engine.run import open_run
+from rlhfkit.engine.folder import open_run
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import (
     AdapterDisabled,
@@ -61,9 +61,9 @@ from rlhfkit.models import (
     logprobs_from_logits,
     prepare_trained,
 )
-from rlhfkit.trainers.loop import Objective, finish_run, run_tokenizer, train_offline
-from rlhfkit.trainers.preference_data import HeldOut, heldout_pairs
-from rlhfkit.trainers.reward_metrics import GOLD_TIE
+from rlhfkit.trainers.common import finish_run, run_tokenizer
+from rlhfkit.trainers.offline import Objective, train_offline
+from rlhfkit.trainers.preference_data import GOLD_TIE, HeldOut, heldout_pairs
 
 SIDES = ("chosen", "rejected")
 
@@ -242,7 +242,7 @@ def build_reference(cfg: RunConfig, model: torch.nn.Module, tokenizer, device) -
     if source is None and is_peft_model(model):
         return AdapterDisabled(model)
     if source is not None and source != model_cfg.name_or_path:
-        from rlhfkit.trainers.online_roles import check_same_vocabulary
+        from rlhfkit.models import check_same_vocabulary
 
         check_same_vocabulary(tokenizer, source, "dpo.reference_model", model_cfg.trust_remote_code)
     reference = load_causal_lm(

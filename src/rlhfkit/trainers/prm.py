@@ -1,4 +1,4 @@
-"""Process reward model (``rlhfkit train prm``, :func:`train_prm`): binary cross-entropy of each step's
+"""Process reward model (``rlhfkit train prm``, :func:`train`): binary cross-entropy of each step's
 correctness, read at the step's last token (Lightman et al. 2023, "Let's Verify Step by Step"), averaged over
 the whole batch's steps; held-out step and solution accuracy. It shares the reward model's run (the
 backbone with a scalar head, the offline loop, the best model and early stopping: :mod:`rlhfkit.trainers.scalar_run`).
@@ -20,9 +20,10 @@ from rlhfkit.config import RunConfig
 from rlhfkit.data import PRMCollator
 from rlhfkit.models import token_scores
 from rlhfkit.trainers.best_model import BestKeeper, patience_stop
-from rlhfkit.trainers.loop import Objective, micro_batches
+from rlhfkit.trainers.common import micro_batches
+from rlhfkit.trainers.offline import Objective
 from rlhfkit.trainers.scalar_run import (
-    finish_run,
+    finish_scalar_run,
     fit_keeping_best,
     open_session,
     run_summary,
@@ -128,7 +129,7 @@ def prm_objective(
     )
 
 
-def train_prm(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train a process reward model on ``{"prompt", "steps", "labels"}`` records: binary cross-entropy on
     each step's correctness, read at the step's last token (the separator after it). The saved model's
     token scores are logits of P(step correct); no normalisation is fitted (reward.normalize is ignored)."""
@@ -161,5 +162,5 @@ def train_prm(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> 
         counters,
         accelerator,
     )
-    finish_run(session, model, summary)
+    finish_scalar_run(session, model, summary)
     return summary

@@ -46,7 +46,7 @@ With ``model.lora_rank`` > 0 (reward and PRM alike) LoRA adapters and the score 
 ``heldout_scores.jsonl`` that model's raw score of each held-out pair; ``metrics.jsonl`` the training and
 ``eval/`` lines.
 
-Where the rest lives: the held-out figures and calibration in :mod:`rlhfkit.trainers.reward_metrics`; the
+Where the rest lives: the held-out figures and calibration in :mod:`rlhfkit.trainers.preference_data`; the
 batches and held-out pairs (with their gold fields) in :mod:`rlhfkit.trainers.preference_data`; the best
 model and early stopping in :mod:`rlhfkit.trainers.best_model`; what a scalar-model run does around its
 objective (data, model, the offline loop, summary, ``final/``) in :mod:`rlhfkit.trainers.scalar_run`. The
@@ -73,11 +73,11 @@ from rlhfkit.models import sequence_scores
 from rlhfkit.reporting.runs import HELDOUT_SCORES
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, reward_normalization
 from rlhfkit.trainers.best_model import BestKeeper, patience_stop
-from rlhfkit.trainers.loop import Objective, micro_batches
-from rlhfkit.trainers.preference_data import HeldOut, PairCollator, heldout_pairs
-from rlhfkit.trainers.reward_metrics import heldout_metrics
+from rlhfkit.trainers.common import micro_batches
+from rlhfkit.trainers.offline import Objective
+from rlhfkit.trainers.preference_data import HeldOut, PairCollator, heldout_metrics, heldout_pairs
 from rlhfkit.trainers.scalar_run import (
-    finish_run,
+    finish_scalar_run,
     fit_keeping_best,
     open_session,
     run_summary,
@@ -353,7 +353,7 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict
         write_heldout_scores(
             run.path / HELDOUT_SCORES, model, collate, heldout, scoring_batch_size(cfg), accelerator.device
         )
-    finish_run(session, model, summary)
+    finish_scalar_run(session, model, summary)
     return summary
 
 

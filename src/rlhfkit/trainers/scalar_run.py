@@ -13,12 +13,13 @@ import torch
 from rlhfkit.config import RunConfig
 from rlhfkit.data import Examples, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
-from rlhfkit.engine.run import RunDir, open_run
+from rlhfkit.engine.folder import RunDir, open_run
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import load_scalar_model, prepare_trained
-from rlhfkit.trainers import loop
+from rlhfkit.trainers import common
 from rlhfkit.trainers.best_model import BestKeeper, keep_best_warnings
-from rlhfkit.trainers.loop import Objective, run_tokenizer, train_offline
+from rlhfkit.trainers.common import run_tokenizer
+from rlhfkit.trainers.offline import Objective, train_offline
 
 
 def scoring_batch_size(cfg: RunConfig) -> int:
@@ -131,8 +132,8 @@ def run_summary(
     }
 
 
-def finish_run(session: ScalarSession, model, summary: dict[str, Any]) -> None:
+def finish_scalar_run(session: ScalarSession, model, summary: dict[str, Any]) -> None:
     """Save ``final/`` and ``summary.json`` (main process), close the run, write the report
-    (:func:`rlhfkit.trainers.loop.finish_run`)."""
+    (:func:`rlhfkit.trainers.common.finish_run`)."""
     run = session.run
-    loop.finish_run(run, session.accelerator, summary, session.tokenizer, model, session.save_dtype)
+    common.finish_run(run, session.accelerator, summary, session.tokenizer, model, session.save_dtype)

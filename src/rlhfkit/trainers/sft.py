@@ -26,7 +26,7 @@ from rlhfkit.algos import aggregate_loss
 from rlhfkit.config import RunConfig
 from rlhfkit.data import SFTCollator, TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
-from rlhfkit.engine.run import open_run
+from rlhfkit.engine.folder import open_run
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import (
     causal_lm_output,
@@ -34,14 +34,8 @@ from rlhfkit.models import (
     logprobs_from_logits,
     prepare_trained,
 )
-from rlhfkit.trainers.loop import (
-    Objective,
-    finish_run,
-    micro_batches,
-    router_aux_coef,
-    run_tokenizer,
-    train_offline,
-)
+from rlhfkit.trainers.common import finish_run, micro_batches, router_aux_coef, run_tokenizer
+from rlhfkit.trainers.offline import Objective, train_offline
 
 
 def completion_nll(

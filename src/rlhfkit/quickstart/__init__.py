@@ -1,0 +1,10 @@
+"""``rlhfkit quickstart``: whole pipelines on the built-in offline tasks, by calling the trainers (no training
+code of their own).
+
+- :mod:`~rlhfkit.quickstart.pipeline`: the reviews task, classic RLHF: SFT -> labelled pairs -> reward model
+  -> PPO, beside DPO on the same pairs -> evaluation -> report (``rlhfkit quickstart``);
+- :mod:`~rlhfkit.quickstart.verifiable`: the arithmetic task, RL from a rule reward, an outcome reward model
+  and a process reward model (``rlhfkit quickstart --task arithmetic``);
+- :mod:`~rlhfkit.quickstart.stages`: the SFT stage both share; :mod:`~rlhfkit.quickstart.dpo_stage`: the DPO
+  stage and the policies' comparison table; :mod:`~rlhfkit.quickstart.summary`: the summary table and page.
+"""

@@ -1,0 +1,189 @@
+"""Stages 1 and 2 of the online loop, called in order by :func:`rlhfkit.trainers.online.train_online`.
+
+- :func:`prompt_batch`: the prompts of a rollout, a stateless function of (seed, step);
+- :func:`sample_rollout` (stage 1): sample responses, cut them at the stop token, and read the actor's and
+  the reference's log-probs, the actor's entropy and the critic's values of the sampled tokens, at the
+  sampling temperature; the rollout carries its response mask and entropy;
+- :func:`score_rollout` (stage 2): the reward model and/or reward functions, the missing-EOS rule, clipping.
+
+Stages 3 and 4 (KL-shaped rewards, advantages) are in :mod:`rlhfkit.trainers.online.shaping`, stage 5 (the
+PPO epochs) in :mod:`rlhfkit.trainers.online.ppo_update`. The no-grad forwards of a rollout read the unwrapped
+models, without the columns no row uses (:func:`rlhfkit.trainers.online.context.model_inputs`).
+
+Shapes: ``B`` responses of this process, ``P`` padded prompt length, ``T`` response length (the longest
+response of the rollout), ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from rlhfkit.algos import entropy_from_logits
+from rlhfkit.algos.masked import fill_masked
+from rlhfkit.data import PromptCollator
+from rlhfkit.models import processed_logits, response_logits, sampled_logprobs
+from rlhfkit.rollout import generate_responses
+from rlhfkit.trainers.common import batch_indices
+from rlhfkit.trainers.online.context import OnlineContext, StageClock, critic_values, model_inputs
+from rlhfkit.types import Rollout
+
+
+def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int) -> dict[str, Any]:
+    """This process's prompts of rollout ``step`` (1-based), each repeated ``online.group_size`` times.
+
+    The batch is ``rlhfkit.trainers.common.batch_indices`` of (seed, step): resuming needs only the step
+    (docs/known-bugs.md, 11).
+    Each process takes a contiguous slice, so a prompt's group lives on one process.
+
+    Returns:
+        ``query_ids`` (B, P) left padded, ``query_mask`` (B, P), ``records`` (B data rows), ``group_ids``
+        (B,) long (the prompt's position in the global batch).
+    """
+    cfg, accelerator = ctx.cfg, ctx.accelerator
+    indices = batch_indices(len(examples), cfg.train.batch_size, step, cfg.seed, cfg.data.shuffle)
+    local = len(indices) // accelerator.num_processes
+    first = accelerator.process_index * local
+    batch = PromptCollator(ctx.tokenizer.pad_token_id)([examples[i] for i in indices[first : first + local]])
+    g = cfg.online.group_size
+    return {
+        "query_ids": batch["input_ids"].repeat_interleave(g, 0).to(ctx.device),
+        "query_mask": batch["attention_mask"].repeat_interleave(g, 0).to(ctx.device),
+        "records": [record for record in batch["records"] for _ in range(g)],
+        "group_ids": torch.arange(first, first + local, device=ctx.device).repeat_interleave(g),
+    }
+
+
+@torch.no_grad()
+def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock | None = None) -> Rollout:
+    """Stage 1: sample one response per row of ``batch`` and read log-probs and values at sampling time.
+
+    The responses are cut after their first stop token (the token is inside the mask, also when pad ==
+    EOS). Under ``online.missing_eos=mask`` a response without a stop token gets an all-False ``mask``
+    (it trains nothing). Log-probs of the actor (``logprobs``, the PPO ``old_logprobs``) and of the
+    reference are recomputed from the models themselves under the sampling's processing (``ctx.sampling``:
+    temperature, suppressed pad, top-k / top-p), never taken from ``generate`` (OpenRLHF PR #853;
+    huggingface/trl#2358).
+
+    Returns:
+        the rollout with ``logprobs``, ``ref_logprobs``, ``values`` (critic only), ``group_ids``, ``ended``,
+        ``response_mask`` ((B, T) bool: the response up to its stop token, also for masked-out responses;
+        what the reward model reads) and ``entropy`` ((B, T): the actor's entropy at each valid token).
+    """
+    online, roles = ctx.cfg.online, ctx.roles
+    n = batch["query_ids"].shape[0]
+    size = online.rollout_batch_size or n
+    pad = ctx.tokenizer.pad_token_id
+    clock = clock or StageClock()
+    with clock("generate"):
+        pieces = [
+            generate_responses(
+                roles.actor,
+                batch["query_ids"][i : i + size],
+                batch["query_mask"][i : i + size],
+                max_new_tokens=online.response_length,
+                stop_token_ids=ctx.stop_token_ids,
+                pad_token_id=pad,
+                sampling=ctx.sampling,
+            )
+            for i in range(0, n, size)
+        ]
+    response_mask = torch.cat([p.mask for p in pieces])  # (B, R)
+    width = max(int(response_mask.sum(1).max()), 1)  # T: the longest response
+    response_mask = response_mask[:, :width]
+    response_ids = torch.cat([p.response_ids for p in pieces])[:, :width]  # (B, T)
+    ended = torch.cat([p.ended for p in pieces])  # (B,)
+    mask = response_mask & ended[:, None] if online.missing_eos == "mask" else response_mask
+
+    def zeros():
+        return torch.zeros(n, width, device=ctx.device)
+
+    logprobs, ref_logprobs, entropy = zeros(), zeros(), zeros()
+    values = zeros() if roles.critic is not None else None
+    for model in (roles.actor, roles.critic):
+        if model is not None:
+            model.eval()
+    with clock("forward"):
+        for i in range(0, n, size):
+            rows = slice(i, i + size)
+            ids, attn, start, w = model_inputs(
+                batch["query_ids"][rows], batch["query_mask"][rows], response_ids[rows], mask[rows]
+            )
+            labels = response_ids[rows, :w]
+            logits = response_logits(roles.actor, ids, attn, start)  # (b, w, V)
+            logprobs[rows, :w] = sampled_logprobs(logits, labels, ctx.sampling)
+            entropy[rows, :w] = entropy_from_logits(processed_logits(logits, ctx.sampling, labels))
+            ref_logits = response_logits(roles.reference, ids, attn, start)  # (b, w, V)
+            ref_logprobs[rows, :w] = sampled_logprobs(ref_logits, labels, ctx.sampling)
+            if values is not None:
+                values[rows, :w] = critic_values(roles.critic, ids, attn, start)
+    rollout = Rollout(
+        query_ids=batch["query_ids"],
+        query_mask=batch["query_mask"],
+        response_ids=response_ids,
+        mask=mask,
+        logprobs=fill_masked(logprobs, mask),
+        ref_logprobs=fill_masked(ref_logprobs, mask),
+        values=None if values is None else fill_masked(values, mask),
+        group_ids=batch["group_ids"],
+        ended=ended,
+        response_mask=response_mask,
+        entropy=fill_masked(entropy, mask),
+    )
+    return rollout
+
+
+class Scores(NamedTuple):
+    """What stage 2 gives (:func:`score_rollout`), for the rollout (:func:`take_scores`) and the logs.
+
+    Attributes:
+        scores: (B,) float32, as they enter the rewards (after the missing-EOS rule and clipping).
+        raw_scores: (B,) the sum of the scorer's parts, before the missing-EOS rule and clipping.
+        parts: name -> (B,), NaN where a function had no opinion.
+        scored: (B,) bool, False where no part had an opinion (such a response is left out of the loss).
+        responses: the decoded responses, or None when nothing needed them.
+    """
+
+    scores: torch.Tensor
+    raw_scores: torch.Tensor
+    parts: dict[str, torch.Tensor]
+    scored: torch.Tensor
+    responses: list[str] | None
+
+
+def score_rollout(ctx: OnlineContext, rollout: Rollout, records: list[dict]) -> Scores:
+    """Stage 2: score each response; apply ``online.missing_eos`` and ``online.score_clip``.
+
+    The reward model reads each response up to its stop token (``rollout.response_mask``), also one that
+    ``missing_eos=mask`` leaves out of the loss. Under ``missing_eos=penalty`` a response without a stop
+    token scores ``online.missing_eos_score`` whatever it says (the N+ "EOS trick", Huang et al. 2024).
+    """
+    online = ctx.cfg.online
+    response_mask = rollout.response_mask
+    ids, attn, _, _ = model_inputs(rollout.query_ids, rollout.query_mask, rollout.response_ids, response_mask)
+    texts, responses = {}, None
+    if ctx.scorer.needs_text:
+        kept = [row[m].tolist() for row, m in zip(rollout.response_ids, response_mask, strict=True)]
+        responses = ctx.tokenizer.batch_decode(kept, skip_special_tokens=True)
+        texts = {
+            "prompts": [r["prompt"] for r in records],
+            "records": records,
+            "responses": responses,
+            "completion_ids": kept,
+        }
+    raw_scores, parts, scored = ctx.scorer(ids, attn, **texts)
+    scores = raw_scores
+    if online.missing_eos == "penalty":
+        scores = torch.where(rollout.ended, scores, torch.full_like(scores, online.missing_eos_score))
+    if online.score_clip is not None:
+        scores = scores.clamp(-online.score_clip, online.score_clip)
+    return Scores(scores, raw_scores, parts, scored, responses)
+
+
+def take_scores(rollout: Rollout, scores: Scores) -> None:
+    """Put stage 2's scores on the rollout; a response that nothing scored leaves every loss (its mask, and
+    its entropy, are cleared)."""
+    rollout.scores = scores.scores
+    rollout.mask = rollout.mask & scores.scored[:, None]
+    rollout.entropy = fill_masked(rollout.entropy, rollout.mask)

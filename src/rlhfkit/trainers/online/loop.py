@@ -1,0 +1,275 @@
+"""The online loop (:func:`train_online`): ``train.max_steps`` rollouts of the five numbered stages, with
+logging, evaluation, the reward-model refresh between rollouts and checkpoints; :func:`train` reads and
+checks the data, opens the run folder and builds the :class:`~rlhfkit.trainers.online.context.OnlineContext`
+first. The algorithm and its files are described in :mod:`rlhfkit.trainers.online`."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from rlhfkit.algos import explained_variance
+from rlhfkit.config import RunConfig
+from rlhfkit.config.checks import check_process_count
+from rlhfkit.data import TokenLimits, prepare_run_data
+from rlhfkit.engine.accel import make_accelerator
+from rlhfkit.engine.finite import masked
+from rlhfkit.engine.folder import RunDir, logged_at, open_run
+from rlhfkit.engine.seed import get_rng_state, seed_everything
+from rlhfkit.errors import ConfigError
+from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
+from rlhfkit.rollout.scoring import Scorer, check_signature, data_columns
+from rlhfkit.trainers.common import finish_run, run_tokenizer
+from rlhfkit.trainers.online.checkpoints import resume_state, save, score_or_stop
+from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout, take_scores
+from rlhfkit.trainers.online.context import OnlineContext, StageClock, StatSums, build_context, derived_seed
+from rlhfkit.trainers.online.hooks import OnlineHooks
+from rlhfkit.trainers.online.metrics import evaluate, rollout_stats
+from rlhfkit.trainers.online.ppo_update import UpdateResult, ppo_update
+from rlhfkit.trainers.online.shaping import estimate_advantages, group_stats, shape_rollout
+
+CRITIC_DIR = "final_critic"
+
+
+def train(
+    cfg: RunConfig, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks | None = None
+) -> dict[str, Any]:
+    """Run ppo / grpo / rloo as configured; write ``final/``, ``final_critic/`` and ``summary.json``.
+
+    Args:
+        cfg: a :class:`rlhfkit.config.RunConfig` of kind ppo, grpo or rloo.
+        resume: continue from the newest complete checkpoint in ``cfg.output_dir``.
+        overwrite: delete the folder's previous run first.
+        hooks: evaluation and reward-model refresh callbacks (see :class:`OnlineHooks`).
+    Returns:
+        the summary (also written to ``summary.json``).
+    """
+    hooks = hooks or OnlineHooks()
+    seed_everything(cfg.seed)
+    accelerator = make_accelerator()
+    check_process_count(cfg, accelerator.num_processes)
+    if cfg.refresh.every and hooks.refresh_reward_model is None:
+        raise ConfigError(
+            f"refresh.every={cfg.refresh.every}: nothing refreshes the reward model (a refresh needs a "
+            "labeller: the quickstart's --refresh-steps, or OnlineHooks.refresh_reward_model from Python); "
+            "set it to 0"
+        )
+
+    # All data is read and validated, and the reward functions imported and checked against its columns,
+    # before any model is loaded or the run folder written: bad input stops here and leaves nothing behind.
+    tokenizer = run_tokenizer(cfg)
+    limits = TokenLimits(cfg.data.max_prompt_length, None, cfg.data.truncation)
+    examples, eval_examples = prepare_run_data(cfg.data, "prompts", tokenizer, limits, accelerator)
+    functions = Scorer.load_functions(cfg.online.reward_functions)
+    columns = data_columns([*examples.records, *(eval_examples.records if eval_examples else [])])
+    for i, (name, fn) in enumerate(functions):
+        check_signature(name, fn, columns, f"online.reward_functions[{i}]")
+    run = open_run(cfg, accelerator, resume, overwrite)
+    ctx = build_context(
+        cfg,
+        accelerator,
+        tokenizer,
+        functions,
+        train_reward_model=hooks.refresh_reward_model is not None,
+        checkpoints_dir=run.checkpoints_dir,
+    )
+    if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
+        raise ConfigError("a reward-model refresh needs online.reward_model")
+
+    result = train_online(ctx, run, examples, hooks, eval_examples)
+    summary = {
+        "kind": cfg.kind,
+        "steps": result["step"],
+        **result["last"],
+        "eval": result["eval"],
+        "wall_seconds": result["wall_seconds"],
+        "seconds_per_rollout": result["seconds_per_rollout"],
+        "train_prompts": len(examples),
+    }
+    critic = {run.path / CRITIC_DIR: ctx.roles.critic} if ctx.roles.critic is not None else {}
+    finish_run(run, accelerator, summary, tokenizer, ctx.roles.actor, cfg.model.save_dtype, critic)
+    return summary
+
+
+def train_online(
+    ctx: OnlineContext,
+    run: RunDir,
+    examples: list[dict],
+    hooks: OnlineHooks,
+    eval_examples: list[dict] | None = None,
+) -> dict[str, Any]:
+    """The loop: ``train.max_steps`` rollouts of the five stages, with logging, evaluation and checkpoints."""
+    cfg, accelerator = ctx.cfg, ctx.accelerator
+    online, train = cfg.online, cfg.train
+    state = resume_state(ctx, run, hooks)
+    last_eval: dict[str, float] = dict(state.get("last_eval", {}))
+    if state["step"] == 0 and hooks.evaluate_at_start and (hooks.evaluate or eval_examples):
+        last_eval = evaluate(ctx, hooks, eval_examples, 0)
+        run.metrics.log(0, last_eval)
+    samples = SamplesWriter(
+        run.path / "samples.jsonl",
+        keep_until=run.resume_step if run.resume_checkpoint else -1,
+        enabled=accelerator.is_main_process and cfg.logging.samples_per_step > 0,
+    )
+    start_time, step_seconds = time.perf_counter(), []
+    # a run that has nothing left to train reports its last logged step
+    last = logged_at(run.path, state["step"]) if state["step"] == train.max_steps else {}
+    for step in run.progress(
+        range(state["step"] + 1, train.max_steps + 1), total=train.max_steps, desc=cfg.kind
+    ):
+        clock, step_start, rng_at_start = StageClock(accelerator.device), time.perf_counter(), get_rng_state()
+        # 1. generate: sample responses, cut them at the stop token; old and reference log-probs, values
+        torch.manual_seed(derived_seed("sampling", cfg.seed, step, accelerator.process_index))
+        batch = prompt_batch(ctx, examples, step)
+        rollout = sample_rollout(ctx, batch, clock)
+
+        # 2. score: reward model and/or reward functions; the missing-EOS rule; clipping. A response that
+        # nothing scored (every function said None) leaves the loss. A failing reward function stops the run
+        # after a checkpoint of the last completed rollout.
+        with clock("score"):
+            scores = score_or_stop(
+                ctx,
+                run,
+                hooks,
+                rollout,
+                batch["records"],
+                step,
+                first_step=state["step"] + 1,
+                last_eval=last_eval,
+                rng_state=rng_at_start,
+            )
+        take_scores(rollout, scores)
+
+        # 3. KL-shaped rewards: -kl_coef * kl_t per token (unless kl_in_loss), the score on the last real
+        # token, and a process reward model's step rewards on the step-end tokens (dense form)
+        kl_coef = ctx.kl_ctl.value
+        with clock("score"):
+            step_stats = shape_rollout(ctx, rollout, kl_coef)
+
+        # 4. advantages (and the critic's returns)
+        rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
+
+        # Non-finite scores, values, log-probs or advantages stop the run (or skip the update), on every
+        # process: one host sync, which also agrees on a SIGTERM / SIGINT stop.
+        mask = rollout.mask
+        skip = ctx.guard.check(
+            step,
+            {
+                "reward-model score": scores.parts.get("reward_model"),
+                "reward": rollout.scores,
+                "value": masked(rollout.values, mask),
+                "log-prob": masked(rollout.logprobs, mask),
+                "reference log-prob": masked(rollout.ref_logprobs, mask),
+                "advantage": masked(rollout.advantages, mask),
+            },
+        )
+
+        # 5. PPO epochs: shuffled minibatches, one optimizer step each, micro-batch accumulation
+        with clock("update"):
+            update = (
+                UpdateResult(StatSums(ctx.device))
+                if skip
+                else ppo_update(ctx, rollout, step, train_actor=step > online.critic_warmup_steps)
+            )
+
+        # the rollout's and the update's statistics, summed over processes in one all-reduce
+        metrics = (
+            rollout_stats(ctx, rollout, scores)
+            .merge(update.stats)
+            .merge(step_stats)
+            .merge(group_stats(ctx, rollout))
+            .means(ctx)
+        )
+        if rollout.values is not None:  # of the values the advantages were computed from, before the update
+            explained = float(explained_variance(rollout.values, rollout.returns, rollout.mask, ctx.all_sum))
+            if math.isfinite(explained):  # undefined (not logged) when the returns are constant
+                metrics["value/explained_variance"] = explained
+        metrics["kl_coef"] = kl_coef
+        samples.write(
+            rollout_samples(
+                step,
+                batch["records"],
+                rollout,
+                scores.parts,
+                ctx.tokenizer,
+                cfg.logging.samples_per_step,
+                scores.responses,
+            )
+        )
+        metrics.update(update.metrics())
+        metrics.update(ctx.guard.metrics())
+        # The update's losses and gradient norms, already the same on every process: a non-finite one stops
+        # the run before anything is saved from the weights it moved.
+        ctx.guard.check_agreed(
+            step, {k: v for k, v in metrics.items() if k.startswith(("loss/", "grad_norm/"))}
+        )
+        if not skip:
+            ctx.kl_ctl.update(metrics["kl/mean"], train.batch_size * online.group_size)
+        step_schedulers(ctx, metrics)
+
+        # Between rollouts: the reward-model refresh, then timing, evaluation, the log line, the checkpoint.
+        every = cfg.refresh.every
+        if hooks.refresh_reward_model is not None and every and step % every == 0:
+            metrics.update(refresh_reward_model(ctx, hooks, step))
+        seconds = time.perf_counter() - step_start
+        step_seconds.append(seconds)
+        metrics.update({f"time/{k}": v for k, v in clock.seconds.items()})
+        metrics["time/step_seconds"] = seconds
+        metrics["tokens_per_second"] = (
+            metrics["response_length/mean"] * train.batch_size * online.group_size / seconds
+        )
+        evaluated = bool(hooks.evaluate or eval_examples) and (
+            step % train.eval_steps == 0 or step == train.max_steps
+        )
+        if evaluated:
+            last_eval = evaluate(ctx, hooks, eval_examples, step)
+            metrics.update(last_eval)
+        last = metrics
+        if step % train.log_steps == 0 or step == train.max_steps or evaluated:
+            run.metrics.log(step, metrics)
+        if step % train.save_steps == 0 or step == train.max_steps or ctx.guard.stop_signal:
+            save(ctx, run, hooks, step, last_eval)
+        ctx.guard.stop_if_asked(step)  # SIGTERM / SIGINT: this rollout is checkpointed; exit 128 + signal
+    samples.close()
+    wall = time.perf_counter() - start_time
+    summary_keys = ("score/mean", "kl/mean", "kl_coef", "response_length/mean", "tokens_per_second")
+    return {
+        "step": train.max_steps,
+        "last": {k.replace("/", "_"): last[k] for k in summary_keys if k in last},
+        "eval": last_eval,
+        "wall_seconds": wall,
+        "seconds_per_rollout": sum(step_seconds) / len(step_seconds) if step_seconds else None,
+    }
+
+
+def step_schedulers(ctx: OnlineContext, metrics: dict[str, float]) -> None:
+    """One learning-rate schedule step per rollout (the rate used is logged as ``learning_rate/<role>``).
+
+    A role that took no optimizer step (the actor during critic warm-up, or every minibatch masked out) still
+    counts the rollout; torch's warning about that order is silenced as intended.
+    """
+    for name, scheduler in ctx.schedulers.items():
+        metrics[f"learning_rate/{name}"] = scheduler.get_last_lr()[0]
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
+            )
+            scheduler.step()
+
+
+def refresh_reward_model(ctx: OnlineContext, hooks: OnlineHooks, step: int) -> dict[str, float]:
+    """Call the refresh hook with the actor (eval mode) and the reward model, then freeze the reward model."""
+    actor, reward_model = ctx.roles.actor, ctx.roles.reward_model
+    was_training = actor.training
+    actor.eval()
+    try:
+        metrics = hooks.refresh_reward_model(actor, reward_model, step) or {}
+    finally:
+        actor.train(was_training)
+        reward_model.eval()
+        reward_model.requires_grad_(False)
+    return metrics

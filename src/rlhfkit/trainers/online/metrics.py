@@ -1,0 +1,115 @@
+"""What the online loop logs beside the update's statistics: each rollout's statistics
+(:func:`rollout_stats`, names in :mod:`rlhfkit.trainers.online`'s docstring) and the held-out evaluation
+(:func:`evaluate`: the caller's hook and the built-in ``eval/*`` figures of ``data.eval_file``)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhfkit.algos import shape_rewards
+from rlhfkit.data import PromptCollator
+from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
+from rlhfkit.trainers.common import micro_batches
+from rlhfkit.trainers.online.collect import Scores, sample_rollout, score_rollout
+from rlhfkit.trainers.online.context import OnlineContext, StatSums, derived_seed
+from rlhfkit.trainers.online.hooks import OnlineHooks
+from rlhfkit.types import Rollout
+
+
+def rollout_stats(ctx: OnlineContext, rollout: Rollout, scores: Scores) -> StatSums:
+    """Per-rollout statistics (names in the module docstring), as sums to be reduced over processes
+    (``.means(ctx)``).
+
+    ``kl/mean`` is the mean over responses (those with a valid token) of sum_t kl_t, in nats per response,
+    the unit of the adaptive controller; ``score/mean`` is the score as it enters the rewards and
+    ``score/raw_mean`` the scorer's before the missing-EOS rule and clipping, both over the responses that
+    something scored; ``score/<part>`` is each part's mean where it had an opinion; ``score/unscored`` counts
+    the responses that nothing scored (left out of the loss). Sums are taken in float64:
+    a float32 sum of values that nearly cancel (whitened advantages) depends on the order of addition.
+    """
+    s = StatSums(ctx.device)
+    rows, mask = rollout.batch_size, rollout.mask
+    kept, tokens = mask.any(1).sum(), mask.sum()
+    scored = scores.scored
+    s.add_sum("score/mean", rollout.scores[scored].double().sum(), scored.sum())
+    s.add_sum("score/raw_mean", scores.raw_scores[scored].double().sum(), scored.sum())
+    # A count, not a mean: the weights of all processes add up to 1.
+    s.add_sum("score/unscored", (~scored).sum(), 1.0 / ctx.accelerator.num_processes)
+    if len(scores.parts) > 1 or ctx.scorer.functions:  # the same names on every process (one all-reduce)
+        for name, values in scores.parts.items():
+            known = ~values.isnan()
+            s.add_sum(f"score/{name}", values[known].double().sum(), known.sum())
+    s.add_sum("kl/mean", rollout.kl.double().sum(), kept)
+    s.add_sum("kl/per_token", rollout.kl.double().sum(), tokens)
+    s.add_sum("reward/mean", rollout.rewards.double().sum(), kept)
+    s.add_sum("entropy/mean", rollout.entropy.double().sum(), tokens)
+    s.add_sum("response_length/mean", rollout.response_mask.sum(), rows)
+    s.add_sum("response/ended_frac", rollout.ended.sum(), rows)
+    s.add_sum("response/trained_frac", kept, rows)
+    s.add_sum("advantages/mean", rollout.advantages.double().sum(), tokens)
+    s.add_sum("returns/mean", rollout.returns.double().sum(), tokens)
+    if rollout.values is not None:
+        s.add_sum("values/mean", rollout.values.double().sum(), tokens)
+    return s
+
+
+def evaluate(
+    ctx: OnlineContext, hooks: OnlineHooks, eval_examples: list[dict] | None, step: int
+) -> dict[str, float]:
+    """The caller's ``evaluate`` hook and, with ``data.eval_file``, the built-in held-out figures.
+
+    Runs with every global RNG seeded from (seed, step) and restored afterwards: evaluation never changes
+    what training samples, and an interrupted and resumed run evaluates the same samples.
+    """
+    saved = get_rng_state()
+    seed_everything(derived_seed("evaluation", ctx.cfg.seed, step, ctx.accelerator.process_index) % 2**32)
+    actor = ctx.roles.actor
+    was_training = actor.training
+    actor.eval()
+    try:
+        with torch.no_grad():
+            metrics = evaluate_prompts(ctx, eval_examples) if eval_examples else {}
+            if hooks.evaluate is not None:
+                extra = hooks.evaluate(actor, step)
+                clash = sorted(set(extra) & set(metrics))
+                if clash:
+                    raise ValueError(f"the evaluate hook returned metric names the trainer uses: {clash}")
+                metrics.update(extra)
+    finally:
+        actor.train(was_training)
+        set_rng_state(saved)
+    return metrics
+
+
+def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, float]:
+    """One response per held-out prompt at the training temperature: ``eval/score/mean`` (the scorer's raw
+    score, over the responses something scored), ``eval/kl/mean`` (nats per response, the trained estimator over each response's trained
+    tokens), ``eval/response_length/mean``, ``eval/response/ended_frac``."""
+    accelerator, online = ctx.accelerator, ctx.cfg.online
+    s = StatSums(ctx.device)
+    mine = examples[accelerator.process_index :: accelerator.num_processes]
+    size = max(1, ctx.cfg.train.batch_size * online.group_size // accelerator.num_processes)
+    collate = PromptCollator(ctx.tokenizer.pad_token_id)
+    for chunk in micro_batches(mine, size):
+        b = collate(list(chunk))
+        batch = {
+            "query_ids": b["input_ids"].to(ctx.device),
+            "query_mask": b["attention_mask"].to(ctx.device),
+            "records": b["records"],
+            "group_ids": torch.arange(len(chunk), device=ctx.device),
+        }
+        rollout = sample_rollout(ctx, batch)
+        _, raw_scores, _, scored, _ = score_rollout(ctx, rollout, batch["records"])
+        _, kl = shape_rewards(
+            torch.zeros_like(raw_scores),
+            rollout.logprobs,
+            rollout.ref_logprobs,
+            rollout.mask,
+            0.0,
+            online.kl_estimator,
+        )
+        s.add_sum("eval/score/mean", raw_scores[scored].sum(), scored.sum())
+        s.add_sum("eval/kl/mean", kl.sum(), len(chunk))
+        s.add_sum("eval/response_length/mean", rollout.response_mask.sum(), len(chunk))
+        s.add_sum("eval/response/ended_frac", rollout.ended.sum(), len(chunk))
+    return s.means(ctx)

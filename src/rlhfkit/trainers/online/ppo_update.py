@@ -1,0 +1,249 @@
+"""Stage 5 of the online loop: PPO epochs over shuffled minibatches of the rollout, one optimizer step per
+minibatch and role, gradients accumulated over micro-batches (:func:`ppo_update`).
+
+The minibatches are cut from one permutation of the whole rollout (all processes), a stateless function of
+(seed, rollout, epoch) (:func:`local_minibatches`), so N processes take the optimizer steps one process takes
+and resuming needs no sampler state. The training forwards go through the accelerate-prepared models (DDP
+synchronises gradients).
+
+Shapes: ``B`` responses of this process, ``T`` response length, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhfkit.algos import (
+    aggregate_loss,
+    entropy_from_logits,
+    kl_estimator,
+    loss_normalizer,
+    ppo_policy_loss,
+    value_loss,
+)
+from rlhfkit.algos.masked import fill_masked
+from rlhfkit.engine.accel import dp_scale
+from rlhfkit.models import processed_logits, response_forward, sampled_logprobs, set_update_mode
+from rlhfkit.trainers.online.context import (
+    OnlineContext,
+    StatSums,
+    critic_values,
+    derived_seed,
+    model_inputs,
+)
+from rlhfkit.types import Rollout
+
+
+def minibatch_order(
+    n: int, seed: int, step: int, epoch: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """A permutation of ``n`` rows, a stateless function of (seed, step, epoch): resume needs no sampler state."""
+    g = torch.Generator().manual_seed(derived_seed("minibatches", seed, step, epoch))
+    return torch.randperm(n, generator=g).to(device)
+
+
+def local_minibatches(ctx: OnlineContext, step: int, epoch: int) -> list[torch.Tensor]:
+    """This process's rows (local indices) of each of the epoch's ``online.num_minibatches`` minibatches.
+
+    The minibatches are cut from ONE permutation of the whole rollout's rows (all processes), so that N
+    processes train on the minibatches one process would; each takes the rows it holds, in that order. A
+    process may hold more rows of one minibatch than of another, or none (see :func:`ppo_update`).
+    """
+    first, local, total = ctx.rows()
+    order = minibatch_order(total, ctx.cfg.seed, step, epoch, ctx.device)
+    size = total // ctx.cfg.online.num_minibatches
+    out = []
+    for k in range(ctx.cfg.online.num_minibatches):
+        rows = order[k * size : (k + 1) * size]
+        out.append(rows[(rows >= first) & (rows < first + local)] - first)
+    return out
+
+
+@dataclass
+class UpdateResult:
+    """What :func:`ppo_update` reports: its statistics, not yet summed over processes (the loop sums them
+    together with the rollout's, in one all-reduce), the count of skipped minibatches and, per epoch, the
+    largest |logprobs - old_logprobs| on that epoch's first minibatch over all processes (0 before any
+    update: dropout, padding or chunking would break that — huggingface/trl#454, CarperAI/trlx#107)."""
+
+    stats: StatSums
+    skipped_minibatches: int = 0
+    first_minibatch_logprob_diff: list[float] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        """What goes into ``metrics.jsonl`` beside the summed statistics."""
+        out: dict[str, float] = {"update/skipped_minibatches": self.skipped_minibatches}
+        if self.first_minibatch_logprob_diff:
+            out["ratio/first_minibatch_max_logprob_diff"] = self.first_minibatch_logprob_diff[0]
+        return out
+
+
+def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: bool = True) -> UpdateResult:
+    """Stage 5: ``online.ppo_epochs`` passes over ``rollout`` in ``online.num_minibatches`` shuffled minibatches.
+
+    Each minibatch is one optimizer step of the actor and of the critic, accumulated over micro-batches
+    of ``train.micro_batch_size`` responses; every loss is ``aggregate_loss`` with the WHOLE minibatch's
+    normaliser (summed over processes), so neither the micro-batch size nor the process count changes
+    the gradient (huggingface/transformers PR #34191; huggingface/trl#3021). The minibatches are those of the whole rollout
+    (:func:`local_minibatches`): N processes take the optimizer steps one process takes. A process that holds
+    no row of a minibatch still joins the gradient all-reduce, with a zero-weighted backward pass. A
+    minibatch without a valid token (every response masked out) is skipped: no optimizer step, so the
+    parameters do not move. ``train_actor=False`` (critic warm-up) trains the critic alone.
+
+    Args:
+        rollout: with ``advantages``, ``returns`` and (critic) ``values`` filled in; this process's rows.
+        step: the rollout's number (seeds the minibatch order).
+    """
+    online, train = ctx.cfg.online, ctx.cfg.train
+    micro = train.micro_batch_size or rollout.batch_size // online.num_minibatches
+    names = [name for name in ("actor", "critic") if name in ctx.trained and (name != "actor" or train_actor)]
+    for name in names:  # the forwards of the rollout, whose outputs are the old log-probs and values
+        set_update_mode(ctx.trained[name], dropout=not ctx.cfg.model.disable_dropout)
+    result, diffs = UpdateResult(StatSums(ctx.device)), []
+    for epoch in range(online.ppo_epochs):
+        for k, rows in enumerate(local_minibatches(ctx, step, epoch)):
+            minibatch = rollout.select(rows)
+            normalizer = float(ctx.all_sum(loss_normalizer(minibatch.mask, online.loss_agg_mode)))
+            if normalizer == 0:
+                result.skipped_minibatches += 1
+                continue
+            tokens = float(ctx.all_sum(minibatch.mask.sum())) if ctx.router_aux_coef else 0.0
+            losses: dict[str, torch.Tensor] = {}
+            first_diff = torch.zeros((), dtype=torch.float64, device=ctx.device)
+            starts = list(range(0, len(rows), micro)) or [None]  # None: this process holds no row of it
+            for j, start in enumerate(starts):
+                with _no_sync(ctx, names, last=j == len(starts) - 1):
+                    if start is None:  # the same all-reduce as the others, adding nothing to the gradient
+                        ignored = StatSums(ctx.device)
+                        loss, parts, _ = micro_batch_loss(
+                            ctx, rollout.select(slice(0, 1)), normalizer, ignored, train_actor, tokens
+                        )
+                        ctx.accelerator.backward(loss * 0.0)
+                        parts = {
+                            key: value * 0.0 for key, value in parts.items()
+                        }  # nothing of the loss either
+                        for key in ignored.sums:  # the same statistics on every process, weighing nothing
+                            result.stats.add_sum(key, 0.0, 0.0)
+                    else:
+                        loss, parts, diff = micro_batch_loss(
+                            ctx,
+                            minibatch.select(slice(start, start + micro)),
+                            normalizer,
+                            result.stats,
+                            train_actor,
+                            tokens,
+                        )
+                        ctx.accelerator.backward(loss * dp_scale(ctx.accelerator))
+                        first_diff = torch.maximum(first_diff, diff.double())
+                for key, value in parts.items():
+                    losses[key] = losses.get(key, 0.0) + value.detach()
+            for key, value in losses.items():  # each process holds a part of the minibatch's loss
+                result.stats.add_sum(key, value, 1.0 / ctx.accelerator.num_processes)
+            if k == 0 and train_actor:
+                diffs.append(first_diff)
+            for name in names:
+                _optimizer_step(ctx, name, result.stats)
+    if diffs:
+        result.first_minibatch_logprob_diff = _all_max(ctx, torch.stack(diffs)).tolist()
+    return result
+
+
+def micro_batch_loss(
+    ctx: OnlineContext,
+    mb: Rollout,
+    normalizer: float,
+    stats: StatSums,
+    train_actor: bool,
+    minibatch_tokens: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The loss of one micro-batch, already divided by the whole minibatch's ``normalizer``.
+
+    ``vf_coef * value loss + policy loss - ent_coef * entropy``, each per-token loss from
+    :mod:`rlhfkit.algos` and aggregated by ``aggregate_loss``, plus, for a mixture-of-experts actor,
+    ``router_aux_coef`` times its router load-balancing loss weighted by the micro-batch's share of the
+    ``minibatch_tokens`` (all processes). The logits are computed once and serve the log-probs (under
+    ``ctx.sampling``, as at sampling time) and the entropy. Token-weighted statistics go to ``stats``.
+
+    Returns:
+        (loss: a scalar to backpropagate; parts: ``loss/policy``, ``loss/value``, ``loss/entropy``, each
+        aggregated like the loss; the largest |logprobs - old_logprobs| at a valid token).
+    """
+    online = ctx.cfg.online
+    ids, attn, start, w = model_inputs(mb.query_ids, mb.query_mask, mb.response_ids, mb.mask)
+    mask = mb.mask[:, :w]  # (b, w)
+    tokens = mask.sum()
+
+    def aggregate(per_token: torch.Tensor) -> torch.Tensor:
+        return aggregate_loss(
+            per_token, mask, online.loss_agg_mode, normalizer, max_length=online.response_length
+        )
+
+    loss = torch.zeros((), device=ctx.device)
+    parts: dict[str, torch.Tensor] = {}
+    diff = torch.zeros((), device=ctx.device)
+    if train_actor:
+        logits, aux = response_forward(
+            ctx.trained["actor"], ids, attn, start, router_aux=ctx.router_aux_coef > 0
+        )
+        logprobs = sampled_logprobs(logits, mb.response_ids[:, :w], ctx.sampling)  # (b, w)
+        old = mb.logprobs[:, :w]
+        per_token, pg = ppo_policy_loss(logprobs, old, mb.advantages[:, :w], online.clip_eps, mask=mask)
+        parts["loss/policy"] = aggregate(per_token)
+        loss = loss + parts["loss/policy"]
+        diff = fill_masked((logprobs.detach() - old).abs(), mask).max()
+        for name, value in pg.items():  # clipfrac, approx_kl, ratio/mean
+            stats.add(name, value, tokens)
+        if online.ent_coef > 0:
+            parts["loss/entropy"] = aggregate(
+                entropy_from_logits(processed_logits(logits, ctx.sampling, mb.response_ids[:, :w]))
+            )
+            loss = loss - online.ent_coef * parts["loss/entropy"]
+        if (
+            online.kl_in_loss
+        ):  # DeepSeekMath's GRPO: k3 against the reference as a loss term, not in the reward
+            # masked inputs filled first: a junk log-prob there must not reach the gradient (0 * inf)
+            kl = kl_estimator("k3")(fill_masked(logprobs, mask), fill_masked(mb.ref_logprobs[:, :w], mask))
+            parts["loss/kl"] = aggregate(fill_masked(kl, mask))  # (b, w) per token, then aggregated
+            loss = loss + float(ctx.kl_ctl.value) * parts["loss/kl"]
+        if aux is not None:
+            parts["loss/router_aux"] = aux * (float(tokens) / max(minibatch_tokens, 1.0))
+            loss = loss + ctx.router_aux_coef * parts["loss/router_aux"]
+    if "critic" in ctx.trained:
+        values = critic_values(ctx.trained["critic"], ids, attn, start)  # (b, w)
+        per_token, vf = value_loss(
+            values, mb.values[:, :w], mb.returns[:, :w], online.value_clip_eps, mask=mask
+        )
+        parts["loss/value"] = aggregate(per_token)
+        loss = loss + online.vf_coef * parts["loss/value"]
+        stats.add("value/clipfrac", vf["clipfrac"], tokens)
+    return loss, parts, diff
+
+
+def _optimizer_step(ctx: OnlineContext, name: str, stats: StatSums) -> None:
+    """Clip the gradient of role ``name`` (``train.max_grad_norm``), step its optimizer, zero its gradient."""
+    model, optimizer = ctx.trained[name], ctx.optimizers[name]
+    if ctx.cfg.train.max_grad_norm is not None:
+        norm = ctx.accelerator.clip_grad_norm_(model.parameters(), ctx.cfg.train.max_grad_norm)
+        stats.add(f"grad_norm/{name}", norm, 1.0 / ctx.accelerator.num_processes)  # the same on every process
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _no_sync(ctx: OnlineContext, names: list[str], last: bool):
+    """No gradient all-reduce until the last micro-batch of a minibatch (data parallel only)."""
+    stack = contextlib.ExitStack()
+    if not last and ctx.accelerator.num_processes > 1:
+        for name in names:
+            stack.enter_context(ctx.accelerator.no_sync(ctx.trained[name]))
+    return stack
+
+
+def _all_max(ctx: OnlineContext, values: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum over processes (one all-reduce)."""
+    values = values.detach().to(ctx.device).clone()
+    if ctx.accelerator.num_processes > 1:
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    return values

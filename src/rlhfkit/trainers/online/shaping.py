@@ -1,0 +1,113 @@
+"""Stages 3 and 4 of the online loop: the KL-shaped rewards (:func:`shape_rollout`, with a process reward
+model's step rewards, :mod:`rlhfkit.rollout.process_rewards`, ``online.process_reward_model``) and the
+advantages (:func:`estimate_advantages`), with the degenerate-group counts of a critic-free rollout
+(:mod:`rlhfkit.algos.groups`)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhfkit.algos import ADVANTAGE_ESTIMATORS, shape_rewards
+from rlhfkit.algos.groups import group_counts
+from rlhfkit.rollout.process_rewards import outcome_and_steps, process_rewards, step_ends
+from rlhfkit.trainers.online.context import OnlineContext, StatSums, model_inputs
+from rlhfkit.types import Rollout
+
+
+def with_process_rewards(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Tensor, StatSums]:
+    """The scores for ``shape_rewards``: ``rollout.scores`` (B,) without a PRM; with one, (B, T): the outcome
+    score on the last trained token plus the PRM's step rewards on the step-end tokens
+    (:mod:`rlhfkit.rollout.process_rewards`), with ``score/process_mean`` (per response) and
+    ``score/process_steps`` (step ends per response)."""
+    s = StatSums(ctx.device)
+    if ctx.process_reward_model is None:
+        return rollout.scores, s
+    ends = step_ends(rollout.response_ids, rollout.mask, ctx.step_end_table)  # (B, T)
+    size = ctx.cfg.online.rollout_batch_size or rollout.batch_size
+    dense = torch.zeros(rollout.mask.shape, device=rollout.mask.device)
+    for i in range(0, rollout.batch_size, size):
+        rows = slice(i, i + size)
+        ids, attn, start, w = model_inputs(
+            rollout.query_ids[rows], rollout.query_mask[rows], rollout.response_ids[rows], rollout.mask[rows]
+        )
+        dense[rows, :w] = process_rewards(ctx.process_reward_model, ids, attn, start, ends[rows, :w])
+    kept = rollout.mask.any(1).sum()
+    s.add_sum("score/process_mean", dense.double().sum(), kept)
+    s.add_sum("score/process_steps", ends.sum(), kept)
+    return outcome_and_steps(rollout.scores, dense, rollout.mask), s
+
+
+def shape_rollout(ctx: OnlineContext, rollout: Rollout, kl_coef: float) -> StatSums:
+    """Stage 3: ``rollout.rewards`` and ``rollout.kl`` from ``shape_rewards``: ``-kl_coef * kl_t`` on every
+    token (0 under ``online.kl_in_loss``: the KL is then a loss term), the score on the last real token and a
+    process reward model's step rewards on the step-end tokens (:func:`with_process_rewards`). Returns the
+    PRM's statistics (none without one)."""
+    online = ctx.cfg.online
+    shaped, stats = with_process_rewards(ctx, rollout)
+    rollout.rewards, rollout.kl = shape_rewards(
+        shaped,
+        rollout.logprobs,
+        rollout.ref_logprobs,
+        rollout.mask,
+        0.0 if online.kl_in_loss else kl_coef,
+        online.kl_estimator,
+    )
+    return stats
+
+
+def estimate_advantages(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ADVANTAGE_ESTIMATORS[online.advantage_estimator]`` on the shaped rewards: (advantages, returns), (B, T).
+
+    A fully masked response (``missing_eos=mask``) is put in a group of its own, so that it neither gets an
+    advantage nor shifts its group's baseline (grpo / rloo).
+    """
+    online = ctx.cfg.online
+    first, _, _ = ctx.rows()
+    rows = first + torch.arange(
+        rollout.batch_size, device=rollout.group_ids.device
+    )  # (B,) global row numbers
+    group_ids = torch.where(
+        rollout.mask.any(1), rollout.group_ids, -1 - rows
+    )  # (B,); -1 - row: distinct, alone
+    if online.advantage_estimator in ("grpo", "rloo"):
+        check_groups_on_one_process(ctx, group_ids)
+    # Each estimator defines its own normalisation (algos.ADVANTAGE_ESTIMATORS): whitening over the batch
+    # for gae and reinforce_pp (all processes: all_sum), the group std for grpo, none for rloo.
+    return ADVANTAGE_ESTIMATORS[online.advantage_estimator](
+        rollout.rewards,
+        rollout.mask,
+        rollout.values,
+        group_ids,
+        gamma=online.gamma,
+        lam=online.lam,
+        norm_by_std=online.normalize_advantages,
+        eps=online.advantage_eps,
+        all_sum=ctx.all_sum,
+    )
+
+
+def check_groups_on_one_process(ctx: OnlineContext, group_ids: torch.Tensor) -> None:
+    """RuntimeError if a group id (a prompt's position in the rollout) is held by two processes: grpo and rloo
+    compute each group's statistics where it is, so a split group would get two baselines. One all-reduce
+    of a (batch_size,) count; nothing to check on one process."""
+    if ctx.accelerator.num_processes == 1:
+        return
+    ids = group_ids[group_ids >= 0].unique()
+    held = torch.zeros(ctx.cfg.train.batch_size, device=ctx.device)
+    held[ids.to(ctx.device)] = 1.0
+    split = (ctx.all_sum(held) > 1).nonzero().flatten().tolist()
+    if split:
+        raise RuntimeError(
+            f"the groups of prompts {split[:5]} are split between processes; each group's "
+            "responses must be on one process (rlhfkit.trainers.online.collect.prompt_batch)"
+        )
+
+
+def group_stats(ctx: OnlineContext, rollout: Rollout) -> StatSums:
+    """``groups/*_fraction`` of a grpo / rloo rollout (:mod:`rlhfkit.algos.groups`); nothing otherwise."""
+    s = StatSums(ctx.device)
+    if ctx.cfg.online.advantage_estimator in ("grpo", "rloo"):
+        counts = group_counts(rollout.scores, rollout.group_ids, rollout.mask.any(1))
+        for name in ("zero_std", "singleton", "partial", "empty"):
+            s.add_sum(f"groups/{name}_fraction", counts[name], counts["groups"])
+    return s

@@ -1,0 +1,186 @@
+"""report.html in a real browser (headless Chromium over the DevTools protocol, see tests/reporting/browser.py): it
+renders without a console error, every plot loads, the sample browser filters by step and run and sorts by
+each column, and a screenshot is taken (into ``$RLHFKIT_SCREENSHOT_DIR`` when set, for a person to look at).
+
+Skipped, with the reason, where no Chromium is installed (``setup.sh`` installs Debian's as root).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from browser import Chromium, find_chromium
+from test_report import SAMPLES, online_rows, write_run
+
+from rlhfkit.reporting.report import write_quickstart_page, write_report, write_reports
+
+BINARY = find_chromium()
+pytestmark = pytest.mark.skipif(
+    BINARY is None,
+    reason="no Chromium found: install Debian's chromium package "
+    "(setup.sh does, as root) or set RLHFKIT_CHROMIUM",
+)
+
+
+def shot_path(tmp_path, name):
+    folder = Path(os.environ.get("RLHFKIT_SCREENSHOT_DIR") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
+
+
+def many_samples():
+    rows = []
+    for step in (1, 2, 3):
+        for i in range(4):
+            rows.append(
+                {
+                    "step": step,
+                    "prompt": f"prompt {i}",
+                    "response": f"response {i} of step {step}\x07",
+                    "score": (7 * i + step) % 5 / 4,
+                    "gold": None if i == 3 else i / 3,
+                    "kl": (3 * i + step) % 4,
+                    "length": 5 + i * step,
+                    "ended": i != 2,
+                    "parts": {"reward_model": i / 4, "format": -0.5},
+                }
+            )
+    return "".join(json.dumps(r) + "\n" for r in rows) + SAMPLES
+
+
+def column(browser, key):
+    return browser.evaluate(
+        f"[...document.querySelectorAll('#samples-table tbody tr')].map(r => r.dataset.{key})"
+    )
+
+
+def choose(browser, select_id, value):
+    browser.evaluate(
+        f"(() => {{ const s = document.getElementById('{select_id}'); s.value = '{value}'; "
+        "s.dispatchEvent(new Event('change')); })()"
+    )
+
+
+def numbers(values):
+    return [float(v) for v in values if v not in ("null", "undefined")]
+
+
+def check_page_loads(browser):
+    assert browser.evaluate("document.readyState") == "complete"
+    broken = browser.evaluate("[...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).length")
+    assert broken == 0
+    return browser.evaluate("document.images.length")
+
+
+def test_run_page_renders_and_its_sample_browser_filters_and_sorts(tmp_path):
+    write_run(tmp_path / "run", online_rows(runaway=True), samples=many_samples())
+    page = write_report(tmp_path / "run")
+    with Chromium(BINARY) as browser:
+        browser.open(page.as_uri())
+        assert check_page_loads(browser) == 13
+        assert browser.evaluate("document.querySelectorAll('figure.warn').length") == 5
+        assert (
+            browser.evaluate("document.getElementById('sample-count').textContent")
+            == "showing 15 of 15 samples"
+        )
+        # no markup from a response: "</script><b>x</b>" is text on the page, and the bell is an escape
+        assert browser.evaluate("document.querySelectorAll('#samples-table b').length") == 0
+        texts = browser.evaluate(
+            "[...document.querySelectorAll('#samples-table td.text')].map(t => t.textContent)"
+        )
+        assert "bell\\x07 </script><b>x</b>" in texts and not any("\x07" in t for t in texts)
+
+        choose(browser, "sample-step", "2")
+        assert set(column(browser, "step")) == {"2"} and len(column(browser, "step")) == 6
+        choose(browser, "sample-step", "all")
+        for key in ("score", "gold", "kl", "length"):
+            choose(browser, "sample-sort", key)
+            for order, sign in (("asc", 1), ("desc", -1)):
+                choose(browser, "sample-order", order)
+                values = column(browser, key)
+                present = numbers(values)
+                assert present == sorted(present, key=lambda v: sign * v), (key, order, values)
+                # rows without the value come last, whichever the order
+                assert values[len(present) :] == ["null"] * (len(values) - len(present)), (key, values)
+        choose(browser, "sample-sort", "kl")
+        choose(browser, "sample-step", "3")
+        assert numbers(column(browser, "kl")) == [3.0, 2.0, 1.0, 0.0]  # still highest first
+        assert set(column(browser, "step")) == {"3"}
+        assert browser.errors() == []
+        png = browser.screenshot(shot_path(tmp_path, "report-run.png"))
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 50_000
+
+
+def test_side_by_side_page_filters_by_run(tmp_path):
+    write_run(tmp_path / "runs" / "kl-0.05", online_rows(), samples=many_samples())
+    write_run(tmp_path / "runs" / "kl-0.2", online_rows(n=7, kl_speed=1.0), samples=SAMPLES)
+    *_, page = write_reports([tmp_path / "runs" / "kl-0.05", tmp_path / "runs" / "kl-0.2"])
+    with Chromium(BINARY) as browser:
+        browser.open(page.as_uri())
+        check_page_loads(browser)
+        assert (
+            browser.evaluate("document.getElementById('sample-count').textContent")
+            == "showing 18 of 18 samples"
+        )
+        choose(browser, "sample-run", "kl-0.2")
+        assert browser.evaluate("document.querySelectorAll('#samples-table tbody tr').length") == 3
+        assert browser.evaluate(
+            "[...document.querySelectorAll('.comparison th')].slice(1, 3).map(t => t.textContent)"
+        ) == ["kl-0.05", "kl-0.2"]
+        assert browser.errors() == []
+        browser.screenshot(shot_path(tmp_path, "report-compare.png"))
+
+
+def test_quickstart_page_shows_every_stage(tmp_path):
+    out = tmp_path / "qs"
+    write_run(
+        out / "sft",
+        [{"step": s, "loss": 3.0 / s, "eval/loss": 3.2 / s, "learning_rate": 1e-3} for s in range(1, 31)],
+        summary={"kind": "sft"},
+        config="kind: sft\n",
+    )
+    bins = [
+        {
+            "low": 0.5 + k / 20,
+            "high": 0.55 + k / 20,
+            "count": 10 - k,
+            "confidence": 0.52 + k / 20,
+            "observed": 0.5 + k / 22,
+        }
+        for k in range(10)
+    ]
+    write_run(
+        out / "reward",
+        [{"step": s, "loss": 0.7 / s, "accuracy": 0.5 + s / 100} for s in range(1, 21)],
+        summary={"kind": "reward", "heldout_accuracy": 0.7, "calibration_bins": bins},
+        config="kind: reward\n",
+    )
+    (out / "reward" / "heldout_scores.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "chosen": (i % 7) / 3,
+                    "rejected": (i % 5) / 3 - 0.5,
+                    "gold_chosen": i % 3,
+                    "gold_rejected": 1,
+                }
+            )
+            + "\n"
+            for i in range(60)
+        )
+    )
+    write_run(out / "ppo", online_rows(), samples=many_samples())
+    summary = {"examples": [{"prompt": "a\x1b[0m", "sft": "sft says", "ppo": "ppo says"}]}
+    page = write_quickstart_page(
+        out, [("PPO KL to SFT (nats / response)", "-0.020"), ("PPO gold", "0.1")], summary
+    )
+    with Chromium(BINARY) as browser:
+        browser.open(page.as_uri())
+        assert check_page_loads(browser) >= 18
+        for anchor in ("sft", "reward", "ppo", "reward-calibration", "reward-score_histogram", "examples"):
+            assert browser.evaluate(f"document.getElementById('{anchor}') !== null"), anchor
+        assert "negative: the k1 estimator" in browser.evaluate("document.body.innerText")
+        assert browser.evaluate("document.querySelector('#examples-table td').textContent") == "a\\x1b[0m"
+        assert browser.errors() == []
+        browser.screenshot(shot_path(tmp_path, "report-quickstart-fixture.png"))
