@@ -45,3 +45,20 @@ def std_bessel(xs):
         return 0.0
     mean = sum(xs) / len(xs)
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def kl_penalty_loop(logprobs, ref_logprobs, old_logprobs, estimator):
+    """The per-token KL loss VALUES of ``kl_penalty_loss``, one float at a time (float64 lists); ``old_logprobs``
+    None is on-policy (weight 1). k2: w * (lp - ref)^2 / 2; k3_is: w * (r - 1 - log r), r = pi_ref / pi_theta;
+    k3: r - 1 - log r; w = pi_theta / pi_old."""
+    lp, ref = logprobs.double().tolist(), ref_logprobs.double().tolist()
+    old = lp if old_logprobs is None else old_logprobs.double().tolist()
+    out = []
+    for lrow, rrow, orow in zip(lp, ref, old, strict=True):
+        row = []
+        for x, y, o in zip(lrow, rrow, orow, strict=True):
+            w, r = math.exp(x - o), math.exp(y - x)
+            k3 = r - 1 - math.log(r)
+            row.append({"k2": w * 0.5 * (x - y) ** 2, "k3_is": w * k3, "k3": k3}[estimator])
+        out.append(row)
+    return out
