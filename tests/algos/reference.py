@@ -62,3 +62,26 @@ def kl_penalty_loop(logprobs, ref_logprobs, old_logprobs, estimator):
             row.append({"k2": w * 0.5 * (x - y) ** 2, "k3_is": w * k3, "k3": k3}[estimator])
         out.append(row)
     return out
+
+
+def ppo_policy_loss_loop(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip):
+    """PPO's per-token loss and which branch set it, one token at a time: the clipped surrogate with the
+    ratio clipped to [1 - eps_low, 1 + eps_high] (DAPO), then, for A < 0, capped at -A * dual_clip (Ye et al.
+    2020, eq. 5). Returns (losses, branches), float lists and one of "none", "low", "high", "dual" per token."""
+    losses, branches = [], []
+    for lrow, orow, arow in zip(logprobs.tolist(), old_logprobs.tolist(), advantages.tolist(), strict=True):
+        lrow_out, brow = [], []
+        for x, o, a in zip(lrow, orow, arow, strict=True):
+            ratio = math.exp(x - o)
+            unclipped = -a * ratio
+            clipped = -a * min(max(ratio, 1 - eps_low), 1 + eps_high)
+            loss, branch = unclipped, "none"
+            if clipped > unclipped:
+                loss, branch = clipped, "low" if a < 0 else "high"
+            if dual_clip is not None and a < 0 and loss > -a * dual_clip:
+                loss, branch = -a * dual_clip, "dual"
+            lrow_out.append(loss)
+            brow.append(branch)
+        losses.append(lrow_out)
+        branches.append(brow)
+    return losses, branches
