@@ -45,3 +45,43 @@ def std_bessel(xs):
         return 0.0
     mean = sum(xs) / len(xs)
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def kl_penalty_loop(logprobs, ref_logprobs, old_logprobs, estimator):
+    """The per-token KL loss VALUES of ``kl_penalty_loss``, one float at a time (float64 lists); ``old_logprobs``
+    None is on-policy (weight 1). k2: w * (lp - ref)^2 / 2; k3_is: w * (r - 1 - log r), r = pi_ref / pi_theta;
+    k3: r - 1 - log r; w = pi_theta / pi_old."""
+    lp, ref = logprobs.double().tolist(), ref_logprobs.double().tolist()
+    old = lp if old_logprobs is None else old_logprobs.double().tolist()
+    out = []
+    for lrow, rrow, orow in zip(lp, ref, old, strict=True):
+        row = []
+        for x, y, o in zip(lrow, rrow, orow, strict=True):
+            w, r = math.exp(x - o), math.exp(y - x)
+            k3 = r - 1 - math.log(r)
+            row.append({"k2": w * 0.5 * (x - y) ** 2, "k3_is": w * k3, "k3": k3}[estimator])
+        out.append(row)
+    return out
+
+
+def ppo_policy_loss_loop(logprobs, old_logprobs, advantages, eps_low, eps_high, dual_clip):
+    """PPO's per-token loss and which branch set it, one token at a time: the clipped surrogate with the
+    ratio clipped to [1 - eps_low, 1 + eps_high] (DAPO), then, for A < 0, capped at -A * dual_clip (Ye et al.
+    2020, eq. 5). Returns (losses, branches), float lists and one of "none", "low", "high", "dual" per token."""
+    losses, branches = [], []
+    for lrow, orow, arow in zip(logprobs.tolist(), old_logprobs.tolist(), advantages.tolist(), strict=True):
+        lrow_out, brow = [], []
+        for x, o, a in zip(lrow, orow, arow, strict=True):
+            ratio = math.exp(x - o)
+            unclipped = -a * ratio
+            clipped = -a * min(max(ratio, 1 - eps_low), 1 + eps_high)
+            loss, branch = unclipped, "none"
+            if clipped > unclipped:
+                loss, branch = clipped, "low" if a < 0 else "high"
+            if dual_clip is not None and a < 0 and loss > -a * dual_clip:
+                loss, branch = -a * dual_clip, "dual"
+            lrow_out.append(loss)
+            brow.append(branch)
+        losses.append(lrow_out)
+        branches.append(brow)
+    return losses, branches

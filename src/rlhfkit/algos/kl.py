@@ -13,13 +13,19 @@ estimates a different quantity.) ``shape_rewards`` is the per-token KL penalty o
 and Stiennon et al. 2020 (torchtune ``rlhf/rewards.py`` ``get_rewards_ppo`` has the same shape); the
 adaptive controller is Ziegler et al. 2019, section 2.2.
 
+``kl_penalty_loss`` is the other way to apply the KL: a per-token LOSS term added to the policy loss
+(GRPO-style, Shao et al. 2024), not a reward. Its forms are chosen for their GRADIENT, which is what a loss
+contributes (Liu et al. 2025, "Rethinking KL Regularization in RLHF", arXiv 2510.01555): ``k2`` and ``k3_is``
+have, in expectation over the tokens sampled from pi_old, exactly the gradient of KL(pi_theta || pi_ref);
+the plain ``k3`` (what GRPO ships) does not.
+
 Shapes: ``B`` batch, ``T`` response length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -61,6 +67,119 @@ def kl_estimator(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
         return KL_ESTIMATORS[name]
     except KeyError:
         raise ValueError(f"unknown KL estimator {name!r}; choose one of {', '.join(KL_ESTIMATORS)}") from None
+
+
+KLLossEstimator = Literal["k2", "k3_is", "k3"]
+"""The forms of :func:`kl_penalty_loss` (a config field uses this ``Literal``)."""
+
+KL_LOSS_ESTIMATOR_NAMES: tuple[str, ...] = get_args(KLLossEstimator)
+
+# k2, not k3_is: the two have the SAME per-token gradient, w * (logprobs - ref_logprobs) * grad logprobs
+# (on- and off-policy; tests/algos/test_kl_loss.py checks it), but k3_is reaches it by autograd as the
+# difference of two terms of size w * pi_ref / pi_theta, which cancel in float32: at pi_ref / pi_theta = e^15
+# it gives -13.5 for -13.57, at e^20 -32 for -18.1. k2 computes the gradient directly. k3_is's one advantage,
+# a VALUE that is an unbiased KL estimate, is for logging, and kl_k3 of the rollout already logs that.
+DEFAULT_KL_LOSS_ESTIMATOR: KLLossEstimator = "k2"
+
+
+def kl_loss_k2(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None
+) -> torch.Tensor:
+    """``w * 0.5 * (logprobs - ref_logprobs)**2`` with ``w = exp(logprobs - old_logprobs)`` DETACHED (1 when
+    ``old_logprobs`` is None). All ``(B, T)`` -> ``(B, T)``.
+
+    Gradient ``w * log(pi_theta / pi_ref) * grad log pi_theta``: under pi_old it averages to
+    ``sum_y pi_theta(y) log(pi_theta / pi_ref)(y) grad log pi_theta(y) = grad KL(pi_theta || pi_ref)`` exactly
+    (the score-function term ``sum pi_theta grad log pi_theta`` is 0). On-policy it is the gradient of k1 in
+    the reward (Liu et al. 2025, arXiv 2510.01555, "k2 as loss"); the detached weight is their off-policy
+    correction. The VALUE is not an unbiased KL estimate (Schulman 2020: k2 is biased).
+    """
+    k2 = 0.5 * (logprobs - ref_logprobs) ** 2  # (B, T)
+    if old_logprobs is None:
+        return k2
+    return torch.exp(logprobs - old_logprobs).detach() * k2
+
+
+def kl_loss_k3_is(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None
+) -> torch.Tensor:
+    """``(pi_theta / pi_old) * k3`` with the ratio CARRYING the gradient (DeepSeek-AI 2025, DeepSeek-V3.2,
+    "unbiased KL estimate"); ``k3 = r - 1 - log r``, ``r = pi_ref / pi_theta`` (Schulman 2020). ``old_logprobs``
+    None means on-policy: ``old = logprobs.detach()`` (ratio 1, gradient ``grad log pi_theta``). All ``(B, T)``.
+
+    Under pi_old the value averages to ``sum_y pi_theta (r - 1 - log r) = KL(pi_theta || pi_ref)`` for every
+    theta, so its gradient is ``grad KL(pi_theta || pi_ref)`` exactly. Per token the gradient is
+    ``w * (k3 + 1 - r) * grad log pi_theta = w * log(pi_theta / pi_ref) * grad log pi_theta``: the same as
+    :func:`kl_loss_k2`'s, computed through a cancellation that loses precision in float32 where
+    ``pi_ref / pi_theta`` is large (see ``DEFAULT_KL_LOSS_ESTIMATOR``).
+    """
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+    return torch.exp(logprobs - old) * kl_k3(logprobs, ref_logprobs)  # (B, T)
+
+
+def kl_loss_k3(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logprobs: torch.Tensor | None
+) -> torch.Tensor:
+    """The plain k3 as a loss, as GRPO uses it (Shao et al. 2024, eq. 4), kept for comparison: BIASED.
+    ``old_logprobs`` is ignored (no weight, on- or off-policy). All ``(B, T)`` -> ``(B, T)``.
+
+    Its gradient is ``(1 - pi_ref / pi_theta) * grad log pi_theta``; under pi_theta that averages to
+    ``-sum_y pi_ref grad log pi_theta = grad KL(pi_ref || pi_theta)``, the gradient of the FORWARD KL, not of
+    the KL(pi_theta || pi_ref) it estimates the value of (Liu et al. 2025, arXiv 2510.01555); off-policy it
+    is neither.
+    """
+    return kl_k3(logprobs, ref_logprobs)
+
+
+KL_LOSS_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
+    "k2": kl_loss_k2,
+    "k3_is": kl_loss_k3_is,
+    "k3": kl_loss_k3,
+}
+
+
+def kl_penalty_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    *,
+    estimator: KLLossEstimator,
+    old_logprobs: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The per-token KL loss term, to add to the policy loss (times a ``kl_coef``) before
+    :func:`rlhfkit.algos.aggregate_loss`.
+
+    Args:
+        logprobs: ``(B, T)`` log pi_theta of the sampled tokens (with gradient).
+        ref_logprobs: ``(B, T)`` log pi_ref of the same tokens.
+        estimator: ``k2`` or ``k3_is`` (unbiased: the expected gradient under pi_old is that of
+            KL(pi_theta || pi_ref)), or ``k3`` (biased; for comparison). ``DEFAULT_KL_LOSS_ESTIMATOR`` says
+            which to choose and why.
+        old_logprobs: ``(B, T)`` log pi_old, the policy that sampled the tokens (the rollout's
+            ``logprobs``), for the importance weight of later PPO epochs; None: on-policy
+            (pi_old = pi_theta).
+        mask: optional ``(B, T)`` valid tokens.
+
+    Returns:
+        ``(B, T)``; masked positions are 0, with a zero gradient, whatever was stored there.
+
+    Raises:
+        ValueError: on an unknown estimator or mismatched shapes.
+    """
+    if estimator not in KL_LOSS_ESTIMATORS:
+        raise ValueError(
+            f"unknown KL loss estimator {estimator!r}; choose one of {', '.join(KL_LOSS_ESTIMATOR_NAMES)}"
+        )
+    shapes = {"logprobs": logprobs, "ref_logprobs": ref_logprobs, "old_logprobs": old_logprobs, "mask": mask}
+    shapes = {name: tuple(x.shape) for name, x in shapes.items() if x is not None}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"shapes must match, all (B, T): {shapes}")
+    if mask is None:
+        return KL_LOSS_ESTIMATORS[estimator](logprobs, ref_logprobs, old_logprobs)
+    # never read masked entries: 0 there gives finite values whose gradient fill_masked then cuts
+    logprobs, ref_logprobs = fill_masked(logprobs, mask), fill_masked(ref_logprobs, mask)
+    old = None if old_logprobs is None else fill_masked(old_logprobs, mask)
+    return fill_masked(KL_LOSS_ESTIMATORS[estimator](logprobs, ref_logprobs, old), mask)  # (B, T)
 
 
 def last_valid_index(mask: torch.Tensor) -> torch.Tensor:

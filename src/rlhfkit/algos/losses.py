@@ -84,36 +84,71 @@ def ppo_policy_loss(
     advantages: torch.Tensor,
     clip_eps: float = 0.2,
     *,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """PPO's clipped surrogate, as a per-token loss to minimise (Schulman et al. 2017, eq. 7).
 
-    ``max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps))`` with
-    ``ratio = exp(logprobs - old_logprobs)``. When ``logprobs == old_logprobs`` the ratio is exactly 1
-    and the loss exactly ``-A``.
+    ``max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high))`` with
+    ``ratio = exp(logprobs - old_logprobs)``; an upper bound above the lower one is DAPO's "clip-higher"
+    (Yu et al. 2025, arXiv 2503.14476, section 3.1). With ``dual_clip = c``, a token with ``A < 0`` has its
+    loss capped at ``-A * c``: ``min(max(...), -A * c)`` (Ye et al. 2020, arXiv 1912.09729, eq. 5), so that a
+    ratio far above 1 cannot make one token's loss unbounded. When ``logprobs == old_logprobs`` the ratio is
+    exactly 1 and the loss exactly ``-A``.
 
     Args:
         logprobs: ``(B, T)`` log-probs of the sampled tokens under the current policy (with gradient).
         old_logprobs: ``(B, T)`` the same at sampling time.
         advantages: ``(B, T)``.
-        clip_eps: the clipping range epsilon.
+        clip_eps: the clipping range epsilon (the lower one when ``clip_eps_high`` is given), >= 0.
+        clip_eps_high: the upper epsilon, >= 0; None: ``clip_eps`` (symmetric, the PPO paper's; DAPO uses
+            0.2 / 0.28).
+        dual_clip: the constant c > 1 of the dual clip (3 in Ye et al. 2020), or None (off).
         mask: optional ``(B, T)`` valid tokens.
 
     Returns:
-        ``(loss (B, T), stats)`` with stats ``clipfrac`` (share of tokens where the clipped term is the
-        larger, i.e. the gradient is cut), ``approx_kl`` (k3 estimate of KL(pi_old || pi), the samples
-        being pi_old's), ``ratio/mean``: the names the online trainer logs them under.
+        ``(loss (B, T), stats)``. A token is "clipped" where a clip term STRICTLY wins, which is where its
+        gradient is 0 (at a tie the terms are equal and so are their gradients, ``-A * ratio``). The three ways
+        are disjoint, so ``clipfrac == clipfrac/low + clipfrac/high + clipfrac/dual``:
+
+        - ``clipfrac/low``: ``A < 0`` and ``-A * clip(ratio) > -A * ratio``, i.e. ratio < 1 - clip_eps;
+        - ``clipfrac/high``: ``A > 0`` and the same, i.e. ratio > 1 + clip_eps_high;
+        - ``clipfrac/dual``: ``A < 0`` and ``max(...) > -A * c``, i.e. ratio > c (0 without ``dual_clip``);
+        - ``clipfrac``: their sum (without ``dual_clip``, exactly the figure of the symmetric PPO before).
+
+        Also ``approx_kl`` (k3 estimate of KL(pi_old || pi), the samples being pi_old's) and ``ratio/mean``:
+        the names the online trainer logs them under.
+
+    Raises:
+        ValueError: on a negative epsilon or ``dual_clip <= 1``.
     """
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if clip_eps < 0 or eps_high < 0:
+        raise ValueError(f"clip_eps and clip_eps_high must be >= 0, got {clip_eps} and {clip_eps_high}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be a constant > 1 (Ye et al. 2020 use 3) or None, got {dual_clip}")
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     logprobs, old_logprobs, advantages = _read(mask, logprobs, old_logprobs, advantages)
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
     unclipped = -advantages * ratio  # (B, T)
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)  # (B, T)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)  # (B, T)
     loss = torch.maximum(unclipped, clipped)  # (B, T)
+    negative = advantages < 0  # (B, T)
+    cut = (clipped > unclipped).detach()  # (B, T) a clip term strictly wins
+    if dual_clip is None:
+        dual = torch.zeros_like(cut)
+    else:
+        bound = -advantages * dual_clip  # (B, T), > 0 where A < 0
+        dual = (negative & (loss > bound)).detach()
+        loss = torch.where(negative, torch.minimum(loss, bound), loss)
     if mask is not None:
         loss = fill_masked(loss, mask)
     stats = {
-        "clipfrac": _mean((clipped > unclipped).float(), mask),
+        "clipfrac": _mean(cut | dual, mask),
+        "clipfrac/low": _mean(cut & negative, mask),
+        "clipfrac/high": _mean(cut & (advantages > 0), mask),
+        "clipfrac/dual": _mean(dual, mask),
         "approx_kl": _mean(kl_k3(old_logprobs.detach(), logprobs.detach()), mask),
         "ratio/mean": _mean(ratio, mask),
     }
