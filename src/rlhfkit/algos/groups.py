@@ -58,3 +58,36 @@ def group_counts(
         "partial": (scored < size).sum().double(),
         "empty": (scored == 0).sum().double(),
     }
+
+
+def informative_rows(scores: torch.Tensor, group_ids: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Which responses belong to a group that can teach a critic-free estimator something: two or more kept
+    responses whose scores are not all the same (the complement of zero-std, singleton and empty groups;
+    DAPO's dynamic-sampling filter, Yu et al. 2025, eq. 11).
+
+    Args:
+        scores: ``(B,)`` each response's score (read only where ``kept``).
+        group_ids: ``(B,)`` integer, the prompt of each response.
+        kept: ``(B,)`` bool, True for a response that enters the loss.
+    Returns:
+        ``(B,)`` bool, the same for every response of a group.
+    """
+    if not (scores.shape == group_ids.shape == kept.shape) or scores.dim() != 1:
+        raise ValueError(
+            f"scores {tuple(scores.shape)}, group_ids {tuple(group_ids.shape)} and kept {tuple(kept.shape)} "
+            "must all be (B,)"
+        )
+    if not len(scores):
+        return torch.zeros(0, dtype=torch.bool, device=scores.device)
+    _, index = torch.unique(group_ids, return_inverse=True)  # (B,): 0..G-1
+    n_groups = int(index.max()) + 1
+    kept = kept.bool()
+    x = scores.double()
+    scored = torch.zeros(n_groups, dtype=torch.float64, device=scores.device).index_add_(
+        0, index, kept.double()
+    )  # (G,)
+    high = torch.full_like(scored, -torch.inf).scatter_reduce(
+        0, index, x.masked_fill(~kept, -torch.inf), "amax"
+    )
+    low = torch.full_like(scored, torch.inf).scatter_reduce(0, index, x.masked_fill(~kept, torch.inf), "amin")
+    return ((scored >= 2) & (high > low))[index]  # (B,)

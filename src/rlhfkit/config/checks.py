@@ -127,6 +127,13 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 f"advantage_estimator={online.advantage_estimator} compares the responses to one "
                 f"prompt, so it needs group_size >= 2, got {online.group_size}",
             )
+        if online.dynamic_sampling and online.advantage_estimator not in ("grpo", "rloo"):
+            fail(
+                "online.dynamic_sampling",
+                f"replaces groups whose responses all score the same, but advantage_estimator="
+                f"{online.advantage_estimator} does not compare a prompt's responses; use grpo or rloo, or "
+                "set it to false",
+            )
         responses = train.batch_size * online.group_size
         if responses % online.num_minibatches:
             fail(

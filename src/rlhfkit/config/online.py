@@ -10,7 +10,7 @@ from rlhfkit.config.fields import check_bounds, option
 from rlhfkit.errors import ConfigError
 
 if TYPE_CHECKING:  # the choices rlhfkit.algos declares; read by field_types (algos imports torch)
-    from rlhfkit.algos import AdvantageEstimator, KLEstimator, LossAggregation
+    from rlhfkit.algos import AdvantageEstimator, KLEstimator, KLLossEstimator, LossAggregation
 
 
 @dataclass
@@ -57,8 +57,14 @@ class OnlineConfig:
     )
     kl_in_loss: bool = option(
         False,
-        "Put the KL in the loss, kl_coef * k3(pi, pi_ref) per token against the reference (Shao et al. 2024, "
+        "Put the KL to the reference in the loss, kl_coef * kl_loss_estimator per token (Shao et al. 2024, "
         "DeepSeekMath's GRPO), instead of -kl_coef * kl_t in the reward; kl_estimator is then what is logged.",
+    )
+    kl_loss_estimator: KLLossEstimator = option(
+        "k2",
+        "The KL loss term of kl_in_loss (rlhfkit.algos.kl_penalty_loss): k2 and k3_is have the gradient of "
+        "KL(pi || pi_ref) in every PPO epoch (the importance ratio to pi_old corrects the later ones); k3 is "
+        "the plain k3 loss, whose gradient is that of the reverse direction (Liu et al. 2025), kept to compare.",
     )
     kl_target: float | None = option(
         None,
@@ -89,6 +95,18 @@ class OnlineConfig:
     ppo_epochs: int = option(4, "Passes over each rollout batch.", gt=0)
     num_minibatches: int = option(1, "Optimizer steps per PPO epoch.", gt=0)
     clip_eps: float = option(0.2, "PPO policy ratio clip (Schulman et al. 2017, eq. 7).", gt=0)
+    clip_eps_high: float | None = option(
+        None,
+        "Upper ratio clip, 1 + clip_eps_high (DAPO's clip-higher, Yu et al. 2025: e.g. 0.28 with clip_eps "
+        "0.2); none = clip_eps (symmetric).",
+        gt=0,
+    )
+    dual_clip: float | None = option(
+        None,
+        "Dual-clip constant c > 1 (Ye et al. 2020): the loss of a negative-advantage token is at most "
+        "-A * c however large its ratio; none = off.",
+        gt=1,
+    )
     value_clip_eps: float = option(0.2, "Value clip around the rollout's values.", gt=0)
     vf_coef: float = option(0.1, "Value-loss coefficient.", ge=0)
     ent_coef: float = option(0.0, "Entropy-bonus coefficient.", ge=0)
@@ -112,6 +130,18 @@ class OnlineConfig:
     )
     critic_warmup_steps: int = option(
         0, "Rollouts at the start during which only the critic is trained (Zheng et al. 2023).", ge=0
+    )
+    dynamic_sampling: bool = option(
+        False,
+        "grpo / rloo: replace each group whose responses all score the same (it teaches nothing) by a group "
+        "of a newly drawn prompt, so the update sees batch_size useful groups where it can (DAPO, Yu et al. "
+        "2025); logged as groups/resampled, and groups/unfilled when the bound is reached.",
+    )
+    dynamic_sampling_rounds: int = option(
+        3,
+        "The bound on dynamic sampling's extra generation: at most this many more batches of prompts "
+        "(batch_size * group_size responses each) per rollout.",
+        gt=0,
     )
 
 

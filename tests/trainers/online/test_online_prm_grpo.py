@@ -87,10 +87,16 @@ def test_ppo_with_a_prm_adds_its_step_rewards_to_the_outcome(problem, tmp_path, 
 
 
 def test_kl_in_loss_is_k3_against_the_reference_and_leaves_the_reward(problem, tmp_path):
+    # the plain k3 loss, chosen by name (the default is an unbiased form: tests/trainers/online/test_loss_terms.py)
     cfg = load_config(
         None,
         overrides(
-            problem, tmp_path / "g", "online.group_size=2", "online.kl_in_loss=true", "train.max_steps=1"
+            problem,
+            tmp_path / "g",
+            "online.group_size=2",
+            "online.kl_in_loss=true",
+            "online.kl_loss_estimator=k3",
+            "train.max_steps=1",
         ),
         "grpo",
     )

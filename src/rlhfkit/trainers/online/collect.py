@@ -26,15 +26,22 @@ from rlhfkit.data import PromptCollator
 from rlhfkit.models import processed_logits, response_logits, sampled_logprobs
 from rlhfkit.rollout import generate_responses
 from rlhfkit.trainers.common import batch_indices
-from rlhfkit.trainers.online.context import OnlineContext, StageClock, critic_values, model_inputs
+from rlhfkit.trainers.online.context import (
+    OnlineContext,
+    StageClock,
+    critic_values,
+    derived_seed,
+    model_inputs,
+)
 from rlhfkit.types import Rollout
 
 
-def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int) -> dict[str, Any]:
+def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int, stream: int = 0) -> dict[str, Any]:
     """This process's prompts of rollout ``step`` (1-based), each repeated ``online.group_size`` times.
 
     The batch is ``rlhfkit.trainers.common.batch_indices`` of (seed, step): resuming needs only the step
-    (docs/known-bugs.md, 11).
+    (docs/known-bugs.md, 11). ``stream`` > 0 draws from another order of the prompts, seeded from (seed,
+    stream): the extra prompts of dynamic sampling's round ``stream`` (:mod:`rlhfkit.trainers.online.dynamic`).
     Each process takes a contiguous slice, so a prompt's group lives on one process.
 
     Returns:
@@ -42,7 +49,8 @@ def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int) -> dict[st
         (B,) long (the prompt's position in the global batch).
     """
     cfg, accelerator = ctx.cfg, ctx.accelerator
-    indices = batch_indices(len(examples), cfg.train.batch_size, step, cfg.seed, cfg.data.shuffle)
+    seed = cfg.seed if stream == 0 else derived_seed("dynamic-sampling", cfg.seed, stream) % 2**31
+    indices = batch_indices(len(examples), cfg.train.batch_size, step, seed, cfg.data.shuffle or stream > 0)
     local = len(indices) // accelerator.num_processes
     first = accelerator.process_index * local
     batch = PromptCollator(ctx.tokenizer.pad_token_id)([examples[i] for i in indices[first : first + local]])

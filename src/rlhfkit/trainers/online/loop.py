@@ -5,6 +5,7 @@ first. The algorithm and its files are described in :mod:`rlhfkit.trainers.onlin
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -25,12 +26,14 @@ from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
 from rlhfkit.rollout.scoring import Scorer, check_signature, data_columns
 from rlhfkit.trainers.common import finish_run, run_tokenizer
 from rlhfkit.trainers.online.checkpoints import resume_state, save, score_or_stop
-from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout, take_scores
+from rlhfkit.trainers.online.collect import Scores, prompt_batch, sample_rollout, take_scores
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, StatSums, build_context, derived_seed
+from rlhfkit.trainers.online.dynamic import fill_informative_groups
 from rlhfkit.trainers.online.hooks import OnlineHooks
 from rlhfkit.trainers.online.metrics import evaluate, rollout_stats
 from rlhfkit.trainers.online.ppo_update import UpdateResult, ppo_update
 from rlhfkit.trainers.online.shaping import estimate_advantages, group_stats, shape_rollout
+from rlhfkit.types import Rollout
 
 CRITIC_DIR = "final_critic"
 
@@ -130,18 +133,23 @@ def train_online(
         # 2. score: reward model and/or reward functions; the missing-EOS rule; clipping. A response that
         # nothing scored (every function said None) leaves the loss. A failing reward function stops the run
         # after a checkpoint of the last completed rollout.
-        with clock("score"):
-            scores = score_or_stop(
-                ctx,
-                run,
-                hooks,
-                rollout,
-                batch["records"],
-                step,
-                first_step=state["step"] + 1,
-                last_eval=last_eval,
-                rng_state=rng_at_start,
-            )
+        score = functools.partial(
+            _score,
+            ctx,
+            run,
+            hooks,
+            clock,
+            step,
+            first_step=state["step"] + 1,
+            last_eval=last_eval,
+            rng_state=rng_at_start,
+        )
+        scores = score(rollout, batch["records"])
+        # grpo / rloo with dynamic sampling: groups that all score the same make way for new prompts' groups
+        dynamic = StatSums(ctx.device)
+        if online.dynamic_sampling:
+            draw = functools.partial(_draw, ctx, examples, step, clock, score)
+            batch, rollout, scores, dynamic = fill_informative_groups(ctx, batch, rollout, scores, draw)
         take_scores(rollout, scores)
 
         # 3. KL-shaped rewards: -kl_coef * kl_t per token (unless kl_in_loss), the score on the last real
@@ -182,6 +190,7 @@ def train_online(
             .merge(update.stats)
             .merge(step_stats)
             .merge(group_stats(ctx, rollout))
+            .merge(dynamic)
             .means(ctx)
         )
         if rollout.values is not None:  # of the values the advantages were computed from, before the update
@@ -244,6 +253,30 @@ def train_online(
         "wall_seconds": wall,
         "seconds_per_rollout": sum(step_seconds) / len(step_seconds) if step_seconds else None,
     }
+
+
+def _score(
+    ctx: OnlineContext,
+    run: RunDir,
+    hooks: OnlineHooks,
+    clock: StageClock,
+    step: int,
+    rollout: Rollout,
+    records: list[dict],
+    **checkpoint: Any,
+) -> Scores:
+    """Stage 2 of rollout ``step``, timed: :func:`~rlhfkit.trainers.online.checkpoints.score_or_stop`."""
+    with clock("score"):
+        return score_or_stop(ctx, run, hooks, rollout, records, step, **checkpoint)
+
+
+def _draw(
+    ctx: OnlineContext, examples: list[dict], step: int, clock: StageClock, score, round_: int
+) -> tuple[dict, Rollout, Scores]:
+    """Stages 1 and 2 on the prompts of dynamic sampling's extra round ``round_`` of rollout ``step``."""
+    batch = prompt_batch(ctx, examples, step, stream=round_)
+    rollout = sample_rollout(ctx, batch, clock)
+    return batch, rollout, score(rollout, batch["records"])
 
 
 def step_schedulers(ctx: OnlineContext, metrics: dict[str, float]) -> None:

@@ -19,7 +19,7 @@ import torch
 from rlhfkit.algos import (
     aggregate_loss,
     entropy_from_logits,
-    kl_estimator,
+    kl_penalty_loss,
     loss_normalizer,
     ppo_policy_loss,
     value_loss,
@@ -190,11 +190,19 @@ def micro_batch_loss(
         )
         logprobs = sampled_logprobs(logits, mb.response_ids[:, :w], ctx.sampling)  # (b, w)
         old = mb.logprobs[:, :w]
-        per_token, pg = ppo_policy_loss(logprobs, old, mb.advantages[:, :w], online.clip_eps, mask=mask)
+        per_token, pg = ppo_policy_loss(
+            logprobs,
+            old,
+            mb.advantages[:, :w],
+            online.clip_eps,
+            clip_eps_high=online.clip_eps_high,
+            dual_clip=online.dual_clip,
+            mask=mask,
+        )
         parts["loss/policy"] = aggregate(per_token)
         loss = loss + parts["loss/policy"]
         diff = fill_masked((logprobs.detach() - old).abs(), mask).max()
-        for name, value in pg.items():  # clipfrac, approx_kl, ratio/mean
+        for name, value in pg.items():  # clipfrac (and its low / high / dual parts), approx_kl, ratio/mean
             stats.add(name, value, tokens)
         if online.ent_coef > 0:
             parts["loss/entropy"] = aggregate(
@@ -203,10 +211,15 @@ def micro_batch_loss(
             loss = loss - online.ent_coef * parts["loss/entropy"]
         if (
             online.kl_in_loss
-        ):  # DeepSeekMath's GRPO: k3 against the reference as a loss term, not in the reward
-            # masked inputs filled first: a junk log-prob there must not reach the gradient (0 * inf)
-            kl = kl_estimator("k3")(fill_masked(logprobs, mask), fill_masked(mb.ref_logprobs[:, :w], mask))
-            parts["loss/kl"] = aggregate(fill_masked(kl, mask))  # (b, w) per token, then aggregated
+        ):  # DeepSeekMath's GRPO: the KL to the reference as a loss term, not in the reward
+            kl = kl_penalty_loss(  # (b, w); its gradient is that of KL(pi || pi_ref) in every epoch
+                logprobs,
+                mb.ref_logprobs[:, :w],
+                estimator=online.kl_loss_estimator,
+                old_logprobs=old,
+                mask=mask,
+            )
+            parts["loss/kl"] = aggregate(kl)
             loss = loss + float(ctx.kl_ctl.value) * parts["loss/kl"]
         if aux is not None:
             parts["loss/router_aux"] = aux * (float(tokens) / max(minibatch_tokens, 1.0))
