@@ -27,6 +27,7 @@ from rlhfkit.models import processed_logits, response_logits, sampled_logprobs
 from rlhfkit.rollout import generate_responses
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, critic_values, model_inputs
+from rlhfkit.trainers.online.sharding import generation_model
 from rlhfkit.types import Rollout
 
 
@@ -76,10 +77,10 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     size = online.rollout_batch_size or n
     pad = ctx.tokenizer.pad_token_id
     clock = clock or StageClock()
-    with clock("generate"):
+    with clock("generate"), generation_model(ctx) as actor:  # a sharded actor: gathered once
         pieces = [
             generate_responses(
-                roles.actor,
+                actor,
                 batch["query_ids"][i : i + size],
                 batch["query_mask"][i : i + size],
                 max_new_tokens=online.response_length,

@@ -25,6 +25,7 @@ from rlhfkit.algos import (
     value_loss,
 )
 from rlhfkit.algos.masked import fill_masked
+from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import dp_scale
 from rlhfkit.models import processed_logits, response_forward, sampled_logprobs, set_update_mode
 from rlhfkit.trainers.online.context import (
@@ -225,7 +226,10 @@ def micro_batch_loss(
 def _optimizer_step(ctx: OnlineContext, name: str, stats: StatSums) -> None:
     """Clip the gradient of role ``name`` (``train.max_grad_norm``), step its optimizer, zero its gradient."""
     model, optimizer = ctx.trained[name], ctx.optimizers[name]
-    if ctx.cfg.train.max_grad_norm is not None:
+    if ctx.cfg.train.max_grad_norm is not None and sharded.is_sharded(model):  # every process's shards
+        norm = sharded.clip_grad_norm(model, ctx.cfg.train.max_grad_norm)
+        stats.add(f"grad_norm/{name}", norm, 1.0 / ctx.accelerator.num_processes)
+    elif ctx.cfg.train.max_grad_norm is not None:
         norm = ctx.accelerator.clip_grad_norm_(model.parameters(), ctx.cfg.train.max_grad_norm)
         stats.add(f"grad_norm/{name}", norm, 1.0 / ctx.accelerator.num_processes)  # the same on every process
     optimizer.step()

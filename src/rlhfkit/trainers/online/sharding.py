@@ -1,0 +1,76 @@
+"""The online loop under ``train.sharding`` (FSDP2, :mod:`rlhfkit.engine.sharded`): which roles are sharded,
+the unsharded copy that generates, the sharded checkpoints and the whole models of ``final/``.
+
+- The actor and the critic are sharded with their gradients and AdamW state (1/N per process); the frozen
+  reference and reward model are sharded too, forward-only (``train.frozen_models=shard``, the default: it
+  saves memory), or whole on every process (``replicate``). The process reward model stays whole.
+- Generation: Hugging Face ``generate`` on a sharded actor would all-gather every layer for every new token,
+  and the processes would have to take the same number of decoding steps (their all-gathers pair up) although
+  their responses end at different lengths. Instead the actor's whole weights are gathered once per rollout
+  into a plain copy (:func:`generation_model`), which each process samples from alone and then frees; the
+  log-prob forwards of the rollout and the update use the sharded actor (every process runs as many of them:
+  equal shares of every rollout, cut into the same micro-batches).
+- The update is the data-parallel one: FSDP's reduce-scatter averages gradients as DDP's all-reduce does, so
+  :func:`rlhfkit.engine.accel.dp_scale` and the whole-minibatch normaliser apply unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlhfkit.engine import sharded
+from rlhfkit.trainers.online.roles import Roles
+
+if TYPE_CHECKING:
+    from rlhfkit.trainers.online.context import OnlineContext
+
+
+def shard_roles(roles: Roles, mode: str, frozen_models: str) -> Roles:
+    """Shard ``roles`` in place over the process group (``mode``: full_shard / shard_grad_op): the actor and
+    the critic always, the reference and the reward model when ``frozen_models == "shard"``."""
+    sharded.shard_model(roles.actor, mode)
+    if roles.critic is not None:
+        sharded.shard_model(roles.critic, mode)
+    if frozen_models == "shard":
+        sharded.shard_model(roles.reference, mode)
+        if roles.reward_model is not None:
+            sharded.shard_model(roles.reward_model, mode)
+    return roles
+
+
+def is_sharded(ctx: OnlineContext) -> bool:
+    return sharded.is_sharded(ctx.roles.actor)
+
+
+@contextlib.contextmanager
+def generation_model(ctx: OnlineContext):
+    """The actor to sample from: itself, or a sharded actor's whole weights gathered into a plain copy (one
+    all-gather of the model per rollout, a collective), freed on exit."""
+    if not is_sharded(ctx):
+        yield ctx.roles.actor
+        return
+    copy = sharded.unshard(ctx.roles.actor)
+    copy.eval()
+    try:
+        yield copy
+    finally:
+        del copy
+
+
+def final_models(ctx: OnlineContext) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """(actor, critic) whole, for ``final/`` and ``final_critic/``: gathered when sharded (a collective)."""
+    actor, critic = ctx.roles.actor, ctx.roles.critic
+    if not is_sharded(ctx):
+        return actor, critic
+    return sharded.unshard(actor), None if critic is None else sharded.unshard(critic)
+
+
+def trained_roles(roles: Roles) -> dict[str, torch.nn.Module]:
+    """The trained roles by name (``actor``, and ``critic`` when there is one)."""
+    out = {"actor": roles.actor}
+    if roles.critic is not None:
+        out["critic"] = roles.critic
+    return out
