@@ -105,7 +105,13 @@ def shard_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     reshard = mode == "full_shard"
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+    # The root (embeddings, final norm, head) stays gathered from forward to backward in a trained model, as
+    # FSDP2's own default for the root: FSDP re-gathers a resharded unit when the gradient reaches the unit's
+    # outputs, and a scalar model's loss reads its head's per-token output (rlhfkit.models.readout
+    # token_scores), not the model's output, so a resharded root would be missing in the backward. A frozen
+    # model has no backward: its root is resharded after each forward.
+    trained = any(p.requires_grad for p in model.parameters())
+    fully_shard(model, reshard_after_forward=reshard and not trained)
     setattr(model, _PLAIN_CLASS, plain_class)
     return model
 

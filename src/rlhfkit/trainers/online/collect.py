@@ -27,7 +27,7 @@ from rlhfkit.models import processed_logits, response_logits, sampled_logprobs
 from rlhfkit.rollout import generate_responses
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, critic_values, model_inputs
-from rlhfkit.trainers.online.sharding import generation_model
+from rlhfkit.trainers.online.sharding import generation_model, reshard
 from rlhfkit.types import Rollout
 
 
@@ -119,6 +119,7 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
             ref_logprobs[rows, :w] = sampled_logprobs(ref_logits, labels, ctx.sampling)
             if values is not None:
                 values[rows, :w] = critic_values(roles.critic, ids, attn, start)
+    reshard(roles)  # sharded: the trained roots, kept gathered for a backward that no-grad forwards lack
     rollout = Rollout(
         query_ids=batch["query_ids"],
         query_mask=batch["query_mask"],

@@ -35,6 +35,7 @@ from rlhfkit.trainers.online.context import (
     derived_seed,
     model_inputs,
 )
+from rlhfkit.trainers.online.sharding import micro_batch_starts
 from rlhfkit.types import Rollout
 
 
@@ -114,7 +115,7 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
             tokens = float(ctx.all_sum(minibatch.mask.sum())) if ctx.router_aux_coef else 0.0
             losses: dict[str, torch.Tensor] = {}
             first_diff = torch.zeros((), dtype=torch.float64, device=ctx.device)
-            starts = list(range(0, len(rows), micro)) or [None]  # None: this process holds no row of it
+            starts = micro_batch_starts(ctx, len(rows), micro)  # None: a pass with no row of this process
             for j, start in enumerate(starts):
                 with _no_sync(ctx, names, last=j == len(starts) - 1):
                     if start is None:  # the same all-reduce as the others, adding nothing to the gradient

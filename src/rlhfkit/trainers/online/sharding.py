@@ -60,12 +60,36 @@ def generation_model(ctx: OnlineContext):
         del copy
 
 
+def reshard(roles: Roles) -> None:
+    """Free the gathered parameters of the sharded trained roles after no-grad forwards (a trained root, and
+    under shard_grad_op every unit, stays gathered after a forward, for its backward:
+    :func:`rlhfkit.engine.sharded.shard_model`)."""
+    for model in trained_roles(roles).values():
+        for unit in model.modules():
+            if sharded.is_sharded(unit):
+                unit.reshard()
+
+
 def final_models(ctx: OnlineContext) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """(actor, critic) whole, for ``final/`` and ``final_critic/``: gathered when sharded (a collective)."""
     actor, critic = ctx.roles.actor, ctx.roles.critic
     if not is_sharded(ctx):
         return actor, critic
     return sharded.unshard(actor), None if critic is None else sharded.unshard(critic)
+
+
+def micro_batch_starts(ctx: OnlineContext, rows: int, micro: int) -> list[int | None]:
+    """The first row of each micro-batch of a minibatch of which this process holds ``rows`` rows, None for
+    a zero-weighted pass (no row of its own). Sharded, every process makes as many passes as the process with
+    the most (one all-reduce): each forward and backward of a sharded model is a collective, so a process
+    with fewer rows joins the others' with passes that add nothing (data parallel needs this only when a
+    process holds no row: DDP synchronises once per minibatch)."""
+    starts: list[int | None] = list(range(0, rows, micro)) or [None]
+    if is_sharded(ctx) and ctx.accelerator.num_processes > 1:
+        most = torch.tensor([len(starts)], device=ctx.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        starts += [None] * (int(most) - len(starts))
+    return starts
 
 
 def trained_roles(roles: Roles) -> dict[str, torch.nn.Module]:
