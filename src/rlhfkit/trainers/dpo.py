@@ -303,5 +303,8 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict
         "wall_seconds": time.perf_counter() - start,
         "pairs_per_second": result["examples_per_second"],
     }
-    finish_run(run, accelerator, summary, tokenizer, accelerator.unwrap_model(model), model_cfg.save_dtype)
+    # result["model"]: a sharded policy gathered whole (train_offline)
+    finish_run(
+        run, accelerator, summary, tokenizer, accelerator.unwrap_model(result["model"]), model_cfg.save_dtype
+    )
     return summary
