@@ -1,4 +1,5 @@
-"""Sharded training with FSDP2 (``torch.distributed.fsdp.fully_shard``) for the offline trainers.
+"""Sharded training with FSDP2 (``torch.distributed.fsdp.fully_shard``): the offline trainers' model here, the
+online roles through :mod:`rlhfkit.trainers.online.sharding`.
 
 With ``train.sharding`` = ``full_shard`` (or an accelerate FSDP config: :func:`sharding_mode`) each of the W
 processes holds 1/W of every parameter, gradient and optimizer moment of the trained model; each decoder
@@ -9,7 +10,8 @@ arithmetic is the data-parallel one: FSDP's reduce-scatter averages gradients ov
 :func:`rlhfkit.engine.accel.dp_scale` applies unchanged and W sharded processes compute what one process
 computes on the same global batch.
 
-Checkpoints. A sharded run's ``checkpoints/step-N/`` is an ordinary engine checkpoint (scheduler, RNG,
+Checkpoints (:func:`save_roles`: one or several models by role name). A sharded run's
+``checkpoints/step-N/`` is an ordinary engine checkpoint (scheduler, RNG,
 trainer state, the ``COMPLETE`` marker) without model or optimizer files; those are in
 ``checkpoints/step-N.sharded/``, written by every process with ``torch.distributed.checkpoint`` (DCP) before
 the marker of ``step-N`` is: the marker's trainer state lists the shard files and their sizes, so a step is
