@@ -40,6 +40,7 @@ from rlhfkit.models import (
     response_logits,
 )
 from rlhfkit.trainers.best_model import BestKeeper
+from rlhfkit.trainers.dpo import DPOCollator, dpo_objective
 from rlhfkit.trainers.offline import train_offline
 from rlhfkit.trainers.online import collect, ppo_update, shaping
 from rlhfkit.trainers.online import context as online_context
@@ -52,7 +53,7 @@ from rlhfkit.trainers.reward import reward_objective
 from rlhfkit.trainers.sft import sft_objective
 from rlhfkit.types import Rollout
 
-OFFLINE = ("sft", "reward", "prm", "control-sft-local-normalizer")
+OFFLINE = ("sft", "reward", "prm", "dpo", "control-sft-local-normalizer")
 ONLINE = (
     "ppo-token-mean",
     "ppo-seq-mean-token-mean",
@@ -68,6 +69,8 @@ SHARDED = {  # a sharded case (two processes only): (train.sharding, train.froze
     "sharded-ppo-seq-mean-token-sum-norm": ("full_shard", "replicate"),
     "sharded-grpo": ("full_shard", "shard"),
     "control-sharded-ppo-local-normalizer": ("full_shard", "shard"),
+    "sharded-dpo": ("full_shard", "shard"),
+    "control-sharded-dpo-local-normalizer": ("full_shard", "shard"),
 }
 CASES = OFFLINE + ONLINE + tuple(SHARDED)
 TWO_ONLY = tuple(c for c in CASES if c.startswith("control-") or c in SHARDED)
@@ -119,14 +122,18 @@ class FirstStep:
 
 
 def _offline(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
-    kind = case.removeprefix("control-").split("-")[0]
+    sharding = SHARDED.get(case, ("none",))[0]
+    kind = case.removeprefix("control-").removeprefix("sharded-").split("-")[0]
     data = root / kind
+    if kind == "dpo":  # the SFT problem's causal LM on the reward problem's preference pairs
+        data = root / "reward"
     cfg = load_config(
         None,
         [
             f"output_dir={out / 'runs' / case}",
-            f"model.name_or_path={data / 'model'}",
+            f"model.name_or_path={(root / 'sft' if kind == 'dpo' else data) / 'model'}",
             f"data.train_file={data / 'train.jsonl'}",
+            f"train.sharding={sharding}",
             "train.max_steps=1",
             "train.batch_size=8",
             "train.micro_batch_size=2",
@@ -138,7 +145,7 @@ def _offline(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]
         kind,
     )
     seed_everything(cfg.seed)
-    tokenizer = load_tokenizer(data / "model")
+    tokenizer = load_tokenizer(cfg.model.name_or_path)
     pad, device = tokenizer.pad_token_id, accelerator.device
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
     run = RunDir(cfg.output_dir, overwrite=True, main_process=accelerator.is_main_process)
@@ -146,6 +153,15 @@ def _offline(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]
         examples = prepare_examples(cfg.data.train_file, "sft", tokenizer, limits)
         model = load_causal_lm(data / "model", dtype=torch.float64, tokenizer=tokenizer)
         objective = sft_objective(SFTCollator(pad), None, 8, device)
+    elif kind == "dpo":  # the policy and its frozen reference, sharded like the trainer shards them
+        examples = prepare_examples(cfg.data.train_file, "preferences", tokenizer, limits)
+        model = load_causal_lm(cfg.model.name_or_path, dtype=torch.float64, tokenizer=tokenizer)
+        reference = load_causal_lm(cfg.model.name_or_path, dtype=torch.float64, tokenizer=tokenizer)
+        reference.eval().requires_grad_(False)
+        if sharding != "none":
+            sharded.shard_model(reference, sharding)
+            sharded.shard_model(model, sharding)  # before the recorder names its parameters
+        objective = dpo_objective(cfg, DPOCollator(pad), reference, None, device)
     else:
         examples = prepare_examples(
             cfg.data.train_file, "preferences" if kind == "reward" else "prm", tokenizer, limits
@@ -309,7 +325,8 @@ def run_cases(root: Path, out: Path, cases: tuple[str, ...] = CASES) -> None:
     accelerator = make_accelerator(cpu=True)
     out.mkdir(parents=True, exist_ok=True)
     for case in cases:
-        tensors, metrics = (_offline if case in OFFLINE else _online)(case, root, out, accelerator)
+        offline = case in OFFLINE or case.endswith("dpo") or case.endswith("dpo-local-normalizer")
+        tensors, metrics = (_offline if offline else _online)(case, root, out, accelerator)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"{case}.safetensors"))

@@ -86,6 +86,8 @@ def shard_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
 
     if mode not in MODES[1:]:
         raise ConfigError(f"train.sharding: expected one of {', '.join(MODES)}, got {mode!r}")
+    if is_sharded(model):  # already sharded by its caller
+        return model
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ConfigError(
             f"train.sharding={mode} shards the model over processes, but this run has no process group; "
