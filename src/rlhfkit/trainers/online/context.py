@@ -29,8 +29,13 @@ from rlhfkit.errors import ConfigError
 from rlhfkit.models import Sampling, response_values, sampling_for
 from rlhfkit.rollout.scoring import Scorer, reward_normalization
 from rlhfkit.trainers.common import router_aux_coef
-from rlhfkit.trainers.online.roles import Roles, build_optimizers, build_roles, load_process_reward_model
-from rlhfkit.trainers.online.sharding import shard_roles
+from rlhfkit.trainers.online.roles import (
+    Roles,
+    build_optimizers,
+    build_roles,
+    load_process_reward_model,
+    shard_roles,
+)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -1,7 +1,7 @@
 """The online loop under ``train.sharding`` (FSDP2, :mod:`rlhfkit.engine.sharded`): which roles are sharded,
 the unsharded copy that generates, the sharded checkpoints and the whole models of ``final/``.
 
-- The actor and the critic are sharded with their gradients and AdamW state (1/N per process); the frozen
+- The actor and the critic are sharded (:func:`rlhfkit.trainers.online.roles.shard_roles`) with their gradients and AdamW state (1/N per process); the frozen
   reference and reward model are sharded too, forward-only (``train.frozen_models=shard``, the default: it
   saves memory), or whole on every process (``replicate``). The process reward model stays whole.
 - Generation: Hugging Face ``generate`` on a sharded actor would all-gather every layer for every new token,
@@ -26,19 +26,6 @@ from rlhfkit.trainers.online.roles import Roles
 
 if TYPE_CHECKING:
     from rlhfkit.trainers.online.context import OnlineContext
-
-
-def shard_roles(roles: Roles, mode: str, frozen_models: str) -> Roles:
-    """Shard ``roles`` in place over the process group (``mode``: full_shard / shard_grad_op): the actor and
-    the critic always, the reference and the reward model when ``frozen_models == "shard"``."""
-    sharded.shard_model(roles.actor, mode)
-    if roles.critic is not None:
-        sharded.shard_model(roles.critic, mode)
-    if frozen_models == "shard":
-        sharded.shard_model(roles.reference, mode)
-        if roles.reward_model is not None:
-            sharded.shard_model(roles.reward_model, mode)
-    return roles
 
 
 def is_sharded(ctx: OnlineContext) -> bool:
