@@ -87,7 +87,7 @@ def results(tmp_path_factory):
     """{world size: {case: (tensors, metrics)}} for one process (here) and two (torchrun)."""
     root = write_problems(tmp_path_factory.mktemp("problems"))
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
-    worker.run_cases(root, one, tuple(c for c in worker.CASES if not c.startswith("control-")))
+    worker.run_cases(root, one, tuple(c for c in worker.CASES if c not in worker.TWO_ONLY))
     proc = torchrun("-m", "tests.distributed.worker", str(root), str(two))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "terminate called" not in proc.stderr
@@ -103,7 +103,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in worker.CASES if not c.startswith("control-")])
+@pytest.mark.parametrize("case", [c for c in worker.CASES if c not in worker.TWO_ONLY])
 def test_two_processes_give_one_processs_gradients_weights_and_metrics(results, case):
     (one, metrics_one), (two, metrics_two) = results[1][case], results[2][case]
     assert (
@@ -131,6 +131,45 @@ def test_two_processes_give_one_processs_gradients_weights_and_metrics(results, 
     ],
 )
 def test_a_planted_data_parallel_bug_fails_the_comparison(results, control, correct):
+    one, broken = results[1][correct][0], results[2][control][0]
+    scale = max(float(g.abs().max()) for k, g in one.items() if k.startswith("grad."))
+    assert _max_diff(one, broken, "grad.") > 1e-2 * scale
+
+
+SHARDED_TOL = 1e-10  # float64: summation order only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in worker.SHARDED if not c.startswith("control-")])
+def test_two_sharded_processes_give_one_unsharded_processs_update(results, case):
+    """FSDP2 (train.sharding) on 2 processes: the gradients each optimizer sees at its first step, the weights
+    after it and after the whole update, and the metrics, as one unsharded process computes them on the same
+    rollout; the frozen models sharded or whole as train.frozen_models says."""
+    (one, metrics_one), (two, metrics_two) = results[1][case.removeprefix("sharded-")], results[2][case]
+    assert max(float(g.abs().max()) for k, g in one.items() if k.startswith("grad.")) > 1e-3
+    online = case != "sharded-dpo"
+    for prefix in ("grad.", "weight.", "final.") if online else ("grad.", "weight."):
+        assert _max_diff(one, two, prefix) <= SHARDED_TOL, prefix
+    if online:
+        placement = {k: metrics_two.pop(k) for k in list(metrics_two) if k.startswith("sharded/")}
+        frozen = float(worker.SHARDED[case][1] == "shard")
+        assert placement["sharded/actor"] == 1.0 and placement["sharded/reference"] == frozen
+        assert placement.get("sharded/critic", 1.0) == 1.0
+        assert placement["sharded/reward_model"] == frozen
+    assert metrics_one.keys() == metrics_two.keys()
+    for key, value in metrics_one.items():
+        assert metrics_two[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("control", "correct"),
+    [
+        ("control-sharded-ppo-local-normalizer", "ppo-token-mean"),
+        ("control-sharded-dpo-local-normalizer", "dpo"),
+    ],
+)
+def test_a_planted_per_process_normaliser_fails_the_sharded_comparison(results, control, correct):
     one, broken = results[1][correct][0], results[2][control][0]
     scale = max(float(g.abs().max()) for k, g in one.items() if k.startswith("grad."))
     assert _max_diff(one, broken, "grad.") > 1e-2 * scale

@@ -142,7 +142,7 @@ def test_an_accelerate_fsdp_config_chooses_the_sharding(env, expected):
     )
 
 
-def test_sharding_without_processes_or_with_deepspeed_or_online_is_refused_naming_the_alternative(
+def test_sharding_without_processes_or_with_deepspeed_or_lora_online_is_refused_naming_the_alternative(
     tmp_path, monkeypatch, capsys
 ):
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
@@ -167,13 +167,24 @@ def test_sharding_without_processes_or_with_deepspeed_or_online_is_refused_namin
     from rlhfkit.config import load_config
     from rlhfkit.errors import ConfigError
 
-    for kind in ("ppo", "dpo"):
-        with pytest.raises(ConfigError, match=f"train.sharding.*not supported by `train {kind}`"):
-            load_config(
-                None,
-                ["output_dir=x", "model.name_or_path=m", "data.train_file=t", "train.sharding=full_shard"],
-                kind,
-            )
+    base = ["output_dir=x", "model.name_or_path=m", "data.train_file=t", "train.sharding=full_shard"]
+    for kind in ("ppo", "grpo", "rloo", "dpo"):  # accepted; the frozen models sharded unless told otherwise
+        extra = ["online.reward_model=r"] if kind != "dpo" else []
+        cfg = load_config(None, [*base, *extra], kind)
+        assert (cfg.train.sharding, cfg.train.frozen_models) == ("full_shard", "shard")
+        with pytest.raises(ConfigError, match=r"model.lora_rank.*: 8 with train.sharding=full_shard.*FSDP2"):
+            load_config(None, [*base, *extra, "model.lora_rank=8"], kind)
+    online = [*base, "online.reward_model=r"]
+    assert load_config(None, [*online, "train.frozen_models=replicate"], "ppo").train.frozen_models == (
+        "replicate"
+    )
+    with pytest.raises(ConfigError, match="train.frozen_models.*: must be one of shard, replicate"):
+        load_config(None, [*online, "train.frozen_models=offload"], "ppo")
+    with pytest.raises(ConfigError, match="refresh.every.*: 2 with train.sharding=full_shard"):
+        load_config(None, [*online, "refresh.every=2"], "ppo")
+    with pytest.raises(ConfigError, match="data.eval_file.*: held-out sampling is not supported"):
+        load_config(None, [*online, "data.eval_file=e"], "grpo")
+    assert load_config(None, [*base, "model.lora_rank=8"], "sft").model.lora_rank == 8  # refused later
 
 
 def test_under_an_accelerate_fsdp_config_every_process_loads_the_weights_and_accelerate_does_not_wrap(

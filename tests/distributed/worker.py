@@ -1,7 +1,7 @@
 """The first optimizer step of every trainer, in float64, on however many processes this runs on.
 
 Run in-process for one process (:func:`run_cases`), or under ``torchrun --nproc_per_node 2 -m
-tests.distributed.worker ROOT OUT`` for two. Each case trains through the trainers' own code (the offline
+tests.distributed.worker ROOT OUT`` for two (with the ``sharded-*`` cases: FSDP2, two processes only). Each case trains through the trainers' own code (the offline
 loop with the SFT, reward and PRM objectives; stages 3-5 of the online loop on a fixed rollout) and the main
 process writes, per case, ``OUT/<case>.safetensors`` (``grad.<param>``: the gradient each optimizer sees at
 its first step, after the all-reduce, unclipped: clipping would hide a gradient's scale; ``weight.<param>``:
@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from rlhfkit.algos import ADVANTAGE_ESTIMATORS, gae_advantages, shape_rewards
 from rlhfkit.config import load_config
 from rlhfkit.data import PRMCollator, SFTCollator, TokenLimits, prepare_examples
+from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.folder import RunDir
 from rlhfkit.engine.seed import seed_everything
@@ -39,10 +40,12 @@ from rlhfkit.models import (
     response_logits,
 )
 from rlhfkit.trainers.best_model import BestKeeper
+from rlhfkit.trainers.dpo import DPOCollator, dpo_objective
 from rlhfkit.trainers.offline import train_offline
 from rlhfkit.trainers.online import collect, ppo_update, shaping
 from rlhfkit.trainers.online import context as online_context
 from rlhfkit.trainers.online import metrics as online_metrics
+from rlhfkit.trainers.online import sharding as online_sharding
 from rlhfkit.trainers.online.collect import Scores
 from rlhfkit.trainers.preference_data import PairCollator
 from rlhfkit.trainers.prm import prm_objective
@@ -50,7 +53,7 @@ from rlhfkit.trainers.reward import reward_objective
 from rlhfkit.trainers.sft import sft_objective
 from rlhfkit.types import Rollout
 
-OFFLINE = ("sft", "reward", "prm", "control-sft-local-normalizer")
+OFFLINE = ("sft", "reward", "prm", "dpo", "control-sft-local-normalizer")
 ONLINE = (
     "ppo-token-mean",
     "ppo-seq-mean-token-mean",
@@ -60,7 +63,24 @@ ONLINE = (
     "control-ppo-local-whitening",
     "control-ppo-local-normalizer",
 )
-CASES = OFFLINE + ONLINE
+SHARDED = {  # a sharded case (two processes only): (train.sharding, train.frozen_models)
+    "sharded-ppo-token-mean": ("full_shard", "shard"),
+    "sharded-ppo-seq-mean-token-mean": ("shard_grad_op", "shard"),
+    "sharded-ppo-seq-mean-token-sum-norm": ("full_shard", "replicate"),
+    "sharded-grpo": ("full_shard", "shard"),
+    "control-sharded-ppo-local-normalizer": ("full_shard", "shard"),
+    "sharded-dpo": ("full_shard", "shard"),
+    "control-sharded-dpo-local-normalizer": ("full_shard", "shard"),
+}
+CASES = OFFLINE + ONLINE + tuple(SHARDED)
+TWO_ONLY = tuple(c for c in CASES if c.startswith("control-") or c in SHARDED)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor from a sharded one (a collective: every process calls it in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class FirstStep:
@@ -84,13 +104,13 @@ class FirstStep:
         if id(optimizer) not in self.seen:
             for p in self._params(optimizer):
                 if p.grad is not None:
-                    self.grads[self.names[id(p)]] = p.grad.detach().clone()
+                    self.grads[self.names[id(p)]] = _full(p.grad.detach()).clone()
 
     def _after(self, optimizer, args, kwargs):
         if id(optimizer) not in self.seen:
             self.seen.add(id(optimizer))
             for p in self._params(optimizer):
-                self.weights[self.names[id(p)]] = p.detach().clone()
+                self.weights[self.names[id(p)]] = _full(p.detach()).clone()
 
     def close(self) -> dict[str, torch.Tensor]:
         for h in self.handles:
@@ -102,14 +122,18 @@ class FirstStep:
 
 
 def _offline(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
-    kind = case.removeprefix("control-").split("-")[0]
+    sharding = SHARDED.get(case, ("none",))[0]
+    kind = case.removeprefix("control-").removeprefix("sharded-").split("-")[0]
     data = root / kind
+    if kind == "dpo":  # the SFT problem's causal LM on the reward problem's preference pairs
+        data = root / "reward"
     cfg = load_config(
         None,
         [
             f"output_dir={out / 'runs' / case}",
-            f"model.name_or_path={data / 'model'}",
+            f"model.name_or_path={(root / 'sft' if kind == 'dpo' else data) / 'model'}",
             f"data.train_file={data / 'train.jsonl'}",
+            f"train.sharding={sharding}",
             "train.max_steps=1",
             "train.batch_size=8",
             "train.micro_batch_size=2",
@@ -121,7 +145,7 @@ def _offline(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]
         kind,
     )
     seed_everything(cfg.seed)
-    tokenizer = load_tokenizer(data / "model")
+    tokenizer = load_tokenizer(cfg.model.name_or_path)
     pad, device = tokenizer.pad_token_id, accelerator.device
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
     run = RunDir(cfg.output_dir, overwrite=True, main_process=accelerator.is_main_process)
@@ -129,6 +153,15 @@ def _offline(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]
         examples = prepare_examples(cfg.data.train_file, "sft", tokenizer, limits)
         model = load_causal_lm(data / "model", dtype=torch.float64, tokenizer=tokenizer)
         objective = sft_objective(SFTCollator(pad), None, 8, device)
+    elif kind == "dpo":  # the policy and its frozen reference, sharded like the trainer shards them
+        examples = prepare_examples(cfg.data.train_file, "preferences", tokenizer, limits)
+        model = load_causal_lm(cfg.model.name_or_path, dtype=torch.float64, tokenizer=tokenizer)
+        reference = load_causal_lm(cfg.model.name_or_path, dtype=torch.float64, tokenizer=tokenizer)
+        reference.eval().requires_grad_(False)
+        if sharding != "none":
+            sharded.shard_model(reference, sharding)
+            sharded.shard_model(model, sharding)  # before the recorder names its parameters
+        objective = dpo_objective(cfg, DPOCollator(pad), reference, None, device)
     else:
         examples = prepare_examples(
             cfg.data.train_file, "preferences" if kind == "reward" else "prm", tokenizer, limits
@@ -205,7 +238,10 @@ def _global_rollout(ctx, examples) -> Rollout:
 
 
 def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
-    data = root / "online"
+    data, label = root / "online", case
+    sharding, frozen = SHARDED.get(case, ("none", "shard"))
+    control, case = case.startswith("control-sharded-"), case.removeprefix("control-sharded-")
+    case = ("control-" if control else "") + case.removeprefix("sharded-")
     estimator = {"grpo": "grpo", "reinforce_pp": "reinforce_pp"}.get(case, "gae")
     mode = case.removeprefix("ppo-") if case.startswith("ppo-") else "token-mean"
     # 8 responses, rows 0-3 on the first process: with 2 minibatches the first is rows {2, 5, 6, 7} (1 + 3 rows);
@@ -214,7 +250,7 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
     cfg = load_config(
         None,
         [
-            f"output_dir={out / 'runs' / case}",
+            f"output_dir={out / 'runs' / label}",
             f"model.name_or_path={data / 'policy'}",
             f"data.train_file={data / 'prompts.jsonl'}",
             f"online.reward_model={data / 'reward'}",
@@ -229,6 +265,8 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
             f"online.loss_agg_mode={mode}",
             "online.response_length=6",
             "data.max_prompt_length=16",
+            f"train.sharding={sharding}",
+            f"train.frozen_models={frozen}",
         ],
         "grpo" if estimator == "grpo" else "ppo",
     )
@@ -257,6 +295,7 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
         shaping.ADVANTAGE_ESTIMATORS = ADVANTAGE_ESTIMATORS
     if case == "control-ppo-local-normalizer":  # the bug: each process normalises by its own tokens
         ctx = dataclasses.replace(ctx, all_sum=lambda values: values.detach().double())
+    online_sharding.reshard(ctx.roles)  # the sharded parameters registered again, for their names
     recorder = FirstStep({name: getattr(ctx.roles, name) for name in ctx.trained})  # unwrapped: plain names
     update = ppo_update.ppo_update(ctx, rollout, step=1)
     first, local, total = ctx.rows()
@@ -268,8 +307,13 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
         ctx, rollout, Scores(rollout.scores, rollout.scores, {}, scored, None)
     )
     metrics = stats.merge(update.stats).means(ctx)
+    if sharding != "none":  # which roles are sharded (train.frozen_models)
+        for name in ("actor", "critic", "reference", "reward_model"):
+            model = getattr(ctx.roles, name)
+            if model is not None:
+                metrics[f"sharded/{name}"] = float(sharded.is_sharded(model))
     last = {
-        f"final.{name}.{k}": p.detach().clone()
+        f"final.{name}.{k}": _full(p.detach()).clone()
         for name in ctx.trained
         for k, p in getattr(ctx.roles, name).named_parameters()
     }  # after every minibatch's step
@@ -281,7 +325,8 @@ def run_cases(root: Path, out: Path, cases: tuple[str, ...] = CASES) -> None:
     accelerator = make_accelerator(cpu=True)
     out.mkdir(parents=True, exist_ok=True)
     for case in cases:
-        tensors, metrics = (_offline if case in OFFLINE else _online)(case, root, out, accelerator)
+        offline = case in OFFLINE or case.endswith("dpo") or case.endswith("dpo-local-normalizer")
+        tensors, metrics = (_offline if offline else _online)(case, root, out, accelerator)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"{case}.safetensors"))

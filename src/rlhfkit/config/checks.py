@@ -81,13 +81,8 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
             f"must be below data.max_length ({run.data.max_length}) to leave room "
             f"for a response, got {run.data.max_prompt_length}",
         )
-    if kind not in ("sft", "reward", "prm") and train.sharding != "none":
-        fail(
-            "train.sharding",
-            f"{train.sharding} is not supported by `train {kind}` yet (sft, reward and prm only); "
-            "use train.sharding=none (data parallel: each process holds the whole model) with LoRA "
-            "(model.lora_rank) to fit a larger policy",
-        )
+    if train.sharding != "none":
+        _check_sharding(run, kind, fail)
     if kind == "dpo" and run.dpo.loss == "ipo" and run.dpo.label_smoothing:
         fail("dpo.label_smoothing", "applies to the sigmoid loss only; set it to 0 with dpo.loss=ipo")
     heldout = run.data.eval_file or run.data.eval_split
@@ -141,6 +136,32 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 f"must divide the responses per rollout (train.batch_size * "
                 f"online.group_size = {responses}), got {online.num_minibatches}",
             )
+
+
+def _check_sharding(run: RunConfig, kind: str, fail) -> None:
+    """What ``train.sharding`` cannot be combined with (each refused with its reason)."""
+    sharding = run.train.sharding
+    if kind in ("dpo", *ONLINE_KINDS) and run.model.lora_rank:
+        # The LoRA reference is the policy with its adapter disabled, and the LoRA critic an adapter on the
+        # reward model's weights: one FSDP2 module would serve a trained and a frozen role, whose parameters
+        # FSDP2 gathers and reduce-scatters as one flat group (the adapters' and the base's together).
+        fail(
+            "model.lora_rank",
+            f"{run.model.lora_rank} with train.sharding={sharding}: LoRA shares the base weights between a "
+            "trained and a frozen role, which FSDP2 does not shard apart; use train.sharding=none (data "
+            "parallel: a LoRA run keeps the frozen base out of the optimizer) or model.lora_rank=0",
+        )
+    if kind in ONLINE_KINDS and run.refresh.every:
+        fail(
+            "refresh.every",
+            f"{run.refresh.every} with train.sharding={sharding}: the refresh trains the reward model in "
+            "place, unsharded; set refresh.every=0 or train.sharding=none",
+        )
+    if kind in ONLINE_KINDS and (run.data.eval_file or run.data.eval_split):
+        # each process samples its own share of the held-out prompts, so the processes would run different
+        # numbers of forwards through the sharded models, whose all-gathers must pair up
+        key = "data.eval_file" if run.data.eval_file else "data.eval_split"
+        fail(key, f"held-out sampling is not supported with train.sharding={sharding} yet; remove {key}")
 
 
 def _check_choices(obj: Any, prefix: str, fail) -> None:

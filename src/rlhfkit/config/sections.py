@@ -164,10 +164,17 @@ class TrainConfig:
     )
     sharding: Literal["none", "full_shard", "shard_grad_op"] = option(
         "none",
-        "sft/reward/prm under several processes: shard the trained model over them with FSDP2 "
-        "(full_shard: parameters, gradients and optimizer state; shard_grad_op: gradients and optimizer "
-        "state, parameters kept whole between forward and backward). none = each process holds the whole "
-        "model (data parallel). An accelerate FSDP config sets it too.",
+        "Under several processes: shard the trained models (sft/reward/prm/dpo: the model; ppo/grpo/rloo: "
+        "the actor and the critic) over them with FSDP2 (full_shard: parameters, gradients and optimizer "
+        "state; shard_grad_op: gradients and optimizer state, parameters kept whole between forward and "
+        "backward). none = each process holds the whole model (data parallel). An accelerate FSDP config "
+        "sets it too.",
+    )
+    frozen_models: Literal["shard", "replicate"] = option(
+        "shard",
+        "With train.sharding: the frozen models (dpo's reference; ppo's reference and reward model) sharded "
+        "too, forward-only (shard: 1/N of their weights per process, one all-gather per layer per forward), "
+        "or a whole copy on every process (replicate: no all-gather, N times the memory).",
     )
     skip_nonfinite_steps: int = option(
         0,

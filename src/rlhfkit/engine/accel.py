@@ -14,9 +14,9 @@ Launching several processes (each one a full copy of every model: data parallel,
 
 (``accelerate launch --cpu --num_processes 2`` starts ONE process; on CPU use torchrun.) Every run says
 at start how many processes it has (:func:`world_info`, also in ``config.yaml``'s run line). Sharded
-training: FSDP2 for sft / reward / prm (``train.sharding``, or an accelerate FSDP config:
-:mod:`rlhfkit.engine.sharded`, which shards the model itself, so accelerate is kept from wrapping it);
-FSDP for the online trainers, DeepSpeed and Megatron-LM are refused at start-up (:func:`check_supported`).
+training: FSDP2 for every trainer (``train.sharding``, or an accelerate FSDP config:
+:mod:`rlhfkit.engine.sharded`, which shards the models itself, so accelerate is kept from wrapping them);
+DeepSpeed and Megatron-LM are refused at start-up (:func:`check_supported`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def check_supported(accelerator=None, sharding: bool = False) -> None:
         if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
             asked.append(kind)
     if asked:
-        where = "sft, reward and prm only" if asked[0] == "FSDP" else "FSDP for sft, reward and prm only"
+        where = "the trainers' own FSDP2" if asked[0] == "FSDP" else "FSDP2 through train.sharding"
         raise ConfigError(
             f"this launch asks for sharded training ({asked[0]}), which rlhfkit does not support here "
             f"({where}: examples/accelerate/fsdp_full_shard.yaml or train.sharding=full_shard); launch "

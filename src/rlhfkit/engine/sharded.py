@@ -1,4 +1,5 @@
-"""Sharded training with FSDP2 (``torch.distributed.fsdp.fully_shard``) for the offline trainers.
+"""Sharded training with FSDP2 (``torch.distributed.fsdp.fully_shard``): the offline trainers' model here, the
+online roles through :mod:`rlhfkit.trainers.online.sharding`.
 
 With ``train.sharding`` = ``full_shard`` (or an accelerate FSDP config: :func:`sharding_mode`) each of the W
 processes holds 1/W of every parameter, gradient and optimizer moment of the trained model; each decoder
@@ -9,7 +10,8 @@ arithmetic is the data-parallel one: FSDP's reduce-scatter averages gradients ov
 :func:`rlhfkit.engine.accel.dp_scale` applies unchanged and W sharded processes compute what one process
 computes on the same global batch.
 
-Checkpoints. A sharded run's ``checkpoints/step-N/`` is an ordinary engine checkpoint (scheduler, RNG,
+Checkpoints (:func:`save_roles`: one or several models by role name). A sharded run's
+``checkpoints/step-N/`` is an ordinary engine checkpoint (scheduler, RNG,
 trainer state, the ``COMPLETE`` marker) without model or optimizer files; those are in
 ``checkpoints/step-N.sharded/``, written by every process with ``torch.distributed.checkpoint`` (DCP) before
 the marker of ``step-N`` is: the marker's trainer state lists the shard files and their sizes, so a step is
@@ -84,6 +86,8 @@ def shard_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
 
     if mode not in MODES[1:]:
         raise ConfigError(f"train.sharding: expected one of {', '.join(MODES)}, got {mode!r}")
+    if is_sharded(model):  # already sharded by its caller
+        return model
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ConfigError(
             f"train.sharding={mode} shards the model over processes, but this run has no process group; "
@@ -105,7 +109,13 @@ def shard_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     reshard = mode == "full_shard"
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+    # The root (embeddings, final norm, head) stays gathered from forward to backward in a trained model, as
+    # FSDP2's own default for the root: FSDP re-gathers a resharded unit when the gradient reaches the unit's
+    # outputs, and a scalar model's loss reads its head's per-token output (rlhfkit.models.readout
+    # token_scores), not the model's output, so a resharded root would be missing in the backward. A frozen
+    # model has no backward: its root is resharded after each forward.
+    trained = any(p.requires_grad for p in model.parameters())
+    fully_shard(model, reshard_after_forward=reshard and not trained)
     setattr(model, _PLAIN_CLASS, plain_class)
     return model
 
@@ -170,14 +180,24 @@ def _tensors_only(obj: Any, where: str) -> None:
         raise TypeError(f"sharded checkpoint: {where} is a {type(obj).__name__}, not a tensor")
 
 
-def _dcp_state(model, optimizer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(the tensors of model and optimizer, sharded; the optimizer's param_groups, plain data)."""
+def _dcp_state(models: dict, optimizers: dict) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """(the tensors of every model and optimizer, sharded; each optimizer's param_groups, plain data).
+
+    The keys are ``model`` / ``optim`` for the role named ``model`` (the offline trainers' one model) and
+    ``<role>.model`` / ``<role>.optim`` for the others (the online actor and critic)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    optim = get_optimizer_state_dict(model, optimizer)  # materialises the moments before a first step
-    state = {"model": get_model_state_dict(model), "optim": optim["state"]}
+    state: dict[str, Any] = {}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for name, model in models.items():
+        prefix = "" if name == "model" else f"{name}."
+        state[prefix + "model"] = get_model_state_dict(model)
+        if name in optimizers:  # materialises the moments before a first step
+            optim = get_optimizer_state_dict(model, optimizers[name])
+            state[prefix + "optim"] = optim["state"]
+            groups[name] = optim["param_groups"]
     _tensors_only(state, "state")
-    return state, optim["param_groups"]
+    return state, groups
 
 
 def shard_folder(step_dir: str | Path) -> Path:
@@ -196,7 +216,32 @@ def save_checkpoint(
     main_process: bool,
     keep_last: int | None = None,
 ) -> None:
-    """Write ``step-N.sharded/`` (every process: its shards) then ``step-N/`` (the main process). A collective."""
+    """:func:`save_roles` for one model (the offline trainers). A collective."""
+    save_roles(
+        checkpoints_dir,
+        step,
+        {"model": model},
+        {"model": optimizer},
+        {"model": scheduler},
+        trainer_state,
+        main_process=main_process,
+        keep_last=keep_last,
+    )
+
+
+def save_roles(
+    checkpoints_dir: str | Path,
+    step: int,
+    models: dict[str, torch.nn.Module],
+    optimizers: dict,
+    schedulers: dict,
+    trainer_state: dict[str, Any],
+    *,
+    main_process: bool,
+    keep_last: int | None = None,
+) -> None:
+    """Write ``step-N.sharded/`` (every process: its shards of ``models`` and ``optimizers``, by role name)
+    then ``step-N/`` (the main process: ``schedulers``, RNG, ``trainer_state``, the marker). A collective."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(checkpoints_dir)
@@ -204,7 +249,7 @@ def save_checkpoint(
     if main_process and shards.exists():  # an attempt at this step that never got its marker
         shutil.rmtree(shards)
     torch.distributed.barrier()
-    state, groups = _dcp_state(model, optimizer)
+    state, groups = _dcp_state(models, optimizers)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(shards)))
     torch.distributed.barrier()
     if main_process:
@@ -216,13 +261,7 @@ def save_checkpoint(
             "param_groups": groups,
         }
         save_engine_checkpoint(
-            root,
-            step,
-            {},
-            {},
-            {"model": scheduler},
-            {**trainer_state, "sharded": info},
-            keep_last=keep_last,
+            root, step, {}, {}, schedulers, {**trainer_state, "sharded": info}, keep_last=keep_last
         )
         kept = {p.name for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(SUFFIX)}
         for folder in root.glob(f"step-*{SUFFIX}"):  # the shards of deleted (or never completed) steps
@@ -232,7 +271,13 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:
-    """Restore a sharded checkpoint (written under any number of processes) into a sharded model. A collective.
+    """:func:`load_roles` for one model (the offline trainers). A collective."""
+    return load_roles(path, {"model": model}, {"model": optimizer}, {"model": scheduler})
+
+
+def load_roles(path: str | Path, models: dict, optimizers: dict, schedulers: dict) -> dict[str, Any]:
+    """Restore a sharded checkpoint (written under any number of processes) into sharded ``models`` and
+    their ``optimizers``, by role name. A collective.
 
     Raises:
         CheckpointError: ``path`` is not a sharded checkpoint, or its shards are missing or changed.
@@ -242,7 +287,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
 
     path = Path(path)
     try:
-        state = load_engine_checkpoint(path, {}, {}, {"model": scheduler})
+        state = load_engine_checkpoint(path, {}, {}, schedulers)
     except CheckpointError as e:
         raise CheckpointError(
             f"{e}; a run with train.sharding resumes only checkpoints of a sharded run "
@@ -255,13 +300,21 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer, schedul
     for name, size in info["files"].items():
         if not (shards / name).is_file() or (shards / name).stat().st_size != size:
             raise CheckpointError(f"{shards / name}: missing or not the size the marker of {path} records")
-    target, _ = _dcp_state(model, optimizer)
+    groups = info["param_groups"]
+    if isinstance(groups, list):  # written before checkpoints held several roles
+        groups = {"model": groups}
+    target, _ = _dcp_state(models, optimizers)
     reader, planner = safe_reader_and_planner(shards)
     dcp.load(target, storage_reader=reader, planner=planner)
-    set_model_state_dict(model, target["model"])
-    set_optimizer_state_dict(
-        model, optimizer, {"state": target["optim"], "param_groups": info["param_groups"]}
-    )
+    for name, model in models.items():
+        prefix = "" if name == "model" else f"{name}."
+        set_model_state_dict(model, target[prefix + "model"])
+        if name in optimizers:
+            set_optimizer_state_dict(
+                model,
+                optimizers[name],
+                {"state": target[prefix + "optim"], "param_groups": groups[name]},
+            )
     return state
 
 

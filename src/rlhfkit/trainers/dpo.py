@@ -50,6 +50,7 @@ import torch
 from rlhfkit.algos import aggregate_loss, dpo_loss
 from rlhfkit.config import RunConfig
 from rlhfkit.data import PreferenceCollator, TokenLimits, prepare_run_data
+from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.folder import open_run
 from rlhfkit.engine.seed import seed_everything
@@ -252,13 +253,17 @@ def build_reference(cfg: RunConfig, model: torch.nn.Module, tokenizer, device) -
         tokenizer=tokenizer,
         frozen=True,
     )
-    return reference.to(device).eval().requires_grad_(False)
+    reference = reference.to(device).eval().requires_grad_(False)
+    mode = sharded.sharding_mode(cfg)
+    if mode != "none" and cfg.train.frozen_models == "shard":  # forward-only shards (train.frozen_models)
+        sharded.shard_model(reference, mode)
+    return reference
 
 
 def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run DPO as configured; write ``final/`` and ``summary.json``; return the summary."""
     seed_everything(cfg.seed)
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(sharding=True)  # an accelerate FSDP config: sharded by train_offline
     # All data is read, validated and tokenised before any model is built or the run folder written.
     tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
@@ -298,5 +303,8 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict
         "wall_seconds": time.perf_counter() - start,
         "pairs_per_second": result["examples_per_second"],
     }
-    finish_run(run, accelerator, summary, tokenizer, accelerator.unwrap_model(model), model_cfg.save_dtype)
+    # result["model"]: a sharded policy gathered whole (train_offline)
+    finish_run(
+        run, accelerator, summary, tokenizer, accelerator.unwrap_model(result["model"]), model_cfg.save_dtype
+    )
     return summary

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from rlhfkit.engine import sharded
 from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
 from rlhfkit.engine.folder import RunDir
 from rlhfkit.engine.seed import set_rng_state
@@ -16,6 +17,7 @@ from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, RewardFunctionError, rew
 from rlhfkit.trainers.online.collect import Scores, score_rollout
 from rlhfkit.trainers.online.context import OnlineContext
 from rlhfkit.trainers.online.hooks import OnlineHooks
+from rlhfkit.trainers.online.sharding import is_sharded
 from rlhfkit.types import Rollout
 
 
@@ -71,10 +73,11 @@ def _checkpoint_models(ctx: OnlineContext, hooks: OnlineHooks) -> dict[str, torc
 
 
 def save(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, step: int, last_eval: dict[str, float]) -> None:
-    """Write ``checkpoints/step-<step>/`` (main process; the others wait)."""
+    """Write ``checkpoints/step-<step>/`` (main process; the others wait); sharded, also
+    ``step-<step>.sharded/`` (every process its shards, :func:`rlhfkit.engine.sharded.save_roles`)."""
     accelerator = ctx.accelerator
     accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
+    if not accelerator.is_main_process and not is_sharded(ctx):
         return
     state = {
         "kl_controller": ctx.kl_ctl.state_dict(),
@@ -87,6 +90,18 @@ def save(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, step: int, last_ev
         state["reward_normalization"] = list(reward_normalization(ctx.roles.reward_model))
     if hasattr(hooks.refresh_reward_model, "state_dict"):
         state["reward_refresh"] = hooks.refresh_reward_model.state_dict()
+    if is_sharded(ctx):
+        sharded.save_roles(
+            run.checkpoints_dir,
+            step,
+            _checkpoint_models(ctx, hooks),
+            ctx.optimizers,
+            ctx.schedulers,
+            state,
+            main_process=accelerator.is_main_process,
+            keep_last=ctx.cfg.train.keep_last_checkpoints,
+        )
+        return
     save_checkpoint(
         run.checkpoints_dir,
         step,
@@ -102,9 +117,8 @@ def resume_state(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks) -> dict[st
     """Restore the newest complete checkpoint when resuming; ``{"step": 0}`` for a fresh start."""
     if run.resume_checkpoint is None:
         return {"step": 0}
-    state = load_checkpoint(
-        run.resume_checkpoint, _checkpoint_models(ctx, hooks), ctx.optimizers, ctx.schedulers
-    )
+    load = sharded.load_roles if is_sharded(ctx) else load_checkpoint
+    state = load(run.resume_checkpoint, _checkpoint_models(ctx, hooks), ctx.optimizers, ctx.schedulers)
     ctx.kl_ctl.load_state_dict(state["kl_controller"])
     if ctx.guard is not None:
         ctx.guard.load_state_dict(state.get("guard"))

@@ -33,6 +33,7 @@ from rlhfkit.trainers.online.context import (
     derived_seed,
     model_inputs,
 )
+from rlhfkit.trainers.online.sharding import generation_model, reshard
 from rlhfkit.types import Rollout
 
 
@@ -84,10 +85,10 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     size = online.rollout_batch_size or n
     pad = ctx.tokenizer.pad_token_id
     clock = clock or StageClock()
-    with clock("generate"):
+    with clock("generate"), generation_model(ctx) as actor:  # a sharded actor: gathered once
         pieces = [
             generate_responses(
-                roles.actor,
+                actor,
                 batch["query_ids"][i : i + size],
                 batch["query_mask"][i : i + size],
                 max_new_tokens=online.response_length,
@@ -126,6 +127,7 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
             ref_logprobs[rows, :w] = sampled_logprobs(ref_logits, labels, ctx.sampling)
             if values is not None:
                 values[rows, :w] = critic_values(roles.critic, ids, attn, start)
+    reshard(roles)  # sharded: the trained roots, kept gathered for a backward that no-grad forwards lack
     rollout = Rollout(
         query_ids=batch["query_ids"],
         query_mask=batch["query_mask"],

@@ -24,11 +24,18 @@ from rlhfkit.algos import AdaptiveKLController, FixedKLController
 from rlhfkit.config import RunConfig
 from rlhfkit.engine.accel import all_sum
 from rlhfkit.engine.guards import FiniteGuard
+from rlhfkit.engine.sharded import sharding_mode
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import Sampling, response_values, sampling_for
 from rlhfkit.rollout.scoring import Scorer, reward_normalization
 from rlhfkit.trainers.common import router_aux_coef
-from rlhfkit.trainers.online.roles import Roles, build_optimizers, build_roles, load_process_reward_model
+from rlhfkit.trainers.online.roles import (
+    Roles,
+    build_optimizers,
+    build_roles,
+    load_process_reward_model,
+    shard_roles,
+)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -105,11 +112,17 @@ def build_context(
     :func:`rlhfkit.trainers.online.roles.build_roles`); ``checkpoints_dir``: the run's checkpoints folder,
     which the guard names when it stops the run."""
     roles = build_roles(cfg, tokenizer, accelerator.device, train_reward_model)
+    mode = sharding_mode(cfg)
+    if mode != "none":  # FSDP2 before the optimizers: they hold the shards (rlhfkit.trainers.online.sharding)
+        shard_roles(roles, mode, cfg.train.frozen_models)
     optimizers, schedulers = build_optimizers(cfg, roles)
     names = list(optimizers)
-    prepared = accelerator.prepare(*[getattr(roles, n) for n in names], *[optimizers[n] for n in names])
-    trained = dict(zip(names, prepared[: len(names)], strict=True))
-    optimizers = dict(zip(names, prepared[len(names) :], strict=True))
+    if mode != "none":  # FSDP2 synchronises the gradients itself: nothing for accelerate to wrap
+        trained = {n: getattr(roles, n) for n in names}
+    else:
+        prepared = accelerator.prepare(*[getattr(roles, n) for n in names], *[optimizers[n] for n in names])
+        trained = dict(zip(names, prepared[: len(names)], strict=True))
+        optimizers = dict(zip(names, prepared[len(names) :], strict=True))
     online = cfg.online
     kl_ctl = (
         AdaptiveKLController(online.kl_coef, online.kl_target, online.kl_horizon)

@@ -33,6 +33,7 @@ from rlhfkit.trainers.online.hooks import OnlineHooks
 from rlhfkit.trainers.online.metrics import evaluate, rollout_stats
 from rlhfkit.trainers.online.ppo_update import UpdateResult, ppo_update
 from rlhfkit.trainers.online.shaping import estimate_advantages, group_stats, shape_rollout
+from rlhfkit.trainers.online.sharding import final_models
 from rlhfkit.types import Rollout
 
 CRITIC_DIR = "final_critic"
@@ -53,7 +54,7 @@ def train(
     """
     hooks = hooks or OnlineHooks()
     seed_everything(cfg.seed)
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(sharding=True)  # an accelerate FSDP config: the roles sharded here
     check_process_count(cfg, accelerator.num_processes)
     if cfg.refresh.every and hooks.refresh_reward_model is None:
         raise ConfigError(
@@ -93,8 +94,9 @@ def train(
         "seconds_per_rollout": result["seconds_per_rollout"],
         "train_prompts": len(examples),
     }
-    critic = {run.path / CRITIC_DIR: ctx.roles.critic} if ctx.roles.critic is not None else {}
-    finish_run(run, accelerator, summary, tokenizer, ctx.roles.actor, cfg.model.save_dtype, critic)
+    actor, critic_model = final_models(ctx)  # sharded: gathered whole on every process
+    critic = {run.path / CRITIC_DIR: critic_model} if critic_model is not None else {}
+    finish_run(run, accelerator, summary, tokenizer, actor, cfg.model.save_dtype, critic)
     return summary
 
 

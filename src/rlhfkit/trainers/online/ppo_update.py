@@ -25,6 +25,7 @@ from rlhfkit.algos import (
     value_loss,
 )
 from rlhfkit.algos.masked import fill_masked
+from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import dp_scale
 from rlhfkit.models import processed_logits, response_forward, sampled_logprobs, set_update_mode
 from rlhfkit.trainers.online.context import (
@@ -34,6 +35,7 @@ from rlhfkit.trainers.online.context import (
     derived_seed,
     model_inputs,
 )
+from rlhfkit.trainers.online.sharding import micro_batch_starts
 from rlhfkit.types import Rollout
 
 
@@ -113,7 +115,7 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
             tokens = float(ctx.all_sum(minibatch.mask.sum())) if ctx.router_aux_coef else 0.0
             losses: dict[str, torch.Tensor] = {}
             first_diff = torch.zeros((), dtype=torch.float64, device=ctx.device)
-            starts = list(range(0, len(rows), micro)) or [None]  # None: this process holds no row of it
+            starts = micro_batch_starts(ctx, len(rows), micro)  # None: a pass with no row of this process
             for j, start in enumerate(starts):
                 with _no_sync(ctx, names, last=j == len(starts) - 1):
                     if start is None:  # the same all-reduce as the others, adding nothing to the gradient
@@ -238,7 +240,10 @@ def micro_batch_loss(
 def _optimizer_step(ctx: OnlineContext, name: str, stats: StatSums) -> None:
     """Clip the gradient of role ``name`` (``train.max_grad_norm``), step its optimizer, zero its gradient."""
     model, optimizer = ctx.trained[name], ctx.optimizers[name]
-    if ctx.cfg.train.max_grad_norm is not None:
+    if ctx.cfg.train.max_grad_norm is not None and sharded.is_sharded(model):  # every process's shards
+        norm = sharded.clip_grad_norm(model, ctx.cfg.train.max_grad_norm)
+        stats.add(f"grad_norm/{name}", norm, 1.0 / ctx.accelerator.num_processes)
+    elif ctx.cfg.train.max_grad_norm is not None:
         norm = ctx.accelerator.clip_grad_norm_(model.parameters(), ctx.cfg.train.max_grad_norm)
         stats.add(f"grad_norm/{name}", norm, 1.0 / ctx.accelerator.num_processes)  # the same on every process
     optimizer.step()

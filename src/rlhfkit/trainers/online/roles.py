@@ -36,6 +36,7 @@ import torch
 from rlhfkit.config import RunConfig
 from rlhfkit.data import TokenLimits
 from rlhfkit.engine.optim import optimizer_and_scheduler
+from rlhfkit.engine.sharded import shard_model
 from rlhfkit.models import (
     AdapterDisabled,
     check_same_vocabulary,
@@ -132,6 +133,19 @@ def build_roles(
                 device
             )
     return Roles(actor, reference, critic, reward_model)
+
+
+def shard_roles(roles: Roles, mode: str, frozen_models: str) -> Roles:
+    """Shard ``roles`` in place over the process group (``mode``: full_shard / shard_grad_op): the actor and
+    the critic always, the reference and the reward model when ``frozen_models == "shard"``."""
+    shard_model(roles.actor, mode)
+    if roles.critic is not None:
+        shard_model(roles.critic, mode)
+    if frozen_models == "shard":
+        shard_model(roles.reference, mode)
+        if roles.reward_model is not None:
+            shard_model(roles.reward_model, mode)
+    return roles
 
 
 def _frozen(model: torch.nn.Module) -> torch.nn.Module:
