@@ -27,6 +27,7 @@ from rlhfkit.models import processed_logits, response_logits, sampled_logprobs
 from rlhfkit.rollout import generate_responses
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, critic_values, model_inputs
+from rlhfkit.trainers.online.layout import micro_batches, row_lengths
 from rlhfkit.types import Rollout
 
 
@@ -56,7 +57,9 @@ def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int) -> dict[st
 
 
 @torch.no_grad()
-def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock | None = None) -> Rollout:
+def sample_rollout(
+    ctx: OnlineContext, batch: dict[str, Any], clock: StageClock | None = None, step: int | None = None
+) -> Rollout:
     """Stage 1: sample one response per row of ``batch`` and read log-probs and values at sampling time.
 
     The responses are cut after their first stop token (the token is inside the mask, also when pad ==
@@ -65,6 +68,11 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     reference are recomputed from the models themselves under the sampling's processing (``ctx.sampling``:
     temperature, suppressed pad, top-k / top-p), never taken from ``generate`` (OpenRLHF PR #853;
     huggingface/trl#2358).
+
+    With ``step`` (a rollout the PPO update will train on), the no-grad forwards run on the micro-batches of
+    the update's first epoch (:func:`rlhfkit.trainers.online.layout.micro_batches`: the same rows, order and
+    columns), so the first epoch recomputes exactly these log-probs, in bf16 too; without it (evaluation),
+    on chunks of ``online.rollout_batch_size`` rows.
 
     Returns:
         the rollout with ``logprobs``, ``ref_logprobs``, ``values`` (critic only), ``group_ids``, ``ended``,
@@ -105,10 +113,9 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
         if model is not None:
             model.eval()
     with clock("forward"):
-        for i in range(0, n, size):
-            rows = slice(i, i + size)
+        for rows in _forward_rows(ctx, step, batch["query_mask"], response_mask, size):
             ids, attn, start, w = model_inputs(
-                batch["query_ids"][rows], batch["query_mask"][rows], response_ids[rows], mask[rows]
+                batch["query_ids"][rows], batch["query_mask"][rows], response_ids[rows], response_mask[rows]
             )
             labels = response_ids[rows, :w]
             logits = response_logits(roles.actor, ids, attn, start)  # (b, w, V)
@@ -132,6 +139,24 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
         entropy=fill_masked(entropy, mask),
     )
     return rollout
+
+
+def _forward_rows(
+    ctx: OnlineContext, step: int | None, query_mask: torch.Tensor, response_mask: torch.Tensor, size: int
+) -> list[torch.Tensor]:
+    """The row groups of stage 1's forwards: the update's first-epoch micro-batches for rollout ``step``, else
+    consecutive chunks of ``size`` rows. Returns (b,) long tensors that hold every row once."""
+    n = query_mask.shape[0]
+    if step is None:
+        return list(torch.arange(n, device=query_mask.device).split(size))
+    if n != ctx.rows()[1]:
+        raise ValueError(f"a rollout of step {step} has {ctx.rows()[1]} rows on this process, got {n}")
+    groups = [
+        rows
+        for micros in micro_batches(ctx, step, 0, row_lengths(query_mask, response_mask))
+        for rows in micros
+    ]
+    return groups
 
 
 class Scores(NamedTuple):
