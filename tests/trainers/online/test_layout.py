@@ -2,6 +2,8 @@
 minibatches, shared by stage 1 and the update's first epoch, so that the first PPO ratio is exactly 1 in bf16
 as in fp32 (issue 27, item 1)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,6 +29,27 @@ def test_micro_batches_sort_each_minibatch_by_length_and_keep_its_rows(tmp_path)
             joined = torch.cat(micros)
             assert sorted(joined.tolist()) == sorted(rows.tolist())  # the same rows: the same normaliser
             assert (lengths[joined].diff() >= 0).all()  # sorted, so each micro-batch trims its padding
+
+
+def test_a_process_without_rows_of_a_minibatch_gets_no_micro_batch(tmp_path):
+    """A process may hold no row of a minibatch (ppo_update then runs a zero-weighted pass): its layout
+    must be an empty list, not one empty micro-batch (torch splits an empty tensor into one empty piece)."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    ctx = make_context(online_config(paths, tmp_path / "run", "online.num_minibatches=2"))
+    monkey = dataclasses.replace(ctx, accelerator=_Rank(ctx.accelerator, 0, 4))  # 8 rows: 2 of 8 here
+    layouts = [micro_batches(monkey, step, 0, torch.arange(2)) for step in range(1, 9)]
+    assert any(micros == [] for layout in layouts for micros in layout)
+    assert all(all(len(m) for m in micros) for layout in layouts for micros in layout)
+
+
+class _Rank:
+    """An accelerator that says it is process ``index`` of ``count``."""
+
+    def __init__(self, accelerator, index, count):
+        self._inner, self.process_index, self.num_processes = accelerator, index, count
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def test_length_sorting_removes_padding_columns(tmp_path, monkeypatch):

@@ -72,5 +72,5 @@ def micro_batches(
     out = []
     for rows in local_minibatches(ctx, step, epoch):
         rows = rows[torch.argsort(lengths[rows], stable=True)]
-        out.append(list(rows.split(max(micro, 1))))
+        out.append(list(rows.split(max(micro, 1))) if rows.numel() else [])  # split([]) is [[]]
     return out
