@@ -20,10 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlhfkit.algos import entropy_from_logits
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator
-from rlhfkit.models import processed_logits, response_logits, sampled_logprobs
+from rlhfkit.models import response_readout
 from rlhfkit.rollout import generate_responses
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, critic_values, model_inputs
@@ -117,12 +116,12 @@ def sample_rollout(
             ids, attn, start, w = model_inputs(
                 batch["query_ids"][rows], batch["query_mask"][rows], response_ids[rows], response_mask[rows]
             )
-            labels = response_ids[rows, :w]
-            logits = response_logits(roles.actor, ids, attn, start)  # (b, w, V)
-            logprobs[rows, :w] = sampled_logprobs(logits, labels, ctx.sampling)
-            entropy[rows, :w] = entropy_from_logits(processed_logits(logits, ctx.sampling, labels))
-            ref_logits = response_logits(roles.reference, ids, attn, start)  # (b, w, V)
-            ref_logprobs[rows, :w] = sampled_logprobs(ref_logits, labels, ctx.sampling)
+            # chunked over the vocabulary: no (b, w, V) logits (rlhfkit.models.head_chunks)
+            actor = response_readout(roles.actor, ids, attn, start, ctx.sampling, entropy=True)
+            logprobs[rows, :w], entropy[rows, :w] = actor.logprobs, actor.entropy  # (b, w)
+            ref_logprobs[rows, :w] = response_readout(
+                roles.reference, ids, attn, start, ctx.sampling
+            ).logprobs
             if values is not None:
                 values[rows, :w] = critic_values(roles.critic, ids, attn, start)
     rollout = Rollout(

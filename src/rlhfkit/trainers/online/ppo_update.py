@@ -18,7 +18,6 @@ import torch
 
 from rlhfkit.algos import (
     aggregate_loss,
-    entropy_from_logits,
     kl_estimator,
     loss_normalizer,
     ppo_policy_loss,
@@ -26,7 +25,7 @@ from rlhfkit.algos import (
 )
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.engine.accel import dp_scale
-from rlhfkit.models import processed_logits, response_forward, sampled_logprobs, set_update_mode
+from rlhfkit.models import response_readout, set_update_mode
 from rlhfkit.trainers.online.context import OnlineContext, StatSums, critic_values, input_mask, model_inputs
 from rlhfkit.trainers.online.layout import micro_batches, row_lengths
 from rlhfkit.types import Rollout
@@ -158,10 +157,16 @@ def micro_batch_loss(
     parts: dict[str, torch.Tensor] = {}
     diff = torch.zeros((), device=ctx.device)
     if train_actor:
-        logits, aux = response_forward(
-            ctx.trained["actor"], ids, attn, start, router_aux=ctx.router_aux_coef > 0
+        readout = response_readout(  # the kernels and chunks of stage 1's no-grad read-out
+            ctx.trained["actor"],
+            ids,
+            attn,
+            start,
+            ctx.sampling,
+            entropy=online.ent_coef > 0,
+            router_aux=ctx.router_aux_coef > 0,
         )
-        logprobs = sampled_logprobs(logits, mb.response_ids[:, :w], ctx.sampling)  # (b, w)
+        logprobs, aux = readout.logprobs, readout.aux_loss  # (b, w)
         old = mb.logprobs[:, :w]
         per_token, pg = ppo_policy_loss(logprobs, old, mb.advantages[:, :w], online.clip_eps, mask=mask)
         parts["loss/policy"] = aggregate(per_token)
@@ -170,9 +175,7 @@ def micro_batch_loss(
         for name, value in pg.items():  # clipfrac, approx_kl, ratio/mean
             stats.add(name, value, tokens)
         if online.ent_coef > 0:
-            parts["loss/entropy"] = aggregate(
-                entropy_from_logits(processed_logits(logits, ctx.sampling, mb.response_ids[:, :w]))
-            )
+            parts["loss/entropy"] = aggregate(readout.entropy)
             loss = loss - online.ent_coef * parts["loss/entropy"]
         if (
             online.kl_in_loss
