@@ -266,7 +266,8 @@ def response_logprobs(
     response_start: int,
     sampling: Sampling | None = None,
 ) -> torch.Tensor:
-    """Log-probabilities of the response tokens under the distribution they were sampled from.
+    """Log-probabilities of the response tokens under the distribution they were sampled from, without (B, R, V)
+    logits where the model allows it (:func:`rlhfkit.models.head_chunks.response_readout`).
 
     Args:
         input_ids, attention_mask: (B, L) = prompts (left padded) then responses (right padded).
@@ -276,8 +277,9 @@ def response_logprobs(
     Returns:
         (B, R) float32; ``[:, t]`` is log pi(y_t | x, y_<t) read at column p0 + t - 1.
     """
-    logits = response_logits(model, input_ids, attention_mask, response_start)  # (B, R, V)
-    return sampled_logprobs(logits, input_ids[:, response_start:], sampling or Sampling())
+    from rlhfkit.models.head_chunks import response_readout  # it builds on this module
+
+    return response_readout(model, input_ids, attention_mask, response_start, sampling).logprobs
 
 
 def token_scores(
