@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlhfkit.algos import entropy_from_logits
 from rlhfkit.models.precision import autocast_region
-from rlhfkit.models.readout import position_ids_from_mask, sampled_logprobs, unwrap_model
+from rlhfkit.models.readout import position_ids_from_mask, response_forward, sampled_logprobs, unwrap_model
 from rlhfkit.models.sampling import Sampling, processed_logits
 
 # Elements of one (chunk_tokens, V) float32 block: 2**22 = 16 MiB. The read-out of a chunk holds a few such
@@ -165,8 +165,6 @@ def response_readout(
     Returns:
         a :class:`Readout`; ``logprobs[:, t]`` and ``entropy[:, t]`` are read at column p0 + t - 1.
     """
-    from rlhfkit.models.readout import response_forward
-
     sampling = sampling or Sampling()
     length = input_ids.shape[1]
     if not 1 <= response_start <= length:
@@ -205,3 +203,24 @@ def response_readout(
             lm.get_output_embeddings(), hidden, labels, sampling, entropy, cap, chunk_tokens
         )
     return Readout(logprobs, ent, out.aux_loss if router_aux else None)
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    sampling: Sampling | None = None,
+) -> torch.Tensor:
+    """Log-probabilities of the response tokens under the distribution they were sampled from, without (B, R, V)
+    logits where the model allows it (:func:`response_readout`).
+
+    Args:
+        input_ids, attention_mask: (B, L) = prompts (left padded) then responses (right padded).
+        response_start: p0, the column of the first response token.
+        sampling: the sampler (temperature, suppressed ids, truncation: :func:`sampled_logprobs`); None =
+            the plain softmax of the logits.
+    Returns:
+        (B, R) float32; ``[:, t]`` is log pi(y_t | x, y_<t) read at column p0 + t - 1.
+    """
+    return response_readout(model, input_ids, attention_mask, response_start, sampling).logprobs
