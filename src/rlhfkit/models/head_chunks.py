@@ -14,7 +14,8 @@ read-out: the (B, T, H) hidden states plus a few (chunk_tokens, V) float32 block
 Which models take this path (:func:`chunkable`): those whose causal-LM forward accepts ``logits_to_keep`` and
 whose logits are ``lm_head(last hidden state)``, optionally soft-capped as Gemma 2/3 do
 (``final_logit_softcapping``: ``cap * tanh(logits / cap)``, transformers' ``Gemma2ForCausalLM.forward``). A
-config with another final scaling (``logit_scale``: Cohere; ``logits_scaling``: Granite) takes the plain path
+config with another final scaling (``logit_scale``: Cohere; ``logits_scaling``: Granite), and a model sharded by
+FSDP (its head's weight a DTensor outside the forward), take the plain path
 (:func:`rlhfkit.models.readout.response_forward`). tests/models/test_head_chunks.py compares both paths on
 every architecture of tests/models/tiny_architectures.py.
 
@@ -71,7 +72,19 @@ def chunkable(model: torch.nn.Module) -> bool:
         return False
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
-    return isinstance(head, torch.nn.Module) and isinstance(decoder, torch.nn.Module) and decoder is not lm
+    if not (isinstance(head, torch.nn.Module) and isinstance(decoder, torch.nn.Module) and decoder is not lm):
+        return False
+    # FSDP2 (train.sharding) holds the head's weight as a sharded DTensor outside the model's forward, where the
+    # chunks would apply it: a sharded model reads out the plain way
+    return not any(_is_dtensor(p) for p in head.parameters())
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def chunk_size(vocab: int, chunk_tokens: int | None = None) -> int:
