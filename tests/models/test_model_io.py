@@ -180,9 +180,10 @@ def test_saved_causal_lm_loads_with_plain_transformers(tmp_path):
 
 
 def test_bf16_attention_runs_in_float32_on_cpu(tmp_path, monkeypatch):
-    """bf16 on a CPU: attention that autograd records runs in float32 (torch's bf16 CPU attention backward is
-    several times slower), with the padding mask sdpa gets; without grad it stays bf16; a float32 model keeps
-    plain sdpa; the saved config does not name rlhfkit's attention, so plain transformers loads it."""
+    """bf16 on a CPU: attention runs in float32 (torch's bf16 CPU attention backward is several times slower),
+    with the padding mask sdpa gets, and without grad too (the old log-probs' no-grad forward must equal the
+    update's, bit for bit); a float32 model keeps plain sdpa; the saved config does not name rlhfkit's
+    attention, so plain transformers loads it."""
     from transformers import AutoModelForCausalLM
 
     save_hf_folder(tiny_llama("causal"), tiny_tokenizer(), tmp_path / "lm")
@@ -207,9 +208,10 @@ def test_bf16_attention_runs_in_float32_on_cpu(tmp_path, monkeypatch):
     logits.float().sum().backward()
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
     seen.clear()
-    with torch.no_grad():  # no backward: the bf16 kernel, as fast as float32 forward-only
-        model(input_ids=ids, attention_mask=mask)
-    assert seen and all(dtype == torch.bfloat16 for dtype, _ in seen)
+    with torch.no_grad():  # no backward: the same float32 kernel, so the two forwards agree exactly
+        again = model(input_ids=ids, attention_mask=mask).logits
+    assert seen and all(dtype == torch.float32 for dtype, _ in seen)
+    assert torch.equal(again, logits.detach())
 
     model.save_pretrained(tmp_path / "saved")
     assert "rlhfkit" not in (tmp_path / "saved" / "config.json").read_text()

@@ -124,8 +124,10 @@ class OnlineConfig:
     )
     rollout_batch_size: int | None = option(
         None,
-        "Responses per generate() call and per no-grad forward (reference, reward model, values) in a "
-        "rollout, per process; none = all of them at once.",
+        "Responses per generate() call, per reward-model and process-reward-model forward and per no-grad forward of an evaluation "
+        "rollout, per process; none = all of them at once. A training rollout's old log-probs, reference "
+        "log-probs and values run on the update's first-epoch micro-batches (train.micro_batch_size), so "
+        "that the first PPO ratio is exactly 1.",
         gt=0,
     )
     critic_warmup_steps: int = option(

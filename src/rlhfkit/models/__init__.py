@@ -14,6 +14,7 @@
 transformers is imported lazily inside the loaders, so importing this package stays cheap.
 """
 
+from rlhfkit.models.head_chunks import Readout, chunked_readout, response_logprobs, response_readout
 from rlhfkit.models.loading import (
     PAD_TOKEN,
     disable_dropout,
@@ -35,7 +36,6 @@ from rlhfkit.models.readout import (
     position_ids_from_mask,
     response_forward,
     response_logits,
-    response_logprobs,
     response_values,
     sampled_logprobs,
     sequence_scores,
@@ -48,6 +48,9 @@ from rlhfkit.models.vocabulary import check_same_vocabulary
 
 __all__ = [
     "AdapterDisabled",
+    "Readout",
+    "chunked_readout",
+    "response_readout",
     "PAD_TOKEN",
     "Sampling",
     "autocast_forward",

@@ -8,8 +8,10 @@ reference, the reward model during PPO) is never updated, so it may hold bf16 we
 autocast (docs/performance.md, "Measurements behind the code's choices", has what was measured).
 
 Attention on a CPU under bf16 autocast (:func:`float32_attention_on_cpu`): torch's CPU flash-attention backward
-is several times slower in bf16 than in float32 (docs/performance.md). So on a CPU the models' ``sdpa`` attention runs in float32 when autograd records it (its inputs upcast, its
-output cast back); without a backward (scoring, generation) the bf16 kernel is as fast and stays, and on a
+is several times slower in bf16 than in float32 (docs/performance.md). So on a CPU the models' ``sdpa`` attention
+runs in float32 (its inputs upcast, its output cast back) in every forward, with or without a backward: the PPO
+update must recompute the very function that gave the rollout's old log-probs, and a bf16 no-grad attention
+beside a float32 training one made the first ratio differ from 1 by ~1e-3 on a 2-layer model (issue 27). On a
 GPU it is the same ``sdpa`` call as before.
 
 Training mode (:func:`set_update_mode`): with dropout off, a transformers model's ``train()`` mode adds
@@ -95,15 +97,14 @@ FLOAT32_CPU_SDPA = "rlhfkit_sdpa_float32_on_cpu"
 
 
 def _sdpa_float32_on_cpu(module, query, key, value, attention_mask, **kwargs):
-    """transformers' ``sdpa`` attention, in float32 when autograd records it and it would run in half precision
-    on a CPU (under autocast, or with half-precision inputs); the output in the dtype that attention would have
-    given. Forwards without a backward (scoring, generation) keep the half-precision kernel, which is not slower."""
+    """transformers' ``sdpa`` attention, in float32 when it would run in half precision on a CPU (under autocast,
+    or with half-precision inputs); the output in the dtype that attention would have given. The same kernel
+    with and without autograd (module docstring), so a no-grad forward equals a training one bit for bit."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     autocast = torch.is_autocast_enabled("cpu")
     half = autocast or value.dtype in (torch.bfloat16, torch.float16)
-    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if query.device.type != "cpu" or not (half and recorded):
+    if query.device.type != "cpu" or not half:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     dtype = torch.get_autocast_dtype("cpu") if autocast else value.dtype
     with torch.autocast("cpu", enabled=False):  # autocast would cast the attention back to bf16

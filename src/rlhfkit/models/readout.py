@@ -259,27 +259,6 @@ def response_logits(
     return response_forward(model, input_ids, attention_mask, response_start)[0]
 
 
-def response_logprobs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_start: int,
-    sampling: Sampling | None = None,
-) -> torch.Tensor:
-    """Log-probabilities of the response tokens under the distribution they were sampled from.
-
-    Args:
-        input_ids, attention_mask: (B, L) = prompts (left padded) then responses (right padded).
-        response_start: p0, the column of the first response token.
-        sampling: the sampler (temperature, suppressed ids, truncation: :func:`sampled_logprobs`); None =
-            the plain softmax of the logits.
-    Returns:
-        (B, R) float32; ``[:, t]`` is log pi(y_t | x, y_<t) read at column p0 + t - 1.
-    """
-    logits = response_logits(model, input_ids, attention_mask, response_start)  # (B, R, V)
-    return sampled_logprobs(logits, input_ids[:, response_start:], sampling or Sampling())
-
-
 def token_scores(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:

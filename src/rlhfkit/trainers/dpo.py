@@ -56,11 +56,10 @@ from rlhfkit.engine.folder import open_run
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import (
     AdapterDisabled,
-    causal_lm_output,
     is_peft_model,
     load_causal_lm,
-    logprobs_from_logits,
     prepare_trained,
+    response_readout,
 )
 from rlhfkit.trainers.common import finish_run, run_tokenizer
 from rlhfkit.trainers.offline import Objective, train_offline
@@ -104,8 +103,8 @@ def sequence_logprobs(
     Returns:
         (B,) float32, differentiable; what sits at masked positions is never read.
     """
-    logits = causal_lm_output(model, input_ids, attention_mask).logits[:, :-1]  # (B, L-1, V)
-    logprobs = logprobs_from_logits(logits, input_ids[:, 1:])  # (B, L-1): token j+1 from column j
+    # token j+1 from column j, chunked over the vocabulary (rlhfkit.models.head_chunks)
+    logprobs = response_readout(model, input_ids, attention_mask, 1).logprobs  # (B, L-1)
     picked = response_mask[:, 1:].bool()
     return torch.where(picked, logprobs, torch.zeros_like(logprobs)).sum(-1)
 

@@ -29,10 +29,9 @@ from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.folder import open_run
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import (
-    causal_lm_output,
     load_causal_lm,
-    logprobs_from_logits,
     prepare_trained,
+    response_readout,
 )
 from rlhfkit.trainers.common import finish_run, micro_batches, router_aux_coef, run_tokenizer
 from rlhfkit.trainers.offline import Objective, train_offline
@@ -50,11 +49,14 @@ def completion_nll(
         (nll (B, L-1), mask (B, L-1) bool: the token at column j+1 predicted from column j; the aux loss,
         a scalar, or None without ``router_aux``).
     """
-    out = causal_lm_output(model, batch["input_ids"], batch["attention_mask"], router_aux=router_aux)
     targets = batch["labels"][:, 1:]  # (B, L-1)
     mask = targets != -100
-    logprobs = logprobs_from_logits(out.logits[:, :-1], targets.clamp(min=0))  # (B, L-1)
-    return -logprobs, mask, (out.aux_loss if router_aux else None)
+    out = (
+        response_readout(  # token j+1 from column j, chunked over the vocabulary (rlhfkit.models.head_chunks)
+            model, batch["input_ids"], batch["attention_mask"], 1, router_aux=router_aux, labels=targets
+        )
+    )
+    return -out.logprobs, mask, out.aux_loss
 
 
 def sft_objective(

@@ -34,7 +34,7 @@ def rollout_for_update(ctx, step=1):
     """Stages 1-4 of rollout ``step``, as the loop runs them."""
     examples = prepare_examples(ctx.cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
     batch = prompt_batch(ctx, examples, step)
-    rollout = sample_rollout(ctx, batch)
+    rollout = sample_rollout(ctx, batch, step=step)
     rollout.scores, *_ = score_rollout(ctx, rollout, batch["records"])
     rollout.rewards, rollout.kl = shape_rewards(
         rollout.scores,

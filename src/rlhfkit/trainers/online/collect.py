@@ -20,10 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlhfkit.algos import entropy_from_logits
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator
-from rlhfkit.models import processed_logits, response_logits, sampled_logprobs
+from rlhfkit.models import response_readout
 from rlhfkit.rollout import generate_responses
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import (
@@ -33,7 +32,8 @@ from rlhfkit.trainers.online.context import (
     derived_seed,
     model_inputs,
 )
-from rlhfkit.trainers.online.sharding import generation_model, reshard
+from rlhfkit.trainers.online.layout import micro_batches, row_lengths
+from rlhfkit.trainers.online.sharding import generation_model, is_sharded, reshard
 from rlhfkit.types import Rollout
 
 
@@ -65,7 +65,9 @@ def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int, stream: in
 
 
 @torch.no_grad()
-def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock | None = None) -> Rollout:
+def sample_rollout(
+    ctx: OnlineContext, batch: dict[str, Any], clock: StageClock | None = None, step: int | None = None
+) -> Rollout:
     """Stage 1: sample one response per row of ``batch`` and read log-probs and values at sampling time.
 
     The responses are cut after their first stop token (the token is inside the mask, also when pad ==
@@ -74,6 +76,11 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     reference are recomputed from the models themselves under the sampling's processing (``ctx.sampling``:
     temperature, suppressed pad, top-k / top-p), never taken from ``generate`` (OpenRLHF PR #853;
     huggingface/trl#2358).
+
+    With ``step`` (a rollout the PPO update will train on), the no-grad forwards run on the micro-batches of
+    the update's first epoch (:func:`rlhfkit.trainers.online.layout.micro_batches`: the same rows, order and
+    columns), so the first epoch recomputes exactly these log-probs, in bf16 too; without it (evaluation),
+    on chunks of ``online.rollout_batch_size`` rows.
 
     Returns:
         the rollout with ``logprobs``, ``ref_logprobs``, ``values`` (critic only), ``group_ids``, ``ended``,
@@ -114,17 +121,16 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
         if model is not None:
             model.eval()
     with clock("forward"):
-        for i in range(0, n, size):
-            rows = slice(i, i + size)
+        for rows in _forward_rows(ctx, step, batch["query_mask"], response_mask, size):
             ids, attn, start, w = model_inputs(
-                batch["query_ids"][rows], batch["query_mask"][rows], response_ids[rows], mask[rows]
+                batch["query_ids"][rows], batch["query_mask"][rows], response_ids[rows], response_mask[rows]
             )
-            labels = response_ids[rows, :w]
-            logits = response_logits(roles.actor, ids, attn, start)  # (b, w, V)
-            logprobs[rows, :w] = sampled_logprobs(logits, labels, ctx.sampling)
-            entropy[rows, :w] = entropy_from_logits(processed_logits(logits, ctx.sampling, labels))
-            ref_logits = response_logits(roles.reference, ids, attn, start)  # (b, w, V)
-            ref_logprobs[rows, :w] = sampled_logprobs(ref_logits, labels, ctx.sampling)
+            # chunked over the vocabulary: no (b, w, V) logits (rlhfkit.models.head_chunks)
+            actor = response_readout(roles.actor, ids, attn, start, ctx.sampling, entropy=True)
+            logprobs[rows, :w], entropy[rows, :w] = actor.logprobs, actor.entropy  # (b, w)
+            ref_logprobs[rows, :w] = response_readout(
+                roles.reference, ids, attn, start, ctx.sampling
+            ).logprobs
             if values is not None:
                 values[rows, :w] = critic_values(roles.critic, ids, attn, start)
     reshard(roles)  # sharded: the trained roots, kept gathered for a backward that no-grad forwards lack
@@ -142,6 +148,27 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
         entropy=fill_masked(entropy, mask),
     )
     return rollout
+
+
+def _forward_rows(
+    ctx: OnlineContext, step: int | None, query_mask: torch.Tensor, response_mask: torch.Tensor, size: int
+) -> list[torch.Tensor]:
+    """The row groups of stage 1's forwards: the update's first-epoch micro-batches for rollout ``step``, else
+    consecutive chunks of ``size`` rows. Returns (b,) long tensors that hold every row once."""
+    n = query_mask.shape[0]
+    # Sharded, each forward is a collective: every process must make as many, and the update's micro-batch
+    # counts differ between processes, so stage 1 keeps the equal chunks there (the ratio is then exact to
+    # float rounding, not to the bit).
+    if step is None or is_sharded(ctx):
+        return list(torch.arange(n, device=query_mask.device).split(size))
+    if n != ctx.rows()[1]:
+        raise ValueError(f"a rollout of step {step} has {ctx.rows()[1]} rows on this process, got {n}")
+    groups = [
+        rows
+        for micros in micro_batches(ctx, step, 0, row_lengths(query_mask, response_mask))
+        for rows in micros
+    ]
+    return groups
 
 
 class Scores(NamedTuple):

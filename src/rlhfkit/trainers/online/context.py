@@ -242,6 +242,14 @@ def model_inputs(
     return input_ids, attention_mask, query_ids.shape[1] - cut, width
 
 
+def input_mask(rollout) -> torch.Tensor:
+    """The response columns a forward reads: (B, T) bool, ``rollout.response_mask`` (the response up to its stop
+    token), which stage 1 fixes; the loss mask (``rollout.mask``) may lose rows later (missing EOS, unscored), and
+    reading it would change a micro-batch's columns between the old log-probs and the update. A rollout built
+    without a response mask reads its ``mask``."""
+    return rollout.mask if rollout.response_mask is None else rollout.response_mask
+
+
 class StageClock:
     """Wall seconds per stage: ``with clock("generate"): ...`` adds to ``clock.seconds["generate"]``."""
 

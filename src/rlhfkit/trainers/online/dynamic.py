@@ -14,7 +14,9 @@ nothing) and is counted, never dropped in silence:
 
 Extra prompts come from their own stateless streams (one per round: the batch order of a seed derived from
 (seed, "dynamic-sampling", round)), and the sampling noise continues the rollout's own RNG stream, so a
-resumed run draws what the uninterrupted one drew. Every process replaces its own groups (a group never
+resumed run draws what the uninterrupted one drew. A replacing group's old log-probs come from stage 1's plain
+row chunks, not from the update's first-epoch micro-batches (:mod:`rlhfkit.trainers.online.layout`), so in bf16
+its first ratio is 1 to float rounding rather than to the bit. Every process replaces its own groups (a group never
 leaves its process) and runs the same number of rounds, agreed by one all-reduce a round, because scoring is
 collective when a reward function fails.
 """

@@ -130,7 +130,7 @@ def train_online(
         # 1. generate: sample responses, cut them at the stop token; old and reference log-probs, values
         torch.manual_seed(derived_seed("sampling", cfg.seed, step, accelerator.process_index))
         batch = prompt_batch(ctx, examples, step)
-        rollout = sample_rollout(ctx, batch, clock)
+        rollout = sample_rollout(ctx, batch, clock, step)
 
         # 2. score: reward model and/or reward functions; the missing-EOS rule; clipping. A response that
         # nothing scored (every function said None) leaves the loss. A failing reward function stops the run

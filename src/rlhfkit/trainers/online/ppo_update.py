@@ -2,7 +2,7 @@
 minibatch and role, gradients accumulated over micro-batches (:func:`ppo_update`).
 
 The minibatches are cut from one permutation of the whole rollout (all processes), a stateless function of
-(seed, rollout, epoch) (:func:`local_minibatches`), so N processes take the optimizer steps one process takes
+(seed, rollout, epoch) (:func:`rlhfkit.trainers.online.layout.local_minibatches`), so N processes take the optimizer steps one process takes
 and resuming needs no sampler state. The training forwards go through the accelerate-prepared models (DDP
 synchronises gradients).
 
@@ -18,7 +18,6 @@ import torch
 
 from rlhfkit.algos import (
     aggregate_loss,
-    entropy_from_logits,
     kl_penalty_loss,
     loss_normalizer,
     ppo_policy_loss,
@@ -27,41 +26,11 @@ from rlhfkit.algos import (
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import dp_scale
-from rlhfkit.models import processed_logits, response_forward, sampled_logprobs, set_update_mode
-from rlhfkit.trainers.online.context import (
-    OnlineContext,
-    StatSums,
-    critic_values,
-    derived_seed,
-    model_inputs,
-)
-from rlhfkit.trainers.online.sharding import micro_batch_starts
+from rlhfkit.models import response_readout, set_update_mode
+from rlhfkit.trainers.online.context import OnlineContext, StatSums, critic_values, input_mask, model_inputs
+from rlhfkit.trainers.online.layout import micro_batches, row_lengths
+from rlhfkit.trainers.online.sharding import micro_batch_passes
 from rlhfkit.types import Rollout
-
-
-def minibatch_order(
-    n: int, seed: int, step: int, epoch: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """A permutation of ``n`` rows, a stateless function of (seed, step, epoch): resume needs no sampler state."""
-    g = torch.Generator().manual_seed(derived_seed("minibatches", seed, step, epoch))
-    return torch.randperm(n, generator=g).to(device)
-
-
-def local_minibatches(ctx: OnlineContext, step: int, epoch: int) -> list[torch.Tensor]:
-    """This process's rows (local indices) of each of the epoch's ``online.num_minibatches`` minibatches.
-
-    The minibatches are cut from ONE permutation of the whole rollout's rows (all processes), so that N
-    processes train on the minibatches one process would; each takes the rows it holds, in that order. A
-    process may hold more rows of one minibatch than of another, or none (see :func:`ppo_update`).
-    """
-    first, local, total = ctx.rows()
-    order = minibatch_order(total, ctx.cfg.seed, step, epoch, ctx.device)
-    size = total // ctx.cfg.online.num_minibatches
-    out = []
-    for k in range(ctx.cfg.online.num_minibatches):
-        rows = order[k * size : (k + 1) * size]
-        out.append(rows[(rows >= first) & (rows < first + local)] - first)
-    return out
 
 
 @dataclass
@@ -90,7 +59,7 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
     of ``train.micro_batch_size`` responses; every loss is ``aggregate_loss`` with the WHOLE minibatch's
     normaliser (summed over processes), so neither the micro-batch size nor the process count changes
     the gradient (huggingface/transformers PR #34191; huggingface/trl#3021). The minibatches are those of the whole rollout
-    (:func:`local_minibatches`): N processes take the optimizer steps one process takes. A process that holds
+    (:func:`rlhfkit.trainers.online.layout.local_minibatches`): N processes take the optimizer steps one process takes. A process that holds
     no row of a minibatch still joins the gradient all-reduce, with a zero-weighted backward pass. A
     minibatch without a valid token (every response masked out) is skipped: no optimizer step, so the
     parameters do not move. ``train_actor=False`` (critic warm-up) trains the critic alone.
@@ -99,15 +68,18 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
         rollout: with ``advantages``, ``returns`` and (critic) ``values`` filled in; this process's rows.
         step: the rollout's number (seeds the minibatch order).
     """
-    online, train = ctx.cfg.online, ctx.cfg.train
-    micro = train.micro_batch_size or rollout.batch_size // online.num_minibatches
+    online = ctx.cfg.online
     names = [name for name in ("actor", "critic") if name in ctx.trained and (name != "actor" or train_actor)]
     for name in names:  # the forwards of the rollout, whose outputs are the old log-probs and values
         set_update_mode(ctx.trained[name], dropout=not ctx.cfg.model.disable_dropout)
     result, diffs = UpdateResult(StatSums(ctx.device)), []
+    lengths = row_lengths(rollout.query_mask, input_mask(rollout))
     for epoch in range(online.ppo_epochs):
-        for k, rows in enumerate(local_minibatches(ctx, step, epoch)):
-            minibatch = rollout.select(rows)
+        # the layout of stage 1's forwards in epoch 0 (rlhfkit.trainers.online.layout): length-sorted micro-batches
+        for k, micros in enumerate(micro_batches(ctx, step, epoch, lengths)):
+            minibatch = rollout.select(
+                torch.cat(micros) if micros else torch.zeros(0, dtype=torch.long, device=ctx.device)
+            )
             normalizer = float(ctx.all_sum(loss_normalizer(minibatch.mask, online.loss_agg_mode)))
             if normalizer == 0:
                 result.skipped_minibatches += 1
@@ -115,10 +87,10 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
             tokens = float(ctx.all_sum(minibatch.mask.sum())) if ctx.router_aux_coef else 0.0
             losses: dict[str, torch.Tensor] = {}
             first_diff = torch.zeros((), dtype=torch.float64, device=ctx.device)
-            starts = micro_batch_starts(ctx, len(rows), micro)  # None: a pass with no row of this process
-            for j, start in enumerate(starts):
+            starts = micro_batch_passes(ctx, micros)  # None: a pass with no row of this process
+            for j, rows in enumerate(starts):
                 with _no_sync(ctx, names, last=j == len(starts) - 1):
-                    if start is None:  # the same all-reduce as the others, adding nothing to the gradient
+                    if rows is None:  # the same all-reduce as the others, adding nothing to the gradient
                         ignored = StatSums(ctx.device)
                         loss, parts, _ = micro_batch_loss(
                             ctx, rollout.select(slice(0, 1)), normalizer, ignored, train_actor, tokens
@@ -132,7 +104,7 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
                     else:
                         loss, parts, diff = micro_batch_loss(
                             ctx,
-                            minibatch.select(slice(start, start + micro)),
+                            rollout.select(rows),
                             normalizer,
                             result.stats,
                             train_actor,
@@ -174,7 +146,7 @@ def micro_batch_loss(
         aggregated like the loss; the largest |logprobs - old_logprobs| at a valid token).
     """
     online = ctx.cfg.online
-    ids, attn, start, w = model_inputs(mb.query_ids, mb.query_mask, mb.response_ids, mb.mask)
+    ids, attn, start, w = model_inputs(mb.query_ids, mb.query_mask, mb.response_ids, input_mask(mb))
     mask = mb.mask[:, :w]  # (b, w)
     tokens = mask.sum()
 
@@ -187,10 +159,16 @@ def micro_batch_loss(
     parts: dict[str, torch.Tensor] = {}
     diff = torch.zeros((), device=ctx.device)
     if train_actor:
-        logits, aux = response_forward(
-            ctx.trained["actor"], ids, attn, start, router_aux=ctx.router_aux_coef > 0
+        readout = response_readout(  # the kernels and chunks of stage 1's no-grad read-out
+            ctx.trained["actor"],
+            ids,
+            attn,
+            start,
+            ctx.sampling,
+            entropy=online.ent_coef > 0,
+            router_aux=ctx.router_aux_coef > 0,
         )
-        logprobs = sampled_logprobs(logits, mb.response_ids[:, :w], ctx.sampling)  # (b, w)
+        logprobs, aux = readout.logprobs, readout.aux_loss  # (b, w)
         old = mb.logprobs[:, :w]
         per_token, pg = ppo_policy_loss(
             logprobs,
@@ -207,9 +185,7 @@ def micro_batch_loss(
         for name, value in pg.items():  # clipfrac (and its low / high / dual parts), approx_kl, ratio/mean
             stats.add(name, value, tokens)
         if online.ent_coef > 0:
-            parts["loss/entropy"] = aggregate(
-                entropy_from_logits(processed_logits(logits, ctx.sampling, mb.response_ids[:, :w]))
-            )
+            parts["loss/entropy"] = aggregate(readout.entropy)
             loss = loss - online.ent_coef * parts["loss/entropy"]
         if (
             online.kl_in_loss

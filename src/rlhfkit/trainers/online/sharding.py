@@ -65,18 +65,18 @@ def final_models(ctx: OnlineContext) -> tuple[torch.nn.Module, torch.nn.Module |
     return sharded.unshard(actor), None if critic is None else sharded.unshard(critic)
 
 
-def micro_batch_starts(ctx: OnlineContext, rows: int, micro: int) -> list[int | None]:
-    """The first row of each micro-batch of a minibatch of which this process holds ``rows`` rows, None for
-    a zero-weighted pass (no row of its own). Sharded, every process makes as many passes as the process with
-    the most (one all-reduce): each forward and backward of a sharded model is a collective, so a process
-    with fewer rows joins the others' with passes that add nothing (data parallel needs this only when a
+def micro_batch_passes(ctx: OnlineContext, micros: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The micro-batches (local row indices) of a minibatch, None for a zero-weighted pass (no row of this
+    process's own). Sharded, every process makes as many passes as the process with the most (one
+    all-reduce): each forward and backward of a sharded model is a collective, so a process with fewer
+    micro-batches joins the others' with passes that add nothing (data parallel needs this only when a
     process holds no row: DDP synchronises once per minibatch)."""
-    starts: list[int | None] = list(range(0, rows, micro)) or [None]
+    passes: list[torch.Tensor | None] = list(micros) or [None]
     if is_sharded(ctx) and ctx.accelerator.num_processes > 1:
-        most = torch.tensor([len(starts)], device=ctx.device)
+        most = torch.tensor([len(passes)], device=ctx.device)
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        starts += [None] * (int(most) - len(starts))
-    return starts
+        passes += [None] * (int(most) - len(passes))
+    return passes
 
 
 def trained_roles(roles: Roles) -> dict[str, torch.nn.Module]:

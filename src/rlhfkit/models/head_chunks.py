@@ -1,0 +1,239 @@
+"""Token log-probs and entropies from the last hidden states, the output projection applied a chunk of tokens
+at a time, so that no (B, T, V) logits tensor is ever held, with or without grad.
+
+A causal LM's read-out used to take the whole ``(B, T, V)`` logits from the model and a float32 copy of them:
+at V = 49k and B x T = 32 x 100 that is 0.6 GB a copy, for a 135M model (issue 27). Here the model runs with
+``logits_to_keep=1`` (its own projection of one column, unused), a forward hook takes the decoder's last hidden
+states ``(B, L, H)``, and :func:`chunked_readout` applies the model's own output module (``lm_head``: tied
+embeddings, a bias, or a peft LoRA layer on it alike) to ``chunk_tokens`` positions at a time. Under autograd
+each chunk runs inside ``torch.utils.checkpoint`` (non-reentrant): its backward recomputes that chunk's logits
+from the saved hidden states instead of keeping them (Liger-Kernel's fused linear cross-entropy and Cut Your
+Losses in Large-Vocabulary Language Models, Wijmans et al. 2024, do the same in one kernel). Peak memory of the
+read-out: the (B, T, H) hidden states plus a few (chunk_tokens, V) float32 blocks.
+
+Which models take this path (:func:`chunkable`): those whose causal-LM forward accepts ``logits_to_keep`` and
+whose logits are ``lm_head(last hidden state)``, optionally soft-capped as Gemma 2/3 do
+(``final_logit_softcapping``: ``cap * tanh(logits / cap)``, transformers' ``Gemma2ForCausalLM.forward``). A
+config with another final scaling (``logit_scale``: Cohere; ``logits_scaling``: Granite), and a model sharded by
+FSDP (its head's weight a DTensor outside the forward), take the plain path
+(:func:`rlhfkit.models.readout.response_forward`). tests/models/test_head_chunks.py compares both paths on
+every architecture of tests/models/tiny_architectures.py.
+
+Shapes: ``B`` rows, ``L`` sequence length, ``R`` response length, ``H`` hidden size, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import NamedTuple
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from rlhfkit.algos import entropy_from_logits
+from rlhfkit.models.precision import autocast_region
+from rlhfkit.models.readout import position_ids_from_mask, response_forward, sampled_logprobs, unwrap_model
+from rlhfkit.models.sampling import Sampling, processed_logits
+
+# Elements of one (chunk_tokens, V) float32 block: 2**22 = 16 MiB. The read-out of a chunk holds a few such
+# blocks at once (the logits, their float32 processed copy, the softmax of the backward).
+CHUNK_ELEMENTS = 1 << 22
+
+# Config attributes of a final scaling of the logits that chunked_readout does not apply (module docstring).
+_OTHER_SCALINGS = ("logit_scale", "logits_scaling")
+
+
+class Readout(NamedTuple):
+    """What :func:`response_readout` gives.
+
+    Attributes:
+        logprobs: (B, R) float32, log pi(y_t | x, y_<t) under the sampling distribution.
+        entropy: (B, R) float32 entropy of that distribution at each position, or None when not asked for.
+        aux_loss: a mixture of experts' router load-balancing loss (scalar), or None.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+
+
+def _lm(model: torch.nn.Module) -> torch.nn.Module:
+    inner = unwrap_model(model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # a LoRA model's own
+
+
+def chunkable(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (possibly wrapped: DDP, peft) takes the chunked read-out (module docstring)."""
+    lm = _lm(model)
+    config = getattr(lm, "config", None)
+    if config is None or any(getattr(config, name, None) not in (None, 1, 1.0) for name in _OTHER_SCALINGS):
+        return False
+    if "logits_to_keep" not in inspect.signature(lm.forward).parameters:
+        return False
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    if not (isinstance(head, torch.nn.Module) and isinstance(decoder, torch.nn.Module) and decoder is not lm):
+        return False
+    # FSDP2 (train.sharding) holds the head's weight as a sharded DTensor outside the model's forward, where the
+    # chunks would apply it: a sharded model reads out the plain way
+    return not any(_is_dtensor(p) for p in head.parameters())
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def chunk_size(vocab: int, chunk_tokens: int | None = None) -> int:
+    """Tokens per chunk: ``chunk_tokens``, or as many as fit :data:`CHUNK_ELEMENTS` float32 values (>= 1)."""
+    return chunk_tokens if chunk_tokens else max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
+def _chunk_readout(head, cap, sampling, want_entropy, hidden, labels):
+    """Log-probs (and entropies) of ``labels`` (n,) from ``hidden`` (n, H): one chunk of tokens."""
+    logits = head(hidden)[None]  # (1, n, V)
+    if cap:  # transformers' Gemma2ForCausalLM: logits / cap, tanh, * cap
+        logits = torch.tanh(logits / cap) * cap
+    logprobs = sampled_logprobs(logits, labels[None], sampling)[0]  # (n,)
+    if not want_entropy:
+        return logprobs, torch.zeros_like(logprobs)
+    return logprobs, entropy_from_logits(processed_logits(logits, sampling, labels[None]))[0]
+
+
+def chunked_readout(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    sampling: Sampling,
+    entropy: bool = False,
+    softcap: float | None = None,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``labels`` and entropies under ``sampling`` of the logits ``head(hidden)``, chunk by chunk.
+
+    Equal to ``sampled_logprobs(head(hidden), labels, sampling)`` (and ``entropy_from_logits(processed_logits(
+    ...))``) up to the rounding of a matrix product of another shape, in values and in the gradients with
+    respect to ``hidden`` and ``head``'s parameters; never more than one chunk's (chunk_tokens, V) logits exist.
+
+    Args:
+        head: the output projection (hidden -> V logits), e.g. ``model.get_output_embeddings()``.
+        hidden: (B, T, H) the last hidden states, position t predicting ``labels[:, t]``.
+        labels: (B, T) token ids (a negative id gives a meaningless value there: mask it).
+        sampling: temperature, suppressed ids, top-k / top-p (:mod:`rlhfkit.models.sampling`).
+        entropy: also return the entropies.
+        softcap: a final soft-capping ``cap * tanh(logits / cap)`` (Gemma 2/3), or None.
+        chunk_tokens: positions per chunk (default :func:`chunk_size` of the vocabulary).
+    Returns:
+        (logprobs (B, T) float32, entropy (B, T) float32 or None).
+    """
+    batch, steps, width = hidden.shape
+    if labels.shape != (batch, steps):
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not match")
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    size = chunk_size(vocab, chunk_tokens)
+    flat_labels = labels.reshape(-1).long().clamp(min=0)
+    parts = []
+    recorded = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+    for h, y in zip(hidden.reshape(-1, width).split(size), flat_labels.split(size), strict=True):
+        if recorded:  # backward recomputes this chunk's logits from h instead of keeping them
+            parts.append(
+                checkpoint(_chunk_readout, head, softcap, sampling, entropy, h, y, use_reentrant=False)
+            )
+        else:
+            parts.append(_chunk_readout(head, softcap, sampling, entropy, h, y))
+    logprobs = torch.cat([p[0] for p in parts]).view(batch, steps)
+    return logprobs, (torch.cat([p[1] for p in parts]).view(batch, steps) if entropy else None)
+
+
+def response_readout(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    sampling: Sampling | None = None,
+    entropy: bool = False,
+    router_aux: bool = False,
+    chunk_tokens: int | None = None,
+    labels: torch.Tensor | None = None,
+) -> Readout:
+    """Log-probs (and entropies) of the response tokens of a causal LM, without (B, R, V) logits when the model
+    is :func:`chunkable` (else the plain path of :func:`rlhfkit.models.readout.response_forward`).
+
+    The whole (possibly DDP-wrapped) model is called, so a wrapper sees its forward; position ids come from the
+    attention mask; the state before response token t is column ``response_start + t - 1``.
+
+    Args:
+        input_ids, attention_mask: (B, L) = left-padded prompts then right-padded responses.
+        response_start: p0 (>= 1), the column of the first response token.
+        sampling: the sampler's processing (None: the plain softmax).
+        entropy: also the entropies; router_aux: also a mixture of experts' router loss.
+        chunk_tokens: positions per chunk (default :func:`chunk_size`).
+        labels: (B, R) the tokens to score (default: the response tokens ``input_ids[:, response_start:]``;
+            an SFT batch's labels differ from them only where they are -100, masked).
+    Returns:
+        a :class:`Readout`; ``logprobs[:, t]`` and ``entropy[:, t]`` are read at column p0 + t - 1.
+    """
+    sampling = sampling or Sampling()
+    length = input_ids.shape[1]
+    if not 1 <= response_start <= length:
+        raise ValueError(f"response_start must be in [1, {length}], got {response_start}")
+    labels = (input_ids[:, response_start:] if labels is None else labels).long().clamp(min=0)  # (B, R)
+    if not chunkable(model):
+        logits, aux = response_forward(model, input_ids, attention_mask, response_start, router_aux)
+        ent = entropy_from_logits(processed_logits(logits, sampling, labels)) if entropy else None
+        return Readout(sampled_logprobs(logits, labels, sampling), ent, aux)
+    lm = _lm(model)
+    captured = []
+
+    def keep_hidden(_module, _inputs, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    hook = lm.get_decoder().register_forward_hook(keep_hidden)
+    kwargs = {"output_router_logits": True} if router_aux else {}
+    try:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            logits_to_keep=1,
+            **kwargs,
+        )
+    finally:
+        hook.remove()
+    if len(captured) != 1 or captured[0].shape[:2] != input_ids.shape:
+        raise RuntimeError(f"{type(lm).__name__}'s decoder did not run once over every position")
+    hidden = captured[0][:, response_start - 1 : length - 1]  # (B, R, H)
+    cap = getattr(lm.config, "final_logit_softcapping", None)
+    wrapped = lm if hasattr(lm, "rlhfkit_autocast") else unwrap_model(model)
+    with autocast_region(wrapped):  # the projection under the model's own autocast, as in its forward
+        logprobs, ent = chunked_readout(
+            lm.get_output_embeddings(), hidden, labels, sampling, entropy, cap, chunk_tokens
+        )
+    return Readout(logprobs, ent, out.aux_loss if router_aux else None)
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    sampling: Sampling | None = None,
+) -> torch.Tensor:
+    """Log-probabilities of the response tokens under the distribution they were sampled from, without (B, R, V)
+    logits where the model allows it (:func:`response_readout`).
+
+    Args:
+        input_ids, attention_mask: (B, L) = prompts (left padded) then responses (right padded).
+        response_start: p0, the column of the first response token.
+        sampling: the sampler (temperature, suppressed ids, truncation: :func:`sampled_logprobs`); None =
+            the plain softmax of the logits.
+    Returns:
+        (B, R) float32; ``[:, t]`` is log pi(y_t | x, y_<t) read at column p0 + t - 1.
+    """
+    return response_readout(model, input_ids, attention_mask, response_start, sampling).logprobs

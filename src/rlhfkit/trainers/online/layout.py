@@ -1,0 +1,76 @@
+"""Which rows of a rollout go through the model together: the minibatches of each PPO epoch and, inside
+each, the micro-batches of the forwards (:func:`micro_batches`).
+
+The layout is a stateless function of (seed, step, epoch, the rows' lengths), so stage 1 (the old log-probs,
+reference log-probs and values, :mod:`rlhfkit.trainers.online.collect`) and the first epoch of stage 5 (the
+update, :mod:`rlhfkit.trainers.online.ppo_update`) run the very same forwards: the same rows, in the same
+order, cut to the same columns. In bf16 a matrix product's rounding depends on its shapes, so any other
+layout makes the first ratio differ from 1 by up to ~1e-3 on a tiny model (docs/design.md, "Models").
+
+Inside a minibatch the rows are sorted by length before they are cut into micro-batches, so that trimming
+the columns no row of a micro-batch uses (:func:`rlhfkit.trainers.online.context.model_inputs`) removes most
+padding. A minibatch's rows and its loss normaliser are unchanged by the order (the loss of every
+micro-batch is divided by the whole minibatch's normaliser), so the gradient changes by float rounding only;
+which rows a process holds is unchanged too (docs/design.md, "Data parallelism").
+
+Shapes: ``B`` responses of this process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhfkit.trainers.online.context import OnlineContext, derived_seed
+
+
+def minibatch_order(
+    n: int, seed: int, step: int, epoch: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """A permutation of ``n`` rows, a stateless function of (seed, step, epoch): resume needs no sampler state."""
+    g = torch.Generator().manual_seed(derived_seed("minibatches", seed, step, epoch))
+    return torch.randperm(n, generator=g).to(device)
+
+
+def local_minibatches(ctx: OnlineContext, step: int, epoch: int) -> list[torch.Tensor]:
+    """This process's rows (local indices) of each of the epoch's ``online.num_minibatches`` minibatches.
+
+    The minibatches are cut from ONE permutation of the whole rollout's rows (all processes), so that N
+    processes train on the minibatches one process would; each takes the rows it holds, in that order. A
+    process may hold more rows of one minibatch than of another, or none (see
+    :func:`rlhfkit.trainers.online.ppo_update.ppo_update`).
+    """
+    first, local, total = ctx.rows()
+    order = minibatch_order(total, ctx.cfg.seed, step, epoch, ctx.device)
+    size = total // ctx.cfg.online.num_minibatches
+    out = []
+    for k in range(ctx.cfg.online.num_minibatches):
+        rows = order[k * size : (k + 1) * size]
+        out.append(rows[(rows >= first) & (rows < first + local)] - first)
+    return out
+
+
+def row_lengths(query_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Real tokens of each row, prompt and response: (B,) long, from (B, P) and (B, T) masks."""
+    return query_mask.long().sum(1) + response_mask.long().sum(1)
+
+
+def micro_batches(
+    ctx: OnlineContext, step: int, epoch: int, lengths: torch.Tensor
+) -> list[list[torch.Tensor]]:
+    """The micro-batches of each minibatch of ``epoch`` of rollout ``step``: local row indices.
+
+    Each minibatch of :func:`local_minibatches` is sorted by ``lengths`` (stable, so ties keep the shuffled
+    order) and cut into ``train.micro_batch_size`` rows (default: the whole minibatch).
+
+    Args:
+        lengths: (B,) the length of each local row (:func:`row_lengths`).
+    Returns:
+        one list per minibatch (possibly empty: this process holds no row of it) of (b,) long tensors.
+    """
+    _, local, total = ctx.rows()
+    micro = ctx.cfg.train.micro_batch_size or local // ctx.cfg.online.num_minibatches
+    out = []
+    for rows in local_minibatches(ctx, step, epoch):
+        rows = rows[torch.argsort(lengths[rows], stable=True)]
+        out.append(list(rows.split(max(micro, 1))) if rows.numel() else [])  # split([]) is [[]]
+    return out

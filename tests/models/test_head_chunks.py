@@ -1,0 +1,188 @@
+"""The chunked read-out (rlhfkit.models.head_chunks): equal to the plain (B, T, V) computation in values and
+gradients, for any chunk size, every sampling processing, every tiny architecture, LoRA and bf16."""
+
+import pytest
+import torch
+
+from rlhfkit.algos import entropy_from_logits
+from rlhfkit.models import Sampling, processed_logits, response_logits, sampled_logprobs
+from rlhfkit.models.head_chunks import chunkable, chunked_readout, response_readout
+from tests.helpers import tiny_llama
+from tests.models.tiny_architectures import ARCHITECTURES, tiny_config
+
+SAMPLINGS = {
+    "plain": Sampling(),
+    "temperature": Sampling(temperature=0.7),
+    "suppress-topk": Sampling(temperature=0.9, top_k=5, suppress_ids=(3,)),
+    "topp": Sampling(temperature=1.3, top_p=0.8),
+}
+
+
+def plain(head, hidden, labels, sampling, softcap=None):
+    """The reference: whole (B, T, V) logits, then the existing read-outs."""
+    logits = head(hidden)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return sampled_logprobs(logits, labels, sampling), entropy_from_logits(
+        processed_logits(logits, sampling, labels)
+    )
+
+
+def _problem(vocab=37, width=8, batch=3, steps=7, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(width, vocab, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, width, generator=g))
+        if bias:
+            head.bias.copy_(torch.randn(vocab, generator=g))
+    hidden = torch.randn(batch, steps, width, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (batch, steps), generator=g)
+    return head, hidden, labels
+
+
+def _grads(head, hidden, outputs, weights):
+    loss = sum((o * w).sum() for o, w in zip(outputs, weights, strict=True))
+    params = [hidden, *head.parameters()]
+    return torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+@pytest.mark.parametrize("chunk", [1, 4, 5, 21, 100])  # 21 = B x T; 4, 5 do not divide it
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_chunked_equals_plain_in_values_and_gradients_fp32(name, chunk, softcap):
+    head, hidden, labels = _problem(bias=softcap is not None)
+    sampling = SAMPLINGS[name]
+    lp, ent = chunked_readout(head, hidden, labels, sampling, True, softcap, chunk)
+    ref_lp, ref_ent = plain(head, hidden, labels, sampling, softcap)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=1e-6)
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(lp.shape, generator=g), torch.randn(lp.shape, generator=g)]
+    for got, want in zip(
+        _grads(head, hidden, (lp, ent), weights),
+        _grads(head, hidden, (ref_lp, ref_ent), weights),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_backward_keeps_no_full_logits():
+    """The graph of the chunked read-out saves hidden-sized tensors, never a (B, T, V) or (chunk, V) block:
+    every saved tensor of the autograd graph is counted through saved-tensor hooks."""
+    head, hidden, labels = _problem(vocab=4000, width=8, batch=2, steps=16)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, _ = chunked_readout(head, hidden, labels, Sampling(temperature=0.8), False, None, 4)
+    assert max(saved) < 4 * 4000  # no chunk's logits kept: recomputed in backward
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        plain(head, hidden, labels, Sampling(temperature=0.8))
+    assert max(saved) >= 2 * 16 * 4000  # the plain path keeps the whole logits: the count above means it
+
+
+def test_junk_at_masked_positions_changes_nothing_elsewhere():
+    head, hidden, labels = _problem()
+    lp, ent = chunked_readout(head, hidden, labels, SAMPLINGS["suppress-topk"], True, None, 4)
+    junk_hidden = hidden.detach().clone()
+    junk_labels = labels.clone()
+    junk_hidden[:, -2:] = 1e4
+    junk_labels[:, -2:] = -100
+    lp2, ent2 = chunked_readout(head, junk_hidden, junk_labels, SAMPLINGS["suppress-topk"], True, None, 4)
+    assert torch.equal(lp[:, :-2], lp2[:, :-2]) and torch.equal(ent[:, :-2], ent2[:, :-2])
+
+
+def test_bf16_autocast_within_bf16_tolerance():
+    head, hidden, labels = _problem(vocab=64, width=16)
+    sampling = SAMPLINGS["temperature"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = chunked_readout(head, hidden, labels, sampling, True, None, 5)
+        ref_lp, ref_ent = plain(head, hidden, labels, sampling)
+    torch.testing.assert_close(lp, ref_lp, atol=5e-2, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=5e-2, rtol=0)
+    weights = [torch.ones_like(lp), torch.ones_like(lp)]
+    for got, want in zip(
+        _grads(head, hidden, (lp, ent), weights),
+        _grads(head, hidden, (ref_lp, ref_ent), weights),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+def _batch(vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (3, 9), generator=g)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :2] = 0  # left padding
+    mask[2, -3:] = 0  # right padding
+    return ids, mask
+
+
+def _model_readout_case(model, sampling, chunk=3, atol=1e-5):
+    ids, mask = _batch(model.config.vocab_size)
+    got = response_readout(model, ids, mask, 4, sampling, entropy=True, chunk_tokens=chunk)
+    logits = response_logits(model, ids, mask, 4)  # (B, R, V): the plain path
+    want_lp = sampled_logprobs(logits, ids[:, 4:], sampling)
+    want_ent = entropy_from_logits(processed_logits(logits, sampling, ids[:, 4:]))
+    valid = mask[:, 4:].bool()
+    torch.testing.assert_close(got.logprobs[valid], want_lp[valid], atol=atol, rtol=0)
+    torch.testing.assert_close(got.entropy[valid], want_ent[valid], atol=atol, rtol=0)
+    return got, want_lp, valid
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_every_tiny_architecture_reads_out_the_same_chunked(arch):
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.tiny_architectures import bpe_tokenizer
+
+    torch.manual_seed(0)
+    config = tiny_config(arch, bpe_tokenizer())
+    if getattr(config, "final_logit_softcapping", None):  # Gemma 2/3: a cap the tiny logits would never reach
+        config.final_logit_softcapping = 0.05
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert chunkable(model)
+    _model_readout_case(model, SAMPLINGS["suppress-topk"])
+
+
+def test_gradients_through_a_model_equal_the_plain_path_also_with_tied_embeddings():
+    for tied in (False, True):
+        model = tiny_llama(tie_word_embeddings=tied)
+        got, want, valid = _model_readout_case(model, SAMPLINGS["temperature"])
+        grads = []
+        for lp in (got.logprobs, want):
+            model.zero_grad()
+            lp[valid].sum().backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        assert grads[0].keys() == grads[1].keys() and "lm_head.weight" in grads[0] or tied
+        for name, grad in grads[1].items():
+            torch.testing.assert_close(grads[0][name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_lora_on_lm_head_takes_the_chunked_path_with_its_adapter():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny_llama(), LoraConfig(r=2, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    )
+    assert chunkable(model)
+    got, want, valid = _model_readout_case(model, SAMPLINGS["plain"])
+    grads = []
+    for lp in (got.logprobs, want):
+        model.zero_grad()
+        lp[valid].sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert any("lm_head" in n and "lora_B" in n for n in grads[0])
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grads[0][name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_model_with_another_final_scaling_takes_the_plain_path():
+    model = tiny_llama()
+    model.config.logit_scale = 0.5
+    assert not chunkable(model)
+    del model.config.logit_scale
+    assert chunkable(model)

@@ -1,0 +1,101 @@
+"""The forwards' layout (rlhfkit.trainers.online.layout): length-sorted micro-batches inside unchanged
+minibatches, shared by stage 1 and the update's first epoch, so that the first PPO ratio is exactly 1 in bf16
+as in fp32 (issue 27, item 1)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlhfkit.trainers.online import collect
+from rlhfkit.trainers.online.context import model_inputs
+from rlhfkit.trainers.online.layout import local_minibatches, micro_batches
+from rlhfkit.trainers.online.ppo_update import ppo_update
+from tests.trainers.online.online_fixtures import make_context, online_config, write_online_problem
+from tests.trainers.online.test_online import _ragged_generation, rollout_for_update
+
+
+def test_micro_batches_sort_each_minibatch_by_length_and_keep_its_rows(tmp_path):
+    paths = write_online_problem(tmp_path, reward_model=False)
+    cfg = online_config(
+        paths, tmp_path / "run", "train.batch_size=8", "train.micro_batch_size=3", "online.num_minibatches=2"
+    )
+    ctx = make_context(cfg)  # 8 prompts x 2 = 16 rows, minibatches of 8, micro-batches of 3, 3, 2
+    lengths = torch.randint(1, 40, (16,), generator=torch.Generator().manual_seed(0))
+    for epoch in (0, 1):
+        layout = micro_batches(ctx, 3, epoch, lengths)
+        for micros, rows in zip(layout, local_minibatches(ctx, 3, epoch), strict=True):
+            assert [len(m) for m in micros] == [3, 3, 2]
+            joined = torch.cat(micros)
+            assert sorted(joined.tolist()) == sorted(rows.tolist())  # the same rows: the same normaliser
+            assert (lengths[joined].diff() >= 0).all()  # sorted, so each micro-batch trims its padding
+
+
+def test_a_process_without_rows_of_a_minibatch_gets_no_micro_batch(tmp_path):
+    """A process may hold no row of a minibatch (ppo_update then runs a zero-weighted pass): its layout
+    must be an empty list, not one empty micro-batch (torch splits an empty tensor into one empty piece)."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    ctx = make_context(online_config(paths, tmp_path / "run", "online.num_minibatches=2"))
+    monkey = dataclasses.replace(ctx, accelerator=_Rank(ctx.accelerator, 0, 4))  # 8 rows: 2 of 8 here
+    layouts = [micro_batches(monkey, step, 0, torch.arange(2)) for step in range(1, 9)]
+    assert any(micros == [] for layout in layouts for micros in layout)
+    assert all(all(len(m) for m in micros) for layout in layouts for micros in layout)
+
+
+class _Rank:
+    """An accelerator that says it is process ``index`` of ``count``."""
+
+    def __init__(self, accelerator, index, count):
+        self._inner, self.process_index, self.num_processes = accelerator, index, count
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_length_sorting_removes_padding_columns(tmp_path, monkeypatch):
+    """Eight responses of 1, 6, 3 and 1 tokens (twice) in micro-batches of 2: sorted, the four short ones take
+    two micro-batches one column wide; in the shuffled order, short and long ones would share micro-batches."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    cfg = online_config(paths, tmp_path / "run", "online.num_minibatches=1", "train.micro_batch_size=2")
+    ctx = make_context(cfg)
+    monkeypatch.setattr(collect, "generate_responses", _ragged_generation(ctx.tokenizer, [1, 6, 3, 1]))
+    rollout = rollout_for_update(ctx)
+    widths = []
+    for rows in micro_batches(ctx, 1, 0, rollout.response_mask.sum(1))[0]:
+        mb = rollout.select(rows)
+        widths.append(model_inputs(mb.query_ids, mb.query_mask, mb.response_ids, mb.response_mask)[3])
+    assert widths == [1, 1, 3, 6]
+
+
+@pytest.mark.parametrize(
+    "dtype, kind, lora",
+    [
+        ("bfloat16", "ppo", False),
+        ("bfloat16", "grpo", False),
+        ("bfloat16", "ppo", True),
+        ("float32", "ppo", False),
+        ("float32", "grpo", False),
+    ],
+)
+def test_first_ratio_is_exactly_one_before_any_update(tmp_path, monkeypatch, dtype, kind, lora):
+    """At learning rate 0 the first minibatch's log-probs equal the old ones bit for bit: stage 1 runs the
+    update's first-epoch micro-batches (ragged lengths, micro-batches of 2 of minibatches of 4, not the
+    rollout's chunks) with the same attention kernel with and without grad."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    extra = ["model.lora_rank=4"] if lora else []
+    cfg = online_config(
+        paths,
+        tmp_path / "run",
+        f"model.dtype={dtype}",
+        "train.learning_rate=0",
+        "online.ppo_epochs=1",
+        "online.num_minibatches=1",
+        *extra,
+        kind=kind,
+        reward="words",
+    )
+    ctx = make_context(cfg)
+    monkeypatch.setattr(collect, "generate_responses", _ragged_generation(ctx.tokenizer, [1, 6, 3, 0]))
+    result = ppo_update(ctx, rollout_for_update(ctx), step=1)
+    assert result.first_minibatch_logprob_diff == [0.0]
+    assert result.metrics()["ratio/first_minibatch_max_logprob_diff"] == 0.0
