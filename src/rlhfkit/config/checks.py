@@ -127,6 +127,13 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 f"advantage_estimator={online.advantage_estimator} compares the responses to one "
                 f"prompt, so it needs group_size >= 2, got {online.group_size}",
             )
+        if online.rollout_correction != "none" and online.generation_backend == "hf":
+            fail(
+                "online.rollout_correction",
+                f"{online.rollout_correction} corrects for an engine that samples from other numerics than "
+                "the trainer; with generation_backend=hf the actor samples itself (the weight is 1): set "
+                "online.generation_backend=vllm or rollout_correction=none",
+            )
         responses = train.batch_size * online.group_size
         if responses % online.num_minibatches:
             fail(

@@ -24,9 +24,9 @@ from rlhfkit.algos import entropy_from_logits
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator
 from rlhfkit.models import processed_logits, response_logits, sampled_logprobs
-from rlhfkit.rollout import generate_responses
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, critic_values, model_inputs
+from rlhfkit.trainers.online.engine_rollout import generate_pieces
 from rlhfkit.types import Rollout
 
 
@@ -74,21 +74,8 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     online, roles = ctx.cfg.online, ctx.roles
     n = batch["query_ids"].shape[0]
     size = online.rollout_batch_size or n
-    pad = ctx.tokenizer.pad_token_id
     clock = clock or StageClock()
-    with clock("generate"):
-        pieces = [
-            generate_responses(
-                roles.actor,
-                batch["query_ids"][i : i + size],
-                batch["query_mask"][i : i + size],
-                max_new_tokens=online.response_length,
-                stop_token_ids=ctx.stop_token_ids,
-                pad_token_id=pad,
-                sampling=ctx.sampling,
-            )
-            for i in range(0, n, size)
-        ]
+    pieces = generate_pieces(ctx, batch, size, clock)  # hf or vllm (online.generation_backend)
     response_mask = torch.cat([p.mask for p in pieces])  # (B, R)
     width = max(int(response_mask.sum(1).max()), 1)  # T: the longest response
     response_mask = response_mask[:, :width]
@@ -131,6 +118,10 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
         response_mask=response_mask,
         entropy=fill_masked(entropy, mask),
     )
+    if ctx.engine is not None:  # the engine's own log-probs of its tokens (rollout correction, the gap)
+        rollout.engine_logprobs = fill_masked(
+            torch.cat([p.sampled_logprobs for p in pieces])[:, :width], mask
+        )
     return rollout
 
 

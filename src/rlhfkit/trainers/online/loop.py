@@ -5,6 +5,7 @@ first. The algorithm and its files are described in :mod:`rlhfkit.trainers.onlin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -27,6 +28,7 @@ from rlhfkit.trainers.common import finish_run, run_tokenizer
 from rlhfkit.trainers.online.checkpoints import resume_state, save, score_or_stop
 from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout, take_scores
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, StatSums, build_context, derived_seed
+from rlhfkit.trainers.online.engine_rollout import check_logprob_gap, start_engine
 from rlhfkit.trainers.online.hooks import OnlineHooks
 from rlhfkit.trainers.online.metrics import evaluate, rollout_stats
 from rlhfkit.trainers.online.ppo_update import UpdateResult, ppo_update
@@ -79,6 +81,7 @@ def train(
     )
     if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
         raise ConfigError("a reward-model refresh needs online.reward_model")
+    ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor))  # vllm: the engine, once
 
     result = train_online(ctx, run, examples, hooks, eval_examples)
     summary = {
@@ -126,6 +129,7 @@ def train_online(
         torch.manual_seed(derived_seed("sampling", cfg.seed, step, accelerator.process_index))
         batch = prompt_batch(ctx, examples, step)
         rollout = sample_rollout(ctx, batch, clock)
+        engine_gap = check_logprob_gap(ctx, rollout)  # vllm: the engine's weights are the actor's, or a stop
 
         # 2. score: reward model and/or reward functions; the missing-EOS rule; clipping. A response that
         # nothing scored (every function said None) leaves the loss. A failing reward function stops the run
@@ -201,6 +205,7 @@ def train_online(
             )
         )
         metrics.update(update.metrics())
+        metrics.update(engine_gap)
         metrics.update(ctx.guard.metrics())
         # The update's losses and gradient norms, already the same on every process: a non-finite one stops
         # the run before anything is saved from the weights it moved.

@@ -22,6 +22,7 @@ from rlhfkit.algos import (
     kl_estimator,
     loss_normalizer,
     ppo_policy_loss,
+    tis_weights,
     value_loss,
 )
 from rlhfkit.algos.masked import fill_masked
@@ -191,6 +192,10 @@ def micro_batch_loss(
         logprobs = sampled_logprobs(logits, mb.response_ids[:, :w], ctx.sampling)  # (b, w)
         old = mb.logprobs[:, :w]
         per_token, pg = ppo_policy_loss(logprobs, old, mb.advantages[:, :w], online.clip_eps, mask=mask)
+        if online.rollout_correction == "tis":  # the engine sampled, not pi_old: Yao et al. 2025 (algos)
+            per_token = per_token * tis_weights(
+                old, mb.engine_logprobs[:, :w], mask, online.rollout_correction_cap
+            )
         parts["loss/policy"] = aggregate(per_token)
         loss = loss + parts["loss/policy"]
         diff = fill_masked((logprobs.detach() - old).abs(), mask).max()
