@@ -18,6 +18,7 @@ Shapes: ``B`` prompts, ``P`` padded prompt length, ``R`` response length (``max_
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -129,6 +130,9 @@ class VLLMEngine:
         if not on_cpu:  # a GPU engine is sized by its share of the device's memory
             total = torch.cuda.get_device_properties(device).total_memory / 2**30
             extra["gpu_memory_utilization"] = min(0.9, settings.kv_cache_gib / total)
+        # vLLM makes a one-process torch.distributed world here unless one exists (a launcher's): it is then
+        # vLLM's to destroy in close(), which a later engine of this process needs.
+        self._owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         try:
             self.llm = LLM(
                 model=self._folder.name,
@@ -143,6 +147,25 @@ class VLLMEngine:
             )
         except Exception as error:  # vLLM raises many kinds; the run stops with one line naming it
             raise GenerationEngineError(f"the vLLM engine failed to start: {_first_line(error)}") from error
+
+    def close(self) -> None:
+        """Shut the engine down and drop vLLM's process groups (so that another engine can start in this
+        process, e.g. a resumed run); a launcher's own group is left as it is."""
+        from vllm.distributed import parallel_state
+
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            core = getattr(llm.llm_engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+        parallel_state.destroy_model_parallel()
+        if self._owns_group:
+            parallel_state.destroy_distributed_environment()
+        elif parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+            parallel_state._WORLD = None
+        gc.collect()
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Load the actor's current weights into the engine in place (the model runner's ``reload_weights``).

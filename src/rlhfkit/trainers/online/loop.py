@@ -83,7 +83,11 @@ def train(
         raise ConfigError("a reward-model refresh needs online.reward_model")
     ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor))  # vllm: the engine, once
 
-    result = train_online(ctx, run, examples, hooks, eval_examples)
+    try:
+        result = train_online(ctx, run, examples, hooks, eval_examples)
+    finally:  # also when the run stops: a later engine in this process (a resume) needs vLLM's groups gone
+        if ctx.engine is not None:
+            ctx.engine.close()
     summary = {
         "kind": cfg.kind,
         "steps": result["step"],
