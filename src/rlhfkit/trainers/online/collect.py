@@ -24,6 +24,7 @@ from rlhfkit.algos import entropy_from_logits
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator
 from rlhfkit.models import processed_logits, response_logits, sampled_logprobs
+from rlhfkit.rollout import generate_responses
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, critic_values, model_inputs
 from rlhfkit.trainers.online.engine_rollout import generate_pieces
@@ -75,7 +76,7 @@ def sample_rollout(ctx: OnlineContext, batch: dict[str, Any], clock: StageClock 
     n = batch["query_ids"].shape[0]
     size = online.rollout_batch_size or n
     clock = clock or StageClock()
-    pieces = generate_pieces(ctx, batch, size, clock)  # hf or vllm (online.generation_backend)
+    pieces = generate_pieces(ctx, batch, size, clock, generate_responses)  # hf or vllm (generation_backend)
     response_mask = torch.cat([p.mask for p in pieces])  # (B, R)
     width = max(int(response_mask.sum(1).max()), 1)  # T: the longest response
     response_mask = response_mask[:, :width]

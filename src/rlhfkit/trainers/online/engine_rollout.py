@@ -14,6 +14,7 @@ Shapes: ``B`` responses of this process, ``T`` response length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +22,6 @@ import torch
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.errors import GenerationEngineError
 from rlhfkit.models.loading import resolve_dtype
-from rlhfkit.rollout import generate_responses
 from rlhfkit.rollout.generation import Responses
 from rlhfkit.trainers.online.context import StageClock, derived_seed
 
@@ -44,10 +44,17 @@ def start_engine(cfg: RunConfig, actor: torch.nn.Module) -> VLLMEngine | None:
         dtype=names[resolve_dtype(cfg.model.dtype)],
         kv_cache_gib=online.vllm_kv_cache_gib,
         kv_cache_dtype=online.vllm_kv_cache_dtype,
-        max_model_len=online.vllm_max_model_len or cfg.data.max_prompt_length + online.response_length,
+        max_model_len=online.vllm_max_model_len or _longest(cfg, actor),
         seed=cfg.seed,
     )
     return VLLMEngine(actor, settings, where=f"model.name_or_path={cfg.model.name_or_path}")
+
+
+def _longest(cfg: RunConfig, actor: torch.nn.Module) -> int:
+    """``data.max_prompt_length + online.response_length``, at most the model's own position limit."""
+    wanted = cfg.data.max_prompt_length + cfg.online.response_length
+    limit = getattr(getattr(actor, "config", None), "max_position_embeddings", None)
+    return min(wanted, int(limit)) if limit else wanted
 
 
 def request_seeds(base: int, group_ids: torch.Tensor) -> list[int]:
@@ -63,9 +70,15 @@ def request_seeds(base: int, group_ids: torch.Tensor) -> list[int]:
 
 
 def generate_pieces(
-    ctx: OnlineContext, batch: dict[str, Any], size: int, clock: StageClock, greedy: bool = False
+    ctx: OnlineContext,
+    batch: dict[str, Any],
+    size: int,
+    clock: StageClock,
+    hf_generate: Callable[..., Responses],
+    greedy: bool = False,
 ) -> list[Responses]:
-    """The responses of ``batch`` in pieces of ``size`` rows, from the configured backend.
+    """The responses of ``batch`` in pieces of ``size`` rows, from the configured backend: ``hf_generate``
+    (:func:`rlhfkit.rollout.generate_responses`, passed by the caller, whose tests replace it) under ``hf``.
 
     With ``vllm`` the actor's current weights are loaded into the engine first (timed as ``weight_sync``), and
     each :class:`Responses` carries the engine's log-probs in ``sampled_logprobs``.
@@ -81,7 +94,7 @@ def generate_pieces(
     if ctx.engine is None:
         with clock("generate"):
             return [
-                generate_responses(
+                hf_generate(
                     ctx.roles.actor,
                     batch["query_ids"][i : i + size],
                     batch["query_mask"][i : i + size],
