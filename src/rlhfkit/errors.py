@@ -67,3 +67,11 @@ class NonFiniteError(RunStopped):
     (exit code 3)."""
 
     exit_code = 3
+
+
+class GenerationEngineError(RunStopped):
+    """The generation engine (``online.generation_backend=vllm``) failed to start, died or ran out of memory
+    mid-run, or holds other weights than the actor: the run stops with one line (exit code 4); no checkpoint
+    is written or touched, so ``--resume`` continues from the newest one."""
+
+    exit_code = 4

@@ -69,6 +69,8 @@ class Rollout(_TensorBatch):
             ``mask`` leaves it out of the loss (``online.missing_eos=mask``, or nothing scored it): what the
             reward model reads and the samples show. None until sampled.
         entropy: ``(B, T)`` the actor's entropy at each position of ``mask`` at sampling time (0 elsewhere).
+        engine_logprobs: ``(B, T)`` log pi_engine(y_t) under the sampling processing, as the generation engine
+            sampled (``online.generation_backend=vllm``; 0 at masked positions); None with ``hf``.
     """
 
     query_ids: torch.Tensor
@@ -87,6 +89,7 @@ class Rollout(_TensorBatch):
     ended: torch.Tensor | None = None
     response_mask: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    engine_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self._check_rows()
@@ -102,6 +105,7 @@ class Rollout(_TensorBatch):
             "returns",
             "response_mask",
             "entropy",
+            "engine_logprobs",
         ):
             x = getattr(self, name)
             if x is not None and x.shape[-1] != T:

@@ -54,6 +54,7 @@ from rlhfkit.algos.masked import (
     masked_var,
     masked_whiten,
 )
+from rlhfkit.algos.rollout_correction import tis_weights
 
 __all__ = [
     "AdaptiveKLController",
@@ -97,5 +98,6 @@ __all__ = [
     "reinforce_pp_advantages",
     "rloo_advantages",
     "shape_rewards",
+    "tis_weights",
     "value_loss",
 ]

@@ -129,6 +129,20 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 f"{online.advantage_estimator} does not compare a prompt's responses; use grpo or rloo, or "
                 "set it to false",
             )
+        if online.generation_backend == "vllm" and train.sharding != "none":
+            fail(
+                "online.generation_backend",
+                f"vllm with train.sharding={train.sharding} is not built yet (the engine would need the "
+                "gathered weights of the sharded actor); use generation_backend=hf, which generates from a "
+                "gathered copy, or no sharding",
+            )
+        if online.rollout_correction != "none" and online.generation_backend == "hf":
+            fail(
+                "online.rollout_correction",
+                f"{online.rollout_correction} corrects for an engine that samples from other numerics than "
+                "the trainer; with generation_backend=hf the actor samples itself (the weight is 1): set "
+                "online.generation_backend=vllm or rollout_correction=none",
+            )
         responses = train.batch_size * online.group_size
         if responses % online.num_minibatches:
             fail(

@@ -145,6 +145,45 @@ class OnlineConfig:
         "(batch_size * group_size responses each) per rollout.",
         gt=0,
     )
+    generation_backend: Literal["hf", "vllm"] = option(
+        "hf",
+        "What samples the responses: hf (Hugging Face generate on the actor) or vllm (a vLLM engine in this "
+        "process, the actor's weights synced into it before every rollout; only token ids come from it, every "
+        "log-prob, value and mask is rlhfkit's own). docs/generation_backend.md.",
+    )
+    vllm_kv_cache_gib: int = option(
+        1,
+        "vllm: memory of the engine's KV cache, in whole GiB (VLLM_CPU_KVCACHE_SPACE on CPU); on a GPU, this "
+        "many GiB of the device (weights included) as the engine's gpu_memory_utilization.",
+        ge=1,
+    )
+    vllm_kv_cache_dtype: str = option(
+        "auto",
+        "vllm: precision of the KV cache (vLLM's kv_cache_dtype): auto = the engine's dtype, which is the "
+        "actor's (float32, or bfloat16 under model.dtype=bfloat16); fp8 variants where the platform has them.",
+    )
+    vllm_max_model_len: int | None = option(
+        None,
+        "vllm: the longest prompt + response the engine serves (its max_model_len); none = "
+        "data.max_prompt_length + online.response_length, at most the model's max_position_embeddings.",
+        gt=0,
+    )
+    vllm_max_logprob_gap: float = option(
+        0.1,
+        "vllm: stop the run when the mean |engine log-prob - trainer log-prob| of the sampled tokens "
+        "(generation/logprob_gap/mean) exceeds this, in nats: the engine then holds other weights than the "
+        "actor. Float32 engine and trainer agree to ~1e-5.",
+        gt=0,
+    )
+    rollout_correction: Literal["none", "tis"] = option(
+        "none",
+        "Correct for tokens sampled by the engine rather than the trainer: tis weights the policy loss per "
+        "token by min(pi_trainer / pi_engine, rollout_correction_cap), detached (truncated importance "
+        "sampling, Yao et al. 2025). Needs generation_backend=vllm (with hf the two are the same model).",
+    )
+    rollout_correction_cap: float = option(
+        2.0, "The cap C of rollout_correction=tis (Yao et al. 2025).", gt=0
+    )
 
 
 @dataclass

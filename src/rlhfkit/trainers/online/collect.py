@@ -32,8 +32,9 @@ from rlhfkit.trainers.online.context import (
     derived_seed,
     model_inputs,
 )
+from rlhfkit.trainers.online.engine_rollout import generate_pieces
 from rlhfkit.trainers.online.layout import micro_batches, row_lengths
-from rlhfkit.trainers.online.sharding import generation_model, is_sharded, reshard
+from rlhfkit.trainers.online.sharding import is_sharded, reshard
 from rlhfkit.types import Rollout
 
 
@@ -90,21 +91,8 @@ def sample_rollout(
     online, roles = ctx.cfg.online, ctx.roles
     n = batch["query_ids"].shape[0]
     size = online.rollout_batch_size or n
-    pad = ctx.tokenizer.pad_token_id
     clock = clock or StageClock()
-    with clock("generate"), generation_model(ctx) as actor:  # a sharded actor: gathered once
-        pieces = [
-            generate_responses(
-                actor,
-                batch["query_ids"][i : i + size],
-                batch["query_mask"][i : i + size],
-                max_new_tokens=online.response_length,
-                stop_token_ids=ctx.stop_token_ids,
-                pad_token_id=pad,
-                sampling=ctx.sampling,
-            )
-            for i in range(0, n, size)
-        ]
+    pieces = generate_pieces(ctx, batch, size, clock, generate_responses)  # hf or vllm (generation_backend)
     response_mask = torch.cat([p.mask for p in pieces])  # (B, R)
     width = max(int(response_mask.sum(1).max()), 1)  # T: the longest response
     response_mask = response_mask[:, :width]
@@ -147,6 +135,10 @@ def sample_rollout(
         response_mask=response_mask,
         entropy=fill_masked(entropy, mask),
     )
+    if ctx.engine is not None:  # the engine's own log-probs of its tokens (rollout correction, the gap)
+        rollout.engine_logprobs = fill_masked(
+            torch.cat([p.sampled_logprobs for p in pieces])[:, :width], mask
+        )
     return rollout
 
 

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedTokenizerBase
 
+    from rlhfkit.rollout.vllm_engine import VLLMEngine
+
 
 @dataclass(frozen=True)
 class OnlineContext:
@@ -65,6 +67,9 @@ class OnlineContext:
         router_aux_coef: weight of the actor's router load-balancing loss in the update (0: none).
         process_reward_model: the frozen PRM of ``online.process_reward_model``, or None.
         step_end_table: ``(V,)`` bool, the token ids that end a step (with a PRM).
+        engine: the vLLM engine that samples under ``online.generation_backend=vllm``
+            (:mod:`rlhfkit.trainers.online.engine_rollout`, started by :func:`rlhfkit.trainers.online.train`),
+            else None.
     """
 
     cfg: RunConfig
@@ -83,6 +88,7 @@ class OnlineContext:
     router_aux_coef: float = 0.0
     process_reward_model: torch.nn.Module | None = None
     step_end_table: torch.Tensor | None = None
+    engine: VLLMEngine | None = None
 
     @property
     def device(self) -> torch.device:

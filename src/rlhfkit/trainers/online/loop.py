@@ -5,6 +5,7 @@ first. The algorithm and its files are described in :mod:`rlhfkit.trainers.onlin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -29,6 +30,7 @@ from rlhfkit.trainers.online.checkpoints import resume_state, save, score_or_sto
 from rlhfkit.trainers.online.collect import Scores, prompt_batch, sample_rollout, take_scores
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, StatSums, build_context, derived_seed
 from rlhfkit.trainers.online.dynamic import fill_informative_groups
+from rlhfkit.trainers.online.engine_rollout import check_logprob_gap, start_engine
 from rlhfkit.trainers.online.hooks import OnlineHooks
 from rlhfkit.trainers.online.metrics import evaluate, rollout_stats
 from rlhfkit.trainers.online.ppo_update import UpdateResult, ppo_update
@@ -83,8 +85,13 @@ def train(
     )
     if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
         raise ConfigError("a reward-model refresh needs online.reward_model")
+    ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor))  # vllm: the engine, once
 
-    result = train_online(ctx, run, examples, hooks, eval_examples)
+    try:
+        result = train_online(ctx, run, examples, hooks, eval_examples)
+    finally:  # also when the run stops: a later engine in this process (a resume) needs vLLM's groups gone
+        if ctx.engine is not None:
+            ctx.engine.close()
     summary = {
         "kind": cfg.kind,
         "steps": result["step"],
@@ -131,6 +138,7 @@ def train_online(
         torch.manual_seed(derived_seed("sampling", cfg.seed, step, accelerator.process_index))
         batch = prompt_batch(ctx, examples, step)
         rollout = sample_rollout(ctx, batch, clock, step)
+        engine_gap = check_logprob_gap(ctx, rollout)  # vllm: the engine's weights are the actor's, or a stop
 
         # 2. score: reward model and/or reward functions; the missing-EOS rule; clipping. A response that
         # nothing scored (every function said None) leaves the loss. A failing reward function stops the run
@@ -212,6 +220,7 @@ def train_online(
             )
         )
         metrics.update(update.metrics())
+        metrics.update(engine_gap)
         metrics.update(ctx.guard.metrics())
         # The update's losses and gradient norms, already the same on every process: a non-finite one stops
         # the run before anything is saved from the weights it moved.

@@ -21,6 +21,7 @@ from rlhfkit.algos import (
     kl_penalty_loss,
     loss_normalizer,
     ppo_policy_loss,
+    tis_weights,
     value_loss,
 )
 from rlhfkit.algos.masked import fill_masked
@@ -179,6 +180,10 @@ def micro_batch_loss(
             dual_clip=online.dual_clip,
             mask=mask,
         )
+        if online.rollout_correction == "tis":  # the engine sampled, not pi_old: Yao et al. 2025 (algos)
+            per_token = per_token * tis_weights(
+                old, mb.engine_logprobs[:, :w], mask, online.rollout_correction_cap
+            )
         parts["loss/policy"] = aggregate(per_token)
         loss = loss + parts["loss/policy"]
         diff = fill_masked((logprobs.detach() - old).abs(), mask).max()

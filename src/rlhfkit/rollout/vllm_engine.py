@@ -1,0 +1,264 @@
+"""vLLM as the generation engine of the online trainers (``online.generation_backend=vllm``).
+
+The engine runs in the trainer's own process (colocated, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; each process of
+a data-parallel run has its own engine) on a copy of the actor written once at start-up, and the actor's
+current weights are loaded into it in place before every generation (:meth:`VLLMEngine.load_weights`, the
+model runner's ``reload_weights``; LoRA: the merged weights). Only token ids are taken from it: the responses
+are cut at the stop token by :func:`rlhfkit.rollout.generation.truncate_at_stop`, as with ``hf``, and every
+log-prob, value and mask the update reads is recomputed by rlhfkit's own models. The engine's log-prob of each
+sampled token (``logprobs_mode=processed_logprobs``: after the suppressed ids, the temperature and top-k /
+top-p, the processing of :class:`rlhfkit.models.Sampling`) comes back beside the ids, for the stale-weights
+guard and truncated importance sampling. docs/generation_backend.md has the design and what was measured.
+
+Sampling: each request carries its own seed (``SamplingParams.seed``), so a response depends on its seed and
+the weights, not on the other requests of the batch, as far as the engine's kernels are deterministic.
+
+Shapes: ``B`` prompts, ``P`` padded prompt length, ``R`` response length (``max_new_tokens``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlhfkit.errors import ConfigError, GenerationEngineError
+from rlhfkit.models.lora import is_peft_model, merged_copy
+from rlhfkit.models.sampling import Sampling
+from rlhfkit.rollout.generation import Responses, truncate_at_stop
+
+# The head sizes vLLM 0.32's CPU attention runs (measured: head_dim=16 fails at engine start with
+# "Unsupported CPU attention configuration"); on a GPU its kernels take these and more.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the engine is sized (``online.vllm_*``, docs in :class:`rlhfkit.config.OnlineConfig`).
+
+    Attributes:
+        dtype: the engine's weights and compute, ``"float32"`` or ``"bfloat16"`` (the actor's precision).
+        kv_cache_gib: KV-cache memory in whole GiB (CPU: ``VLLM_CPU_KVCACHE_SPACE``); on a GPU, the share of
+            the device's memory it is (weights included).
+        kv_cache_dtype: vLLM's ``kv_cache_dtype`` (``"auto"`` = ``dtype``).
+        max_model_len: the longest prompt + response, in tokens.
+        seed: the engine's own seed (each request also carries one).
+    """
+
+    dtype: str
+    kv_cache_gib: int
+    kv_cache_dtype: str
+    max_model_len: int
+    seed: int = 0
+
+
+def head_size(config) -> int:
+    """The attention head size of a Hugging Face model config (``head_dim``, else hidden / heads)."""
+    explicit = getattr(config, "head_dim", None)
+    return int(explicit) if explicit else int(config.hidden_size // config.num_attention_heads)
+
+
+def check_engine_can_run(config, where: str, on_cpu: bool) -> None:
+    """Refuse, before anything is loaded into vLLM, a model whose head size its CPU attention lacks.
+
+    Raises:
+        ConfigError: naming ``where`` (the model), its head size and the sizes that run.
+    """
+    size = head_size(config)
+    if on_cpu and size not in CPU_HEAD_SIZES:
+        raise ConfigError(
+            f"online.generation_backend=vllm: {where} has attention head size {size}, which vLLM's CPU "
+            f"attention does not run (it runs {', '.join(map(str, CPU_HEAD_SIZES))}); use "
+            "online.generation_backend=hf for this model"
+        )
+
+
+def plain_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The actor's weights under Hugging Face names, as the engine loads them (a LoRA model merged, W + s B A,
+    on a copy: the trained model is untouched)."""
+    plain = merged_copy(model) if is_peft_model(model) else model
+    for name, tensor in plain.state_dict().items():
+        yield name, tensor.detach()
+
+
+def _first_line(error: BaseException) -> str:
+    """The exception's name and the first lines of its message that say something (vLLM's can be long)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {' '.join(lines[:2])}".strip()
+
+
+class VLLMEngine:
+    """One vLLM engine in this process, serving the actor's current weights.
+
+    Args:
+        model: the actor (unwrapped; a peft model is merged); written once to a temporary folder, which is
+            what vLLM starts from.
+        settings: :class:`EngineSettings`.
+        where: how a message names the model (e.g. ``model.name_or_path=...``).
+    Raises:
+        ConfigError: a model the engine cannot run (:func:`check_engine_can_run`).
+        GenerationEngineError: the engine failed to start (the message says why, in one line).
+    """
+
+    def __init__(self, model: torch.nn.Module, settings: EngineSettings, where: str = "the actor") -> None:
+        device = next(model.parameters()).device
+        on_cpu = device.type == "cpu"
+        plain = merged_copy(model) if is_peft_model(model) else model
+        check_engine_can_run(plain.config, where, on_cpu)
+        self.vocab_size = int(plain.config.vocab_size)
+        self.settings = settings
+        self._folder = tempfile.TemporaryDirectory(prefix="rlhfkit-vllm-")
+        plain.save_pretrained(self._folder.name, safe_serialization=True)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
+            "0"  # in this process: reload_weights reaches the model
+        )
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if on_cpu:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
+        try:
+            from vllm import LLM
+        except ImportError as error:
+            raise ConfigError(
+                'online.generation_backend=vllm: vLLM is not installed (`pip install "rlhfkit[vllm]"` or '
+                f"`./setup.sh vllm`): {_first_line(error)}"
+            ) from None
+        extra = {}
+        if not on_cpu:  # a GPU engine is sized by its share of the device's memory
+            total = torch.cuda.get_device_properties(device).total_memory / 2**30
+            extra["gpu_memory_utilization"] = min(0.9, settings.kv_cache_gib / total)
+        # vLLM makes a one-process torch.distributed world here unless one exists (a launcher's): it is then
+        # vLLM's to destroy in close(), which a later engine of this process needs.
+        self._owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        try:
+            self.llm = LLM(
+                model=self._folder.name,
+                skip_tokenizer_init=True,  # token ids in, token ids out
+                dtype=settings.dtype,
+                kv_cache_dtype=settings.kv_cache_dtype,
+                max_model_len=settings.max_model_len,
+                seed=settings.seed,
+                logprobs_mode="processed_logprobs",
+                enforce_eager=True,
+                **extra,
+            )
+        except Exception as error:  # vLLM raises many kinds; the run stops with one line naming it
+            raise GenerationEngineError(f"the vLLM engine failed to start: {_first_line(error)}") from error
+
+    def close(self) -> None:
+        """Shut the engine down and drop vLLM's process groups (so that another engine can start in this
+        process, e.g. a resumed run); a launcher's own group is left as it is."""
+        from vllm.distributed import parallel_state
+
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            core = getattr(llm.llm_engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+        parallel_state.destroy_model_parallel()
+        if self._owns_group:
+            parallel_state.destroy_distributed_environment()
+        elif parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+            parallel_state._WORLD = None
+        gc.collect()
+
+    def load_weights(self, model: torch.nn.Module) -> None:
+        """Load the actor's current weights into the engine in place (the model runner's ``reload_weights``).
+
+        Raises:
+            GenerationEngineError: the engine refused them or died.
+        """
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": plain_weights(model)})
+            # Cached prompt blocks hold keys and values of the old weights; a prompt seen before would reuse them.
+            self.llm.reset_prefix_cache()
+        except Exception as error:
+            raise GenerationEngineError(
+                f"the vLLM engine failed to load the actor's weights: {_first_line(error)}"
+            ) from error
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        pad_token_id: int,
+        sampling: Sampling,
+        seeds: Sequence[int],
+        greedy: bool = False,
+    ) -> Responses:
+        """One response per prompt row, as :func:`rlhfkit.rollout.generate_responses` gives them.
+
+        Args:
+            prompt_ids, prompt_mask: (B, P) left-padded prompts (only the real tokens are sent).
+            max_new_tokens: R.
+            stop_token_ids: the ids that end a response (the engine stops on exactly these).
+            pad_token_id: filler after the stop token.
+            sampling: the processing of the logits (temperature, top-k / top-p, suppressed ids).
+            seeds: B per-request seeds.
+            greedy: argmax decoding of the suppressed logits.
+        Returns:
+            :class:`Responses` with ``sampled_logprobs`` (B, R): the engine's log-prob of each sampled token
+            under the processing (0 after the stop token; meaningless under ``greedy``).
+        Raises:
+            GenerationEngineError: the engine died or ran out of memory.
+        """
+        from vllm import SamplingParams
+
+        if len(seeds) != prompt_ids.shape[0]:
+            raise ValueError(f"{len(seeds)} seeds for {prompt_ids.shape[0]} prompts")
+        allowed = None
+        if sampling.suppress_ids:  # exactly -inf, as the hf side's suppress_tokens
+            banned = set(sampling.suppress_ids)
+            allowed = [i for i in range(self.vocab_size) if i not in banned]
+        requests = [
+            {"prompt_token_ids": row[m.bool()].tolist()}
+            for row, m in zip(prompt_ids, prompt_mask, strict=True)
+        ]
+        params = [
+            SamplingParams(
+                n=1,
+                max_tokens=max_new_tokens,
+                min_tokens=0,
+                temperature=0.0 if greedy else sampling.temperature,
+                top_k=0 if greedy or sampling.top_k == 0 else sampling.top_k,
+                top_p=1.0 if greedy else sampling.top_p,
+                seed=int(seed),
+                stop_token_ids=list(stop_token_ids),
+                ignore_eos=True,  # the model's own EOS only where it is one of stop_token_ids
+                logprobs=0,  # the sampled token's own log-prob
+                allowed_token_ids=allowed,
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        except Exception as error:
+            raise GenerationEngineError(
+                f"the vLLM engine failed while generating: {_first_line(error)}"
+            ) from error
+        rows = len(requests)
+        generated = prompt_ids.new_full((rows, max_new_tokens), pad_token_id)  # (B, R)
+        engine_logprobs = torch.zeros(rows, max_new_tokens)  # (B, R)
+        for i, out in enumerate(outputs):
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)[:max_new_tokens]
+            generated[i, : len(ids)] = torch.as_tensor(ids, dtype=generated.dtype)
+            for t, (token, entry) in enumerate(zip(ids, completion.logprobs or [], strict=False)):
+                engine_logprobs[i, t] = float(entry[token].logprob)
+        response_ids, mask, ended = truncate_at_stop(generated, list(stop_token_ids), pad_token_id)
+        engine_logprobs = torch.where(mask, engine_logprobs, 0.0).to(prompt_ids.device)
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1)
+        return Responses(
+            input_ids, attention_mask, response_ids, mask, ended, prompt_ids.shape[1], engine_logprobs
+        )

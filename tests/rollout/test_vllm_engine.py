@@ -1,0 +1,165 @@
+"""The vLLM generation engine (rlhfkit.rollout.vllm_engine): greedy tokens equal Hugging Face generate's on
+the current weights after updates (synced in place, long prompts so that cached prompt blocks would show),
+LoRA merged, per-request seeds, the engine's log-probs equal to the trainer's, the head-size refusal.
+
+The tests that start an engine run where vLLM is importable (``./setup.sh vllm``) and are skipped otherwise
+with that reason; the refusal needs no vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from rlhfkit.errors import ConfigError
+from rlhfkit.models import response_logits, sampled_logprobs, sampling_for
+from rlhfkit.rollout import generate_responses
+from rlhfkit.rollout.vllm_engine import EngineSettings, VLLMEngine, check_engine_can_run, head_size
+from tests.helpers import tiny_llama
+
+needs_vllm = (
+    pytest.mark.skipif(  # CI sets RLHFKIT_REQUIRE_VLLM=1 where it installed vLLM: never skipped there
+        importlib.util.find_spec("vllm") is None and not os.environ.get("RLHFKIT_REQUIRE_VLLM"),
+        reason="vLLM is not installed (./setup.sh vllm, or pip install 'rlhfkit[vllm]')",
+    )
+)
+
+# head size 64 / 2 = 32, one that vLLM's CPU attention runs
+ENGINE_MODEL = dict(
+    hidden_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=128,
+    max_position_embeddings=256,
+)
+VOCAB, PAD, EOS = 64, 3, 2
+
+
+def engine_model(seed: int = 0):
+    return tiny_llama(seed=seed, vocab_size=VOCAB, **ENGINE_MODEL).float()
+
+
+def prompts(rows: int = 4, length: int = 140, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts longer than a KV-cache block (128 tokens on CPU), so that prompt blocks cached under
+    earlier weights would be reused if the sync did not drop them."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, VOCAB, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = PAD, 0
+    return ids, mask
+
+
+def generation(greedy: bool) -> dict:
+    return dict(
+        max_new_tokens=12,
+        stop_token_ids=[EOS],
+        pad_token_id=PAD,
+        sampling=sampling_for(PAD, [EOS], temperature=0.7),
+        greedy=greedy,
+    )
+
+
+def update(model: torch.nn.Module, steps: int = 3, lr: float = 3e-2, seed: int = 1) -> None:
+    """A few AdamW steps of next-token loss on random text: the weights move as in training."""
+    g = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    for _ in range(steps):
+        ids = torch.randint(4, VOCAB, (4, 20), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+@pytest.fixture(scope="module")
+def engine_and_model():
+    model = engine_model()
+    engine = VLLMEngine(model, EngineSettings("float32", 1, "auto", 160, seed=0))
+    yield engine, model
+    engine.close()  # vLLM's process group goes with it: a later engine of this process starts clean
+
+
+def test_a_head_size_the_cpu_attention_lacks_is_refused_naming_it():
+    small = tiny_llama(vocab_size=VOCAB)  # hidden 32 / 4 heads: head size 8
+    assert head_size(small.config) == 8
+    with pytest.raises(
+        ConfigError, match=r"model.name_or_path=x has attention head size 8.*generation_backend=hf"
+    ):
+        check_engine_can_run(small.config, "model.name_or_path=x", on_cpu=True)
+    check_engine_can_run(engine_model().config, "m", on_cpu=True)  # 32 runs
+    with pytest.raises(ConfigError, match="head size 8"):  # before anything is handed to vLLM
+        VLLMEngine(small, EngineSettings("float32", 1, "auto", 64))
+
+
+@needs_vllm
+def test_greedy_tokens_equal_hf_on_the_current_weights_after_updates(engine_and_model):
+    engine, model = engine_and_model
+    ids, mask = prompts()
+    engine.load_weights(model)
+    before = engine.generate(ids, mask, seeds=[0, 1, 2, 3], **generation(True))
+    assert torch.equal(
+        before.response_ids, generate_responses(model, ids, mask, **generation(True)).response_ids
+    )
+    for _ in range(3):  # several updates, each synced before generating
+        update(model)
+        engine.load_weights(model)
+        hf = generate_responses(model, ids, mask, **generation(True))
+        out = engine.generate(ids, mask, seeds=[0, 1, 2, 3], **generation(True))
+        assert torch.equal(out.response_ids, hf.response_ids)
+        assert torch.equal(out.mask, hf.mask) and torch.equal(out.ended, hf.ended)
+    # the weights did move: the tokens of the first sync would not pass for the last ones
+    assert not torch.equal(before.response_ids, out.response_ids)
+
+
+@needs_vllm
+def test_without_the_sync_the_engine_keeps_the_old_tokens(engine_and_model):
+    engine, model = engine_and_model
+    ids, mask = prompts(seed=3)
+    engine.load_weights(model)
+    old = engine.generate(ids, mask, seeds=[0, 1, 2, 3], **generation(True))
+    update(model, steps=4, lr=5e-2, seed=7)
+    stale = engine.generate(ids, mask, seeds=[0, 1, 2, 3], **generation(True))
+    assert torch.equal(stale.response_ids, old.response_ids)
+    hf = generate_responses(model, ids, mask, **generation(True))
+    assert not torch.equal(stale.response_ids, hf.response_ids)
+
+
+@needs_vllm
+def test_engine_logprobs_equal_the_trainers_and_seeds_reproduce(engine_and_model):
+    engine, model = engine_and_model
+    engine.load_weights(model)
+    ids, mask = prompts(rows=6, seed=5)
+    kwargs = generation(False)
+    a = engine.generate(ids, mask, seeds=[10, 11, 12, 13, 14, 15], **kwargs)
+    b = engine.generate(ids, mask, seeds=[10, 11, 12, 13, 14, 15], **kwargs)
+    c = engine.generate(ids, mask, seeds=[20, 21, 22, 23, 24, 25], **kwargs)
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert not torch.equal(a.response_ids, c.response_ids)
+    # a request's tokens depend on its own seed, not on the rest of the batch
+    alone = engine.generate(ids[2:3], mask[2:3], seeds=[12], **kwargs)
+    assert torch.equal(alone.response_ids, a.response_ids[2:3])
+    with torch.no_grad():
+        logits = response_logits(model, a.input_ids, a.attention_mask, a.response_start)
+        trainer = sampled_logprobs(logits, a.response_ids, kwargs["sampling"])  # (B, R)
+    gap = (trainer - a.sampled_logprobs).abs()[a.mask]
+    assert gap.numel() > 0 and float(gap.max()) < 1e-4
+    assert bool((a.sampled_logprobs[~a.mask] == 0).all())
+    assert not bool((a.response_ids == PAD).logical_and(a.mask).any())  # the pad is suppressed
+
+
+@needs_vllm
+def test_lora_actor_is_served_merged(engine_and_model):
+    from rlhfkit.models.lora import add_lora
+
+    engine, _ = engine_and_model
+    base = engine_model(seed=4)
+    actor = add_lora(base, rank=4, alpha=16)
+    update(actor, steps=3, lr=5e-2)
+    engine.load_weights(actor)
+    ids, mask = prompts(seed=9)
+    hf = generate_responses(actor, ids, mask, **generation(True))
+    out = engine.generate(ids, mask, seeds=[0, 1, 2, 3], **generation(True))
+    assert torch.equal(out.response_ids, hf.response_ids)

@@ -1,0 +1,233 @@
+"""The online trainers with ``online.generation_backend=vllm``: the keys reach the engine, the logprob gap
+(hand-computed) and its stop, truncated importance sampling in the policy loss, a model the engine cannot
+run refused at start-up; and, where vLLM is installed, a GRPO run that logs the gap and the weight sync,
+stops with one named line when the engine dies or holds stale weights (the newest checkpoint intact), and
+resumes to the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhfkit.cli import main
+from rlhfkit.errors import ConfigError, GenerationEngineError
+from rlhfkit.models import load_tokenizer
+from tests.helpers import tiny_llama
+from tests.trainers.online.online_fixtures import (
+    make_context,
+    online_cli_args,
+    online_config,
+    write_online_problem,
+)
+
+needs_vllm = (
+    pytest.mark.skipif(  # CI sets RLHFKIT_REQUIRE_VLLM=1 where it installed vLLM: never skipped there
+        importlib.util.find_spec("vllm") is None and not os.environ.get("RLHFKIT_REQUIRE_VLLM"),
+        reason="vLLM is not installed (./setup.sh vllm, or pip install 'rlhfkit[vllm]')",
+    )
+)
+VLLM = ("online.generation_backend=vllm", "online.vllm_max_model_len=64")
+
+
+def engine_problem(root):
+    """The online fixture's problem with a policy of head size 32 (one vLLM's CPU attention runs)."""
+    paths = write_online_problem(root, reward_model=False)
+    tokenizer = load_tokenizer(str(paths["policy"]))
+    model = tiny_llama(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+    )
+    model.save_pretrained(paths["policy"])
+    return paths
+
+
+def test_rollout_correction_needs_the_engine(tmp_path):
+    paths = write_online_problem(tmp_path, reward_model=False)
+    with pytest.raises(ConfigError, match="online.rollout_correction"):
+        online_config(paths, tmp_path / "a", "online.rollout_correction=tis", kind="grpo")
+    online_config(paths, tmp_path / "b", "online.rollout_correction=tis", *VLLM, kind="grpo")
+
+
+def test_engine_keys_reach_the_engine_settings(tmp_path, monkeypatch):
+    import rlhfkit.rollout.vllm_engine as vllm_engine
+    from rlhfkit.trainers.online.engine_rollout import start_engine
+
+    seen = {}
+    monkeypatch.setattr(
+        vllm_engine, "VLLMEngine", lambda model, settings, where: seen.update(s=settings, w=where)
+    )
+    paths = write_online_problem(tmp_path, reward_model=False)
+    assert start_engine(online_config(paths, tmp_path / "a", kind="grpo"), None) is None  # hf: no engine
+    cfg = online_config(
+        paths,
+        tmp_path / "b",
+        "online.generation_backend=vllm",
+        "online.vllm_kv_cache_gib=3",
+        "online.vllm_kv_cache_dtype=fp8",
+        "seed=7",
+        kind="grpo",
+    )
+    start_engine(cfg, None)
+    assert seen["s"] == vllm_engine.EngineSettings(
+        "float32", 3, "fp8", 16 + 6, seed=7
+    )  # max_prompt + response
+    assert str(paths["policy"]) in seen["w"]
+    start_engine(
+        dataclasses.replace(cfg, online=dataclasses.replace(cfg.online, vllm_max_model_len=99)), None
+    )
+    assert seen["s"].max_model_len == 99
+
+
+def test_logprob_gap_hand_computed_and_its_stop(tmp_path):
+    from rlhfkit.trainers.online.engine_rollout import check_logprob_gap
+
+    paths = write_online_problem(tmp_path, reward_model=False)
+    cfg = online_config(paths, tmp_path / "a", *VLLM, "online.vllm_max_logprob_gap=0.3", kind="grpo")
+    ctx = make_context(cfg)
+    mask = torch.tensor([[True, True], [True, False]])
+    rollout = SimpleNamespace(
+        engine_logprobs=torch.tensor([[-1.1, -0.5], [-0.8, float("nan")]]),  # junk where masked
+        logprobs=torch.tensor([[-1.0, -1.0], [-1.0, 5.0]]),
+        mask=mask,
+    )
+    gap = check_logprob_gap(ctx, rollout)  # |0.1|, |0.5|, |0.2| -> mean 0.8 / 3, max 0.5
+    assert gap["generation/logprob_gap/mean"] == pytest.approx(0.8 / 3)
+    assert gap["generation/logprob_gap/max"] == pytest.approx(0.5)
+    strict = dataclasses.replace(
+        ctx, cfg=dataclasses.replace(cfg, online=dataclasses.replace(cfg.online, vllm_max_logprob_gap=0.25))
+    )
+    with pytest.raises(
+        GenerationEngineError,
+        match=r"generation/logprob_gap/mean = 0.2667 nats > online.vllm_max_logprob_gap = 0.25",
+    ):
+        check_logprob_gap(strict, rollout)
+    assert check_logprob_gap(ctx, SimpleNamespace(engine_logprobs=None)) == {}  # hf: nothing
+
+
+@pytest.mark.parametrize("cap, weight", [(1.5, 1.5), (3.0, 2.0)])
+def test_tis_weights_the_policy_loss_by_the_capped_ratio(tmp_path, cap, weight):
+    from rlhfkit.algos.masked import fill_masked
+    from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout
+    from rlhfkit.trainers.online.context import StatSums
+    from rlhfkit.trainers.online.ppo_update import micro_batch_loss
+
+    paths = write_online_problem(tmp_path, reward_model=False)
+    runs = {}
+    for correction in ("none", "tis"):
+        cfg = online_config(
+            paths,
+            tmp_path / correction,
+            *VLLM,
+            f"online.rollout_correction={correction}",
+            f"online.rollout_correction_cap={cap}",
+            kind="grpo",
+        )
+        ctx = make_context(cfg)  # no engine is started here: hf samples, the engine's log-probs are planted
+        texts = ("hello", "a mat", "one two", "yes")
+        examples = [{"prompt_ids": ctx.tokenizer(p)["input_ids"], "record": {"prompt": p}} for p in texts]
+        torch.manual_seed(0)
+        rollout = sample_rollout(ctx, prompt_batch(ctx, examples, 1))
+        mask = rollout.mask
+        # the engine gave each sampled token half the trainer's probability: ratio 2 everywhere
+        rollout.engine_logprobs = fill_masked(rollout.logprobs - math.log(2.0), mask)
+        rollout.advantages = fill_masked(
+            torch.ones_like(rollout.logprobs), mask
+        )  # ratio 1: loss -1 per token
+        normalizer = float(mask.sum())
+        _, parts, _ = micro_batch_loss(ctx, rollout, normalizer, StatSums(), True)
+        runs[correction] = float(parts["loss/policy"])
+    assert runs["none"] == pytest.approx(-1.0, rel=1e-6)
+    assert runs["tis"] == pytest.approx(weight * runs["none"], rel=1e-5)
+
+
+def test_a_model_the_engine_cannot_run_is_refused_with_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = write_online_problem(tmp_path, reward_model=False)  # head size 32 / 4 = 8
+    code = main(online_cli_args(paths, tmp_path / "run", *VLLM, "train.max_steps=1", kind="grpo"))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "attention head size 8" in err and "model.name_or_path=" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final(run):
+    return load_file(str(run / "final" / "model.safetensors"))
+
+
+RUN = (*VLLM, "train.max_steps=3", "train.save_steps=1", "train.log_steps=1")
+
+
+@needs_vllm
+def test_grpo_with_vllm_logs_the_gap_stops_when_the_engine_dies_and_resumes(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = engine_problem(tmp_path)
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    assert main(online_cli_args(paths, whole, *RUN, kind="grpo")) == 0
+    capsys.readouterr()
+    rows = [r for r in _metrics(whole) if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # a float32 engine on the actor's weights: its log-probs are the trainer's
+        assert 0 <= r["generation/logprob_gap/mean"] < 1e-4 and r["generation/logprob_gap/max"] < 1e-3
+        assert r["time/weight_sync"] > 0 and r["time/generate"] > 0
+
+    from vllm import LLM
+
+    real, calls = LLM.generate, []
+
+    def dies_on_the_third_rollout(self, *args, **kwargs):  # the engine itself fails, under rlhfkit's call
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("EngineCore died unexpectedly")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", dies_on_the_third_rollout)
+    code = main(online_cli_args(paths, broken, *RUN, kind="grpo"))
+    err = capsys.readouterr().err
+    assert code == 4
+    stops = [line for line in err.splitlines() if line.startswith("rlhfkit: stopped")]
+    assert stops == [
+        "rlhfkit: stopped: the vLLM engine failed while generating: RuntimeError: EngineCore died unexpectedly"
+    ]
+    assert "Traceback" not in err
+    assert (broken / "checkpoints" / "step-2" / "COMPLETE").is_file()
+    assert not (broken / "checkpoints" / "step-3").exists()
+    monkeypatch.setattr(LLM, "generate", real)
+    assert main([*online_cli_args(paths, broken, *RUN, kind="grpo"), "--resume"]) == 0
+    # the engine is deterministic for these batches: the resumed run draws and trains what the whole run did
+    resumed, expected = _final(broken), _final(whole)
+    assert resumed.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(resumed[name], expected[name]), name
+
+
+@needs_vllm
+def test_stale_weights_stop_fires_when_the_sync_is_planted_out(tmp_path, capsys, monkeypatch):
+    import rlhfkit.rollout.vllm_engine as vllm_engine
+
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    monkeypatch.setattr(vllm_engine.VLLMEngine, "load_weights", lambda self, model: None)  # the planted bug
+    paths = engine_problem(tmp_path)
+    run = tmp_path / "run"
+    code = main(online_cli_args(paths, run, *RUN, "train.learning_rate=5e-2", kind="grpo"))
+    err = capsys.readouterr().err
+    assert code == 4
+    assert "generation/logprob_gap/mean" in err and "online.vllm_max_logprob_gap = 0.1" in err
+    assert (run / "checkpoints" / "step-1" / "COMPLETE").is_file()  # the rollout before the stop is saved
