@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--rollouts", type=int, default=30)
     parser.add_argument("--kl-coef", type=float, default=0.1)
+    parser.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default: the tiny preset's)")
     parser.add_argument("--smoke", action="store_true", help="the smoke preset (tests)")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
@@ -142,7 +143,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results_file = out / "results.jsonl"
     preset = VERIFIABLE_PRESETS["smoke" if args.smoke else "tiny"]
-    preset = dataclasses.replace(preset, rollouts=args.rollouts if not args.smoke else preset.rollouts)
+    preset = dataclasses.replace(
+        preset,
+        rollouts=args.rollouts if not args.smoke else preset.rollouts,
+        sft_steps=args.sft_steps or preset.sft_steps,
+    )
     if not args.report_only:
         prepare_base(out / "base", preset)
         done = {(r["variant"], r["seed"]) for r in _read(results_file)}

@@ -90,7 +90,7 @@ def shard_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
         return model
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ConfigError(
-            f"train.sharding={mode} shards the model over processes, but this run has no process group; "
+            f"train.sharding={mode} asks for sharded training over processes, but this run has no process group; "
             "start it with torchrun --nproc_per_node N -m rlhfkit.cli ... (or accelerate launch)"
         )
     if hasattr(model, "peft_config"):
