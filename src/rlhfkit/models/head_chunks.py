@@ -2,7 +2,7 @@
 at a time, so that no (B, T, V) logits tensor is ever held, with or without grad.
 
 A causal LM's read-out used to take the whole ``(B, T, V)`` logits from the model and a float32 copy of them:
-at V = 49k and B x T = 32 x 100 that is 0.6 GB a copy, for a 135M model (issue 27). Here the model runs with
+at V = 49k and B x T = 32 x 100 that is 0.6 GB a copy, for a 135M model. Here the model runs with
 ``logits_to_keep=1`` (its own projection of one column, unused), a forward hook takes the decoder's last hidden
 states ``(B, L, H)``, and :func:`chunked_readout` applies the model's own output module (``lm_head``: tied
 embeddings, a bias, or a peft LoRA layer on it alike) to ``chunk_tokens`` positions at a time. Under autograd

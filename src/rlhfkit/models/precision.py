@@ -11,7 +11,7 @@ Attention on a CPU under bf16 autocast (:func:`float32_attention_on_cpu`): torch
 is several times slower in bf16 than in float32 (docs/performance.md). So on a CPU the models' ``sdpa`` attention
 runs in float32 (its inputs upcast, its output cast back) in every forward, with or without a backward: the PPO
 update must recompute the very function that gave the rollout's old log-probs, and a bf16 no-grad attention
-beside a float32 training one made the first ratio differ from 1 by ~1e-3 on a 2-layer model (issue 27). On a
+beside a float32 training one made the first ratio differ from 1 by ~1e-3 on a 2-layer model. On a
 GPU it is the same ``sdpa`` call as before.
 
 Training mode (:func:`set_update_mode`): with dropout off, a transformers model's ``train()`` mode adds

@@ -1,6 +1,6 @@
 """The forwards' layout (rlhfkit.trainers.online.layout): length-sorted micro-batches inside unchanged
 minibatches, shared by stage 1 and the update's first epoch, so that the first PPO ratio is exactly 1 in bf16
-as in fp32 (issue 27, item 1)."""
+as in fp32."""
 
 import dataclasses
 
