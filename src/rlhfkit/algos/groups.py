@@ -19,6 +19,35 @@ from __future__ import annotations
 import torch
 
 
+def _check_rows(scores: torch.Tensor, group_ids: torch.Tensor, kept: torch.Tensor) -> None:
+    if not (scores.shape == group_ids.shape == kept.shape) or scores.dim() != 1:
+        raise ValueError(
+            f"scores {tuple(scores.shape)}, group_ids {tuple(group_ids.shape)} and kept {tuple(kept.shape)} "
+            "must all be (B,)"
+        )
+
+
+def _per_group(
+    scores: torch.Tensor, group_ids: torch.Tensor, kept: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(index (B,), size, scored, high, low)``: each row's group 0..G-1, and per group ``(G,)`` float64 its
+    responses, its kept responses, and the highest and lowest kept score (-inf / inf without one). Junk at
+    left-out rows is never read. ``scores`` must hold at least one row."""
+    _, index = torch.unique(group_ids, return_inverse=True)  # (B,): 0..G-1
+    n_groups = int(index.max()) + 1
+    kept = kept.bool()
+    x = scores.double()
+    size = torch.zeros(n_groups, dtype=torch.float64, device=scores.device).index_add_(
+        0, index, torch.ones_like(x)
+    )  # (G,)
+    scored = torch.zeros_like(size).index_add_(0, index, kept.double())  # (G,)
+    high = torch.full_like(size, -torch.inf).scatter_reduce(
+        0, index, x.masked_fill(~kept, -torch.inf), "amax"
+    )
+    low = torch.full_like(size, torch.inf).scatter_reduce(0, index, x.masked_fill(~kept, torch.inf), "amin")
+    return index, size, scored, high, low
+
+
 def group_counts(
     scores: torch.Tensor, group_ids: torch.Tensor, kept: torch.Tensor
 ) -> dict[str, torch.Tensor]:
@@ -31,28 +60,13 @@ def group_counts(
     Returns:
         ``{"groups", "zero_std", "singleton", "partial", "empty"}``: 0-d float64 counts.
     """
-    if not (scores.shape == group_ids.shape == kept.shape) or scores.dim() != 1:
-        raise ValueError(
-            f"scores {tuple(scores.shape)}, group_ids {tuple(group_ids.shape)} and kept {tuple(kept.shape)} "
-            "must all be (B,)"
-        )
+    _check_rows(scores, group_ids, kept)
     if not len(scores):
         zero = torch.zeros((), dtype=torch.float64, device=scores.device)
         return {k: zero for k in ("groups", "zero_std", "singleton", "partial", "empty")}
-    _, index = torch.unique(group_ids, return_inverse=True)  # (B,): 0..G-1
-    n_groups = int(index.max()) + 1
-    kept = kept.bool()
-    x = scores.double().masked_fill(~kept, 0.0)  # junk at left-out rows never read
-    size = torch.zeros(n_groups, dtype=torch.float64, device=scores.device).index_add_(
-        0, index, torch.ones_like(x)
-    )  # (G,)
-    scored = torch.zeros_like(size).index_add_(0, index, kept.double())  # (G,)
-    high = torch.full_like(size, -torch.inf).scatter_reduce(
-        0, index, x.masked_fill(~kept, -torch.inf), "amax"
-    )
-    low = torch.full_like(size, torch.inf).scatter_reduce(0, index, x.masked_fill(~kept, torch.inf), "amin")
+    _, size, scored, high, low = _per_group(scores, group_ids, kept)
     return {
-        "groups": torch.tensor(float(n_groups), dtype=torch.float64, device=scores.device),
+        "groups": torch.tensor(float(len(size)), dtype=torch.float64, device=scores.device),
         "zero_std": ((scored >= 2) & (high == low)).sum().double(),
         "singleton": (scored == 1).sum().double(),
         "partial": (scored < size).sum().double(),
@@ -72,22 +86,8 @@ def informative_rows(scores: torch.Tensor, group_ids: torch.Tensor, kept: torch.
     Returns:
         ``(B,)`` bool, the same for every response of a group.
     """
-    if not (scores.shape == group_ids.shape == kept.shape) or scores.dim() != 1:
-        raise ValueError(
-            f"scores {tuple(scores.shape)}, group_ids {tuple(group_ids.shape)} and kept {tuple(kept.shape)} "
-            "must all be (B,)"
-        )
+    _check_rows(scores, group_ids, kept)
     if not len(scores):
         return torch.zeros(0, dtype=torch.bool, device=scores.device)
-    _, index = torch.unique(group_ids, return_inverse=True)  # (B,): 0..G-1
-    n_groups = int(index.max()) + 1
-    kept = kept.bool()
-    x = scores.double()
-    scored = torch.zeros(n_groups, dtype=torch.float64, device=scores.device).index_add_(
-        0, index, kept.double()
-    )  # (G,)
-    high = torch.full_like(scored, -torch.inf).scatter_reduce(
-        0, index, x.masked_fill(~kept, -torch.inf), "amax"
-    )
-    low = torch.full_like(scored, torch.inf).scatter_reduce(0, index, x.masked_fill(~kept, torch.inf), "amin")
+    index, _, scored, high, low = _per_group(scores, group_ids, kept)
     return ((scored >= 2) & (high > low))[index]  # (B,)

@@ -125,13 +125,12 @@ def fill_informative_groups(
             break  # no process has a group to replace
         rounds += 1
         extra_batch, extra, extra_scores = draw(rounds)
-        useful_extra = [
-            j for j in range(extra.batch_size // g) if j not in set(useless_slots(extra, extra_scores))
-        ]
+        useless_extra = set(useless_slots(extra, extra_scores))
+        useful_extra = [j for j in range(extra.batch_size // g) if j not in useless_extra]
         pairs = list(zip(empty, useful_extra, strict=False))  # (slot to fill, extra group that fills it)
         if not pairs:
             continue
-        index = torch.arange(n + extra.batch_size, device=rollout.mask.device)[:n].clone()
+        index = torch.arange(n, device=rollout.mask.device)
         for slot, group in pairs:
             index[slot * g : (slot + 1) * g] = n + group * g + torch.arange(g, device=index.device)
         group_ids = rollout.group_ids.clone()
