@@ -94,6 +94,14 @@ class OnlineConfig:
     lam: float = option(0.95, "GAE lambda (Schulman et al. 2016).", ge=0, le=1)
     ppo_epochs: int = option(4, "Passes over each rollout batch.", gt=0)
     num_minibatches: int = option(1, "Optimizer steps per PPO epoch.", gt=0)
+    old_logprobs_from_update: bool = option(
+        True,
+        "With one PPO epoch of one minibatch, take the old log-probs (and the logged entropy) from the update's "
+        "own forward, detached, instead of a separate no-grad forward of the actor: the ratio is then 1 by "
+        "construction and one actor forward per rollout is saved (TRL's GRPO does the same at "
+        "num_iterations=1). Only where nothing reads the old log-probs before the update: the KL in the loss "
+        "or kl_coef 0 (no adaptive target), the hf generation backend, after the critic warm-up.",
+    )
     clip_eps: float = option(0.2, "PPO policy ratio clip (Schulman et al. 2017, eq. 7).", gt=0)
     clip_eps_high: float | None = option(
         None,

@@ -6,10 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from rlhfkit.trainers.online import collect
+from rlhfkit.engine.metrics_writer import read_metrics
+from rlhfkit.trainers.online import OnlineHooks, collect, train
 from rlhfkit.trainers.online.context import model_inputs
-from rlhfkit.trainers.online.layout import local_minibatches, micro_batches
+from rlhfkit.trainers.online.layout import local_minibatches, micro_batches, old_logprobs_from_update
 from rlhfkit.trainers.online.ppo_update import ppo_update
 from tests.trainers.online.online_fixtures import make_context, online_config, write_online_problem
 from tests.trainers.online.test_online import _ragged_generation, rollout_for_update
@@ -99,3 +101,78 @@ def test_first_ratio_is_exactly_one_before_any_update(tmp_path, monkeypatch, dty
     result = ppo_update(ctx, rollout_for_update(ctx), step=1)
     assert result.first_minibatch_logprob_diff == [0.0]
     assert result.metrics()["ratio/first_minibatch_max_logprob_diff"] == 0.0
+
+
+def test_the_update_forward_gives_the_old_logprobs_of_a_one_epoch_run(tmp_path, monkeypatch):
+    """One epoch of one minibatch with the KL in the loss: the update's own forward gives the old log-probs,
+    detached (online.old_logprobs_from_update), so the actor's no-grad forward of stage 1 is gone; the run is
+    the one with that forward, bit for bit (the first ratio is exactly 1 either way): weights, losses, KL,
+    entropy."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    calls = []
+    real = collect.response_readout
+
+    def counted(model, *args, **kwargs):
+        calls.append(model)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(collect, "response_readout", counted)
+    runs = {}
+    for fused in (True, False):
+        out = tmp_path / f"run-{fused}"
+        cfg = online_config(
+            paths,
+            out,
+            "train.max_steps=2",
+            "online.ppo_epochs=1",
+            "online.num_minibatches=1",
+            "online.kl_in_loss=true",
+            "online.kl_coef=0.1",
+            "online.ent_coef=0.01",
+            f"online.old_logprobs_from_update={str(fused).lower()}",
+            kind="grpo",
+        )
+        calls.clear()
+        train(cfg, hooks=OnlineHooks(evaluate_at_start=False))
+        rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss/policy" in r]
+        runs[fused] = len(calls), rows, load_file(out / "final" / "model.safetensors")
+    (fused_calls, fused_rows, fused_weights), (plain_calls, plain_rows, plain_weights) = (
+        runs[True],
+        runs[False],
+    )
+    assert plain_calls == 2 * fused_calls > 0  # actor and reference, against the reference alone
+    keys = ("loss/policy", "loss/kl", "loss/entropy", "kl/mean", "entropy/mean", "approx_kl", "score/mean")
+    assert len(fused_rows) == len(plain_rows) == 2
+    for a, b in zip(fused_rows, plain_rows, strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+        assert (
+            a["ratio/first_minibatch_max_logprob_diff"] == b["ratio/first_minibatch_max_logprob_diff"] == 0.0
+        )
+        assert a["entropy/mean"] > 0
+    assert fused_rows[0]["kl/mean"] == 0 != fused_rows[1]["kl/mean"]  # the actor has moved from the reference
+    assert fused_weights.keys() == plain_weights.keys()
+    assert all(torch.equal(fused_weights[k], plain_weights[k]) for k in fused_weights)
+
+
+@pytest.mark.parametrize(
+    "extra, step, expected",
+    [
+        ((), 1, True),
+        (("online.ppo_epochs=2",), 1, False),
+        (("online.num_minibatches=2",), 1, False),
+        (("online.kl_in_loss=false",), 1, False),  # -kl_coef * kl_t in the reward needs them first
+        (("online.kl_in_loss=false", "online.kl_coef=0"), 1, True),
+        (("online.kl_in_loss=false", "online.kl_coef=0", "online.kl_target=6"), 1, False),
+        (("online.critic_warmup_steps=2",), 2, False),  # ppo: the actor is not trained yet
+        (("online.critic_warmup_steps=2",), 3, True),
+        (("online.old_logprobs_from_update=false",), 1, False),
+    ],
+)
+def test_old_logprobs_come_from_the_update_only_where_nothing_reads_them_first(
+    tmp_path, extra, step, expected
+):
+    paths = write_online_problem(tmp_path, reward_model=False)
+    one_epoch = ("online.ppo_epochs=1", "online.num_minibatches=1", "online.kl_in_loss=true")
+    kind = "ppo" if any("warmup" in e for e in extra) else "grpo"
+    ctx = make_context(online_config(paths, tmp_path / "run", *one_epoch, *extra, kind=kind))
+    assert old_logprobs_from_update(ctx, step) is expected

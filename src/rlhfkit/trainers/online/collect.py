@@ -33,7 +33,7 @@ from rlhfkit.trainers.online.context import (
     model_inputs,
 )
 from rlhfkit.trainers.online.engine_rollout import generate_pieces
-from rlhfkit.trainers.online.layout import micro_batches, row_lengths
+from rlhfkit.trainers.online.layout import micro_batches, old_logprobs_from_update, row_lengths
 from rlhfkit.trainers.online.sharding import is_sharded, reshard
 from rlhfkit.types import Rollout
 
@@ -67,7 +67,11 @@ def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int, stream: in
 
 @torch.no_grad()
 def sample_rollout(
-    ctx: OnlineContext, batch: dict[str, Any], clock: StageClock | None = None, step: int | None = None
+    ctx: OnlineContext,
+    batch: dict[str, Any],
+    clock: StageClock | None = None,
+    step: int | None = None,
+    actor_forward: bool | None = None,
 ) -> Rollout:
     """Stage 1: sample one response per row of ``batch`` and read log-probs and values at sampling time.
 
@@ -81,7 +85,9 @@ def sample_rollout(
     With ``step`` (a rollout the PPO update will train on), the no-grad forwards run on the micro-batches of
     the update's first epoch (:func:`rlhfkit.trainers.online.layout.micro_batches`: the same rows, order and
     columns), so the first epoch recomputes exactly these log-probs, in bf16 too; without it (evaluation),
-    on chunks of ``online.rollout_batch_size`` rows.
+    on chunks of ``online.rollout_batch_size`` rows. ``actor_forward=False`` (default: when
+    :func:`~rlhfkit.trainers.online.layout.old_logprobs_from_update` says so for ``step``) skips the actor's
+    forward: ``logprobs`` and ``entropy`` stay 0 until the update's own forward fills them in.
 
     Returns:
         the rollout with ``logprobs``, ``ref_logprobs``, ``values`` (critic only), ``group_ids``, ``ended``,
@@ -104,6 +110,8 @@ def sample_rollout(
         return torch.zeros(n, width, device=ctx.device)
 
     logprobs, ref_logprobs, entropy = zeros(), zeros(), zeros()
+    if actor_forward is None:  # else the update's own forward gives them (layout.old_logprobs_from_update)
+        actor_forward = step is None or not old_logprobs_from_update(ctx, step)
     values = zeros() if roles.critic is not None else None
     for model in (roles.actor, roles.critic):
         if model is not None:
@@ -114,8 +122,9 @@ def sample_rollout(
                 batch["query_ids"][rows], batch["query_mask"][rows], response_ids[rows], response_mask[rows]
             )
             # chunked over the vocabulary: no (b, w, V) logits (rlhfkit.models.head_chunks)
-            actor = response_readout(roles.actor, ids, attn, start, ctx.sampling, entropy=True)
-            logprobs[rows, :w], entropy[rows, :w] = actor.logprobs, actor.entropy  # (b, w)
+            if actor_forward:
+                actor = response_readout(roles.actor, ids, attn, start, ctx.sampling, entropy=True)
+                logprobs[rows, :w], entropy[rows, :w] = actor.logprobs, actor.entropy  # (b, w)
             ref_logprobs[rows, :w] = response_readout(
                 roles.reference, ids, attn, start, ctx.sampling
             ).logprobs

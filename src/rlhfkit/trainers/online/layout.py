@@ -74,3 +74,25 @@ def micro_batches(
         rows = rows[torch.argsort(lengths[rows], stable=True)]
         out.append(list(rows.split(max(micro, 1))) if rows.numel() else [])  # split([]) is [[]]
     return out
+
+
+def old_logprobs_from_update(ctx: OnlineContext, step: int) -> bool:
+    """Whether rollout ``step`` takes its old log-probs (and logged entropies) from the update's own forward.
+
+    With one PPO epoch of one minibatch the old log-probs are the log-probs of the update's first (and only)
+    forward, so that forward can give them, detached: the ratio is 1 by construction and the separate no-grad
+    forward of the actor is saved (``online.old_logprobs_from_update``). Only where nothing reads them before
+    the update: the per-token rewards do not (the KL is in the loss, or kl_coef is 0 with no adaptive
+    target), the engine's log-prob gap and rollout correction do not (generation_backend=hf), and the actor
+    is trained this rollout (not during the critic warm-up).
+    """
+    online = ctx.cfg.online
+    return bool(
+        online.old_logprobs_from_update
+        and online.ppo_epochs == 1
+        and online.num_minibatches == 1
+        and (online.kl_in_loss or (online.kl_coef == 0 and online.kl_target is None))
+        and ctx.engine is None
+        and step > online.critic_warmup_steps
+        and "actor" in ctx.trained
+    )

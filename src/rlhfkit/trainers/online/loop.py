@@ -32,9 +32,10 @@ from rlhfkit.trainers.online.context import OnlineContext, StageClock, StatSums,
 from rlhfkit.trainers.online.dynamic import fill_informative_groups
 from rlhfkit.trainers.online.engine_rollout import check_logprob_gap, start_engine
 from rlhfkit.trainers.online.hooks import OnlineHooks
+from rlhfkit.trainers.online.layout import old_logprobs_from_update
 from rlhfkit.trainers.online.metrics import evaluate, rollout_stats
 from rlhfkit.trainers.online.ppo_update import UpdateResult, ppo_update
-from rlhfkit.trainers.online.shaping import estimate_advantages, group_stats, shape_rollout
+from rlhfkit.trainers.online.shaping import estimate_advantages, group_stats, measured_kl, shape_rollout
 from rlhfkit.trainers.online.sharding import final_models
 from rlhfkit.types import Rollout
 
@@ -193,6 +194,10 @@ def train_online(
                 if skip
                 else ppo_update(ctx, rollout, step, train_actor=step > online.critic_warmup_steps)
             )
+        if old_logprobs_from_update(
+            ctx, step
+        ):  # the update's forward gave the old log-probs (none if skipped)
+            rollout.kl = torch.zeros_like(rollout.kl) if skip else measured_kl(ctx, rollout)
 
         # the rollout's and the update's statistics, summed over processes in one all-reduce
         metrics = (
@@ -286,7 +291,7 @@ def _draw(
 ) -> tuple[dict, Rollout, Scores]:
     """Stages 1 and 2 on the prompts of dynamic sampling's extra round ``round_`` of rollout ``step``."""
     batch = prompt_batch(ctx, examples, step, stream=round_)
-    rollout = sample_rollout(ctx, batch, clock)
+    rollout = sample_rollout(ctx, batch, clock, actor_forward=not old_logprobs_from_update(ctx, step))
     return batch, rollout, score(rollout, batch["records"])
 
 

