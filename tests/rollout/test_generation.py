@@ -1,5 +1,6 @@
 """Stop-token truncation by hand (including pad == EOS) and generation from left-padded prompts."""
 
+import pytest
 import torch
 
 from rlhfkit.models import sampling_for
@@ -146,3 +147,60 @@ def test_a_pad_distinct_from_the_stop_tokens_is_never_sampled():
     assert pad not in batch.response_ids[0][batch.mask[0]].tolist()
     assert batch.mask[0].all()
     assert as_stop.response_ids[0].tolist()[0] == pad and as_stop.ended.tolist() == [True]
+
+
+def _grouped_prompts(pad: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three left-padded prompts of 4, 1 and 2 tokens, each repeated ``group`` times (a grpo rollout)."""
+    prompts = [[5, 6, 7, 8], [9], [11, 12]]
+    ids = torch.full((3, 4), pad)
+    mask = torch.zeros((3, 4), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, 4 - len(p) :], mask[i, 4 - len(p) :] = torch.tensor(p), 1
+    return ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_group_shares_one_forward_over_its_prompt_and_samples_the_same_tokens(greedy):
+    """share_prompts computes the prompt's cache once per distinct prompt (not once per row of its group);
+    the tokens (greedy, and sampled from the same generator) and log-probs are those of plain generate."""
+    model = tiny_llama(seed=0)
+    eos, pad = model.config.eos_token_id, model.config.pad_token_id
+    ids, mask = _grouped_prompts(pad, group=3)
+    from rlhfkit.rollout.generation import shared_prompt_cache
+
+    rows = []
+    hook = model.model.register_forward_pre_hook(
+        lambda m, a, k: rows.append(tuple(k["input_ids"].shape)), with_kwargs=True
+    )
+    cache = shared_prompt_cache(model, ids, mask)
+    hook.remove()
+    assert rows == [(3, 3)]  # one row per distinct prompt, every column but the last
+    assert cache.get_seq_length() == 3
+    out = {}
+    for share in (True, False):
+        torch.manual_seed(0)
+        out[share] = generate_responses(
+            model,
+            ids,
+            mask,
+            max_new_tokens=6,
+            stop_token_ids=[eos],
+            pad_token_id=pad,
+            sampling=sampling_for(pad, [eos]),
+            greedy=greedy,
+            return_logprobs=True,
+            share_prompts=share,
+        )
+    assert torch.equal(out[True].response_ids, out[False].response_ids)
+    assert torch.equal(out[True].mask, out[False].mask)
+    torch.testing.assert_close(out[True].sampled_logprobs, out[False].sampled_logprobs, rtol=0, atol=1e-5)
+    if not greedy:  # the three rows of a group drew different responses
+        assert len({tuple(r.tolist()) for r in out[True].response_ids[:3]}) > 1
+
+
+def test_distinct_prompts_take_plain_generate():
+    model = tiny_llama(seed=0)
+    ids, mask = _grouped_prompts(model.config.pad_token_id, group=1)
+    from rlhfkit.rollout.generation import shared_prompt_cache
+
+    assert shared_prompt_cache(model, ids, mask) is None
