@@ -14,6 +14,7 @@ In each, the newest complete checkpoint is step-1 and a run resumed from it fini
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ import pytest
 from rlhfkit.cli import main
 from rlhfkit.engine.checkpoint import complete_checkpoints
 from rlhfkit.engine.metrics_writer import read_metrics
+from rlhfkit.trainers import common
 from tests.distributed.test_data_parallel import torchrun
 from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
 
@@ -115,6 +117,7 @@ def test_an_exception_in_one_process_stops_both_and_the_checkpoint_resumes(probl
     assert "Connection closed by peer" in line and f"{tmp / 'run' / 'checkpoints' / 'step-1'}" in line
     assert "RuntimeError: planted fault in process 1 at rollout 2" in err  # the cause keeps its traceback
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    monkeypatch.setattr(common, "write_report", lambda run_dir: None)  # seconds, and read by no test here
     assert main([*args("run", 2), "--resume"]) == 0  # on one process, from step-1
     assert [r["step"] for r in read_metrics(tmp / "run" / "metrics.jsonl")] == [1, 2]
 
@@ -125,7 +128,11 @@ def test_a_killed_main_process_stops_the_other_and_the_sharded_checkpoint_resume
     code, err, _ = faulty_launch("kill", 0, args("run", 3, "train.sharding=full_shard"))
     check_stopped(code, err, 1, tmp / "run")
     assert "(SIGKILL)" in err  # the killed one, in torchrun's summary
-    resumed = torchrun("-m", "rlhfkit.cli", *args("run", 2, "train.sharding=full_shard"), "--resume", nproc=1)
+    plan = tmp / "resume.json"  # no report (seconds, and read by no test here)
+    plan.write_text(
+        json.dumps({"reports": False, "runs": [[*args("run", 2, "train.sharding=full_shard"), "--resume"]]})
+    )
+    resumed = torchrun("-m", "tests.distributed.cli_runs", str(plan), nproc=1)
     assert resumed.returncode == 0, resumed.stderr[-4000:]  # the shards of 2 processes, re-cut for 1
     assert [r["step"] for r in read_metrics(tmp / "run" / "metrics.jsonl")] == [1, 2]
 
