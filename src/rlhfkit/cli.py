@@ -9,7 +9,9 @@
 A user's mistake (a :class:`rlhfkit.errors.UserError`: bad configuration, bad data, an occupied output
 folder) prints one line ``rlhfkit: error: <message>`` on stderr and exits with code 2. A run that stops on
 purpose prints ``rlhfkit: stopped: <message>``: exit 3 when it diverged (a non-finite loss, gradient, reward
-or value: :mod:`rlhfkit.engine.guards`), 130 / 143 after SIGINT / SIGTERM (:mod:`rlhfkit.engine.signals`).
+or value: :mod:`rlhfkit.engine.guards`), 130 / 143 after SIGINT / SIGTERM (:mod:`rlhfkit.engine.signals`),
+5 in a process of a multi-process run whose collective failed because another process raised, was killed or
+stopped answering for ``train.collective_timeout`` seconds (the failing process keeps its own traceback).
 A full disk gives one line and exit 1. Any other exception is a bug and keeps its traceback. :func:`main` takes ``argv`` and returns the exit code, so tests call it
 in-process.
 
@@ -41,7 +43,7 @@ from rlhfkit.commands import (
     train_command,
 )
 from rlhfkit.config import KINDS, config_help
-from rlhfkit.errors import RunStopped, UserError
+from rlhfkit.errors import ProcessLost, RunStopped, UserError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,6 +75,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"rlhfkit: error: {e.strerror} while writing {e.filename or 'a file'}", file=sys.stderr)
         return 1
+    except Exception as e:  # a collective failed: another process ended or stopped answering
+        stop = _lost_process(e)
+        if stop is None:
+            raise
+        print(f"rlhfkit: stopped: {stop}", file=sys.stderr, flush=True)
+        return ProcessLost.exit_code
     finally:
         _leave_process_group(wait=ok)
         if "rlhfkit.engine.folder" in sys.modules:  # the command is over: so is its hold on run folders
@@ -254,6 +262,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.set_defaults(run=report_command)
     return parser
+
+
+def _lost_process(exc: BaseException) -> str | None:
+    """The one line for a process whose collective failed because another process of its run ended or stopped
+    answering (:func:`rlhfkit.engine.accel.lost_process`), naming the newest complete checkpoint of the run
+    folder it holds (the main process); None for any other exception."""
+    if "torch" not in sys.modules:
+        return None
+    from rlhfkit.engine.accel import lost_process
+    from rlhfkit.engine.checkpoint import complete_checkpoints
+    from rlhfkit.engine.folder import held_folders
+
+    cause = lost_process(exc)
+    if cause is None:
+        return None
+    newest = [
+        found[-1] for folder in held_folders() if (found := complete_checkpoints(folder / "checkpoints"))
+    ]
+    where = (
+        f"the newest complete checkpoint is {newest[-1]}; run the same command with --resume to continue"
+        if newest
+        else "run the same command with --resume to continue from the newest complete checkpoint, if any"
+    )
+    return f"{cause}; the run stops here; {where}"
 
 
 def _leave_process_group(wait: bool) -> None:

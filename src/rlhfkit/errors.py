@@ -75,3 +75,12 @@ class GenerationEngineError(RunStopped):
     is written or touched, so ``--resume`` continues from the newest one."""
 
     exit_code = 4
+
+
+class ProcessLost(RunStopped):
+    """Another process of a multi-process run raised, was killed or stopped answering, so a collective of this
+    one failed (at once, or after ``train.collective_timeout`` seconds): the process stops with one line
+    (exit code 5). Checkpoints are written atomically, so the newest complete one is intact; ``--resume``
+    continues from it."""
+
+    exit_code = 5

@@ -2,9 +2,11 @@
 
     torchrun --standalone --nproc_per_node 2 -m tests.distributed.cli_runs PLAN.json
 
-``PLAN.json``: ``{"float64": true|false, "runs": [[argv...], ...]}``. With ``float64``, ``model.dtype=float32``
-loads float64 weights (the config offers no float64: a test-only switch), so that comparisons between
-process counts are exact up to summation order. Stops at the first command that fails (exit code as its).
+``PLAN.json``: ``{"float64": true|false, "reports": true|false, "runs": [[argv...], ...]}``. With ``float64``,
+``model.dtype=float32`` loads float64 weights (the config offers no float64: a test-only switch), so that
+comparisons between process counts are exact up to summation order. ``"reports": false`` skips the report every
+trainer writes at its end (report.html and its plots: several seconds a run here, and tested in
+tests/reporting), for tests that read no report. Stops at the first command that fails (exit code as its).
 """
 
 from __future__ import annotations
@@ -18,15 +20,22 @@ import torch
 import rlhfkit.cli as cli
 from rlhfkit.engine.accel import end_processes
 from rlhfkit.models import loading
+from rlhfkit.trainers import common
 
 
 def float64_models() -> None:
     loading.DTYPES["float32"] = torch.float64
 
 
-def run_all(runs: list[list[str]], float64: bool = False) -> int:
+def no_reports() -> None:
+    common.write_report = lambda run_dir: None
+
+
+def run_all(runs: list[list[str]], float64: bool = False, reports: bool = True) -> int:
     if float64:
         float64_models()
+    if not reports:
+        no_reports()
     cli._leave_process_group = lambda wait: None  # one group for all the runs of this launch
     try:
         for argv in runs:
@@ -41,4 +50,4 @@ def run_all(runs: list[list[str]], float64: bool = False) -> int:
 
 if __name__ == "__main__":
     plan = json.loads(Path(sys.argv[1]).read_text())
-    sys.exit(run_all(plan["runs"], plan.get("float64", False)))
+    sys.exit(run_all(plan["runs"], plan.get("float64", False), plan.get("reports", True)))

@@ -28,8 +28,9 @@ from tests.trainers.test_reward import BODY_WORDS, write_reward_problem
 GRAD_TOL, WEIGHT_TOL = 1e-6, 1e-5
 
 
-def torchrun(*args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node nproc ARGS`` with this checkout's rlhfkit and tests importable."""
+def torchrun(*args: str, nproc: int = 2, timeout: float = 600, wait: bool = True):
+    """``torchrun --standalone --nproc_per_node nproc ARGS`` with this checkout's rlhfkit and tests importable:
+    its CompletedProcess, or (``wait=False``) the started Popen, stderr piped, for the caller to wait for."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), os.getcwd()])),
@@ -37,13 +38,19 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 600) -> subprocess.Com
         "PYTHONUNBUFFERED": "1",
     }
     env.pop("PYTEST_CURRENT_TEST", None)
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *args,
+    ]
+    if not wait:
+        return subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def write_prm_problem(root: Path) -> None:

@@ -1,11 +1,14 @@
 """Sharded (FSDP2, ``train.sharding=full_shard``) PPO and DPO through the command line on 2 CPU processes (gloo).
 
-Three torchrun launches, in float64 (:mod:`tests.distributed.cli_runs`):
+Three torchrun launches, in float64 (:mod:`tests.distributed.cli_runs`); the first runs beside the in-process
+one-process DPO reference (two cores):
 
     1 process    ppo 1->2 (first rollout)
-    2 processes  ppo 1->2 (resumed), ppo 2 rollouts, ppo stopped after 1 and resumed, ppo 2->1 (first
-                 rollout), dpo 2 steps
-    1 process    ppo 2->1 (resumed)
+    2 processes  ppo 1->2 (resumed), ppo 2 rollouts, ppo stopped after 1 and resumed, dpo 2 steps
+    1 process    ppo 2->1 (resumed): the 2-rollout run as it stood after rollout 1 (its folder with only
+                 checkpoint step-1, as a run stopped there leaves it; the runs are deterministic, so this is
+                 the checkpoint a 1-rollout run writes: the stopped-and-resumed run above is held equal to the
+                 uninterrupted one)
 
 PPO's responses are sampled with a seed per (seed, rollout, process), so a run resumed under another process
 count continues from the same global prompt and KL controller, not with the same samples: the comparison
@@ -17,6 +20,8 @@ test_data_parallel.py (the ``sharded-*`` worker cases). DPO is compared with one
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,6 +33,7 @@ from rlhfkit.config import read_run_info
 from rlhfkit.engine.checkpoint import complete_checkpoints
 from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.models import loading
+from rlhfkit.trainers import common
 from tests.distributed.test_data_parallel import torchrun
 from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
 from tests.trainers.test_dpo import dpo_args, write_dpo_problem
@@ -35,13 +41,31 @@ from tests.trainers.test_dpo import dpo_args, write_dpo_problem
 SHARD = "train.sharding=full_shard"
 
 
-def _launch(tmp: Path, nproc: int, runs: list[list[str]]) -> str:
+def _start(tmp: Path, nproc: int, runs: list[list[str]]) -> subprocess.Popen:
+    """A torchrun launch of ``runs`` (:mod:`tests.distributed.cli_runs`), started; :func:`_finish` waits for it."""
     plan = tmp / f"plan-{nproc}-{len(list(tmp.glob('plan-*')))}.json"
-    plan.write_text(json.dumps({"float64": True, "runs": runs}))
-    proc = torchrun("-m", "tests.distributed.cli_runs", str(plan), nproc=nproc)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "terminate called" not in proc.stderr
-    return proc.stderr
+    plan.write_text(json.dumps({"float64": True, "reports": False, "runs": runs}))  # no test here reads one
+    return torchrun("-m", "tests.distributed.cli_runs", str(plan), nproc=nproc, wait=False)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-4000:]
+    assert "terminate called" not in err
+    return err
+
+
+def _launch(tmp: Path, nproc: int, runs: list[list[str]]) -> str:
+    return _finish(_start(tmp, nproc, runs))
+
+
+def _stopped_after_one(run: Path, copy: Path) -> None:
+    """``copy``: run folder ``run`` as it was when its first rollout was checkpointed (later checkpoints, final
+    folders and summary gone; --resume cuts metrics.jsonl and samples.jsonl back to step 1)."""
+    shutil.copytree(run, copy)
+    for later in [*copy.glob("checkpoints/step-[2-9]*"), copy / "final", copy / "final_critic"]:
+        shutil.rmtree(later)
+    (copy / "summary.json").unlink()
 
 
 def _weights(folder: Path, name: str = "final") -> dict[str, torch.Tensor]:
@@ -72,11 +96,13 @@ def runs(tmp_path_factory):
         return online_cli_args(paths, tmp / name, *settings, f"train.max_steps={steps}", *extra)
 
     dpo = ("train.max_steps=2", "train.save_steps=1")
-    with pytest.MonkeyPatch.context() as patch:  # DPO's one-process, unsharded reference, here
+    first = _start(tmp, 1, [ppo("one-two", 1)])
+    with pytest.MonkeyPatch.context() as patch:  # DPO's one-process, unsharded reference, here, meanwhile
         patch.setenv("RLHFKIT_NUM_THREADS", "1")
         patch.setitem(loading.DTYPES, "float32", torch.float64)
+        patch.setattr(common, "write_report", lambda run_dir: None)  # as in the launches
         assert main(dpo_args(dpo_paths, tmp / "dpo-one", *dpo)) == 0
-    logs = [_launch(tmp, 1, [ppo("one-two", 1)])]
+    logs = [_finish(first)]
     logs.append(
         _launch(
             tmp,
@@ -86,11 +112,11 @@ def runs(tmp_path_factory):
                 ppo("two", 2),
                 ppo("two-two", 1),
                 [*ppo("two-two", 2), "--resume"],
-                ppo("two-one", 1),
                 dpo_args(dpo_paths, tmp / "dpo-two", *dpo, SHARD),
             ],
         )
     )
+    _stopped_after_one(tmp / "two", tmp / "two-one")
     logs.append(_launch(tmp, 1, [[*ppo("two-one", 2), "--resume"]]))
     return tmp, logs
 

@@ -176,6 +176,17 @@ class TrainConfig:
         "too, forward-only (shard: 1/N of their weights per process, one all-gather per layer per forward), "
         "or a whole copy on every process (replicate: no all-gather, N times the memory).",
     )
+    collective_timeout: float = option(
+        1800.0,
+        "Seconds a process waits at a collective (all-reduce, all-gather, barrier) for the others of a "
+        "multi-process run before it stops with one line naming the cause (exit 5; the newest complete "
+        "checkpoint stays resumable). It bounds the wait when a process hangs or vanishes unnoticed (a lost "
+        "node; NCCL); a process that raises or is killed on this machine is noticed at once. It must exceed "
+        "the longest wait of a healthy run: the main process alone tokenising a large dataset into its "
+        "cache, or writing a large final/ (30 min, torch's gloo default). Set when the process group starts "
+        "(the first run of a process).",
+        gt=0,
+    )
     skip_nonfinite_steps: int = option(
         0,
         "A step whose loss, gradient norm, rewards or values are not finite stops the run (exit 3); skip up "

@@ -22,7 +22,9 @@ DeepSpeed and Megatron-LM are refused at start-up (:func:`check_supported`).
 from __future__ import annotations
 
 import os
+import re
 import sys
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -38,15 +40,22 @@ SHARDED_LAUNCH_ENV = {
 plain data parallelism without a word; rlhfkit refuses it everywhere, so a launch trains as it says)."""
 
 
-def make_accelerator(cpu: bool | None = None, sharding: bool = False):
+def make_accelerator(
+    cpu: bool | None = None, sharding: bool = False, collective_timeout: float | None = None
+):
     """An Accelerator with no mixed-precision wrapping (the dtype is chosen when the weights are loaded:
     :func:`rlhfkit.models.resolve_dtype`); refuses a launch rlhfkit cannot train under.
 
     ``sharding``: the caller shards its model itself under an accelerate FSDP config
     (:mod:`rlhfkit.engine.sharded`); the Accelerator is then built as for data parallelism, so that it
     neither wraps the model nor, on CPU, silently ignores the config.
+    ``collective_timeout``: seconds a collective waits for the other processes (``train.collective_timeout``,
+    the process group's timeout, gloo and NCCL alike); a collective that runs past it raises, and
+    :func:`lost_process` names that. Applies when this call starts the process group (the first in a
+    process); None keeps torch's default.
     """
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     check_supported(sharding=sharding)
     if cpu is None:
@@ -57,7 +66,14 @@ def make_accelerator(cpu: bool | None = None, sharding: bool = False):
         # accelerate's FSDP wrapper to broadcast, which is not used here: every process loads them.
         os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
     try:
-        accelerator = Accelerator(cpu=cpu, mixed_precision="no", step_scheduler_with_optimizer=False)
+        handlers = (
+            [InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout))]
+            if collective_timeout is not None
+            else []
+        )
+        accelerator = Accelerator(
+            cpu=cpu, mixed_precision="no", step_scheduler_with_optimizer=False, kwargs_handlers=handlers
+        )
     finally:
         if hidden is not None:
             os.environ["ACCELERATE_USE_FSDP"] = hidden
@@ -170,3 +186,42 @@ def end_processes(wait: bool = True) -> None:
             torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
+
+
+LOST_PROCESS_SIGNS = (
+    "connection closed by peer",  # gloo: the other end's socket closed (it raised and left, or was killed)
+    "connection reset by peer",
+    "broken pipe",
+    "timed out waiting",  # gloo: the collective ran past train.collective_timeout
+    "operation timeout",  # NCCL's watchdog, likewise
+    "communicator was aborted",  # NCCL
+)
+"""What a collective's error says (lower case) when another process of the run ended or stopped answering."""
+
+
+def lost_process(exc: BaseException) -> str | None:
+    """The cause in a few words when ``exc`` is a collective that failed because another process of this
+    multi-process run ended, was killed or stopped answering; None for any other exception (a bug keeps its
+    traceback) and in a process without a process group.
+
+    torch raises these as ``torch.distributed.DistError`` (NCCL, the store) or as a plain ``RuntimeError``
+    carrying gloo's message; the chain of causes is searched, since a wrapper may re-raise.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    if torch.distributed.get_world_size() < 2:
+        return None
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, getattr(torch.distributed, "DistError", ())) or (
+            isinstance(seen, RuntimeError) and any(sign in text.lower() for sign in LOST_PROCESS_SIGNS)
+        ):
+            first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "")
+            first = first.split(". This is typically")[0]  # gloo's advice that follows says the same
+            return (
+                f"process {torch.distributed.get_rank()} of {torch.distributed.get_world_size()}: another "
+                f"process of this run ended or stopped answering ({type(seen).__name__}: {first[:200]})"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None

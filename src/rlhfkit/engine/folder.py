@@ -115,6 +115,11 @@ def release_locks() -> None:
         _held.popitem()[1].close()
 
 
+def held_folders() -> list[Path]:
+    """The run folders whose lock this process holds, oldest first."""
+    return [Path(key) for key in _held]
+
+
 def holds_lock(folder: str | Path) -> bool:
     """Whether this process holds the lock of ``folder``."""
     return str(Path(folder).resolve()) in _held
@@ -182,6 +187,7 @@ RESUMABLE_CHANGES = (
     "train.eval_steps",
     "train.log_steps",
     "train.keep_last_checkpoints",
+    "train.collective_timeout",
     "logging.",
 )
 

@@ -262,7 +262,9 @@ def build_reference(cfg: RunConfig, model: torch.nn.Module, tokenizer, device) -
 def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run DPO as configured; write ``final/`` and ``summary.json``; return the summary."""
     seed_everything(cfg.seed)
-    accelerator = make_accelerator(sharding=True)  # an accelerate FSDP config: sharded by train_offline
+    accelerator = make_accelerator(
+        sharding=True, collective_timeout=cfg.train.collective_timeout
+    )  # an accelerate FSDP config: sharded by train_offline
     # All data is read, validated and tokenised before any model is built or the run folder written.
     tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)

@@ -42,7 +42,7 @@ class ScalarSession:
 def open_session(cfg: RunConfig, kind: str) -> tuple[ScalarSession, Examples, Examples | None]:
     """Processes, tokenizer and all data of the run (bad data stops here, before the run folder is written)."""
     seed_everything(cfg.seed)
-    accelerator = make_accelerator(sharding=True)
+    accelerator = make_accelerator(sharding=True, collective_timeout=cfg.train.collective_timeout)
     tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
     examples, heldout = prepare_run_data(cfg.data, kind, tokenizer, limits, accelerator)

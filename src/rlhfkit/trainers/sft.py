@@ -100,7 +100,7 @@ def count_completion_tokens(examples: list[dict]) -> float:
 def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run SFT as configured; write ``final/`` and ``summary.json``; return the summary."""
     seed_everything(cfg.seed)
-    accelerator = make_accelerator(sharding=True)
+    accelerator = make_accelerator(sharding=True, collective_timeout=cfg.train.collective_timeout)
 
     # Load and validate all data before any model is built or the run folder written: bad input stops here,
     # with file/line/field, and leaves nothing to --overwrite.

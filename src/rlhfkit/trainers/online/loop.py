@@ -57,7 +57,9 @@ def train(
     """
     hooks = hooks or OnlineHooks()
     seed_everything(cfg.seed)
-    accelerator = make_accelerator(sharding=True)  # an accelerate FSDP config: the roles sharded here
+    accelerator = make_accelerator(
+        sharding=True, collective_timeout=cfg.train.collective_timeout
+    )  # an accelerate FSDP config: the roles sharded here
     check_process_count(cfg, accelerator.num_processes)
     if cfg.refresh.every and hooks.refresh_reward_model is None:
         raise ConfigError(

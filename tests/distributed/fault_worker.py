@@ -1,0 +1,45 @@
+"""One ``rlhfkit`` command line under torchrun with a fault planted in one process mid-run (a test hook).
+
+    torchrun --standalone --nproc_per_node 2 -m tests.distributed.fault_worker FAULT RANK STEP ARGV...
+
+``FAULT`` is ``exception`` (a Python exception), ``kill`` (SIGKILL, as the out-of-memory killer does) or ``hang``
+(the process stays alive and never reaches its next collective, as a stuck device or a lost node, until the
+launcher's SIGTERM ends it: that spares the test torchrun's 30 s wait before SIGKILL); it hits
+process ``RANK`` as rollout ``STEP`` starts (after rollout ``STEP - 1`` and its checkpoint). The other
+processes run the command unchanged. Exits as :func:`rlhfkit.cli.console` does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import rlhfkit.cli as cli
+from rlhfkit.engine import signals
+from rlhfkit.trainers.online import loop
+
+
+def plant(fault: str, rank: int, step: int) -> None:
+    sample = loop.sample_rollout
+
+    def faulty(ctx, batch, clock, at):
+        if at == step and ctx.accelerator.process_index == rank:
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "hang":  # alive, holding its sockets, never at the next collective
+                while signals.requested() is None:  # until the launcher's SIGTERM (else its SIGKILL, 30 s on)
+                    time.sleep(0.2)
+                os._exit(signals.exit_code(signals.requested()))
+            raise RuntimeError(f"planted fault in process {rank} at rollout {step}")
+        return sample(ctx, batch, clock, at)
+
+    loop.sample_rollout = faulty
+
+
+if __name__ == "__main__":
+    fault, rank, step, *argv = sys.argv[1:]
+    plant(fault, int(rank), int(step))
+    sys.argv = [sys.argv[0], *argv]
+    cli.console()
