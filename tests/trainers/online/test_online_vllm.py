@@ -37,9 +37,9 @@ needs_vllm = (
 VLLM = ("online.generation_backend=vllm", "online.vllm_max_model_len=64")
 
 
-def engine_problem(root):
+def engine_problem(root, reward_model: bool = False):
     """The online fixture's problem with a policy of head size 32 (one vLLM's CPU attention runs)."""
-    paths = write_online_problem(root, reward_model=False)
+    paths = write_online_problem(root, reward_model=reward_model)
     tokenizer = load_tokenizer(str(paths["policy"]))
     model = tiny_llama(
         vocab_size=len(tokenizer),
@@ -231,3 +231,138 @@ def test_stale_weights_stop_fires_when_the_sync_is_planted_out(tmp_path, capsys,
     assert code == 4
     assert "generation/logprob_gap/mean" in err and "online.vllm_max_logprob_gap = 0.1" in err
     assert (run / "checkpoints" / "step-1" / "COMPLETE").is_file()  # the rollout before the stop is saved
+
+
+def test_engine_for_hook_syncs_and_hands_the_sampler_only_to_hooks_that_take_it(tmp_path):
+    from rlhfkit.trainers.online.engine_rollout import engine_for_hook
+
+    events = []
+
+    class FakeEngine:  # records what the trainer asks of the engine
+        def load_weights(self, model):
+            events.append(("load", model))
+
+        def generate(self, prompt_ids, prompt_mask, *, seeds, **kwargs):
+            events.append(("generate", len(seeds)))
+
+    paths = write_online_problem(tmp_path, reward_model=False)
+    ctx = make_context(online_config(paths, tmp_path / "a", kind="grpo"))
+
+    def takes_it(policy, reward_model, step, generate=None):
+        return {}
+
+    def plain(policy, reward_model, step):
+        return {}
+
+    assert engine_for_hook(ctx, takes_it) == {}  # hf: no engine
+    ctx = dataclasses.replace(ctx, engine=FakeEngine())
+    assert engine_for_hook(ctx, plain) == {} and events == []  # a hook without generate samples itself
+    given = engine_for_hook(ctx, takes_it)
+    assert events == [("load", ctx.roles.actor)]  # the actor's weights, loaded before the hook samples
+    given["generate"](None, torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.long))
+    assert events[-1] == ("generate", 3)
+
+
+def _count_engine_rows(monkeypatch):
+    """Count the requests vLLM itself is given (``LLM.generate``), under rlhfkit's calls."""
+    from vllm import LLM
+
+    real, rows = LLM.generate, []
+
+    def counting(self, requests, *args, **kwargs):
+        rows.append(len(requests))
+        return real(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", counting)
+    return rows
+
+
+@needs_vllm
+def test_held_out_evaluation_and_the_refresh_sample_from_the_engine(tmp_path, monkeypatch):
+    import functools
+
+    import rlhfkit.trainers.online.collect as collect
+    from rlhfkit.config import RefreshConfig
+    from rlhfkit.models import load_scalar_model
+    from rlhfkit.rollout.pairs import sample_response_pairs
+    from rlhfkit.rollout.vllm_engine import engine_generate
+    from rlhfkit.trainers.online.engine_rollout import start_engine
+    from rlhfkit.trainers.online.metrics import evaluate_prompts
+    from rlhfkit.trainers.online.refresh import RewardRefresh
+    from tests.trainers.online.online_fixtures import PROMPTS
+
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = engine_problem(tmp_path, reward_model=True)
+    cfg = online_config(paths, tmp_path / "run", *VLLM, kind="grpo")
+    ctx = make_context(cfg)
+    ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor))
+    try:
+        rows = _count_engine_rows(monkeypatch)
+        examples = [{"prompt_ids": ctx.tokenizer(p)["input_ids"], "record": {"prompt": p}} for p in PROMPTS]
+
+        def greedy(generate):  # evaluation samples; greedy, the two backends must give the same tokens
+            return lambda *args, **kwargs: generate(*args, **{**kwargs, "greedy": True})
+
+        monkeypatch.setattr(ctx.engine, "generate", greedy(ctx.engine.generate))
+        monkeypatch.setattr(collect, "generate_responses", greedy(collect.generate_responses))
+        from_engine = evaluate_prompts(ctx, examples)
+        assert sum(rows) == len(PROMPTS)  # every held-out response came from the engine
+        from_hf = evaluate_prompts(dataclasses.replace(ctx, engine=None), examples)
+        assert sum(rows) == len(PROMPTS)
+        assert from_engine.keys() == from_hf.keys()
+        for name in from_hf:
+            assert from_engine[name] == pytest.approx(from_hf[name], abs=1e-5), name
+        monkeypatch.undo()  # the real engine and generate again (and the row count)
+        rows = _count_engine_rows(monkeypatch)
+
+        # the refresh's pairs: greedy, the engine's sampler gives Hugging Face generate's responses
+        policy = ctx.roles.actor
+        sampler = engine_generate(ctx.engine)
+        kwargs = dict(max_new_tokens=6, seed=3)
+        greedy_engine = sample_response_pairs(
+            policy, ctx.tokenizer, PROMPTS, generate=functools.partial(sampler, greedy=True), **kwargs
+        )
+        from rlhfkit.rollout.generation import generate_responses
+
+        greedy_hf = sample_response_pairs(
+            policy,
+            ctx.tokenizer,
+            PROMPTS,
+            generate=functools.partial(generate_responses, greedy=True),
+            **kwargs,
+        )
+        assert greedy_engine == greedy_hf and any(p.a for p in greedy_hf)
+        # and the refresh hook samples with the sampler it is given
+        before = sum(rows)
+        reward_model = load_scalar_model(str(paths["reward"]), tokenizer=ctx.tokenizer)
+        refresh = RewardRefresh(
+            ctx.tokenizer,
+            PROMPTS,
+            label_fn=lambda prompt, a, b: len(a) < len(b),
+            initial_pairs=[{"prompt": "hello", "chosen": "cat", "rejected": "dog dog"}],
+            config=RefreshConfig(pairs=4, steps=1, batch_size=2, max_new_tokens=6),
+        )
+        metrics = refresh(policy, reward_model, 1, generate=sampler)
+        assert sum(rows) - before == 2 * 4  # two responses for each of the 4 prompts
+        assert "refresh/new_pairs" in metrics
+    finally:
+        ctx.engine.close()
+
+
+@needs_vllm
+def test_generate_command_with_the_vllm_backend(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = engine_problem(tmp_path)
+    rows = _count_engine_rows(monkeypatch)
+    base = ["generate", "--model", str(paths["policy"]), "--prompts", str(paths["prompts"])]
+    base += ["--max-new-tokens", "6"]
+    out = {name: tmp_path / f"{name}.jsonl" for name in ("hf", "vllm", "s1", "s2")}
+    assert main([*base, "--greedy", "--out", str(out["hf"])]) == 0
+    assert rows == []  # hf: no engine
+    assert main([*base, "--greedy", "--backend", "vllm", "--out", str(out["vllm"])]) == 0
+    lines = out["hf"].read_text().splitlines()
+    assert sum(rows) == len(lines) > 0  # every response came from the engine
+    assert out["vllm"].read_text() == out["hf"].read_text()  # greedy: the same responses
+    for name in ("s1", "s2"):  # sampled: the seed fixes the engine's draws
+        assert main([*base, "--backend", "vllm", "--seed", "4", "--out", str(out[name])]) == 0
+    assert out["s1"].read_text() == out["s2"].read_text()
