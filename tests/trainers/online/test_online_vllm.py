@@ -366,3 +366,50 @@ def test_generate_command_with_the_vllm_backend(tmp_path, monkeypatch):
     for name in ("s1", "s2"):  # sampled: the seed fixes the engine's draws
         assert main([*base, "--backend", "vllm", "--seed", "4", "--out", str(out[name])]) == 0
     assert out["s1"].read_text() == out["s2"].read_text()
+
+
+@needs_vllm
+def test_an_engine_that_fails_to_start_stops_with_one_line_and_resume_continues(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = engine_problem(tmp_path)
+    # vLLM's own refusal: a longest sequence beyond the model's 128 positions
+    fresh = tmp_path / "fresh"
+    code = main(
+        online_cli_args(paths, fresh, "online.generation_backend=vllm", "online.vllm_max_model_len=4096")
+    )
+    err = capsys.readouterr().err
+    stops = [line for line in err.splitlines() if line.startswith("rlhfkit: stopped")]
+    assert code == 4 and len(stops) == 1 and "Traceback" not in err
+    assert stops[0].startswith("rlhfkit: stopped: the vLLM engine failed to start: ") and "4096" in stops[0]
+    assert not (fresh / "checkpoints").exists() or not any((fresh / "checkpoints").iterdir())
+
+    # a resumed run whose engine cannot start (out of KV-cache memory, planted in vLLM's constructor)
+    from vllm import LLM
+
+    run = tmp_path / "run"
+    one = online_cli_args(paths, run, *VLLM, "train.max_steps=1", "train.save_steps=1", kind="grpo")
+    assert main(one) == 0
+    real = LLM.__init__
+
+    def no_memory(self, *args, **kwargs):
+        raise ValueError("No available memory for the cache blocks. Try increasing VLLM_CPU_KVCACHE_SPACE.")
+
+    monkeypatch.setattr(LLM, "__init__", no_memory)
+    two = [
+        *online_cli_args(paths, run, *VLLM, "train.max_steps=2", "train.save_steps=1", kind="grpo"),
+        "--resume",
+    ]
+    capsys.readouterr()
+    assert main(two) == 4
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("rlhfkit: stopped")] == [
+        "rlhfkit: stopped: the vLLM engine failed to start: ValueError: No available memory for the cache "
+        "blocks. Try increasing VLLM_CPU_KVCACHE_SPACE."
+    ]
+    assert (run / "checkpoints" / "step-1" / "COMPLETE").is_file()
+    assert not (run / "checkpoints" / "step-2").exists()
+    monkeypatch.setattr(LLM, "__init__", real)
+    assert main(two) == 0
+    assert [r["step"] for r in _metrics(run) if r["step"] > 0] == [1, 2]
