@@ -88,6 +88,15 @@ def test_engine_keys_reach_the_engine_settings(tmp_path, monkeypatch):
         dataclasses.replace(cfg, online=dataclasses.replace(cfg.online, vllm_max_model_len=99)), None
     )
     assert seen["s"].max_model_len == 99
+    refreshed = online_config(
+        paths,
+        tmp_path / "c",
+        "online.generation_backend=vllm",
+        "refresh.every=2",
+        "refresh.max_new_tokens=30",
+    )
+    start_engine(refreshed, None)
+    assert seen["s"].max_model_len == 16 + 30  # the refresh's longer responses fit too
 
 
 def test_logprob_gap_hand_computed_and_its_stop(tmp_path):

@@ -54,8 +54,11 @@ def start_engine(cfg: RunConfig, actor: torch.nn.Module) -> VLLMEngine | None:
 
 
 def _longest(cfg: RunConfig, actor: torch.nn.Module) -> int:
-    """``data.max_prompt_length + online.response_length``, at most the model's own position limit."""
-    wanted = cfg.data.max_prompt_length + cfg.online.response_length
+    """``data.max_prompt_length`` + the longest response the engine serves (``online.response_length``, or the
+    refresh's ``refresh.max_new_tokens`` when a refresh samples and asks for more), at most the model's own
+    position limit."""
+    refresh = cfg.refresh.max_new_tokens if cfg.refresh.every else 0
+    wanted = cfg.data.max_prompt_length + max(cfg.online.response_length, refresh)
     limit = getattr(getattr(actor, "config", None), "max_position_embeddings", None)
     return min(wanted, int(limit)) if limit else wanted
 
