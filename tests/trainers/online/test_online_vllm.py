@@ -429,7 +429,7 @@ def test_an_engine_that_fails_to_start_stops_with_one_line_and_resume_continues(
 @needs_vllm
 @pytest.mark.skipif(
     not os.environ.get("RLHFKIT_VLLM_LEARNING"),
-    reason="opt-in (RLHFKIT_VLLM_LEARNING=1): 4 GRPO runs, ~5 minutes on 2 shared cores",
+    reason="opt-in (RLHFKIT_VLLM_LEARNING=1): 4 GRPO runs, ~2.5 minutes on 2 shared cores",
 )
 def test_grpo_with_vllm_learns_what_hf_learns(tmp_path, learning_figures):
     """+1 per 'cat' token (the toy reward of the online tests, not the built-in task: that needs an SFT model
