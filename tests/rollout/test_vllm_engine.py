@@ -163,3 +163,27 @@ def test_lora_actor_is_served_merged(engine_and_model):
     hf = generate_responses(actor, ids, mask, **generation(True))
     out = engine.generate(ids, mask, seeds=[0, 1, 2, 3], **generation(True))
     assert torch.equal(out.response_ids, hf.response_ids)
+
+
+@needs_vllm
+def test_the_engine_sampler_is_a_drop_in_for_generate_responses(engine_and_model):
+    from rlhfkit.rollout.vllm_engine import engine_generate, row_seeds
+
+    engine, model = engine_and_model
+    engine.load_weights(model)
+    sampler = engine_generate(engine)
+    ids, mask = prompts(seed=11)
+    hf = generate_responses(model, ids, mask, **generation(True))
+    out = sampler(model, ids, mask, **generation(True))
+    assert torch.equal(out.response_ids, hf.response_ids) and torch.equal(out.ended, hf.ended)
+    # sampling: the request seeds come from the seeded global generator, one per row
+    draws = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        draws.append(sampler(model, ids, mask, **generation(False)).response_ids)
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    torch.manual_seed(5)
+    base = int(torch.randint(2**62, (1,)))
+    by_hand = engine.generate(ids, mask, seeds=row_seeds(base, 4), **generation(False))
+    assert torch.equal(by_hand.response_ids, draws[0])
+    assert len(set(row_seeds(base, 4))) == 4 and row_seeds(base, 4) == row_seeds(base, 4)

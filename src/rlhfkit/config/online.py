@@ -173,7 +173,8 @@ class OnlineConfig:
     vllm_max_model_len: int | None = option(
         None,
         "vllm: the longest prompt + response the engine serves (its max_model_len); none = "
-        "data.max_prompt_length + online.response_length, at most the model's max_position_embeddings.",
+        "data.max_prompt_length + online.response_length (or refresh.max_new_tokens when a refresh samples "
+        "longer), at most the model's max_position_embeddings.",
         gt=0,
     )
     vllm_max_logprob_gap: float = option(

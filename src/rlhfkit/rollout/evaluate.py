@@ -19,7 +19,7 @@ import torch
 from rlhfkit.algos import kl_k1
 from rlhfkit.data import PromptCollator
 from rlhfkit.models import response_logprobs, sampling_for, sequence_scores
-from rlhfkit.rollout.generation import generate_responses
+from rlhfkit.rollout.generation import Responses, generate_responses
 from rlhfkit.rollout.scoring import reward_normalization
 
 
@@ -62,9 +62,12 @@ def response_batches(
     max_new_tokens: int,
     greedy: bool,
     batch_size: int,
+    generate: Callable[..., Responses] = generate_responses,
 ):
     """Each chunk of ``batch_size`` prompt examples with one response per prompt from ``policy`` (stopped at
-    the tokenizer's EOS, processed by ``sampling``): yields ``(chunk, Responses)``."""
+    the tokenizer's EOS, processed by ``sampling``): yields ``(chunk, Responses)``. ``generate`` samples
+    (:func:`generate_responses`, or :func:`rlhfkit.rollout.vllm_engine.engine_generate` of an engine that holds
+    ``policy``'s weights)."""
     device = next(policy.parameters()).device
     collate = PromptCollator(tokenizer.pad_token_id)
     for start in range(0, len(examples), batch_size):
@@ -72,7 +75,7 @@ def response_batches(
         batch = collate(chunk)
         yield (
             chunk,
-            generate_responses(
+            generate(
                 policy,
                 batch["input_ids"].to(device),
                 batch["attention_mask"].to(device),
@@ -99,6 +102,7 @@ def sample_and_score(
     gold_score: Callable[[str, str], float] | None = None,
     is_valid: Callable[[str], bool] | None = None,
     batch_size: int = 64,
+    generate: Callable[..., Responses] = generate_responses,
 ) -> PolicySamples:
     """Sample one response per prompt example and measure it.
 
@@ -113,11 +117,12 @@ def sample_and_score(
             response, at ``temperature``; greedy samples are not from the policy, so no KL then).
         gold_score: ``(prompt, response) -> float``, the task's gold scorer.
         is_valid: ``response -> bool``, the task's validity check.
+        generate: what samples (:func:`response_batches`); every figure is read from ``policy`` itself.
     """
     out = PolicySamples([], [], [], [])
     sampling = sampling_for(tokenizer.pad_token_id, [tokenizer.eos_token_id], temperature)
     for chunk, r in response_batches(
-        policy, tokenizer, examples, sampling, max_new_tokens, greedy, batch_size
+        policy, tokenizer, examples, sampling, max_new_tokens, greedy, batch_size, generate
     ):
         prompts = [_prompt_text(ex, tokenizer) for ex in chunk]
         texts = [

@@ -8,6 +8,10 @@ has a prompt), left padded, and sampled in batches; each output line is ``{"prom
 where ``ended`` says whether the response stopped at EOS (False: it hit ``--max-new-tokens``), and, with
 ``--reward-model``, ``"score"``: the reward model's normalised score of the response (``gain * raw + bias``,
 as online training uses it).
+
+``--backend vllm`` samples with a vLLM engine in this process (:mod:`rlhfkit.rollout.vllm_engine`, sized as
+online training's defaults: ``online.vllm_kv_cache_gib``, the longest prompt + ``--max-new-tokens``); the
+scores are read by rlhfkit's models as with ``hf``.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import sys
 
 import torch
 
+from rlhfkit.config import OnlineConfig
 from rlhfkit.data import TokenLimits, prepare_examples
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.rollout.evaluate import sample_and_score
+from rlhfkit.rollout.vllm_engine import EngineSettings, VLLMEngine, engine_generate
 
 
 def generate(
@@ -33,9 +39,11 @@ def generate(
     seed: int = 0,
     trust_remote_code: bool = False,
     reward_model: str | None = None,
+    backend: str = "hf",
 ) -> list[dict]:
     """Load the policy in ``model_dir``, sample for every prompt of ``prompts_file``, write JSON Lines (with each
-    response's score when ``reward_model``, a reward-model folder, is given)."""
+    response's score when ``reward_model``, a reward-model folder, is given). ``backend``: ``"hf"`` (Hugging
+    Face ``generate``) or ``"vllm"`` (a vLLM engine on the policy's weights)."""
     seed_everything(seed)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     examples = prepare_examples(prompts_file, "prompts", tokenizer, TokenLimits())
@@ -53,15 +61,21 @@ def generate(
     model = load_causal_lm(
         model_dir, trust_remote_code=trust_remote_code, tokenizer=tokenizer, frozen=True
     ).to(device)
-    samples = sample_and_score(
-        model,
-        tokenizer,
-        examples,
-        temperature=max(temperature, 1e-6),
-        max_new_tokens=max_new_tokens,
-        greedy=temperature == 0,
-        reward_model=scorer,
-    )
+    engine = _engine(model, examples, max_new_tokens, seed, model_dir) if backend == "vllm" else None
+    try:
+        samples = sample_and_score(
+            model,
+            tokenizer,
+            examples,
+            temperature=max(temperature, 1e-6),
+            max_new_tokens=max_new_tokens,
+            greedy=temperature == 0,
+            reward_model=scorer,
+            **({} if engine is None else {"generate": engine_generate(engine)}),
+        )
+    finally:
+        if engine is not None:
+            engine.close()
     rows = [
         {"prompt": ex["record"]["prompt"], "response": response, "ended": bool(ended)}
         for ex, response, ended in zip(examples, samples.responses, samples.ended, strict=True)
@@ -76,3 +90,20 @@ def generate(
         if out:
             stream.close()
     return rows
+
+
+def _engine(
+    model: torch.nn.Module, examples: list[dict], max_new_tokens: int, seed: int, where: str
+) -> VLLMEngine:
+    """A vLLM engine on ``model``'s weights, in its precision, for the longest prompt + ``max_new_tokens``."""
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    longest = max(len(ex["prompt_ids"]) for ex in examples) + max_new_tokens
+    limit = getattr(model.config, "max_position_embeddings", None)
+    settings = EngineSettings(
+        dtype=names[next(model.parameters()).dtype],
+        kv_cache_gib=OnlineConfig().vllm_kv_cache_gib,
+        kv_cache_dtype=OnlineConfig().vllm_kv_cache_dtype,
+        max_model_len=min(longest, int(limit)) if limit else longest,
+        seed=seed,
+    )
+    return VLLMEngine(model, settings, where=f"--model {where}")

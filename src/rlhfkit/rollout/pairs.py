@@ -31,13 +31,17 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlhfkit.errors import UserError
+
+if TYPE_CHECKING:
+    from rlhfkit.rollout.generation import Responses
 
 FILES = {"train": "pairs_train.jsonl", "eval": "pairs_eval.jsonl", "meta": "labels.json"}
 
@@ -63,6 +67,7 @@ def sample_response_pairs(
     temperature: float = 1.0,
     batch_size: int = 512,
     seed: int = 0,
+    generate: Callable[..., Responses] | None = None,
 ) -> list[SampledPair]:
     """Sample two responses per prompt (plain-text prompts, encoded as the trainers encode them).
 
@@ -74,6 +79,8 @@ def sample_response_pairs(
         temperature: sampling temperature.
         batch_size: responses per ``generate`` call (two rows per prompt).
         seed: the sampling seed (the global torch RNG is restored afterwards).
+        generate: what samples: :func:`rlhfkit.rollout.generate_responses` (None), or
+            :func:`rlhfkit.rollout.vllm_engine.engine_generate` of an engine that holds ``model``'s weights.
     Returns:
         one :class:`SampledPair` per prompt, in order; texts without EOS and special tokens.
     """
@@ -81,6 +88,7 @@ def sample_response_pairs(
     from rlhfkit.models import sampling_for
     from rlhfkit.rollout.generation import generate_responses
 
+    generate = generate or generate_responses
     device = next(model.parameters()).device
     per_call = max(1, batch_size // 2)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -93,7 +101,7 @@ def sample_response_pairs(
                 ids for p in chunk for ids in [encode_prompt(tokenizer, p)] * 2
             ]  # prompt i -> rows 2i, 2i+1
             ids, mask = pad_sequences(rows, pad, "left")
-            responses = generate_responses(
+            responses = generate(
                 model,
                 ids.to(device),
                 mask.to(device),

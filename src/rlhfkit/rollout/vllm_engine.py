@@ -19,9 +19,10 @@ Shapes: ``B`` prompts, ``P`` padded prompt length, ``R`` response length (``max_
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,14 @@ def plain_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     plain = merged_copy(model) if is_peft_model(model) else model
     for name, tensor in plain.state_dict().items():
         yield name, tensor.detach()
+
+
+def row_seeds(base: int, rows: int) -> list[int]:
+    """``rows`` request seeds, a stateless function of (``base``, row): 63-bit, from SHA-256."""
+    return [
+        int.from_bytes(hashlib.sha256(f"rlhfkit-vllm-{base}-{row}".encode()).digest()[:8], "little") >> 1
+        for row in range(rows)
+    ]
 
 
 def _first_line(error: BaseException) -> str:
@@ -262,3 +271,19 @@ class VLLMEngine:
         return Responses(
             input_ids, attention_mask, response_ids, mask, ended, prompt_ids.shape[1], engine_logprobs
         )
+
+
+def engine_generate(engine: VLLMEngine) -> Callable[..., Responses]:
+    """A function with :func:`rlhfkit.rollout.generate_responses`'s signature that samples from ``engine``: what
+    the held-out samplers take as ``generate`` (``rlhfkit generate --backend vllm``, the reward-model
+    refresh's pairs). The caller has loaded the policy's weights into the engine; the ``model`` argument is
+    not read. Each call draws one base seed from the global torch generator, which these callers seed, and
+    row ``i`` of the call gets the request seed :func:`row_seeds` ``(base, i)``."""
+
+    def generate(model, prompt_ids, prompt_mask, *, greedy: bool = False, **kwargs) -> Responses:
+        del model  # the engine serves the weights it was given
+        base = int(torch.randint(2**62, (1,)))
+        seeds = row_seeds(base, prompt_ids.shape[0])
+        return engine.generate(prompt_ids, prompt_mask, seeds=seeds, greedy=greedy, **kwargs)
+
+    return generate

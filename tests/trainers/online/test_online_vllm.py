@@ -37,9 +37,9 @@ needs_vllm = (
 VLLM = ("online.generation_backend=vllm", "online.vllm_max_model_len=64")
 
 
-def engine_problem(root):
+def engine_problem(root, reward_model: bool = False):
     """The online fixture's problem with a policy of head size 32 (one vLLM's CPU attention runs)."""
-    paths = write_online_problem(root, reward_model=False)
+    paths = write_online_problem(root, reward_model=reward_model)
     tokenizer = load_tokenizer(str(paths["policy"]))
     model = tiny_llama(
         vocab_size=len(tokenizer),
@@ -88,6 +88,15 @@ def test_engine_keys_reach_the_engine_settings(tmp_path, monkeypatch):
         dataclasses.replace(cfg, online=dataclasses.replace(cfg.online, vllm_max_model_len=99)), None
     )
     assert seen["s"].max_model_len == 99
+    refreshed = online_config(
+        paths,
+        tmp_path / "c",
+        "online.generation_backend=vllm",
+        "refresh.every=2",
+        "refresh.max_new_tokens=30",
+    )
+    start_engine(refreshed, None)
+    assert seen["s"].max_model_len == 16 + 30  # the refresh's longer responses fit too
 
 
 def test_logprob_gap_hand_computed_and_its_stop(tmp_path):
@@ -231,3 +240,278 @@ def test_stale_weights_stop_fires_when_the_sync_is_planted_out(tmp_path, capsys,
     assert code == 4
     assert "generation/logprob_gap/mean" in err and "online.vllm_max_logprob_gap = 0.1" in err
     assert (run / "checkpoints" / "step-1" / "COMPLETE").is_file()  # the rollout before the stop is saved
+
+
+def test_engine_for_hook_syncs_and_hands_the_sampler_only_to_hooks_that_take_it(tmp_path):
+    from rlhfkit.trainers.online.engine_rollout import engine_for_hook
+
+    events = []
+
+    class FakeEngine:  # records what the trainer asks of the engine
+        def load_weights(self, model):
+            events.append(("load", model))
+
+        def generate(self, prompt_ids, prompt_mask, *, seeds, **kwargs):
+            events.append(("generate", len(seeds)))
+
+    paths = write_online_problem(tmp_path, reward_model=False)
+    ctx = make_context(online_config(paths, tmp_path / "a", kind="grpo"))
+
+    def takes_it(policy, reward_model, step, generate=None):
+        return {}
+
+    def plain(policy, reward_model, step):
+        return {}
+
+    assert engine_for_hook(ctx, takes_it) == {}  # hf: no engine
+    ctx = dataclasses.replace(ctx, engine=FakeEngine())
+    assert engine_for_hook(ctx, plain) == {} and events == []  # a hook without generate samples itself
+    given = engine_for_hook(ctx, takes_it)
+    assert events == [("load", ctx.roles.actor)]  # the actor's weights, loaded before the hook samples
+    given["generate"](None, torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.long))
+    assert events[-1] == ("generate", 3)
+
+
+def _count_engine_rows(monkeypatch):
+    """Count the requests vLLM itself is given (``LLM.generate``), under rlhfkit's calls."""
+    from vllm import LLM
+
+    real, rows = LLM.generate, []
+
+    def counting(self, requests, *args, **kwargs):
+        rows.append(len(requests))
+        return real(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", counting)
+    return rows
+
+
+@needs_vllm
+def test_held_out_evaluation_and_the_refresh_sample_from_the_engine(tmp_path, monkeypatch):
+    import functools
+
+    import rlhfkit.trainers.online.collect as collect
+    from rlhfkit.config import RefreshConfig
+    from rlhfkit.models import load_scalar_model
+    from rlhfkit.rollout.pairs import sample_response_pairs
+    from rlhfkit.rollout.vllm_engine import engine_generate
+    from rlhfkit.trainers.online.engine_rollout import start_engine
+    from rlhfkit.trainers.online.metrics import evaluate_prompts
+    from rlhfkit.trainers.online.refresh import RewardRefresh
+    from tests.trainers.online.online_fixtures import PROMPTS
+
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = engine_problem(tmp_path, reward_model=True)
+    cfg = online_config(paths, tmp_path / "run", *VLLM, kind="grpo")
+    ctx = make_context(cfg)
+    ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor))
+    try:
+        rows = _count_engine_rows(monkeypatch)
+        examples = [{"prompt_ids": ctx.tokenizer(p)["input_ids"], "record": {"prompt": p}} for p in PROMPTS]
+
+        def greedy(generate):  # evaluation samples; greedy, the two backends must give the same tokens
+            return lambda *args, **kwargs: generate(*args, **{**kwargs, "greedy": True})
+
+        monkeypatch.setattr(ctx.engine, "generate", greedy(ctx.engine.generate))
+        monkeypatch.setattr(collect, "generate_responses", greedy(collect.generate_responses))
+        from_engine = evaluate_prompts(ctx, examples)
+        assert sum(rows) == len(PROMPTS)  # every held-out response came from the engine
+        from_hf = evaluate_prompts(dataclasses.replace(ctx, engine=None), examples)
+        assert sum(rows) == len(PROMPTS)
+        assert from_engine.keys() == from_hf.keys()
+        for name in from_hf:
+            assert from_engine[name] == pytest.approx(from_hf[name], abs=1e-5), name
+        monkeypatch.undo()  # the real engine and generate again (and the row count)
+        rows = _count_engine_rows(monkeypatch)
+
+        # the refresh's pairs: greedy, the engine's sampler gives Hugging Face generate's responses
+        policy = ctx.roles.actor
+        sampler = engine_generate(ctx.engine)
+        kwargs = dict(max_new_tokens=6, seed=3)
+        greedy_engine = sample_response_pairs(
+            policy, ctx.tokenizer, PROMPTS, generate=functools.partial(sampler, greedy=True), **kwargs
+        )
+        from rlhfkit.rollout.generation import generate_responses
+
+        greedy_hf = sample_response_pairs(
+            policy,
+            ctx.tokenizer,
+            PROMPTS,
+            generate=functools.partial(generate_responses, greedy=True),
+            **kwargs,
+        )
+        assert greedy_engine == greedy_hf and any(p.a for p in greedy_hf)
+        # and the refresh hook samples with the sampler it is given
+        before = sum(rows)
+        reward_model = load_scalar_model(str(paths["reward"]), tokenizer=ctx.tokenizer)
+        refresh = RewardRefresh(
+            ctx.tokenizer,
+            PROMPTS,
+            label_fn=lambda prompt, a, b: len(a) < len(b),
+            initial_pairs=[{"prompt": "hello", "chosen": "cat", "rejected": "dog dog"}],
+            config=RefreshConfig(pairs=4, steps=1, batch_size=2, max_new_tokens=6),
+        )
+        metrics = refresh(policy, reward_model, 1, generate=sampler)
+        assert sum(rows) - before == 2 * 4  # two responses for each of the 4 prompts
+        assert "refresh/new_pairs" in metrics
+    finally:
+        ctx.engine.close()
+
+
+@needs_vllm
+def test_generate_command_with_the_vllm_backend(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = engine_problem(tmp_path)
+    rows = _count_engine_rows(monkeypatch)
+    base = ["generate", "--model", str(paths["policy"]), "--prompts", str(paths["prompts"])]
+    base += ["--max-new-tokens", "6"]
+    out = {name: tmp_path / f"{name}.jsonl" for name in ("hf", "vllm", "s1", "s2")}
+    assert main([*base, "--greedy", "--out", str(out["hf"])]) == 0
+    assert rows == []  # hf: no engine
+    assert main([*base, "--greedy", "--backend", "vllm", "--out", str(out["vllm"])]) == 0
+    lines = out["hf"].read_text().splitlines()
+    assert sum(rows) == len(lines) > 0  # every response came from the engine
+    assert out["vllm"].read_text() == out["hf"].read_text()  # greedy: the same responses
+    for name in ("s1", "s2"):  # sampled: the seed fixes the engine's draws
+        assert main([*base, "--backend", "vllm", "--seed", "4", "--out", str(out[name])]) == 0
+    assert out["s1"].read_text() == out["s2"].read_text()
+
+
+@needs_vllm
+def test_an_engine_that_fails_to_start_stops_with_one_line_and_resume_continues(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = engine_problem(tmp_path)
+    # vLLM's own refusal: a longest sequence beyond the model's 128 positions
+    fresh = tmp_path / "fresh"
+    code = main(
+        online_cli_args(paths, fresh, "online.generation_backend=vllm", "online.vllm_max_model_len=4096")
+    )
+    err = capsys.readouterr().err
+    stops = [line for line in err.splitlines() if line.startswith("rlhfkit: stopped")]
+    assert code == 4 and len(stops) == 1 and "Traceback" not in err
+    assert stops[0].startswith("rlhfkit: stopped: the vLLM engine failed to start: ") and "4096" in stops[0]
+    assert not (fresh / "checkpoints").exists() or not any((fresh / "checkpoints").iterdir())
+
+    # a resumed run whose engine cannot start (out of KV-cache memory, planted in vLLM's constructor)
+    from vllm import LLM
+
+    run = tmp_path / "run"
+    one = online_cli_args(paths, run, *VLLM, "train.max_steps=1", "train.save_steps=1", kind="grpo")
+    assert main(one) == 0
+    real = LLM.__init__
+
+    def no_memory(self, *args, **kwargs):
+        raise ValueError("No available memory for the cache blocks. Try increasing VLLM_CPU_KVCACHE_SPACE.")
+
+    monkeypatch.setattr(LLM, "__init__", no_memory)
+    two = [
+        *online_cli_args(paths, run, *VLLM, "train.max_steps=2", "train.save_steps=1", kind="grpo"),
+        "--resume",
+    ]
+    capsys.readouterr()
+    assert main(two) == 4
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("rlhfkit: stopped")] == [
+        "rlhfkit: stopped: the vLLM engine failed to start: ValueError: No available memory for the cache "
+        "blocks. Try increasing VLLM_CPU_KVCACHE_SPACE."
+    ]
+    assert (run / "checkpoints" / "step-1" / "COMPLETE").is_file()
+    assert not (run / "checkpoints" / "step-2").exists()
+    monkeypatch.setattr(LLM, "__init__", real)
+    assert main(two) == 0
+    assert [r["step"] for r in _metrics(run) if r["step"] > 0] == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.learning
+@needs_vllm
+@pytest.mark.skipif(
+    not os.environ.get("RLHFKIT_VLLM_LEARNING"),
+    reason="opt-in (RLHFKIT_VLLM_LEARNING=1): 4 GRPO runs, ~2.5 minutes on 2 shared cores",
+)
+def test_grpo_with_vllm_learns_what_hf_learns(tmp_path, learning_figures):
+    """+1 per 'cat' token (the toy reward of the online tests, not the built-in task: that needs an SFT model
+    and a reward model first): over seeds 0 and 1, the vllm runs' score gain is within the hf runs' seed spread."""
+    from rlhfkit.engine.metrics_writer import read_metrics
+    from rlhfkit.trainers import online
+
+    paths = engine_problem(tmp_path)
+    gains = {"hf": [], "vllm": []}
+    for backend in gains:
+        for seed in (0, 1):
+            out = tmp_path / f"{backend}-{seed}"
+            cfg = online_config(
+                paths,
+                out,
+                f"seed={seed}",
+                f"online.generation_backend={backend}",
+                "online.vllm_max_model_len=64",
+                "train.max_steps=12",
+                "train.learning_rate=3e-3",
+                "train.batch_size=8",
+                "train.micro_batch_size=null",
+                "online.group_size=4",
+                "online.num_minibatches=1",
+                "online.ppo_epochs=2",
+                "online.kl_coef=0.01",
+                "online.missing_eos=none",
+                "train.save_steps=100",
+                kind="grpo",
+            )
+            online.train(cfg)
+            scores = [r["score/mean"] for r in read_metrics(out / "metrics.jsonl") if "score/mean" in r]
+            gains[backend].append(sum(scores[-4:]) / 4 - sum(scores[:4]) / 4)
+    learning_figures(**{f"gain_{b}_{i}": g for b, gs in gains.items() for i, g in enumerate(gs)})
+    assert min(gains["hf"]) > 2.0 and min(gains["vllm"]) > 2.0, gains  # both learn
+    spread = max(max(gains["hf"]) - min(gains["hf"]), 0.5)
+    vllm_mean = sum(gains["vllm"]) / 2
+    assert min(gains["hf"]) - spread <= vllm_mean <= max(gains["hf"]) + spread, gains
+
+
+def test_request_seeds_are_a_function_of_the_rollout_prompt_and_sample(tmp_path):
+    from rlhfkit.trainers.online.collect import prompt_batch
+    from rlhfkit.trainers.online.context import StageClock, derived_seed
+    from rlhfkit.trainers.online.engine_rollout import generate_pieces, request_seeds
+
+    # by hand: the k-th row of a prompt (rows of a prompt are consecutive) gets derived_seed("vllm", base, prompt, k)
+    got = request_seeds(11, torch.tensor([5, 5, 5, 7, 7]))
+    assert got == [
+        derived_seed("vllm", 11, p, k) % 2**63 for p, k in [(5, 0), (5, 1), (5, 2), (7, 0), (7, 1)]
+    ]
+    assert len(set(got)) == 5
+
+    seen = []
+
+    class FakeEngine:  # records the seeds each piece is sampled with
+        def load_weights(self, model):
+            pass
+
+        def generate(self, prompt_ids, prompt_mask, *, seeds, **kwargs):
+            seen.extend(seeds)
+
+    paths = write_online_problem(tmp_path, reward_model=False)
+    ctx = make_context(online_config(paths, tmp_path / "a", "online.group_size=3", kind="grpo"))
+    ctx = dataclasses.replace(ctx, engine=FakeEngine())
+    examples = [
+        {"prompt_ids": ctx.tokenizer(p)["input_ids"], "record": {"prompt": p}}
+        for p in ("a", "b cat", "c", "d")
+    ]
+    batch = prompt_batch(ctx, examples, 1)
+    rows = batch["group_ids"].shape[0]
+    assert rows > 5
+    draws = {}
+    for sampling_seed, size in (
+        (1, rows),
+        (1, 5),
+        (2, rows),
+    ):  # pieces of 5 rows: the same seeds as one piece
+        seen.clear()
+        torch.manual_seed(sampling_seed)  # the loop seeds this from (run seed, rollout, process)
+        generate_pieces(ctx, batch, size, StageClock(), None)
+        draws[sampling_seed, size] = list(seen)
+    torch.manual_seed(1)
+    base = int(torch.randint(2**62, (1,)))
+    assert draws[1, rows] == request_seeds(base, batch["group_ids"]) == draws[1, 5]
+    assert len(set(draws[1, rows])) == rows and set(draws[1, rows]).isdisjoint(draws[2, rows])

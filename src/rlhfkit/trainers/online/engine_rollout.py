@@ -6,6 +6,7 @@
 - :func:`generate_pieces`: the responses of a batch, in ``online.rollout_batch_size`` pieces; with ``vllm`` the
   weight sync first (``time/weight_sync``), then per-request seeds that are a stateless function of (the
   sampling seed of the rollout, prompt, sample);
+- :func:`engine_for_hook`: the engine's sampler for a caller's hook that takes one (the reward-model refresh);
 - :func:`check_logprob_gap`: the engine's log-prob of each sampled token against the trainer's
   (``generation/logprob_gap/mean``, ``/max``) and the stop when the engine holds other weights than the actor.
 
@@ -14,6 +15,7 @@ Shapes: ``B`` responses of this process, ``T`` response length.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +54,11 @@ def start_engine(cfg: RunConfig, actor: torch.nn.Module) -> VLLMEngine | None:
 
 
 def _longest(cfg: RunConfig, actor: torch.nn.Module) -> int:
-    """``data.max_prompt_length + online.response_length``, at most the model's own position limit."""
-    wanted = cfg.data.max_prompt_length + cfg.online.response_length
+    """``data.max_prompt_length`` + the longest response the engine serves (``online.response_length``, or the
+    refresh's ``refresh.max_new_tokens`` when a refresh samples and asks for more), at most the model's own
+    position limit."""
+    refresh = cfg.refresh.max_new_tokens if cfg.refresh.every else 0
+    wanted = cfg.data.max_prompt_length + max(cfg.online.response_length, refresh)
     limit = getattr(getattr(actor, "config", None), "max_position_embeddings", None)
     return min(wanted, int(limit)) if limit else wanted
 
@@ -117,6 +122,18 @@ def generate_pieces(
             )
             for i in range(0, n, size)
         ]
+
+
+def engine_for_hook(ctx: OnlineContext, hook: Callable) -> dict[str, Callable[..., Responses]]:
+    """``{"generate": sampler}`` for ``hook`` when the run has an engine and ``hook`` takes ``generate``: the
+    actor's current weights are loaded into the engine first, and the sampler is
+    :func:`rlhfkit.rollout.vllm_engine.engine_generate`'s. Else ``{}`` (the hook samples with ``hf``)."""
+    if ctx.engine is None or "generate" not in inspect.signature(hook).parameters:
+        return {}
+    from rlhfkit.rollout.vllm_engine import engine_generate
+
+    ctx.engine.load_weights(ctx.roles.actor)
+    return {"generate": engine_generate(ctx.engine)}
 
 
 def check_logprob_gap(ctx: OnlineContext, rollout: Rollout) -> dict[str, float]:

@@ -25,9 +25,12 @@ class OnlineHooks:
             reward model in place (:mod:`rlhfkit.trainers.online.refresh`). The reward model is then saved in every checkpoint, and when the
             callable has ``state_dict()`` / ``load_state_dict()`` (e.g. its accumulated pairs, as plain data) that state is
             checkpointed too, and so is the model's normalisation (gain, bias in its config), which a refresh
-            may re-fit. It is frozen again (eval mode, no gradients) after each call.
+            may re-fit. It is frozen again (eval mode, no gradients) after each call. Under
+            ``online.generation_backend=vllm`` a callable with a ``generate`` parameter is also given the
+            engine's sampler (:func:`rlhfkit.rollout.vllm_engine.engine_generate`, on the actor's current
+            weights), which :class:`rlhfkit.trainers.online.refresh.RewardRefresh` samples its pairs with.
     """
 
     evaluate: Callable[[torch.nn.Module, int], dict[str, float]] | None = None
     evaluate_at_start: bool = True
-    refresh_reward_model: Callable[[torch.nn.Module, torch.nn.Module, int], dict[str, float]] | None = None
+    refresh_reward_model: Callable[..., dict[str, float]] | None = None

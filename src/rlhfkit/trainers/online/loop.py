@@ -30,7 +30,7 @@ from rlhfkit.trainers.online.checkpoints import resume_state, save, score_or_sto
 from rlhfkit.trainers.online.collect import Scores, prompt_batch, sample_rollout, take_scores
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, StatSums, build_context, derived_seed
 from rlhfkit.trainers.online.dynamic import fill_informative_groups
-from rlhfkit.trainers.online.engine_rollout import check_logprob_gap, start_engine
+from rlhfkit.trainers.online.engine_rollout import check_logprob_gap, engine_for_hook, start_engine
 from rlhfkit.trainers.online.hooks import OnlineHooks
 from rlhfkit.trainers.online.layout import old_logprobs_from_update
 from rlhfkit.trainers.online.metrics import evaluate, rollout_stats
@@ -313,12 +313,16 @@ def step_schedulers(ctx: OnlineContext, metrics: dict[str, float]) -> None:
 
 
 def refresh_reward_model(ctx: OnlineContext, hooks: OnlineHooks, step: int) -> dict[str, float]:
-    """Call the refresh hook with the actor (eval mode) and the reward model, then freeze the reward model."""
+    """Call the refresh hook with the actor (eval mode) and the reward model, then freeze the reward model.
+
+    With the vLLM engine, a hook that takes ``generate`` samples its pairs from the engine, loaded with the
+    actor's weights after this rollout's update (:func:`rlhfkit.rollout.vllm_engine.engine_generate`)."""
     actor, reward_model = ctx.roles.actor, ctx.roles.reward_model
     was_training = actor.training
     actor.eval()
+    extra = engine_for_hook(ctx, hooks.refresh_reward_model)  # vllm: {"generate": ...}
     try:
-        metrics = hooks.refresh_reward_model(actor, reward_model, step) or {}
+        metrics = hooks.refresh_reward_model(actor, reward_model, step, **extra) or {}
     finally:
         actor.train(was_training)
         reward_model.eval()

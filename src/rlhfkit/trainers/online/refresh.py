@@ -125,10 +125,18 @@ class RewardRefresh:
         self.anchor_size = state["anchor_size"]
 
     # --- the hook ----------------------------------------------------------------------------------
-    def __call__(self, policy: torch.nn.Module, reward_model: torch.nn.Module, step: int) -> dict[str, float]:
+    def __call__(
+        self,
+        policy: torch.nn.Module,
+        reward_model: torch.nn.Module,
+        step: int,
+        generate: Callable | None = None,
+    ) -> dict[str, float]:
+        """One refresh after rollout ``step``; ``generate`` samples the pairs (the trainer passes its vLLM engine's
+        under ``online.generation_backend=vllm``, :func:`rlhfkit.rollout.vllm_engine.engine_generate`)."""
         start = time.perf_counter()
         with torch.random.fork_rng(devices=[]):
-            records = self.label(self.sample(policy, step), step)
+            records = self.label(self.sample(policy, step, generate), step)
             examples = [self._tokenize(r, f"pair of rollout {step}") for r in records]
             metrics = {
                 f"refresh/{k}_before": v for k, v in self.measure(reward_model, examples, records).items()
@@ -149,8 +157,11 @@ class RewardRefresh:
             self.on_refresh(reward_model)
         return metrics
 
-    def sample(self, policy: torch.nn.Module, step: int) -> list[SampledPair]:
-        """``config.pairs`` prompts (without repeats when there are enough) and two responses each."""
+    def sample(
+        self, policy: torch.nn.Module, step: int, generate: Callable | None = None
+    ) -> list[SampledPair]:
+        """``config.pairs`` prompts (without repeats when there are enough) and two responses each, sampled by
+        ``generate`` (None: Hugging Face ``generate`` on ``policy``)."""
         rng = random.Random(derived_seed("refresh-prompts", self.seed, step))
         count = self.config.pairs
         picked = (
@@ -166,6 +177,7 @@ class RewardRefresh:
             temperature=self.config.temperature,
             batch_size=self.config.sample_batch_size,
             seed=derived_seed("refresh-sampling", self.seed, step),
+            generate=generate,
         )
         return drop_uninformative(pairs)[0]
 
