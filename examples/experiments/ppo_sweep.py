@@ -245,7 +245,7 @@ def main(argv=None) -> int:
             args.overwrite = False
             results = [collect(args.out / f"seed-{seed}", seed, args) for seed in args.seeds]
             results = [r for r in results if r is not None]
-        report(args.out, args.sweep, results)
+        report(args.out, args.sweep, results, base=BASE[args.sweep])
     return 0
 
 

@@ -1,6 +1,7 @@
 """The tables and the figure of ``ppo_sweep.py`` (PPO at several KL coefficients or discounts), from its
 per-seed results: :func:`aggregate` averages the held-out measurements over seeds, :func:`train_curves` the
-training figures of every rollout, :func:`markdown` and :func:`plot` present them, :func:`report` writes
+training figures of every rollout, :func:`markdown` and :func:`plot` present them, :func:`paired_markdown` compares
+every setting with the sweep's base setting seed by seed (:mod:`rlhfkit.reporting.paired`), :func:`report` writes
 ``<sweep>.md``, ``<sweep>_rows.csv``, ``<sweep>_train.csv`` and ``<sweep>.png``."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # temperature_report beside this file
 from temperature_report import plus_minus, write_csv  # noqa: E402
+
+from rlhfkit.reporting.paired import describe, paired  # noqa: E402
 
 FIGURES = ("gold", "proxy", "kl", "length", "ended", "valid_rate")
 LABEL = {"kl_coef": "β (kl_coef)", "gamma": "γ", "lam": "λ (GAE)"}
@@ -106,6 +109,38 @@ def markdown(table: list[dict], train: list[dict], sweep: str) -> str:
     return "\n".join(lines)
 
 
+PAIRED_FIGURES = (("gold", 2), ("proxy", 2), ("kl", 2), ("length", 1))
+
+
+def paired_markdown(rows: list[dict], sweep: str, base: float) -> str:
+    """Each setting against ``base`` at its last checkpoint, paired per seed: the difference (setting − base) of
+    gold, proxy, KL and length in every seed, its mean, 95% t-interval and sign test. Each seed's runs share its
+    SFT policy, reward model and prompts, so the per-seed difference is the comparison (not two sds)."""
+    last: dict[float, int] = {}
+    for r in rows:
+        last[r["setting"]] = max(r["rollout"], last.get(r["setting"], 0))
+    at_end = {(r["setting"], r["seed"]): r for r in rows if r["rollout"] == last[r["setting"]]}
+    lines = [
+        f"Paired per seed against {LABEL[sweep]} = {base:g} (difference = setting − base, last checkpoint; "
+        "mean (per seed); 95% t-interval; sign test):",
+        "",
+        f"| {LABEL[sweep]} | " + " | ".join(f for f, _ in PAIRED_FIGURES) + " |",
+        "|---|" + "---|" * len(PAIRED_FIGURES),
+    ]
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        seeds = sorted(k for (s_, k) in at_end if s_ == setting and (base, k) in at_end)
+        if setting == base or not seeds:
+            continue
+        cells = []
+        for f, digits in PAIRED_FIGURES:
+            a = [at_end[(base, k)].get(f) for k in seeds]
+            b = [at_end[(setting, k)].get(f) for k in seeds]
+            ok = all(x is not None for x in a + b)
+            cells.append(describe(paired(a, b), digits) if ok else "–")
+        lines.append(f"| {setting:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(path: Path, table: list[dict], train: list[dict], sweep: str) -> None:
     """Held-out gold, proxy, KL and length against rollouts (error bars: sd over seeds); the training
     response length of every rollout (mean over seeds); gold (solid) and proxy (dashed) against KL."""
@@ -145,7 +180,9 @@ def plot(path: Path, table: list[dict], train: list[dict], sweep: str) -> None:
     plt.close(fig)
 
 
-def report(out: Path, sweep: str, results: list[dict]) -> list[dict]:
+def report(out: Path, sweep: str, results: list[dict], base: float | None = None) -> list[dict]:
+    """Write the tables, CSVs and figure of a sweep; ``base``: the setting the others are paired against
+    (default: the first)."""
     if not results:
         raise SystemExit(f"no finished seed of the {sweep} sweep in {out}")
     rows = eval_rows(results, sweep)
@@ -158,7 +195,8 @@ def report(out: Path, sweep: str, results: list[dict]) -> list[dict]:
         f"Seeds {[r['seed'] for r in results]}; mean ± sd over seeds; held-out prompts at T = 0.7; "
         f"reward-model held-out gold accuracy per seed: {accuracy}.\n\n"
     )
-    text = header + markdown(table, train, sweep) + "\n"
+    base = rows[0]["setting"] if base is None else base
+    text = header + markdown(table, train, sweep) + "\n\n" + paired_markdown(rows, sweep, base) + "\n"
     (out / f"{sweep}.md").write_text(text, encoding="utf-8")
     plot(out / f"{sweep}.png", table, train, sweep)
     print(text, flush=True)
