@@ -94,6 +94,11 @@ class OnlineConfig:
     lam: float = option(0.95, "GAE lambda (Schulman et al. 2016).", ge=0, le=1)
     ppo_epochs: int = option(4, "Passes over each rollout batch.", gt=0)
     num_minibatches: int = option(1, "Optimizer steps per PPO epoch.", gt=0)
+    epoch_stats: bool = option(
+        False,
+        "Also log clipfrac and approx_kl of each PPO epoch on its own (clipfrac/epoch1, approx_kl/epoch1, ...): "
+        "how far each epoch has moved from pi_old (examples/experiments/ppo_epochs.py).",
+    )
     clip_eps: float = option(0.2, "PPO policy ratio clip (Schulman et al. 2017, eq. 7).", gt=0)
     clip_eps_high: float | None = option(
         None,
