@@ -91,7 +91,7 @@ def pair_accuracy(reward_dir: Path, pairs_file: Path, s: Sizes) -> float:
     tokenizer = load_tokenizer(str(reward_dir))
     model = load_scalar_model(str(reward_dir), tokenizer=tokenizer, frozen=True).eval()
     limits = TokenLimits(32, 32 + s.response_length)
-    examples = prepare_examples(str(pairs_file), "pairs", tokenizer, limits)
+    examples = prepare_examples(str(pairs_file), "preferences", tokenizer, limits)
     with torch.no_grad():
         chosen, rejected = score_examples(model, PairCollator(tokenizer.pad_token_id), examples, 64, "cpu")
     return float(((chosen > rejected).double() + 0.5 * (chosen == rejected).double()).mean())
@@ -113,8 +113,9 @@ def run_arms(root: Path, stage: dict, seed: int, s: Sizes, arms, args, train_key
         if arm.refresh_every:  # the refresh re-points its meter's proxy: a meter of its own
             from rlhfkit.quickstart.pipeline import task_refresh
 
-            def refresh(m, view=view):
-                return task_refresh(view["task"], m, view["pairs"]["train"], s, seed)
+            def refresh(m, view=view):  # args.refresh_settings: RefreshConfig fields (the smoke test's sizes)
+                settings = getattr(args, "refresh_settings", None) or {}
+                return task_refresh(view["task"], m, view["pairs"]["train"], s, seed, **settings)
 
             settings = {**arm.settings, "refresh.every": arm.refresh_every}
             _, record = ppo_run(root / arm.name, view, None, seed, s, run, args, refresh=refresh, **settings)

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 from tests.helpers import tiny_llama
 
 
-def tiny_stage(root: Path, seed: int = 0) -> dict:
+def tiny_stage(root: Path, train_reward, sizes, seed: int = 0) -> dict:
+    """``train_reward``: ``ppo_arms.train_reward_variant``; ``sizes``: the experiments' smoke sizes."""
     from rlhfkit.rollout.pairs import label_pairs
     from rlhfkit.tasks import get_task
 
@@ -25,7 +26,7 @@ def tiny_stage(root: Path, seed: int = 0) -> dict:
         lines = [json.dumps({"prompt": p}) for p in task.prompts(split)[:n]]
         files[f"prompts_{split}"].write_text("\n".join(lines) + "\n")
     folders = {}
-    for name, kind in (("sft", "causal"), ("reward", "scalar")):
+    for name, kind in (("sft", "causal"),):
         folders[name] = root / name
         tokenizer = task.build_tokenizer(folders[name])
         ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
@@ -36,8 +37,18 @@ def tiny_stage(root: Path, seed: int = 0) -> dict:
     label_pairs(str(folders["sft"]), pairs_dir, task="reviews", task_seed=seed, num_pairs=8, num_eval_pairs=8,
                 seed=seed, max_new_tokens=4, overwrite=True)  # fmt: skip
     pairs = {k: pairs_dir / f"pairs_{k}.jsonl" for k in ("train", "eval")}
-    return {"task": task, "files": files, "sft": folders["sft"], "reward": folders["reward"], "rm_accuracy": None,
-            "root": root, "pairs": pairs, "rewards": {"reward": folders["reward"]}}  # fmt: skip
+    stage = {
+        "task": task,
+        "files": files,
+        "sft": folders["sft"],
+        "rm_accuracy": None,
+        "root": root,
+        "pairs": pairs,
+    }
+    # the reward model trained 2 steps on the pairs (ppo_arms.train_reward_variant), so it has the reward
+    # trainer's summary (held-out accuracy, length correlation) as a real stage's has
+    reward = train_reward(root / "reward", stage, pairs["train"], seed, tiny_sizes(sizes), tiny_args(root))
+    return {**stage, "reward": reward, "rewards": {"reward": reward}}
 
 
 def tiny_sizes(sizes):
