@@ -190,20 +190,35 @@ def markdown(rows: list[dict], lambdas=LAMBDAS) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path, lambdas=LAMBDAS) -> None:
+def plot(rows: list[dict], path: Path, title: str, lambdas=LAMBDAS) -> None:
+    """Squared bias, variance and their sum (the mean squared error of one advantage, what the conclusion rests
+    on) against lambda, means over seeds with the sd over seeds as error bars; ``title`` names the policy and
+    the critic, so that the two runs' figures differ."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+
+    def stat(key):
+        per_lam = [[r[f"{key}_{lam:g}"] for r in rows] for lam in lambdas]
+        means = [sum(v) / len(v) for v in per_lam]
+        sds = [
+            (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0
+            for v, m in zip(per_lam, means, strict=True)
+        ]
+        return means, sds
+
     for key, label, marker in (("bias2", "squared bias", "o"), ("variance", "variance", "s")):
-        means = [sum(r[f"{key}_{lam:g}"] for r in rows) / len(rows) for lam in lambdas]
-        ax.plot(lambdas, means, marker=marker, label=label)
+        means, sds = stat(key)
+        ax.errorbar(lambdas, means, sds, marker=marker, capsize=3, label=label)
+    errors = [[r[f"bias2_{lam:g}"] + r[f"variance_{lam:g}"] for r in rows] for lam in lambdas]
+    ax.plot(lambdas, [sum(e) / len(e) for e in errors], "k^--", label="squared bias + variance (MSE)")
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xlabel("GAE lambda")
-    ax.set_ylabel("per (s_t, a_t), reward units squared")
-    ax.set_title("GAE: bias and variance against lambda (one policy and critic)")
+    ax.set_ylabel("per (s_t, a_t), (normalised reward)^2")
+    ax.set_title(f"GAE bias and variance against lambda: {title}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -244,7 +259,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ]
     (out / "gae_lambda.json").write_text(json.dumps(rows, indent=1))
     (out / "gae_lambda.md").write_text(markdown(rows))
-    plot(rows, out / "gae_lambda.png")
+    critic = "the reward model as critic" if args.critic is None else f"critic {Path(args.critic).name}"
+    plot(
+        rows,
+        out / "gae_lambda.png",
+        f"policy {Path(args.policy).parent.name}/{Path(args.policy).name}, {critic}",
+    )
     print(markdown(rows))
     return rows
 

@@ -244,15 +244,38 @@ def plot(path: Path, table: list[dict]) -> None:
                 top.plot(grid, gao_curve(grid, g["alpha"], g["beta"]), "--", color=color, alpha=0.7)
         accuracy = next(s["rm_accuracy"][0] for s in table if s["quality"] == quality)
         top.set_title(
-            f"reward model on {quality} pairs (gold acc. {accuracy:.2f})" if accuracy else f"{quality} pairs"
+            f"Overoptimization: RM on {quality} pairs (gold acc. {accuracy:.2f})"
+            if accuracy
+            else f"Overoptimization: RM on {quality} pairs",
+            fontsize=9,
         )
-        top.set_ylabel("Δgold (points: every seed; —: d(α−βd), --: d(α−β log d))", fontsize=7)
-        bottom.set_ylabel("Δproxy (mean over seeds)")
-        bottom.set_xlabel("d = sqrt(KL to the SFT policy)")
+        top.set_ylabel("Δgold over SFT (gold score units)")
+        bottom.set_ylabel("Δproxy over SFT, mean over seeds (RM units)")
+        bottom.set_xlabel("d = sqrt(KL to the SFT policy), sqrt(nats)")
         for ax in (top, bottom):
             ax.axhline(0.0, color="black", linewidth=0.6)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=6)
+        # the line-style key, in the legend: which mark is which (the colours are the arms, labelled beside)
+        from matplotlib.lines import Line2D
+
+        key = [
+            Line2D(
+                [],
+                [],
+                color="grey",
+                marker="o",
+                ls="",
+                markersize=3,
+                alpha=0.5,
+                label="each seed's checkpoints",
+            ),
+            Line2D([], [], color="grey", ls="-", alpha=0.35, lw=1, label="measured curve (mean over seeds)"),
+            Line2D([], [], color="grey", ls="-", label="fit d(α − β d) (best-of-n form)"),
+            Line2D([], [], color="grey", ls="--", alpha=0.7, label="fit d(α − β log d) (RL form)"),
+        ]
+        handles, _ = top.get_legend_handles_labels()
+        top.legend(handles=handles + key, fontsize=6)
+        bottom.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
