@@ -24,6 +24,8 @@ sys.path.insert(0, str(HERE.parent))  # examples/overoptimization.py: the RL for
 from overoptimization import fit_gao, gao_curve  # noqa: E402
 from temperature_report import plus_minus, write_csv  # noqa: E402
 
+from rlhfkit.reporting.paired import describe, paired  # noqa: E402
+
 
 def fit_quadratic(d, delta) -> dict:
     """Least squares of Δgold = d(α − β d) (no intercept: the SFT policy is at d = 0, Δgold = 0).
@@ -175,7 +177,8 @@ def markdown(table: list[dict]) -> str:
     if refreshed:
         lines += [
             "",
-            "| reward model | kl_coef | end Δgold: plain → refresh | per seed (refresh − plain) | peak Δgold:"
+            "| reward model | kl_coef | end Δgold: plain → refresh | refresh − plain, paired per seed (95% t-interval;"
+            " sign test) | peak Δgold:"
             " plain → refresh | end KL: plain → refresh |",
             "|---|---|---|---|---|---|",
         ]
@@ -190,12 +193,12 @@ def markdown(table: list[dict]) -> str:
             )
             if plain is None:
                 continue
-            diffs = [
-                b - a for a, b in zip(plain["end_delta_per_seed"], r["end_delta_per_seed"], strict=False)
-            ]
+            n = min(len(plain["end_delta_per_seed"]), len(r["end_delta_per_seed"]))
+            # paired per seed: the refresh run and the plain run of a seed share its SFT policy and reward model
+            test = describe(paired(plain["end_delta_per_seed"][:n], r["end_delta_per_seed"][:n]))
             lines.append(
                 f"| {r['quality']} | {r['kl_coef']:g} | {_pm(plain['end_delta'])} → {_pm(r['end_delta'])}"
-                f" | {' / '.join(f'{x:+.2f}' for x in diffs)} | {plain['peak']['delta']:+.2f} → {r['peak']['delta']:+.2f}"
+                f" | {test} | {plain['peak']['delta']:+.2f} → {r['peak']['delta']:+.2f}"
                 f" | {_pm(plain['end_kl'], 1)} → {_pm(r['end_kl'], 1)} |"
             )
     return "\n".join(lines) + "\n"
