@@ -39,7 +39,9 @@ TRAIN_KEYS = ("value/explained_variance", "loss/value")
 def arms_of(stage: dict, warmup: int, names=ARMS) -> list[ppo_arms.Arm]:
     """The arms named in ``names``; the policy-initialised critic reads the seed's SFT policy."""
     every = {
-        "critic-rm": ppo_arms.Arm("critic-rm", "critic from the RM"),
+        "critic-rm": ppo_arms.Arm(
+            "critic-rm", "critic from the RM", folder="kl0.05-gamma1"
+        ),  # ppo_sweep's run
         "critic-rm-warmup": ppo_arms.Arm(
             "critic-rm-warmup",
             f"critic from the RM, warm-up {warmup}",

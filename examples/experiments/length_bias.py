@@ -42,8 +42,12 @@ CLAIMS = {name: ("length", -1) for name in ARMS if name != BASE}
 
 def arms_of(refresh_every: int, names=ARMS) -> list[ppo_arms.Arm]:
     every = {
-        "rm-kl0": ppo_arms.Arm("rm-kl0", "plain RM, kl_coef 0", kl_coef=0.0),
-        "rm-kl0.05": ppo_arms.Arm("rm-kl0.05", "plain RM, kl_coef 0.05", kl_coef=0.05),
+        "rm-kl0": ppo_arms.Arm(
+            "rm-kl0", "plain RM, kl_coef 0", kl_coef=0.0, folder="kl0-gamma1"
+        ),  # ppo_sweep's
+        "rm-kl0.05": ppo_arms.Arm(
+            "rm-kl0.05", "plain RM, kl_coef 0.05", kl_coef=0.05, folder="kl0.05-gamma1"
+        ),
         "rm-kl0-refresh": ppo_arms.Arm(
             "rm-kl0-refresh",
             f"plain RM, kl_coef 0, refresh every {refresh_every}",

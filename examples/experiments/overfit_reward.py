@@ -41,11 +41,15 @@ CLAIMS = {"overfit-kl0": ("gold", -1)}
 
 def arms_of(names=ARMS) -> list[ppo_arms.Arm]:
     every = {
-        "rm-kl0": ppo_arms.Arm("rm-kl0", "usual RM, kl_coef 0", kl_coef=0.0),
+        "rm-kl0": ppo_arms.Arm(
+            "rm-kl0", "usual RM, kl_coef 0", kl_coef=0.0, folder="kl0-gamma1"
+        ),  # ppo_sweep's
         "overfit-kl0": ppo_arms.Arm(
             "overfit-kl0", "over-fitted RM, kl_coef 0", kl_coef=0.0, reward="overfit"
         ),
-        "rm-kl0.05": ppo_arms.Arm("rm-kl0.05", "usual RM, kl_coef 0.05", kl_coef=0.05),
+        "rm-kl0.05": ppo_arms.Arm(
+            "rm-kl0.05", "usual RM, kl_coef 0.05", kl_coef=0.05, folder="kl0.05-gamma1"
+        ),
         "overfit-kl0.05": ppo_arms.Arm(
             "overfit-kl0.05", "over-fitted RM, kl_coef 0.05", kl_coef=0.05, reward="overfit"
         ),

@@ -46,6 +46,13 @@ class Arm:
     reward: str = "reward"
     settings: dict = field(default_factory=dict)
     refresh_every: int = 0  # the online reward-model refresh every K rollouts (0: none)
+    folder: str | None = (
+        None  # the run's folder under the seed's; default: ``name`` (a sweep's run: its name)
+    )
+
+    @property
+    def path(self) -> str:
+        return self.folder or self.name
 
 
 def train_reward_variant(
@@ -118,12 +125,12 @@ def run_arms(root: Path, stage: dict, seed: int, s: Sizes, arms, args, train_key
                 return task_refresh(view["task"], m, view["pairs"]["train"], s, seed, **settings)
 
             settings = {**arm.settings, "refresh.every": arm.refresh_every}
-            _, record = ppo_run(root / arm.name, view, None, seed, s, run, args, refresh=refresh, **settings)
+            _, record = ppo_run(root / arm.path, view, None, seed, s, run, args, refresh=refresh, **settings)
         else:
             meters[arm.reward], record = ppo_run(
-                root / arm.name, view, meters.get(arm.reward), seed, s, run, args, **arm.settings
+                root / arm.path, view, meters.get(arm.reward), seed, s, run, args, **arm.settings
             )
-        record["train"] = train_rows(root / arm.name, train_keys)
+        record["train"] = train_rows(root / arm.path, train_keys)
         out["arms"][arm.name] = record
     return out
 

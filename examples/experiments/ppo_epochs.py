@@ -80,7 +80,7 @@ def epoch_drift(results: list[dict], arms) -> list[dict]:
 
 
 def markdown(results: list[dict], arms, drift: list[dict]) -> str:
-    from rlhfkit.reporting.paired import describe, paired
+    from rlhfkit.reporting.paired import describe, paired, verdict
 
     lines = [ppo_arms.end_table(results, arms), ""]
     lines += [
@@ -92,24 +92,18 @@ def markdown(results: list[dict], arms, drift: list[dict]) -> str:
         lines.append(f"| {d['label']} | {d['epoch']} | " + " | ".join(cells) + " |")
     # the claim, paired per seed: the last epoch's drift against the first epoch's, within each arm
     lines += ["", "Last epoch against the first, per seed (last − first):", ""]
-    lines += ["| arm | approx_kl | clipfrac |", "|---|---|---|"]
+    lines += ["| arm | approx_kl | clipfrac | claim (approx_kl grows): verdict |", "|---|---|---|---|"]
     for arm in arms:
         rows = [d for d in drift if d["arm"] == arm.name]
         if len(rows) < 2 or not rows[0]["approx_kl_per_seed"]:
             continue
         first, last = rows[0], rows[-1]
-        cells = [
-            describe(paired(first[f"{k}_per_seed"], last[f"{k}_per_seed"]), 4)
-            for k in ("approx_kl", "clipfrac")
-        ]
+        tests = {k: paired(first[f"{k}_per_seed"], last[f"{k}_per_seed"]) for k in ("approx_kl", "clipfrac")}
+        cells = [describe(t, 4) for t in tests.values()] + [verdict(tests["approx_kl"], +1)]
         lines.append(f"| {arm.label} | " + " | ".join(cells) + " |")
-    claims = {a.name: ("gold", -1) for a in arms if a.settings["online.ppo_epochs"] > 4}
-    lines += [
-        "",
-        ppo_arms.paired_table(
-            results, arms, BASE if BASE in {a.name for a in arms} else arms[0].name, claims
-        ),
-    ]
+    # the end figures against the default 4 epochs (no direction claimed for them)
+    base = BASE if BASE in {a.name for a in arms} else arms[0].name
+    lines += ["", ppo_arms.paired_table(results, arms, base)]
     return "\n".join(lines)
 
 

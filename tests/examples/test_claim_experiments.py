@@ -43,6 +43,7 @@ def test_ppo_epochs_logs_each_epochs_drift_and_reports_it(stage, tmp_path):
     assert [(d["arm"], d["epoch"]) for d in drift] == [("epochs1", 1), ("epochs2", 1), ("epochs2", 2)]
     text = ex.report(tmp_path, [result, {**result, "seed": 1}], (1, 2))
     assert "| 2 epochs | 2 |" in text and "Paired per seed against 1 epoch" in text
+    assert "| 2 epochs | " in text.split("Last epoch against the first")[1]  # the drift, paired per seed
     assert {p.name for p in tmp_path.iterdir()} >= {"ppo_epochs.md", "ppo_epochs.png", "ppo_epochs_rows.csv"}
 
 
@@ -52,7 +53,7 @@ def test_critic_init_arms_reach_the_critic_and_report_explained_variance(stage, 
     s = tiny_sizes(temperature.SIZES["smoke"])
     args = tiny_args(tmp_path, warmup=1, arms=["critic-rm", "critic-policy-warmup"])
     result = ex.run_stage(tmp_path / "seed-0", stage, 0, s, args)
-    rm = _config(tmp_path / "seed-0" / "critic-rm")["online"]
+    rm = _config(tmp_path / "seed-0" / "kl0.05-gamma1")["online"]  # ppo_sweep's run, shared
     policy = _config(tmp_path / "seed-0" / "critic-policy-warmup")["online"]
     assert rm["critic_model"] is None and rm["critic_warmup_steps"] == 0
     assert policy["critic_model"] == str(stage["sft"]) and policy["critic_warmup_steps"] == 1
@@ -77,7 +78,7 @@ def test_length_bias_trains_the_penalised_rm_and_runs_the_refresh(stage, tmp_pat
     assert _config(tmp_path / "seed-0" / "reward-length-bias")["reward"]["length_bias_coef"] == 0.5
     refresh = _config(tmp_path / "seed-0" / "rm-kl0-refresh")
     assert refresh["refresh"]["every"] == 1 and refresh["online"]["kl_coef"] == 0.0
-    assert _config(tmp_path / "seed-0" / "rm-kl0")["refresh"]["every"] == 0
+    assert _config(tmp_path / "seed-0" / "kl0-gamma1")["refresh"]["every"] == 0  # ppo_sweep's run, shared
     metrics = (tmp_path / "seed-0" / "rm-kl0-refresh" / "metrics.jsonl").read_text()
     assert "refresh/" in metrics  # the refresh ran
     penalised = result["preference"]["length_bias"]
