@@ -150,16 +150,19 @@ def plot(path: Path, table: list[dict], train: list[dict], sweep: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(16.0, 8.6), dpi=100)
-    panels = [("gold", "Gold score (held out, T = 0.7)"), ("proxy", "Proxy score (the reward model)")]
-    panels += [("kl", "KL to the SFT policy (nats per response)"), ("length", "Response length (held out)")]
+    name = LABEL[sweep].split(" (")[0]  # the swept setting names every title: the sweeps' figures differ
+    panels = [("gold", "gold score (held out, T = 0.7)", "gold score")]
+    panels += [("proxy", "proxy score (the reward model)", "proxy score (RM units)")]
+    panels += [("kl", "KL to the SFT policy", "KL (nats per response)")]
+    panels += [("length", "response length (held out)", "tokens")]
     for i, setting in enumerate(dict.fromkeys(r["setting"] for r in table)):
         rows = [r for r in table if r["setting"] == setting]
         label = f"{LABEL[sweep]} = {setting:g}"
         x = [r["rollout"] for r in rows]
-        for ax, (f, title) in zip(axes.flat[:4], panels, strict=True):
+        for ax, (f, title, unit) in zip(axes.flat[:4], panels, strict=True):
             ax.errorbar(x, [r[f] for r in rows], [r.get(f + "_sd") or 0.0 for r in rows], marker="o",
                         capsize=3, color=f"C{i}", label=label)  # fmt: skip
-            ax.set(title=title, xlabel="rollout")
+            ax.set(title=f"PPO at several {name}: {title}", xlabel="rollout", ylabel=unit)
         curve = sorted({t["rollout"] for t in train if t["setting"] == setting})
         key = TRAIN_FIGURE[sweep][0]
         means = [
@@ -167,14 +170,23 @@ def plot(path: Path, table: list[dict], train: list[dict], sweep: str) -> None:
         ]
         axes[1][1].plot(curve, means, color=f"C{i}", label=label)
         kl = [r["kl"] for r in rows]
-        axes[1][2].plot(kl, [r["gold"] for r in rows], "o-", color=f"C{i}", label=label + " gold")
+        axes[1][2].plot(kl, [r["gold"] for r in rows], "o-", color=f"C{i}", label=label)
         axes[1][2].plot(kl, [r["proxy"] for r in rows], "x--", color=f"C{i}", alpha=0.6)
     title = {"response_length": "Response length", "score": "Proxy score"}[TRAIN_FIGURE[sweep][0]]
-    axes[1][1].set(title=f"{title} in training (mean over seeds)", xlabel="rollout")
-    axes[1][2].set(title="Gold (solid) and proxy (dashed) against KL", xlabel="KL to the SFT policy (nats)")
+    unit = {"response_length": "tokens", "score": "proxy score (RM units)"}[TRAIN_FIGURE[sweep][0]]
+    axes[1][1].set(title=f"PPO at several {name}: {title.lower()} in training (mean over seeds)", xlabel="rollout",
+                   ylabel=unit)  # fmt: skip
+    axes[1][2].set(title=f"PPO at several {name}: gold and proxy against KL", xlabel="KL to the SFT policy (nats)",
+                   ylabel="score")  # fmt: skip
+    from matplotlib.lines import Line2D  # the line-style key in the legend, not in the title
+
+    handles, _ = axes[1][2].get_legend_handles_labels()
+    handles += [Line2D([], [], color="grey", marker="o", label="gold (solid)"),
+                Line2D([], [], color="grey", marker="x", ls="--", alpha=0.6, label="proxy (dashed)")]  # fmt: skip
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    axes[1][2].legend(handles=handles, fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
