@@ -149,12 +149,15 @@ def plot(path: Path, table: list[dict], temperatures) -> None:
             ax.plot(kl, y, "o-", color=f"C{i}", label=run, markersize=4)
             if len(kl) > 1:
                 ax.plot(kl[-1:], y[-1:], "*", color=f"C{i}", markersize=12)
-    titles = ("Gold score (held out)", "Distinct responses / prompts", "Valid responses")
-    for ax, title in zip(axes[0], titles, strict=True):
-        ax.set(title=title, xlabel="sampling temperature (0 = greedy)")
-    axes[1][0].set(title="Greedy minus T=0.7 gold (star: last checkpoint)", ylabel="gold difference")
-    axes[1][1].set(title="Per-token entropy of the policy (T=1), on T=0.7 samples", ylabel="nats")
-    axes[1][2].set(title="Top-token probability, on T=0.7 samples", ylabel="probability")
+    titles = ("gold score (held out)", "distinct responses / prompts", "valid responses")
+    units = ("gold score", "share of prompts", "share of responses")
+    for ax, title, unit in zip(axes[0], titles, units, strict=True):
+        ax.set(title=f"Temperature: {title}", xlabel="sampling temperature (0 = greedy)", ylabel=unit)
+    axes[1][0].set(
+        title="Temperature: greedy minus T=0.7 gold (star: last checkpoint)", ylabel="gold difference"
+    )
+    axes[1][1].set(title="Temperature: per-token entropy (T=1) on T=0.7 samples", ylabel="nats")
+    axes[1][2].set(title="Temperature: top-token probability on T=0.7 samples", ylabel="probability")
     axes[1][0].axhline(0.0, color="black", linewidth=0.6)
     for ax in axes[1]:
         ax.set_xlabel("KL to the SFT policy (nats per response, training T)")
