@@ -15,7 +15,9 @@ prompt and the tokens so far, an action the next token, the reward model's norma
 the last token; gamma = 1; no KL penalty). For each of ``--prompts`` held-out prompts one response is sampled;
 for every token a_t of it, ``--continuations`` K responses are sampled on from the prefix s_{t+1} = (s_t, a_t).
 Half of them estimate Q(s_t, a_t) (the mean final reward); on the other half the advantage A^lambda_t of every
-lambda is computed on each continued trajectory with the critic's values. Per (s_t, a_t):
+lambda is computed on each continued trajectory with the critic's values, read as the PPO trainer reads them
+(:func:`rlhfkit.rollout.scoring.critic_values`: the critic's stored normalisation applied, the scale of the
+normalised reward the returns are made of; :func:`rewards_and_values`). Per (s_t, a_t):
 
     bias_lambda = mean(A^lambda_t) - (Q(s_t, a_t) - V(s_t)),    variance_lambda = Var(A^lambda_t),
 
@@ -39,6 +41,32 @@ import torch
 LAMBDAS = (0.0, 0.5, 0.9, 0.95, 1.0)
 
 
+def rewards_and_values(
+    reward_model, critic, prompt_rows: list[list[int]], responses: list[list[int]], pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The final reward and the critic's values of prompt + response rows, both read as PPO reads them.
+
+    The reward is the reward model's normalised score (``gain * raw + bias``, :mod:`rlhfkit.rollout.scoring`);
+    the values come from :func:`rlhfkit.rollout.scoring.critic_values`, the trainer's own read (the critic's
+    stored normalisation applied), so that returns and values are on one scale.
+
+    Returns:
+        (final reward (B,) float64, values (B, R) float64 of the state before each response token, mask (B, R)
+        bool), R the longest response.
+    """
+    from rlhfkit.data import pad_sequences
+    from rlhfkit.models import sequence_scores
+    from rlhfkit.rollout.scoring import critic_values, reward_normalization
+
+    gain, bias = reward_normalization(reward_model)
+    left, left_mask = pad_sequences(prompt_rows, pad, "left")
+    right, right_mask = pad_sequences(responses, pad, "right")
+    ids, mask = torch.cat([left, right], 1), torch.cat([left_mask, right_mask], 1)
+    score = sequence_scores(reward_model, ids, mask).double() * gain + bias  # (B,)
+    values = critic_values(critic, ids, mask, left.shape[1]).double()  # (B, R)
+    return score, values, right_mask.bool()
+
+
 @torch.no_grad()
 def measure(
     policy_dir: str,
@@ -54,17 +82,9 @@ def measure(
 ) -> dict:
     """The per-lambda figures of one seed (module docstring)."""
     from rlhfkit.algos import compute_gae
-    from rlhfkit.data import PromptCollator, TokenLimits, pad_sequences, tokenize_prompt
-    from rlhfkit.models import (
-        load_causal_lm,
-        load_scalar_model,
-        load_tokenizer,
-        response_values,
-        sampling_for,
-        sequence_scores,
-    )
+    from rlhfkit.data import PromptCollator, TokenLimits, tokenize_prompt
+    from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer, sampling_for
     from rlhfkit.rollout.generation import generate_responses
-    from rlhfkit.rollout.scoring import reward_normalization
     from rlhfkit.tasks import get_task
 
     tokenizer = load_tokenizer(policy_dir)
@@ -75,7 +95,6 @@ def measure(
         if critic_dir == reward_dir
         else load_scalar_model(critic_dir, tokenizer=tokenizer).eval()
     )
-    gain, bias = reward_normalization(reward_model)
     stops, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
     sampling = sampling_for(pad, stops, temperature)
     collate = PromptCollator(pad)
@@ -95,15 +114,6 @@ def measure(
             sampling=sampling,
         )
         return [ids[m].tolist() for ids, m in zip(r.response_ids, r.mask, strict=True)]
-
-    def rewards_and_values(prompt_rows: list[list[int]], responses: list[list[int]]):
-        """(final reward (B,), critic values (B, R) of the state before each response token, mask (B, R))."""
-        left, left_mask = pad_sequences(prompt_rows, pad, "left")
-        right, right_mask = pad_sequences(responses, pad, "right")
-        ids, mask = torch.cat([left, right], 1), torch.cat([left_mask, right_mask], 1)
-        score = sequence_scores(reward_model, ids, mask).double() * gain + bias  # (B,)
-        values = response_values(critic, ids, mask, left.shape[1]).double()  # (B, R)
-        return score, values, right_mask.bool()
 
     torch.manual_seed(seed)
     responses = sample(prompt_ids, max_new_tokens)
@@ -128,7 +138,9 @@ def measure(
                     for tail in tails[k * continuations : (k + 1) * continuations]
                 ]
         flat = [(i, seq) for i in rows for seq in continued[i]]
-        score, values, mask = rewards_and_values([prompt_ids[i] for i, _ in flat], [seq for _, seq in flat])
+        score, values, mask = rewards_and_values(
+            reward_model, critic, [prompt_ids[i] for i, _ in flat], [seq for _, seq in flat], pad
+        )
         last = mask.long().sum(1) - 1  # (B,)
         rewards = torch.zeros_like(values).scatter_(1, last[:, None], score[:, None])  # (B, R)
         shape = (len(rows), continuations)
@@ -178,20 +190,35 @@ def markdown(rows: list[dict], lambdas=LAMBDAS) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path, lambdas=LAMBDAS) -> None:
+def plot(rows: list[dict], path: Path, title: str, lambdas=LAMBDAS) -> None:
+    """Squared bias, variance and their sum (the mean squared error of one advantage, what the conclusion rests
+    on) against lambda, means over seeds with the sd over seeds as error bars; ``title`` names the policy and
+    the critic, so that the two runs' figures differ."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+
+    def stat(key):
+        per_lam = [[r[f"{key}_{lam:g}"] for r in rows] for lam in lambdas]
+        means = [sum(v) / len(v) for v in per_lam]
+        sds = [
+            (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0
+            for v, m in zip(per_lam, means, strict=True)
+        ]
+        return means, sds
+
     for key, label, marker in (("bias2", "squared bias", "o"), ("variance", "variance", "s")):
-        means = [sum(r[f"{key}_{lam:g}"] for r in rows) / len(rows) for lam in lambdas]
-        ax.plot(lambdas, means, marker=marker, label=label)
+        means, sds = stat(key)
+        ax.errorbar(lambdas, means, sds, marker=marker, capsize=3, label=label)
+    errors = [[r[f"bias2_{lam:g}"] + r[f"variance_{lam:g}"] for r in rows] for lam in lambdas]
+    ax.plot(lambdas, [sum(e) / len(e) for e in errors], "k^--", label="squared bias + variance (MSE)")
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.set_xlabel("GAE lambda")
-    ax.set_ylabel("per (s_t, a_t), reward units squared")
-    ax.set_title("GAE: bias and variance against lambda (one policy and critic)")
+    ax.set_ylabel("per (s_t, a_t), (normalised reward)^2")
+    ax.set_title(f"GAE bias and variance against lambda: {title}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -232,7 +259,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ]
     (out / "gae_lambda.json").write_text(json.dumps(rows, indent=1))
     (out / "gae_lambda.md").write_text(markdown(rows))
-    plot(rows, out / "gae_lambda.png")
+    critic = "the reward model as critic" if args.critic is None else f"critic {Path(args.critic).name}"
+    plot(
+        rows,
+        out / "gae_lambda.png",
+        f"policy {Path(args.policy).parent.name}/{Path(args.policy).name}, {critic}",
+    )
     print(markdown(rows))
     return rows
 

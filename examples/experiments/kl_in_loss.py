@@ -83,6 +83,30 @@ def run_one(base: Path, out: Path, preset, seed: int, variant: str, kl_coef: flo
     }
 
 
+def paired_lines(results: list[dict], tail) -> list[str]:
+    """Each variant against the first (``k3``), paired per seed (the seeds' runs share the SFT policy and
+    prompts): KL (last 10 rollouts), entropy (last 10), greedy exact match."""
+    from rlhfkit.reporting.paired import describe, paired
+
+    first, *others = list(VARIANTS)
+    base = {r["seed"]: r for r in results if r["variant"] == first}
+    lines = ["", f"Paired per seed against {first} (variant − {first}; 95% t-interval; sign test):", ""]
+    for variant in others:
+        rows = sorted(
+            (r for r in results if r["variant"] == variant and r["seed"] in base), key=lambda r: r["seed"]
+        )
+        if not rows:
+            continue
+        figures = (("KL", lambda r: tail(r["kl"]), 2), ("entropy", lambda r: tail(r["entropy"]), 3))
+        figures += (("exact match", lambda r: r["exact_match"], 3),)
+        cells = [
+            f"{name} {describe(paired([f(base[r['seed']]) for r in rows], [f(r) for r in rows]), d)}"
+            for name, f, d in figures
+        ]
+        lines.append(f"- {variant}: " + "; ".join(cells))
+    return lines
+
+
 def report(results: list[dict], out: Path) -> str:
     """A markdown table (mean and per-seed figures, last 10 rollouts for KL and entropy) and a figure."""
     import matplotlib
@@ -111,10 +135,17 @@ def report(results: list[dict], out: Path) -> str:
             label = variant if r is rows[0] else None
             axes[0].plot(r["kl"], color=f"C{i}", alpha=0.8, label=label)
             axes[1].plot(r["entropy"], color=f"C{i}", alpha=0.8, label=label)
+    lines += paired_lines(results, tail)
     axes[0].set(
-        xlabel="rollout", ylabel="KL to reference (k1, nats per response)", title="KL to the reference"
+        xlabel="rollout",
+        ylabel="KL to reference (k1, nats per response)",
+        title="KL in the loss: KL to the reference per rollout",
     )
-    axes[1].set(xlabel="rollout", ylabel="entropy (nats per token)", title="Policy entropy")
+    axes[1].set(
+        xlabel="rollout",
+        ylabel="entropy (nats per token)",
+        title="KL in the loss: policy entropy per rollout",
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

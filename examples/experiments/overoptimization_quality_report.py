@@ -24,6 +24,8 @@ sys.path.insert(0, str(HERE.parent))  # examples/overoptimization.py: the RL for
 from overoptimization import fit_gao, gao_curve  # noqa: E402
 from temperature_report import plus_minus, write_csv  # noqa: E402
 
+from rlhfkit.reporting.paired import describe, paired  # noqa: E402
+
 
 def fit_quadratic(d, delta) -> dict:
     """Least squares of Δgold = d(α − β d) (no intercept: the SFT policy is at d = 0, Δgold = 0).
@@ -175,7 +177,8 @@ def markdown(table: list[dict]) -> str:
     if refreshed:
         lines += [
             "",
-            "| reward model | kl_coef | end Δgold: plain → refresh | per seed (refresh − plain) | peak Δgold:"
+            "| reward model | kl_coef | end Δgold: plain → refresh | refresh − plain, paired per seed (95% t-interval;"
+            " sign test) | peak Δgold:"
             " plain → refresh | end KL: plain → refresh |",
             "|---|---|---|---|---|---|",
         ]
@@ -190,12 +193,12 @@ def markdown(table: list[dict]) -> str:
             )
             if plain is None:
                 continue
-            diffs = [
-                b - a for a, b in zip(plain["end_delta_per_seed"], r["end_delta_per_seed"], strict=False)
-            ]
+            n = min(len(plain["end_delta_per_seed"]), len(r["end_delta_per_seed"]))
+            # paired per seed: the refresh run and the plain run of a seed share its SFT policy and reward model
+            test = describe(paired(plain["end_delta_per_seed"][:n], r["end_delta_per_seed"][:n]))
             lines.append(
                 f"| {r['quality']} | {r['kl_coef']:g} | {_pm(plain['end_delta'])} → {_pm(r['end_delta'])}"
-                f" | {' / '.join(f'{x:+.2f}' for x in diffs)} | {plain['peak']['delta']:+.2f} → {r['peak']['delta']:+.2f}"
+                f" | {test} | {plain['peak']['delta']:+.2f} → {r['peak']['delta']:+.2f}"
                 f" | {_pm(plain['end_kl'], 1)} → {_pm(r['end_kl'], 1)} |"
             )
     return "\n".join(lines) + "\n"
@@ -244,15 +247,38 @@ def plot(path: Path, table: list[dict]) -> None:
                 top.plot(grid, gao_curve(grid, g["alpha"], g["beta"]), "--", color=color, alpha=0.7)
         accuracy = next(s["rm_accuracy"][0] for s in table if s["quality"] == quality)
         top.set_title(
-            f"reward model on {quality} pairs (gold acc. {accuracy:.2f})" if accuracy else f"{quality} pairs"
+            f"Overoptimization: RM on {quality} pairs (gold acc. {accuracy:.2f})"
+            if accuracy
+            else f"Overoptimization: RM on {quality} pairs",
+            fontsize=9,
         )
-        top.set_ylabel("Δgold (points: every seed; —: d(α−βd), --: d(α−β log d))", fontsize=7)
-        bottom.set_ylabel("Δproxy (mean over seeds)")
-        bottom.set_xlabel("d = sqrt(KL to the SFT policy)")
+        top.set_ylabel("Δgold over SFT (gold score units)")
+        bottom.set_ylabel("Δproxy over SFT, mean over seeds (RM units)")
+        bottom.set_xlabel("d = sqrt(KL to the SFT policy), sqrt(nats)")
         for ax in (top, bottom):
             ax.axhline(0.0, color="black", linewidth=0.6)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=6)
+        # the line-style key, in the legend: which mark is which (the colours are the arms, labelled beside)
+        from matplotlib.lines import Line2D
+
+        key = [
+            Line2D(
+                [],
+                [],
+                color="grey",
+                marker="o",
+                ls="",
+                markersize=3,
+                alpha=0.5,
+                label="each seed's checkpoints",
+            ),
+            Line2D([], [], color="grey", ls="-", alpha=0.35, lw=1, label="measured curve (mean over seeds)"),
+            Line2D([], [], color="grey", ls="-", label="fit d(α − β d) (best-of-n form)"),
+            Line2D([], [], color="grey", ls="--", alpha=0.7, label="fit d(α − β log d) (RL form)"),
+        ]
+        handles, _ = top.get_legend_handles_labels()
+        top.legend(handles=handles + key, fontsize=6)
+        bottom.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -153,11 +153,13 @@ def sft_figures(root: Path, stage: dict, seed: int, s: Sizes, args) -> tuple:
     return meter, sft
 
 
-def ppo_run(folder: Path, stage: dict, meter, seed: int, s: Sizes, run: dict, args, **extra):
+def ppo_run(folder: Path, stage: dict, meter, seed: int, s: Sizes, run: dict, args, refresh=None, **extra):
     """One PPO run (``run``: its KL coefficient, gamma and lambda; ``extra``: other dotted keys, e.g. another
     starting policy) measured every ``s.eval_every`` rollouts; ``(meter, record)``, the record cached in
     ``folder/sweep_rows.json`` (reused unless ``args.overwrite``). ``meter``: a :class:`Meter` or None (made
-    here when a run has to be trained)."""
+    here when a run has to be trained). ``refresh``: None, or ``meter -> hook`` for
+    ``OnlineHooks.refresh_reward_model`` (the hook re-points the meter's proxy at the refreshed reward model, so
+    such a run needs a meter of its own)."""
     from rlhfkit.trainers import online
 
     cache = folder / "sweep_rows.json"
@@ -174,7 +176,10 @@ def ppo_run(folder: Path, stage: dict, meter, seed: int, s: Sizes, run: dict, ar
 
     settings = {"online.gamma": run["gamma"], "online.lam": run.get("lam", BASE["lam"]), **extra}
     cfg = ppo_config(folder, seed, stage, s, s.rollouts, EVAL_TEMPERATURE, run["kl_coef"], **settings)
-    online.train(cfg, overwrite=True, hooks=online.OnlineHooks(evaluate=hook, evaluate_at_start=False))
+    hooks = online.OnlineHooks(evaluate=hook, evaluate_at_start=False)
+    if refresh is not None:
+        hooks.refresh_reward_model = refresh(meter)
+    online.train(cfg, overwrite=True, hooks=hooks)
     record = {**BASE, **run, "eval": evals, "train": train_rows(folder)}
     cache.write_text(json.dumps(record, indent=1))
     return meter, record
@@ -245,7 +250,7 @@ def main(argv=None) -> int:
             args.overwrite = False
             results = [collect(args.out / f"seed-{seed}", seed, args) for seed in args.seeds]
             results = [r for r in results if r is not None]
-        report(args.out, args.sweep, results)
+        report(args.out, args.sweep, results, base=BASE[args.sweep])
     return 0
 
 

@@ -1,6 +1,7 @@
 """The tables and the figure of ``ppo_sweep.py`` (PPO at several KL coefficients or discounts), from its
 per-seed results: :func:`aggregate` averages the held-out measurements over seeds, :func:`train_curves` the
-training figures of every rollout, :func:`markdown` and :func:`plot` present them, :func:`report` writes
+training figures of every rollout, :func:`markdown` and :func:`plot` present them, :func:`paired_markdown` compares
+every setting with the sweep's base setting seed by seed (:mod:`rlhfkit.reporting.paired`), :func:`report` writes
 ``<sweep>.md``, ``<sweep>_rows.csv``, ``<sweep>_train.csv`` and ``<sweep>.png``."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # temperature_report beside this file
 from temperature_report import plus_minus, write_csv  # noqa: E402
+
+from rlhfkit.reporting.paired import describe, paired  # noqa: E402
 
 FIGURES = ("gold", "proxy", "kl", "length", "ended", "valid_rate")
 LABEL = {"kl_coef": "β (kl_coef)", "gamma": "γ", "lam": "λ (GAE)"}
@@ -106,6 +109,38 @@ def markdown(table: list[dict], train: list[dict], sweep: str) -> str:
     return "\n".join(lines)
 
 
+PAIRED_FIGURES = (("gold", 2), ("proxy", 2), ("kl", 2), ("length", 1))
+
+
+def paired_markdown(rows: list[dict], sweep: str, base: float) -> str:
+    """Each setting against ``base`` at its last checkpoint, paired per seed: the difference (setting − base) of
+    gold, proxy, KL and length in every seed, its mean, 95% t-interval and sign test. Each seed's runs share its
+    SFT policy, reward model and prompts, so the per-seed difference is the comparison (not two sds)."""
+    last: dict[float, int] = {}
+    for r in rows:
+        last[r["setting"]] = max(r["rollout"], last.get(r["setting"], 0))
+    at_end = {(r["setting"], r["seed"]): r for r in rows if r["rollout"] == last[r["setting"]]}
+    lines = [
+        f"Paired per seed against {LABEL[sweep]} = {base:g} (difference = setting − base, last checkpoint; "
+        "mean (per seed); 95% t-interval; sign test):",
+        "",
+        f"| {LABEL[sweep]} | " + " | ".join(f for f, _ in PAIRED_FIGURES) + " |",
+        "|---|" + "---|" * len(PAIRED_FIGURES),
+    ]
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        seeds = sorted(k for (s_, k) in at_end if s_ == setting and (base, k) in at_end)
+        if setting == base or not seeds:
+            continue
+        cells = []
+        for f, digits in PAIRED_FIGURES:
+            a = [at_end[(base, k)].get(f) for k in seeds]
+            b = [at_end[(setting, k)].get(f) for k in seeds]
+            ok = all(x is not None for x in a + b)
+            cells.append(describe(paired(a, b), digits) if ok else "–")
+        lines.append(f"| {setting:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(path: Path, table: list[dict], train: list[dict], sweep: str) -> None:
     """Held-out gold, proxy, KL and length against rollouts (error bars: sd over seeds); the training
     response length of every rollout (mean over seeds); gold (solid) and proxy (dashed) against KL."""
@@ -115,16 +150,19 @@ def plot(path: Path, table: list[dict], train: list[dict], sweep: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(16.0, 8.6), dpi=100)
-    panels = [("gold", "Gold score (held out, T = 0.7)"), ("proxy", "Proxy score (the reward model)")]
-    panels += [("kl", "KL to the SFT policy (nats per response)"), ("length", "Response length (held out)")]
+    name = LABEL[sweep].split(" (")[0]  # the swept setting names every title: the sweeps' figures differ
+    panels = [("gold", "gold score (held out, T = 0.7)", "gold score")]
+    panels += [("proxy", "proxy score (the reward model)", "proxy score (RM units)")]
+    panels += [("kl", "KL to the SFT policy", "KL (nats per response)")]
+    panels += [("length", "response length (held out)", "tokens")]
     for i, setting in enumerate(dict.fromkeys(r["setting"] for r in table)):
         rows = [r for r in table if r["setting"] == setting]
         label = f"{LABEL[sweep]} = {setting:g}"
         x = [r["rollout"] for r in rows]
-        for ax, (f, title) in zip(axes.flat[:4], panels, strict=True):
+        for ax, (f, title, unit) in zip(axes.flat[:4], panels, strict=True):
             ax.errorbar(x, [r[f] for r in rows], [r.get(f + "_sd") or 0.0 for r in rows], marker="o",
                         capsize=3, color=f"C{i}", label=label)  # fmt: skip
-            ax.set(title=title, xlabel="rollout")
+            ax.set(title=f"PPO at several {name}: {title}", xlabel="rollout", ylabel=unit)
         curve = sorted({t["rollout"] for t in train if t["setting"] == setting})
         key = TRAIN_FIGURE[sweep][0]
         means = [
@@ -132,20 +170,31 @@ def plot(path: Path, table: list[dict], train: list[dict], sweep: str) -> None:
         ]
         axes[1][1].plot(curve, means, color=f"C{i}", label=label)
         kl = [r["kl"] for r in rows]
-        axes[1][2].plot(kl, [r["gold"] for r in rows], "o-", color=f"C{i}", label=label + " gold")
+        axes[1][2].plot(kl, [r["gold"] for r in rows], "o-", color=f"C{i}", label=label)
         axes[1][2].plot(kl, [r["proxy"] for r in rows], "x--", color=f"C{i}", alpha=0.6)
     title = {"response_length": "Response length", "score": "Proxy score"}[TRAIN_FIGURE[sweep][0]]
-    axes[1][1].set(title=f"{title} in training (mean over seeds)", xlabel="rollout")
-    axes[1][2].set(title="Gold (solid) and proxy (dashed) against KL", xlabel="KL to the SFT policy (nats)")
+    unit = {"response_length": "tokens", "score": "proxy score (RM units)"}[TRAIN_FIGURE[sweep][0]]
+    axes[1][1].set(title=f"PPO at several {name}: {title.lower()} in training (mean over seeds)", xlabel="rollout",
+                   ylabel=unit)  # fmt: skip
+    axes[1][2].set(title=f"PPO at several {name}: gold and proxy against KL", xlabel="KL to the SFT policy (nats)",
+                   ylabel="score")  # fmt: skip
+    from matplotlib.lines import Line2D  # the line-style key in the legend, not in the title
+
+    handles, _ = axes[1][2].get_legend_handles_labels()
+    handles += [Line2D([], [], color="grey", marker="o", label="gold (solid)"),
+                Line2D([], [], color="grey", marker="x", ls="--", alpha=0.6, label="proxy (dashed)")]  # fmt: skip
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    axes[1][2].legend(handles=handles, fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def report(out: Path, sweep: str, results: list[dict]) -> list[dict]:
+def report(out: Path, sweep: str, results: list[dict], base: float | None = None) -> list[dict]:
+    """Write the tables, CSVs and figure of a sweep; ``base``: the setting the others are paired against
+    (default: the first)."""
     if not results:
         raise SystemExit(f"no finished seed of the {sweep} sweep in {out}")
     rows = eval_rows(results, sweep)
@@ -158,7 +207,8 @@ def report(out: Path, sweep: str, results: list[dict]) -> list[dict]:
         f"Seeds {[r['seed'] for r in results]}; mean ± sd over seeds; held-out prompts at T = 0.7; "
         f"reward-model held-out gold accuracy per seed: {accuracy}.\n\n"
     )
-    text = header + markdown(table, train, sweep) + "\n"
+    base = rows[0]["setting"] if base is None else base
+    text = header + markdown(table, train, sweep) + "\n\n" + paired_markdown(rows, sweep, base) + "\n"
     (out / f"{sweep}.md").write_text(text, encoding="utf-8")
     plot(out / f"{sweep}.png", table, train, sweep)
     print(text, flush=True)

@@ -26,6 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the reports beside this script
 from temperature_report import write_csv  # noqa: E402
 
+from rlhfkit.reporting.paired import describe, paired  # noqa: E402
+
 POLICIES = (("sft", "SFT"), ("dpo", "DPO"), ("ppo", "PPO"))
 # (label, summary field of each policy) and (label, summary key of the win rate over SFT per policy)
 FIGURES = (
@@ -71,6 +73,14 @@ def markdown(summaries: dict[int, dict]) -> str:
     for label, field in (*FIGURES, *((lbl, lbl.strip(" .")) for lbl, _ in WIN_RATES)):
         cells = [cell([r[field] for r in rows if r["policy"] == key]) for key, _ in POLICIES]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    # paired per seed (each seed's three policies share its SFT policy, pairs and prompts)
+    by = {(r["seed"], r["policy"]): r for r in rows}
+    seeds = sorted(summaries)
+    lines += ["", "Gold paired per seed (b − a; mean (per seed); 95% t-interval; sign test):", ""]
+    for a, b in (("sft", "dpo"), ("sft", "ppo"), ("dpo", "ppo")):
+        xs, ys = [by[(k, a)]["gold_mean"] for k in seeds], [by[(k, b)]["gold_mean"] for k in seeds]
+        if all(v is not None for v in xs + ys):
+            lines.append(f"- {b.upper()} − {a.upper()}: {describe(paired(xs, ys))}")
     s = [summaries[k] for k in sorted(summaries)]
     lines += [
         "",

@@ -149,12 +149,15 @@ def plot(path: Path, table: list[dict], temperatures) -> None:
             ax.plot(kl, y, "o-", color=f"C{i}", label=run, markersize=4)
             if len(kl) > 1:
                 ax.plot(kl[-1:], y[-1:], "*", color=f"C{i}", markersize=12)
-    titles = ("Gold score (held out)", "Distinct responses / prompts", "Valid responses")
-    for ax, title in zip(axes[0], titles, strict=True):
-        ax.set(title=title, xlabel="sampling temperature (0 = greedy)")
-    axes[1][0].set(title="Greedy minus T=0.7 gold (star: last checkpoint)", ylabel="gold difference")
-    axes[1][1].set(title="Per-token entropy of the policy (T=1), on T=0.7 samples", ylabel="nats")
-    axes[1][2].set(title="Top-token probability, on T=0.7 samples", ylabel="probability")
+    titles = ("gold score (held out)", "distinct responses / prompts", "valid responses")
+    units = ("gold score", "share of prompts", "share of responses")
+    for ax, title, unit in zip(axes[0], titles, units, strict=True):
+        ax.set(title=f"Temperature: {title}", xlabel="sampling temperature (0 = greedy)", ylabel=unit)
+    axes[1][0].set(
+        title="Temperature: greedy minus T=0.7 gold (star: last checkpoint)", ylabel="gold difference"
+    )
+    axes[1][1].set(title="Temperature: per-token entropy (T=1) on T=0.7 samples", ylabel="nats")
+    axes[1][2].set(title="Temperature: top-token probability on T=0.7 samples", ylabel="probability")
     axes[1][0].axhline(0.0, color="black", linewidth=0.6)
     for ax in axes[1]:
         ax.set_xlabel("KL to the SFT policy (nats per response, training T)")
@@ -170,6 +173,34 @@ def _by_t(row: dict) -> float:
     return row["temperature"]
 
 
+def paired_markdown(rows: list[dict], temperatures) -> str:
+    """At each run's last checkpoint: gold at every sampling temperature minus greedy gold, paired per seed (the
+    same policy decoded two ways on the same prompts; rlhfkit.reporting.paired), the claim being that greedy is
+    best after PPO."""
+    from rlhfkit.reporting.paired import describe, paired
+
+    last: dict[str, int] = {}
+    for r in rows:
+        last[r["run"]] = max(r["rollout"], last.get(r["run"], 0))
+    cell = {
+        (r["run"], r["temperature"], r["seed"]): r["gold"] for r in rows if r["rollout"] == last[r["run"]]
+    }
+    others = [t for t in temperatures if t != 0]
+    lines = [
+        "Gold at T minus greedy gold, paired per seed, at each run's last checkpoint (95% t-interval; sign test):"
+    ]
+    lines += ["", "| policy (rollout) | " + " | ".join(f"T={t:g} − T=0" for t in others) + " |"]
+    lines.append("|---|" + "---|" * len(others))
+    for run, rollout in last.items():
+        cells = []
+        for t in others:
+            seeds = sorted(k for (r_, t_, k) in cell if r_ == run and t_ == t and (run, 0.0, k) in cell)
+            xs, ys = [cell[(run, 0.0, k)] for k in seeds], [cell[(run, t, k)] for k in seeds]
+            cells.append(describe(paired(xs, ys)) if seeds else "–")
+        lines.append(f"| {run} ({rollout}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report(out: Path, temperatures) -> list[dict]:
     rows = []
     for folder in sorted(out.glob("seed-*")):
@@ -181,6 +212,8 @@ def report(out: Path, temperatures) -> list[dict]:
     write_csv(out / "rows.csv", rows)
     write_csv(out / "table.csv", table)
     text = markdown_tables(table, rows, temperatures)
+    if 0.0 in temperatures and len(temperatures) > 1:
+        text += "\n\n" + paired_markdown(rows, temperatures)
     seeds = sorted({r["seed"] for r in rows})
     accuracy = ", ".join(
         "n/a" if r["rm_accuracy"] is None else f"{r['rm_accuracy']:.3f}"

@@ -26,3 +26,20 @@ def test_kl_in_loss_experiment_runs_at_smoke_size(tmp_path, monkeypatch):
     assert (out / "kl_in_loss.png").stat().st_size > 0
     cfg = (out / "k2_0" / "config.yaml").read_text()
     assert "kl_in_loss: true" in cfg and "kl_loss_estimator: k2" in cfg
+
+
+def test_the_report_pairs_each_variant_with_k3_per_seed():
+    ex = load_example("experiments/kl_in_loss")
+    # KL over the last 10 rollouts: k3 1.0 and 2.0, k2 3.0 and 3.0 -> differences +2.0, +1.0
+    results = [
+        {"variant": v, "seed": seed, "kl": [kl] * 12, "entropy": [0.5] * 12, "exact_match": 0.1}
+        for v, per_seed in (("k3", (1.0, 2.0)), ("k2", (3.0, 3.0)))
+        for seed, kl in enumerate(per_seed)
+    ]
+    lines = ex.paired_lines(results, lambda values: sum(values[-10:]) / 10)
+    (k2,) = [x for x in lines if x.startswith("- k2:")]
+    # mean 1.5, sd 0.7071, half-width 12.706 * 0.7071 / sqrt(2) = 6.35
+    assert k2.startswith(
+        "- k2: KL +1.50 (+2.00 / +1.00); 95% t-interval [-4.85, +7.85]; sign test 2+ 0- (p = 0.5)"
+    )
+    assert "entropy +0.000 (+0.000 / +0.000)" in k2 and not [x for x in lines if "clip-higher" in x]

@@ -95,7 +95,11 @@ def test_the_refresh_table_pairs_each_refresh_run_with_the_plain_run_of_its_rewa
         _run(0, [0.0, 0.2, 0.3], [0.0, 1.0, 2.0], kl_coef=0.05),
     ]
     text = rep.markdown(rep.summaries(runs))
-    assert "| 256 | 0 | 0.50 → 1.50 | +1.00 | +1.00 → +1.50 | 4.0 → 2.0 |" in text
+    # one seed: its difference and sign, no interval (paired per seed: rlhfkit.reporting.paired)
+    assert (
+        "| 256 | 0 | 0.50 → 1.50 | +1.00 (+1.00); sign test 1+ 0- (p = 1) | +1.00 → +1.50 | 4.0 → 2.0 |"
+        in text
+    )
 
 
 def test_the_runs_and_reward_model_steps_of_each_quality_and_the_child_command():

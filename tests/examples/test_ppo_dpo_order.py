@@ -45,6 +45,33 @@ def test_the_table_over_seeds_by_hand():
     assert "| 5.00 / 6.00 |" in text and "| DPO → PPO |" in text
     assert "| PPO → DPO (ref SFT) | 0.600 / 0.700 | 0.700 / – |" in text  # DPO's accuracy per seed
     assert text.count("| 0.600 / 0.700 |") == 3  # the three DPO runs; SFT and the PPO runs have none
+    # paired against PPO: DPO 2.0 - 1.0 and 2.0 - 3.0; mean 0, sd sqrt(2), half-width 12.706 * sqrt(2) / sqrt(2)
+    assert "| DPO | +0.00 (+1.00 / -1.00); 95% t-interval [-12.71, +12.71]; sign test 1+ 1- (p = 1) |" in text
+    assert "| DPO → PPO | +3.50 (+4.00 / +3.00);" in text
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("size, lr", [("default", 3e-4), ("smoke", None)])
+def test_the_dpo_learning_rate_of_the_documented_table_is_pinned(tmp_path, monkeypatch, size, lr):
+    """The table was measured with DPO at lr 3e-4; the preset's rate moved to 2e-4, so the script pins 3e-4."""
+    import rlhfkit.quickstart.dpo_stage as dpo_stage
+
+    seen = {}
+
+    def fake(folder, preset, seed, start, pairs, length, **extra):
+        seen.update(preset=preset, extra=extra)
+        raise _Stop
+
+    monkeypatch.setattr(dpo_stage, "dpo_stage", fake)
+    args = sweep.parse_args(["--sweep", "kl_coef", "--out", str(tmp_path), "--size", size])
+    stage = {"root": tmp_path}
+    with pytest.raises(_Stop):
+        ex.dpo_run(tmp_path / "dpo", tmp_path / "sft", stage, None, 0, sweep.sizes_of(args), args)
+    assert seen["extra"].get("train.learning_rate") == lr
+    assert dpo_stage.DPO_PRESETS[seen["preset"]].lr != 3e-4 or size == "smoke"  # the preset alone would not
 
 
 @pytest.mark.slow

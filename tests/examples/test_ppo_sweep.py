@@ -139,3 +139,19 @@ def test_both_sweeps_end_to_end_at_the_smoke_size_sharing_one_folder(tmp_path, c
     for name, lam in (("kl0.05-gamma1-lam0.5", 0.5), ("kl0-gamma1", 0.95)):
         assert yaml.safe_load((out / "seed-0" / name / "config.yaml").read_text())["online"]["lam"] == lam
     assert (out / "lam.png").stat().st_size > 20_000
+
+
+def test_paired_comparison_against_the_base_setting_per_seed():
+    results = [
+        _result(0, 0.5, {0.0: [1.0, 2.0], 0.2: [0.8, 1.0]}),
+        _result(1, 0.7, {0.0: [3.0, 1.0], 0.2: [1.2, 1.0]}),
+    ]
+    text = rep.paired_markdown(rep.eval_rows(results, "kl_coef"), "kl_coef", base=0.2)
+    # gold at rollout 20, kl 0 - kl 0.2: seed 0 2.0 - 1.0, seed 1 1.0 - 1.0; mean 0.5, sd sqrt(0.5), half-width
+    # 12.706 * 0.7071 / sqrt(2) = 6.353; one tie. KL 1/0.5 - 1/0.7 = 0.571 in both seeds (sd 0: a point interval)
+    (line,) = [x for x in text.splitlines() if x.startswith("| 0 |")]
+    gold, proxy, kl, length = line.strip("| ").split(" | ")[1:]
+    assert gold == "+0.50 (+1.00 / +0.00); 95% t-interval [-5.85, +6.85]; sign test 1+ 0- 1= (p = 1)"
+    assert kl.startswith("+0.57 (+0.57 / +0.57); 95% t-interval [+0.57, +0.57]; sign test 2+ 0-")
+    assert length.startswith("+0.0 (+0.0 / +0.0)")
+    assert "| 0.2 |" not in text  # the base itself is not compared

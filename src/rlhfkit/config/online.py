@@ -102,6 +102,11 @@ class OnlineConfig:
         "num_iterations=1). Only where nothing reads the old log-probs before the update: the KL in the loss "
         "or kl_coef 0 (no adaptive target), the hf generation backend, after the critic warm-up.",
     )
+    epoch_stats: bool = option(
+        False,
+        "Also log clipfrac and approx_kl of each PPO epoch on its own (clipfrac/epoch1, approx_kl/epoch1, ...): "
+        "how far each epoch has moved from pi_old (examples/experiments/ppo_epochs.py).",
+    )
     clip_eps: float = option(0.2, "PPO policy ratio clip (Schulman et al. 2017, eq. 7).", gt=0)
     clip_eps_high: float | None = option(
         None,

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from rlhfkit.errors import ConfigError, UserError
-from rlhfkit.models import sequence_scores, unwrap_model
+from rlhfkit.models import response_values, sequence_scores, unwrap_model
 
 RewardFunction = Callable[..., Sequence[float | None]]
 
@@ -64,6 +64,24 @@ def reward_normalization(model: torch.nn.Module) -> tuple[float, float]:
     """(gain, bias) stored in a reward model's config; (1.0, 0.0) when it has none."""
     config = unwrap_model(model).config
     return float(getattr(config, GAIN_KEY, 1.0)), float(getattr(config, BIAS_KEY, 0.0))
+
+
+def critic_values(
+    critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int
+) -> torch.Tensor:
+    """V(x, y_<t) for every response position as PPO reads it: the value head's output under the normalisation
+    stored in the critic's config, ``gain * head + bias``, the scale the rewards are on (a critic made from a
+    reward model then starts at the normalised scores; Huang et al. 2024 initialise the critic from the reward
+    model). The one value read of the trainer (stages 1 and 5) and of ``examples/experiments/gae_lambda.py``.
+
+    Args:
+        input_ids, attention_mask: (B, L) = prompts (left padded) then responses (right padded).
+        response_start: p0, the column of the first response token (>= 1).
+    Returns:
+        (B, R) float32; ``[:, t]`` is V(x, y_<t).
+    """
+    gain, bias = reward_normalization(critic)
+    return response_values(critic, input_ids, attention_mask, response_start).float() * gain + bias  # (B, R)
 
 
 class RewardFunctionError(UserError):

@@ -1,6 +1,7 @@
 """The update's loss terms as configured: the KL loss estimator of ``online.kl_in_loss``, clip-higher and
 dual-clip in the policy loss (with clipfrac split into its parts), each key checked to reach the loss (the
-tests fail when a key is ignored); and dynamic sampling (``online.dynamic_sampling``): the replacement of
+tests fail when a key is ignored); the per-epoch clipfrac and approx_kl of ``online.epoch_stats``; and dynamic
+sampling (``online.dynamic_sampling``): the replacement of
 groups without a score spread, by hand and in a run."""
 
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ from rlhfkit.trainers.online import OnlineHooks, train
 from rlhfkit.trainers.online.collect import Scores
 from rlhfkit.trainers.online.context import StatSums
 from rlhfkit.trainers.online.dynamic import concat_rollouts, fill_informative_groups
-from rlhfkit.trainers.online.ppo_update import micro_batch_loss
+from rlhfkit.trainers.online.ppo_update import micro_batch_loss, ppo_update
 from rlhfkit.types import Rollout
 from tests.trainers.online.online_fixtures import make_context, online_config, write_online_problem
 from tests.trainers.online.test_online import rollout_for_update
@@ -110,6 +111,29 @@ def test_clip_higher_and_dual_clip_reach_the_policy_loss(paths, tmp_path, keys):
     assert means["clipfrac"] == pytest.approx(
         sum(means[p] for p in ("clipfrac/low", "clipfrac/high", "clipfrac/dual"))
     )
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_epoch_stats_logs_each_epochs_clipfrac_and_approx_kl(paths, tmp_path, on):
+    """Two epochs of one minibatch on a rollout moved off the policy by a known delta: epoch 1 runs before any
+    optimizer step, so its clipfrac and approx_kl are ``ppo_policy_loss``'s on (current, old); the token-weighted
+    mean of the epochs is the logged total; without the key no per-epoch figure is logged."""
+    extra = ("online.clip_eps=0.05", "online.ppo_epochs=2", "online.num_minibatches=1")
+    extra += (f"online.epoch_stats={str(on).lower()}",)
+    ctx = make_context(online_config(paths, tmp_path / "e", *extra, kind="grpo"))
+    rollout, new, _ = _off_policy_rollout(ctx, seed=3)
+    g = torch.Generator().manual_seed(4)
+    rollout.advantages = torch.where(rollout.mask, torch.randn(new.shape, generator=g), 0.0)
+    _, pg = ppo_policy_loss(new, rollout.logprobs, rollout.advantages, 0.05, mask=rollout.mask)
+    means = ppo_update(ctx, rollout, step=1).stats.means(ctx)
+    if not on:
+        assert not [k for k in means if "/epoch" in k]
+        return
+    for key in ("clipfrac", "approx_kl"):
+        assert means[f"{key}/epoch1"] == pytest.approx(float(pg[key]), abs=1e-6)
+        # every epoch sees the same tokens: the total is the plain mean of the two
+        assert means[key] == pytest.approx((means[f"{key}/epoch1"] + means[f"{key}/epoch2"]) / 2, abs=1e-9)
+    assert means["approx_kl/epoch2"] != pytest.approx(means["approx_kl/epoch1"], abs=1e-6)  # the update moved
 
 
 @pytest.mark.parametrize(

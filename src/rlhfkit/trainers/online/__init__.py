@@ -50,7 +50,8 @@ processes once per rollout. Only the sampling noise depends on N (each process s
 (seed, rollout, process)).
 
 Files: ``metrics.jsonl`` (one line per rollout: ``score/mean``, ``kl/mean``, ``kl/per_token``, ``kl_coef``,
-``loss/policy``, ``loss/value``, ``entropy/mean``, ``clipfrac``, ``approx_kl``, ``ratio/mean``,
+``loss/policy``, ``loss/value``, ``entropy/mean``, ``clipfrac``, ``approx_kl`` (and ``clipfrac/epochK``,
+``approx_kl/epochK`` per PPO epoch with ``online.epoch_stats``), ``ratio/mean``,
 ``value/explained_variance``, ``grad_norm/<role>``, ``learning_rate/<role>``,
 ``response_length/mean``, ``advantages/mean``, ``time/*``, ``tokens_per_second``, ...),
 ``samples.jsonl`` (``logging.samples_per_step`` responses of each rollout with their scores:

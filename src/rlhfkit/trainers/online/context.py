@@ -1,6 +1,7 @@
 """What the stages of the online loop share: the :class:`OnlineContext` (built by :func:`build_context`), weighted statistics summed over
 processes (:class:`StatSums`), the per-stage wall clock, stateless seeds, and the model input of a prompt +
-response batch (:func:`model_inputs`, :func:`critic_values`).
+response batch (:func:`model_inputs`; the critic's values through
+:func:`rlhfkit.rollout.scoring.critic_values`, which the GAE-lambda experiment reads too).
 
 Every forward pass of the stages drops the columns that no row of its (micro-)batch uses (prompt padding on
 the left, response padding on the right: :func:`model_inputs`); position ids come from the attention mask, so
@@ -26,8 +27,9 @@ from rlhfkit.engine.accel import all_sum
 from rlhfkit.engine.guards import FiniteGuard
 from rlhfkit.engine.sharded import sharding_mode
 from rlhfkit.errors import ConfigError
-from rlhfkit.models import Sampling, response_values, sampling_for
-from rlhfkit.rollout.scoring import Scorer, reward_normalization
+from rlhfkit.models import Sampling, sampling_for
+from rlhfkit.rollout.scoring import Scorer
+from rlhfkit.rollout.scoring import critic_values as critic_values  # re-exported: the stages' value read
 from rlhfkit.trainers.common import router_aux_coef
 from rlhfkit.trainers.online.roles import (
     Roles,
@@ -215,16 +217,6 @@ class StatSums:
         names = sorted(self.sums)  # one order on every process (they may have met the names in another)
         packed = ctx.all_sum(torch.stack([self.sums[n] for n in names])).cpu()  # (K, 2)
         return {n: float(s / w) if w > 0 else 0.0 for n, (s, w) in zip(names, packed.tolist(), strict=True)}
-
-
-def critic_values(
-    critic: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_start: int
-) -> torch.Tensor:
-    """V(x, y_<t) for every response position, (b, R) float32: the head's output under the normalisation
-    stored in the critic's config, as the reward model's scores are read (a critic made from a reward model
-    then starts at the normalised scores; Huang et al. 2024 initialise the critic from the reward model)."""
-    gain, bias = reward_normalization(critic)
-    return response_values(critic, input_ids, attention_mask, response_start).float() * gain + bias
 
 
 def model_inputs(

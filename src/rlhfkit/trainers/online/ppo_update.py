@@ -78,6 +78,7 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
     # one epoch of one minibatch: the old log-probs are this forward's own, written back into the rollout
     fused = train_actor and old_logprobs_from_update(ctx, step)
     for epoch in range(online.ppo_epochs):
+        epoch_stats = StatSums(ctx.device)  # the micro-batches' token-weighted figures of this epoch
         # the layout of stage 1's forwards in epoch 0 (rlhfkit.trainers.online.layout): length-sorted micro-batches
         for k, micros in enumerate(micro_batches(ctx, step, epoch, lengths)):
             minibatch = rollout.select(
@@ -103,14 +104,14 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
                             key: value * 0.0 for key, value in parts.items()
                         }  # nothing of the loss either
                         for key in ignored.sums:  # the same statistics on every process, weighing nothing
-                            result.stats.add_sum(key, 0.0, 0.0)
+                            epoch_stats.add_sum(key, 0.0, 0.0)
                     else:
                         read: dict[str, torch.Tensor] | None = {} if fused else None
                         loss, parts, diff = micro_batch_loss(
                             ctx,
                             rollout.select(rows),
                             normalizer,
-                            result.stats,
+                            epoch_stats,
                             train_actor,
                             tokens,
                             read=read,
@@ -129,6 +130,11 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
                 diffs.append(first_diff)
             for name in names:
                 _optimizer_step(ctx, name, result.stats)
+        if online.epoch_stats:  # the drift from pi_old epoch by epoch (the sums over epochs are kept as well)
+            for key in ("clipfrac", "approx_kl"):
+                if key in epoch_stats.sums:
+                    result.stats.sums[f"{key}/epoch{epoch + 1}"] = epoch_stats.sums[key]
+        result.stats.merge(epoch_stats)
     if diffs:
         result.first_minibatch_logprob_diff = _all_max(ctx, torch.stack(diffs)).tolist()
     return result

@@ -1,0 +1,151 @@
+"""Paired comparisons over seeds: per-seed differences, a t-interval on them and a sign test.
+
+In the experiments of ``docs/experiments.md`` every seed's runs share that seed's SFT policy, reward model and
+prompts, so two settings are compared seed by seed: d_i = b_i - a_i. Beside the mean difference this gives
+
+- the two-sided t-interval on the differences, mean(d) ± t_{(1+level)/2, n-1} sd(d) / sqrt(n) (Student 1908;
+  the paired t-test of any statistics text, e.g. Wasserman, "All of Statistics", 2004, sec. 10.4); it assumes
+  the differences are roughly normal, which 3-5 seeds cannot check;
+- the exact two-sided sign test on the signs of the differences (ties dropped; Wasserman sec. 10.2 on exact
+  binomial tests): no assumption on their shape, but with 3 seeds its p cannot go below 0.25, with 5 not
+  below 0.0625.
+
+:func:`verdict` reads a claimed direction against the interval: ``holds`` when the whole interval lies on the
+claimed side of 0, ``fails`` when it lies on the other side, ``open here`` otherwise. Plain Python (``math``
+only), so that the experiment scripts and the tests need nothing beyond the library.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def t_cdf_two_sided(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with ``df`` (>= 1, an integer) degrees of freedom, t >= 0.
+
+    The finite series of Abramowitz & Stegun (1964), 26.7.3 (odd df) and 26.7.4 (even df), with
+    theta = atan(t / sqrt(df)).
+    """
+    if df < 1 or int(df) != df:
+        raise ValueError(f"df must be a positive integer, got {df}")
+    if t < 0:
+        raise ValueError(f"t must be >= 0, got {t}")
+    theta = math.atan(t / math.sqrt(df))
+    s, c2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2 == 0:  # sin(theta) * (1 + 1/2 c^2 + 1*3/(2*4) c^4 + ... up to c^(df-2))
+        term, total = 1.0, 1.0
+        for k in range(1, df // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            total += term
+        return s * total
+    if df == 1:
+        return 2.0 * theta / math.pi
+    # (2/pi) (theta + sin cos (1 + 2/3 c^2 + 2*4/(3*5) c^4 + ... up to c^(df-3)))
+    term, total = 1.0, 1.0
+    for k in range(1, (df - 1) // 2):
+        term *= c2 * (2 * k) / (2 * k + 1)
+        total += term
+    return 2.0 / math.pi * (theta + s * math.sqrt(c2) * total)
+
+
+def t_quantile(level: float, df: int) -> float:
+    """The t with P(|T| <= t) = ``level`` (0 < level < 1): the half-width factor of a two-sided interval.
+    Bisection on :func:`t_cdf_two_sided` (monotone in t), to 1e-12."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    low, high = 0.0, 1.0
+    while t_cdf_two_sided(high, df) < level:
+        high *= 2.0
+    while high - low > 1e-12 * max(1.0, high):
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if t_cdf_two_sided(mid, df) < level else (low, mid)
+    return 0.5 * (low + high)
+
+
+def sign_test_p(positive: int, negative: int) -> float:
+    """Exact two-sided sign test: P(a split at least this uneven) under Binomial(n, 1/2), n = positive +
+    negative (ties already dropped); 1.0 when n = 0."""
+    n = positive + negative
+    if n == 0:
+        return 1.0
+    k = min(positive, negative)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    return min(1.0, 2.0 * tail)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """The paired comparison of b against a over seeds (differences b - a, in the order given)."""
+
+    differences: tuple[float, ...]
+    mean: float
+    sd: float | None  # sample sd of the differences (n - 1); None for one seed
+    low: float | None  # the t-interval; None for one seed
+    high: float | None
+    level: float
+    positive: int
+    negative: int
+    ties: int
+    sign_p: float
+
+
+def paired(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Paired:
+    """Per-seed differences b_i - a_i, their mean, sd, two-sided t-interval at ``level`` and sign test.
+
+    Args:
+        a, b: one value per seed, the same seeds in the same order (len >= 1).
+    Raises:
+        ValueError: different lengths, no seeds, or a value that is not finite.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired needs one value of each per seed: got {len(a)} and {len(b)}")
+    d = tuple(float(y) - float(x) for x, y in zip(a, b, strict=True))
+    if not all(math.isfinite(x) for x in d):
+        raise ValueError(f"paired: a difference is not finite: {d}")
+    n = len(d)
+    mean = sum(d) / n
+    sd = low = high = None
+    if n > 1:
+        sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+        half = t_quantile(level, n - 1) * sd / math.sqrt(n)
+        low, high = mean - half, mean + half
+    positive, negative = sum(x > 0 for x in d), sum(x < 0 for x in d)
+    return Paired(
+        d,
+        mean,
+        sd,
+        low,
+        high,
+        level,
+        positive,
+        negative,
+        n - positive - negative,
+        sign_test_p(positive, negative),
+    )
+
+
+def verdict(p: Paired, claimed: int) -> str:
+    """``holds`` / ``fails`` / ``open here`` for the claim that b - a has the sign of ``claimed`` (+1 or -1),
+    read from the t-interval (one seed: always ``open here``)."""
+    if claimed not in (1, -1):
+        raise ValueError(f"claimed must be +1 or -1, got {claimed}")
+    if p.low is None or p.high is None:
+        return "open here"
+    if (p.low > 0 and claimed > 0) or (p.high < 0 and claimed < 0):
+        return "holds"
+    if (p.low > 0 and claimed < 0) or (p.high < 0 and claimed > 0):
+        return "fails"
+    return "open here"
+
+
+def describe(p: Paired, digits: int = 2) -> str:
+    """One line: ``-0.29 (-0.25 / -0.21 / -0.40); 95% t-interval [-0.54, -0.04]; sign test 0+ 3- (p = 0.25)``."""
+    f = f"{{:+.{digits}f}}"
+    per_seed = " / ".join(f.format(x) for x in p.differences)
+    line = f"{f.format(p.mean)} ({per_seed})"
+    if p.low is not None and p.high is not None:
+        line += f"; {100 * p.level:g}% t-interval [{f.format(p.low)}, {f.format(p.high)}]"
+    ties = f" {p.ties}=" if p.ties else ""
+    return line + f"; sign test {p.positive}+ {p.negative}-{ties} (p = {p.sign_p:.3g})"

@@ -1,0 +1,107 @@
+"""The four claim experiments (examples/experiments/ppo_epochs.py, critic_init.py, length_bias.py,
+overfit_reward.py) end to end on a random tiny stage (tests/examples/claim_stage.py): each arm's settings reach
+PPO's configuration, the figures each table is built from are logged, and the tables and figure are written.
+The figures themselves come from the full runs (docs/experiments.md)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.examples.claim_stage import tiny_args, tiny_sizes, tiny_stage
+from tests.examples.loader import load_example
+
+arms = load_example("experiments/ppo_arms")
+temperature = load_example("experiments/temperature")
+
+
+@pytest.fixture(scope="module")
+def stage(tmp_path_factory):
+    root = tmp_path_factory.mktemp("claims") / "seed-0"
+    return tiny_stage(root, arms.train_reward_variant, temperature.SIZES["smoke"])
+
+
+def _config(folder):
+    return yaml.safe_load((folder / "config.yaml").read_text())
+
+
+@pytest.mark.slow
+def test_ppo_epochs_logs_each_epochs_drift_and_reports_it(stage, tmp_path):
+    ex = load_example("experiments/ppo_epochs")
+    s = tiny_sizes(temperature.SIZES["smoke"])
+    args = tiny_args(tmp_path, epochs=[1, 2])
+    result = ex.run_stage(tmp_path / "seed-0", stage, 0, s, args)
+    assert set(result["arms"]) == {"epochs1", "epochs2"}
+    for n in (1, 2):
+        cfg = _config(tmp_path / "seed-0" / f"epochs{n}")
+        assert cfg["online"]["ppo_epochs"] == n and cfg["online"]["epoch_stats"] is True
+        train = result["arms"][f"epochs{n}"]["train"]
+        assert [t["rollout"] for t in train] == [1, 2]
+        assert all(f"approx_kl/epoch{n}" in t and f"approx_kl/epoch{n + 1}" not in t for t in train)
+        assert [e["rollout"] for e in result["arms"][f"epochs{n}"]["eval"]] == [1, 2]
+    drift = ex.epoch_drift([result], ex.arms_of((1, 2)))
+    assert [(d["arm"], d["epoch"]) for d in drift] == [("epochs1", 1), ("epochs2", 1), ("epochs2", 2)]
+    text = ex.report(tmp_path, [result, {**result, "seed": 1}], (1, 2))
+    assert "| 2 epochs | 2 |" in text and "Paired per seed against 1 epoch" in text
+    assert "| 2 epochs | " in text.split("Last epoch against the first")[1]  # the drift, paired per seed
+    assert {p.name for p in tmp_path.iterdir()} >= {"ppo_epochs.md", "ppo_epochs.png", "ppo_epochs_rows.csv"}
+
+
+@pytest.mark.slow
+def test_critic_init_arms_reach_the_critic_and_report_explained_variance(stage, tmp_path):
+    ex = load_example("experiments/critic_init")
+    s = tiny_sizes(temperature.SIZES["smoke"])
+    args = tiny_args(tmp_path, warmup=1, arms=["critic-rm", "critic-policy-warmup"])
+    result = ex.run_stage(tmp_path / "seed-0", stage, 0, s, args)
+    rm = _config(tmp_path / "seed-0" / "kl0.05-gamma1")["online"]  # ppo_sweep's run, shared
+    policy = _config(tmp_path / "seed-0" / "critic-policy-warmup")["online"]
+    assert rm["critic_model"] is None and rm["critic_warmup_steps"] == 0
+    assert policy["critic_model"] == str(stage["sft"]) and policy["critic_warmup_steps"] == 1
+    for name in ("critic-rm", "critic-policy-warmup"):
+        assert all("value/explained_variance" in t for t in result["arms"][name]["train"])
+    text = ex.report(tmp_path, [result, {**result, "seed": 1}], 1, ("critic-rm", "critic-policy-warmup"))
+    assert (
+        "Paired per seed against critic from the RM" in text
+        and "| critic from the policy, warm-up 1 |" in text
+    )
+    assert (tmp_path / "critic_init.png").is_file()
+
+
+@pytest.mark.slow
+def test_length_bias_trains_the_penalised_rm_and_runs_the_refresh(stage, tmp_path):
+    ex = load_example("experiments/length_bias")
+    s = tiny_sizes(temperature.SIZES["smoke"])
+    small = {"pairs": 4, "steps": 1, "batch_size": 4, "normalize_max_pairs": 8}  # the refresh at a smoke size
+    args = tiny_args(tmp_path, length_bias_coef=0.5, refresh_every=1, arms=["rm-kl0", "rm-kl0-refresh"])
+    args.refresh_settings = small
+    result = ex.run_stage(tmp_path / "seed-0", stage, 0, s, args)
+    assert _config(tmp_path / "seed-0" / "reward-length-bias")["reward"]["length_bias_coef"] == 0.5
+    refresh = _config(tmp_path / "seed-0" / "rm-kl0-refresh")
+    assert refresh["refresh"]["every"] == 1 and refresh["online"]["kl_coef"] == 0.0
+    assert _config(tmp_path / "seed-0" / "kl0-gamma1")["refresh"]["every"] == 0  # ppo_sweep's run, shared
+    metrics = (tmp_path / "seed-0" / "rm-kl0-refresh" / "metrics.jsonl").read_text()
+    assert "refresh/" in metrics  # the refresh ran
+    penalised = result["preference"]["length_bias"]
+    assert penalised["length_correlation"] is not None and -1 <= penalised["length_correlation"] <= 1
+    text = ex.report(tmp_path, [result, {**result, "seed": 1}], 1, ("rm-kl0", "rm-kl0-refresh"))
+    assert "Length-penalised − plain score–length correlation" in text and "length down:" in text
+    assert (tmp_path / "length_bias.png").is_file()
+
+
+@pytest.mark.slow
+def test_overfit_reward_trains_on_the_subset_and_measures_its_fit(stage, tmp_path):
+    ex = load_example("experiments/overfit_reward")
+    s = tiny_sizes(temperature.SIZES["smoke"])
+    args = tiny_args(tmp_path, overfit_pairs=4, overfit_steps=3, arms=["rm-kl0", "overfit-kl0"])
+    result = ex.run_stage(tmp_path / "seed-0", stage, 0, s, args)
+    cfg = _config(tmp_path / "seed-0" / "reward-overfit")
+    assert cfg["train"]["max_steps"] == 3 and cfg["train"]["weight_decay"] == 0.0
+    assert cfg["data"]["train_file"].endswith("pairs_first4.jsonl")
+    fit = result["fit"]
+    assert fit["overfit"]["train_pairs"] == 4 and 0.0 <= fit["overfit"]["train_accuracy"] <= 1.0
+    assert fit["reward"]["train_pairs"] == 8 and fit["reward"]["heldout_accuracy"] is not None
+    online = _config(tmp_path / "seed-0" / "overfit-kl0")["online"]
+    assert online["reward_model"] == str(tmp_path / "seed-0" / "reward-overfit" / "final")
+    text = ex.report(tmp_path, [result, {**result, "seed": 1}], ("rm-kl0", "overfit-kl0"))
+    assert "| over-fitted | 4 |" in text and "gold down:" in text
+    assert (tmp_path / "overfit_reward.png").is_file()
