@@ -128,6 +128,7 @@ def worker_rlhfkit(a, out: Path, timer) -> None:
         "train.max_steps": a.rollouts,
         "train.batch_size": a.prompts if a.algo == "grpo" else responses,
         "train.learning_rate": LEARNING_RATE,
+        "train.micro_batch_size": min(a.micro_batch, responses),
         "train.save_steps": 10**6,
         "train.eval_steps": 10**6,
         "online.reward_functions": [f"{Path(__file__).resolve()}:length_reward"],
@@ -171,8 +172,9 @@ def worker_trl(a, out: Path, timer) -> None:
         seed=0,
         disable_tqdm=True,
         gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",
-        per_device_train_batch_size=responses,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=min(a.micro_batch, responses),
+        gradient_accumulation_steps=max(responses // a.micro_batch, 1),
+        generation_batch_size=responses,
         num_generations=a.group,
         max_completion_length=a.response_length,
         max_steps=a.rollouts,
@@ -268,7 +270,7 @@ def measure(a, system: str, algo: str, **sizes) -> dict:
     python = a.python_trl if system == "trl" else sys.executable
     args = [python, str(Path(__file__).resolve()), "worker", "--system", system, "--algo", algo]
     args += ["--work", str(a.work), "--model", str(a.model), "--threads", str(a.threads)]
-    args += ["--precision", a.precision, "--rollouts", str(a.rollouts)]
+    args += ["--precision", a.precision, "--rollouts", str(a.rollouts), "--micro-batch", str(a.micro_batch)]
     for k, v in sizes.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "RLHFKIT_NUM_THREADS": str(a.threads)}
@@ -292,7 +294,8 @@ def compare(a, names: list[str], prompts: int, group: int, response_length: int)
     sizes = dict(prompts=prompts, group=group, response_length=response_length)
     print(
         f"{', '.join(map(label, names))}: {prompts} prompts x {group} responses x {response_length} tokens, "
-        f"{a.threads} threads, {a.precision}, {a.repeats} rounds",
+        f"micro-batches of {min(a.micro_batch, prompts * group)}, {a.threads} threads, {a.precision}, "
+        f"{a.repeats} rounds",
         flush=True,
     )
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -311,6 +314,7 @@ def compare(a, names: list[str], prompts: int, group: int, response_length: int)
     result = dict(
         sizes, threads=a.threads, precision=a.precision, rounds=a.repeats, responses=prompts * group
     )
+    result["micro_batch"] = min(a.micro_batch, prompts * group)
     for name, rs in runs.items():
         m = common.median_run(rs)
         m["tokens_per_second"] = tokens / m["seconds"]
@@ -325,7 +329,8 @@ def report(r: dict) -> str:
     names = [n for n in ("rlhfkit", "rlhfkit-ppo", "trl") if n in r]
     lines = [
         f"### {r['prompts']} prompts x {r['group']} responses x {r['response_length']} tokens "
-        f"({r['threads']} threads, {r['precision']}, median of {r['rounds']} alternating rounds)",
+        f"(micro-batches of {r['micro_batch']}, {r['threads']} threads, {r['precision']}, median of "
+        f"{r['rounds']} alternating rounds)",
         "",
         "| system | s / rollout | response tokens/s | peak RSS | runs (s) |",
         "|---|---:|---:|---:|---|",
@@ -348,7 +353,7 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-SCALING = [(8, 4, 48), (8, 4, 128), (8, 4, 256), (8, 4, 512), (16, 4, 48), (32, 4, 48), (64, 4, 48)]
+SCALING = [(8, 4, 48), (8, 4, 192), (8, 4, 512), (32, 4, 48)]
 
 
 def plot_scaling(results: list[dict], path: Path) -> None:
@@ -403,6 +408,13 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--response-length", type=int, default=48)
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=8,
+        help="responses per forward/backward pass in both systems (rlhfkit train.micro_batch_size, TRL "
+        "per_device_train_batch_size with gradient accumulation to one optimizer step per rollout)",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "figures" / "grpo_vs_trl_scaling.png")
     p.add_argument("--system", choices=["rlhfkit", "trl"])  # worker only
