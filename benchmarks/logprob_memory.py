@@ -89,6 +89,7 @@ def main() -> None:
         metavar="V:LENGTH:MODE",
         help="only these cases, e.g. 49152:512:grad (default: every vocabulary x length x mode)",
     )
+    parser.add_argument("--plot", help="also draw peak live memory against the vocabulary into this PNG")
     args = parser.parse_args()
     if args.one:
         vocab, length, mode, path = args.one
@@ -102,6 +103,7 @@ def main() -> None:
     cases = [(v, n, m) for n in LENGTHS for v in VOCABS for m in ("no-grad", "grad")]
     if args.cases:
         cases = [(int(v), int(n), m) for v, n, m in (c.split(":") for c in args.cases)]
+    rows = []
     for vocab, length, mode in cases:
         cells = {}
         for allocator in ("live", "default"):
@@ -126,6 +128,41 @@ def main() -> None:
             + f" | {full:.0f} | {secs[0]:.2f} / {secs[1]:.2f} |",
             flush=True,
         )
+        rows.append({"vocab": vocab, "length": length, "mode": mode, "mib": mib, "full": full})
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Peak live memory of the read-out against the vocabulary, plain and chunked, one line per (length, mode)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (length, mode), color in zip(
+        sorted({(r["length"], r["mode"]) for r in rows}), ("C0", "C1", "C2", "C3"), strict=False
+    ):
+        mine = sorted(
+            (r for r in rows if (r["length"], r["mode"]) == (length, mode)), key=lambda r: r["vocab"]
+        )
+        vocabs = [r["vocab"] for r in mine]
+        ax.plot(
+            vocabs, [r["mib"][0] for r in mine], "s--", color=color, label=f"plain, {length} tokens, {mode}"
+        )
+        ax.plot(
+            vocabs, [r["mib"][1] for r in mine], "o-", color=color, label=f"chunked, {length} tokens, {mode}"
+        )
+    ax.set_xscale("log")
+    ax.set_xticks(vocabs, [f"{v:,}" for v in vocabs])
+    ax.set_xlabel("vocabulary size V (tokens)")
+    ax.set_ylabel("peak live memory of the read-out (MiB)")
+    ax.set_title(f"Token log-probs + entropy: (B, R, V) logits against chunks (B = {ROWS} responses)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

