@@ -31,10 +31,11 @@ from tests.trainers.online.online_fixtures import (
 
 
 def rollout_for_update(ctx, step=1):
-    """Stages 1-4 of rollout ``step``, as the loop runs them."""
+    """Stages 1-4 of rollout ``step``, as the loop runs them, with the actor's old log-probs read in stage 1
+    (also where the update's own forward would give them: the tests read them before any update)."""
     examples = prepare_examples(ctx.cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
     batch = prompt_batch(ctx, examples, step)
-    rollout = sample_rollout(ctx, batch, step=step)
+    rollout = sample_rollout(ctx, batch, step=step, actor_forward=True)
     rollout.scores, *_ = score_rollout(ctx, rollout, batch["records"])
     rollout.rewards, rollout.kl = shape_rewards(
         rollout.scores,
