@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -83,24 +82,6 @@ def prepare(work: Path, model: Path | None) -> dict:
 # workers: one measurement, one process; print one JSON line
 
 
-def _timed_readout(timer, fn):
-    """Time a log-prob read-out that runs outside the model's forward as part of the forward's phase."""
-    import torch
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        if timer.in_generate or timer.depth:
-            return fn(*args, **kwargs)
-        timer.depth += 1
-        try:
-            with timer.timed("training forward" if torch.is_grad_enabled() else "no-grad forwards"):
-                return fn(*args, **kwargs)
-        finally:
-            timer.depth -= 1
-
-    return wrapped
-
-
 def worker_rlhfkit(a, out: Path, timer) -> None:
     from rlhfkit.models import head_chunks
     from rlhfkit.trainers.online import loop
@@ -114,7 +95,7 @@ def worker_rlhfkit(a, out: Path, timer) -> None:
         return dataclasses.replace(ctx, stop_token_ids=[pad], sampling=sampling)
 
     loop.build_context = forced_length
-    head_chunks.chunked_readout = _timed_readout(timer, readout)
+    head_chunks.chunked_readout = timer.wrap_forward(readout)  # its read-out: the forward's phase
     responses = a.prompts * a.group
     overrides = {
         "output_dir": out / "run",
@@ -202,7 +183,7 @@ def worker_trl(a, out: Path, timer) -> None:
         ),
     )
     method = GRPOTrainer._get_per_token_logps_and_entropies
-    GRPOTrainer._get_per_token_logps_and_entropies = _timed_readout(timer, method)
+    GRPOTrainer._get_per_token_logps_and_entropies = timer.wrap_forward(method)
     try:
         trainer.train()
     finally:
@@ -251,19 +232,6 @@ def run_worker(a) -> None:
 
 # --------------------------------------------------------------------------------------------------------
 # the comparison
-
-
-def setup(venv: Path) -> Path:
-    """The TRL 1.16 virtual environment (idempotent); its python."""
-    python = venv / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    found = subprocess.run(
-        [str(python), "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
-    )
-    if found.stdout.strip() != TRL_VERSION:
-        subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"], check=True)
-    return python
 
 
 def measure(a, system: str, algo: str, **sizes) -> dict:
@@ -424,14 +392,14 @@ def main() -> None:
         run_worker(a)
         return
     if a.command == "setup":
-        print(setup(a.venv))
+        print(common.setup(a.venv, TRL_VERSION))
         return
     if a.command == "plot":
         plot_scaling(json.loads(a.json.read_text()), a.plot)
         print(f"wrote {a.plot}")
         return
     a.model = Path(prepare(a.work, a.model)["model"])
-    a.python_trl = str(setup(a.venv))
+    a.python_trl = str(common.setup(a.venv, TRL_VERSION))
     if a.command == "scaling":
         results = []
         for prompts, group, length in SCALING:

@@ -59,16 +59,16 @@ PHASES = ("generation", "no-grad forwards", "training forward", "backward", "opt
 # set-up and shared inputs
 
 
-def setup(venv: Path) -> Path:
-    """Create the TRL virtual environment (idempotent); return its python."""
+def setup(venv: Path, version: str = TRL_VERSION) -> Path:
+    """Create the virtual environment of TRL ``version`` (idempotent); return its python."""
     python = venv / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     found = subprocess.run(
         [str(python), "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
     )
-    if found.stdout.strip() != TRL_VERSION:
-        subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"], check=True)
+    if found.stdout.strip() != version:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={version}"], check=True)
     return python
 
 
@@ -190,7 +190,7 @@ class PhaseTimer:
         GenerationMixin.generate = timed_generate
         for cls in (llama.LlamaModel, llama.LlamaForCausalLM, llama.LlamaForSequenceClassification):
             own = cls.__dict__.get("forward")  # None: inherited (a generic sequence classifier)
-            cls.forward = self._wrap_forward(cls.forward)
+            cls.forward = self.wrap_forward(cls.forward)
             self.undo.append(
                 lambda cls=cls, own=own: setattr(cls, "forward", own) if own else delattr(cls, "forward")
             )
@@ -222,7 +222,9 @@ class PhaseTimer:
             undo()
         self.undo = []
 
-    def _wrap_forward(self, forward):
+    def wrap_forward(self, forward):
+        """``forward`` (a model's forward, or a read-out that runs outside it) timed as a no-grad or a training
+        forward by the grad mode; not inside ``generate`` or inside another timed forward."""
         import torch
 
         timer = self
