@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.algos import shape_rewards
 from rlhfkit.data import PromptCollator
 from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
 from rlhfkit.trainers.common import micro_batches
 from rlhfkit.trainers.online.collect import Scores, sample_rollout, score_rollout
 from rlhfkit.trainers.online.context import OnlineContext, StatSums, derived_seed
 from rlhfkit.trainers.online.hooks import OnlineHooks
+from rlhfkit.trainers.online.shaping import measured_kl
 from rlhfkit.types import Rollout
 
 
@@ -100,14 +100,7 @@ def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, floa
         }
         rollout = sample_rollout(ctx, batch)
         _, raw_scores, _, scored, _ = score_rollout(ctx, rollout, batch["records"])
-        _, kl = shape_rewards(
-            torch.zeros_like(raw_scores),
-            rollout.logprobs,
-            rollout.ref_logprobs,
-            rollout.mask,
-            0.0,
-            online.kl_estimator,
-        )
+        kl = measured_kl(ctx, rollout)
         s.add_sum("eval/score/mean", raw_scores[scored].sum(), scored.sum())
         s.add_sum("eval/kl/mean", kl.sum(), len(chunk))
         s.add_sum("eval/response_length/mean", rollout.response_mask.sum(), len(chunk))

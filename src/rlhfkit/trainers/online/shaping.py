@@ -58,8 +58,9 @@ def shape_rollout(ctx: OnlineContext, rollout: Rollout, kl_coef: float) -> StatS
 def measured_kl(ctx: OnlineContext, rollout: Rollout) -> torch.Tensor:
     """(B, T) the per-token KL estimate ``online.kl_estimator`` of the rollout's log-probs to the reference's,
     0 at masked positions: what :func:`shape_rollout` puts in ``rollout.kl``, for when the old log-probs come
-    from the update's own forward (:func:`rlhfkit.trainers.online.layout.old_logprobs_from_update`)."""
-    zeros = torch.zeros_like(rollout.scores)
+    from the update's own forward (:func:`rlhfkit.trainers.online.layout.old_logprobs_from_update`), and for
+    held-out evaluation (no score needed)."""
+    zeros = torch.zeros(rollout.mask.shape[0], device=rollout.mask.device)
     return shape_rewards(
         zeros, rollout.logprobs, rollout.ref_logprobs, rollout.mask, 0.0, ctx.cfg.online.kl_estimator
     )[1]
