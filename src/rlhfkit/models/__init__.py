@@ -14,7 +14,13 @@
 transformers is imported lazily inside the loaders, so importing this package stays cheap.
 """
 
-from rlhfkit.models.head_chunks import Readout, chunked_readout, response_logprobs, response_readout
+from rlhfkit.models.head_chunks import (
+    Readout,
+    can_share_prompts,
+    chunked_readout,
+    response_logprobs,
+    response_readout,
+)
 from rlhfkit.models.loading import (
     PAD_TOKEN,
     disable_dropout,
@@ -51,6 +57,7 @@ __all__ = [
     "Readout",
     "chunked_readout",
     "response_readout",
+    "can_share_prompts",
     "PAD_TOKEN",
     "Sampling",
     "autocast_forward",

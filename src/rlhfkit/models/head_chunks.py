@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlhfkit.algos import entropy_from_logits
 from rlhfkit.models.precision import autocast_region
+from rlhfkit.models.prompt_cache import cache_keyword, shared_prompt_cache
 from rlhfkit.models.readout import position_ids_from_mask, response_forward, sampled_logprobs, unwrap_model
 from rlhfkit.models.sampling import Sampling, processed_logits
 
@@ -77,6 +78,15 @@ def chunkable(model: torch.nn.Module) -> bool:
     # FSDP2 (train.sharding) holds the head's weight as a sharded DTensor outside the model's forward, where the
     # chunks would apply it: a sharded model reads out the plain way
     return not any(_is_dtensor(p) for p in head.parameters())
+
+
+def can_share_prompts(model: torch.nn.Module) -> bool:
+    """Whether :func:`response_readout` may run a repeated prompt once for ``model``: a model called twice in
+    one forward (the prompt pass, then the rest) must not be a DDP wrapper (one forward per backward) nor
+    recompute its layers (gradient checkpointing runs without a cache)."""
+    if unwrap_model(model) is not model:
+        return False
+    return not any(getattr(m, "gradient_checkpointing", False) is True for m in _lm(model).modules())
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -160,6 +170,7 @@ def response_readout(
     router_aux: bool = False,
     chunk_tokens: int | None = None,
     labels: torch.Tensor | None = None,
+    share_prompts: bool = False,
 ) -> Readout:
     """Log-probs (and entropies) of the response tokens of a causal LM, without (B, R, V) logits when the model
     is :func:`chunkable` (else the plain path of :func:`rlhfkit.models.readout.response_forward`).
@@ -175,6 +186,9 @@ def response_readout(
         chunk_tokens: positions per chunk (default :func:`chunk_size`).
         labels: (B, R) the tokens to score (default: the response tokens ``input_ids[:, response_start:]``;
             an SFT batch's labels differ from them only where they are -100, masked).
+        share_prompts: rows whose prompt columns ``[0, response_start)`` are the same (a GRPO group) run them
+            once (:mod:`rlhfkit.models.prompt_cache`), where :func:`can_share_prompts` allows; equal to the
+            plain forward up to float rounding.
     Returns:
         a :class:`Readout`; ``logprobs[:, t]`` and ``entropy[:, t]`` are read at column p0 + t - 1.
     """
@@ -193,22 +207,26 @@ def response_readout(
     def keep_hidden(_module, _inputs, output):
         captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
 
-    hook = lm.get_decoder().register_forward_hook(keep_hidden)
+    cache = None
+    if share_prompts and response_start >= 2 and not router_aux and can_share_prompts(model):
+        cache = shared_prompt_cache(model, input_ids[:, :response_start], attention_mask[:, :response_start])
+    first = 0 if cache is None else response_start - 1  # the columns this forward runs: [first, L)
     kwargs = {"output_router_logits": True} if router_aux else {}
+    kwargs |= {"use_cache": False} if cache is None else {"use_cache": True, cache_keyword(model): cache}
+    hook = lm.get_decoder().register_forward_hook(keep_hidden)
     try:
         out = model(
-            input_ids=input_ids,
+            input_ids=input_ids[:, first:],
             attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
+            position_ids=position_ids_from_mask(attention_mask)[:, first:],
             logits_to_keep=1,
             **kwargs,
         )
     finally:
         hook.remove()
-    if len(captured) != 1 or captured[0].shape[:2] != input_ids.shape:
+    if len(captured) != 1 or captured[0].shape[:2] != (input_ids.shape[0], length - first):
         raise RuntimeError(f"{type(lm).__name__}'s decoder did not run once over every position")
-    hidden = captured[0][:, response_start - 1 : length - 1]  # (B, R, H)
+    hidden = captured[0][:, response_start - 1 - first : length - 1 - first]  # (B, R, H)
     cap = getattr(lm.config, "final_logit_softcapping", None)
     wrapped = lm if hasattr(lm, "rlhfkit_autocast") else unwrap_model(model)
     with autocast_region(wrapped):  # the projection under the model's own autocast, as in its forward

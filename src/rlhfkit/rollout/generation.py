@@ -17,13 +17,12 @@ Shapes: ``B`` prompts, ``P`` padded prompt length, ``R`` response length (``max_
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 
 from rlhfkit.models.precision import autocast_region
-from rlhfkit.models.readout import position_ids_from_mask, unwrap_model
+from rlhfkit.models.prompt_cache import cache_keyword, shared_prompt_cache
 from rlhfkit.models.sampling import Sampling, generation_kwargs, without_checkpoint_defaults
 
 
@@ -150,48 +149,3 @@ def generate_responses(
         sampled = torch.zeros(response_ids.shape, device=picked.device)
         sampled[:, : picked.shape[1]] = torch.where(mask[:, : picked.shape[1]], picked, 0.0)
     return Responses(input_ids, attention_mask, response_ids, mask, ended, start, sampled)
-
-
-def shared_prompt_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
-    """The key / value cache of columns ``[0, P - 1)`` of every row, computed once per distinct prompt.
-
-    ``generate`` given this cache runs the last prompt column and the response only. Rows are the same prompt
-    when their real tokens and padding are the same. Returns None (plain ``generate``) when no prompt repeats,
-    the prompt is one column, or the model's cache cannot be copied by rows.
-
-    Args:
-        prompt_ids, prompt_mask: (B, P) left-padded prompts.
-    Returns:
-        a cache of B rows and P - 1 positions, or None.
-    """
-    rows, width = prompt_ids.shape
-    if width < 2:
-        return None
-    key = torch.where(prompt_mask.bool(), prompt_ids, -1)  # (B, P): equal rows, equal prompts
-    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
-    if distinct.shape[0] == rows:
-        return None
-    first = torch.full((distinct.shape[0],), rows, dtype=torch.long, device=prompt_ids.device)
-    first.scatter_reduce_(0, inverse, torch.arange(rows, device=prompt_ids.device), reduce="amin")
-    ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]  # (U, P - 1)
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=position_ids_from_mask(mask),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache = getattr(out, cache_keyword(model), None)
-    if cache is None or not hasattr(cache, "batch_select_indices"):
-        return None
-    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...): row b takes its prompt's entries
-    return cache
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The name of the key / value cache in the model's forward and outputs: ``cache`` from transformers 5.20
-    on, ``past_key_values`` before (and for models that keep the old name)."""
-    inner = unwrap_model(model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft: the HF model
-    forward = base.forward
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"

@@ -30,7 +30,30 @@ def test_micro_batches_sort_each_minibatch_by_length_and_keep_its_rows(tmp_path)
             assert [len(m) for m in micros] == [3, 3, 2]
             joined = torch.cat(micros)
             assert sorted(joined.tolist()) == sorted(rows.tolist())  # the same rows: the same normaliser
-            assert (lengths[joined].diff() >= 0).all()  # sorted, so each micro-batch trims its padding
+            g = ctx.cfg.online.group_size
+            assert g == 2
+            longest = lengths.view(-1, g).amax(1)  # a group sorts by its longest row
+            assert (longest[joined // g].diff() >= 0).all()  # sorted, so each micro-batch trims its padding
+            # a group's rows stay next to each other (a micro-batch reads their prompt once)
+            assert (joined.view(-1, g) // g == (joined.view(-1, g) // g)[:, :1]).all()
+
+
+def test_without_groups_rows_sort_by_their_own_length(tmp_path):
+    paths = write_online_problem(tmp_path, reward_model=False)
+    cfg = online_config(
+        paths,
+        tmp_path / "run",
+        "train.batch_size=8",
+        "online.group_size=1",
+        "train.micro_batch_size=3",
+        "online.num_minibatches=1",
+    )
+    ctx = make_context(cfg)
+    lengths = torch.randint(1, 40, (8,), generator=torch.Generator().manual_seed(0))
+    (micros,) = micro_batches(ctx, 3, 0, lengths)
+    joined = torch.cat(micros)
+    assert sorted(joined.tolist()) == list(range(8))
+    assert (lengths[joined].diff() >= 0).all()
 
 
 def test_a_process_without_rows_of_a_minibatch_gets_no_micro_batch(tmp_path):
@@ -56,9 +79,17 @@ class _Rank:
 
 def test_length_sorting_removes_padding_columns(tmp_path, monkeypatch):
     """Eight responses of 1, 6, 3 and 1 tokens (twice) in micro-batches of 2: sorted, the four short ones take
-    two micro-batches one column wide; in the shuffled order, short and long ones would share micro-batches."""
+    two micro-batches one column wide; in the shuffled order, short and long ones would share micro-batches.
+    (Without groups: a group sorts by its longest row, test_micro_batches_sort_each_minibatch_by_length...)"""
     paths = write_online_problem(tmp_path, reward_model=False)
-    cfg = online_config(paths, tmp_path / "run", "online.num_minibatches=1", "train.micro_batch_size=2")
+    cfg = online_config(
+        paths,
+        tmp_path / "run",
+        "online.num_minibatches=1",
+        "train.micro_batch_size=2",
+        "online.group_size=1",
+        "train.batch_size=8",
+    )
     ctx = make_context(cfg)
     monkeypatch.setattr(collect, "generate_responses", _ragged_generation(ctx.tokenizer, [1, 6, 3, 1]))
     rollout = rollout_for_update(ctx)

@@ -22,7 +22,7 @@ import torch
 
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator
-from rlhfkit.models import response_readout
+from rlhfkit.models import can_share_prompts, response_readout
 from rlhfkit.rollout import generate_responses
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import (
@@ -116,17 +116,24 @@ def sample_rollout(
     for model in (roles.actor, roles.critic):
         if model is not None:
             model.eval()
+    # The actor's read-out shares a group's prompt exactly where the update's forward does (a DDP-wrapped actor
+    # does not), so both take the same kernels; the reference's always may.
+    share = online.group_size > 1
+    share_actor = share and can_share_prompts(ctx.trained["actor"])
     with clock("forward"):
         for rows in _forward_rows(ctx, step, batch["query_mask"], response_mask, size):
             ids, attn, start, w = model_inputs(
                 batch["query_ids"][rows], batch["query_mask"][rows], response_ids[rows], response_mask[rows]
             )
             # chunked over the vocabulary: no (b, w, V) logits (rlhfkit.models.head_chunks)
+            # a group's prompt read once (rlhfkit.models.prompt_cache), as in the update's forward
             if actor_forward:
-                actor = response_readout(roles.actor, ids, attn, start, ctx.sampling, entropy=True)
+                actor = response_readout(
+                    roles.actor, ids, attn, start, ctx.sampling, entropy=True, share_prompts=share_actor
+                )
                 logprobs[rows, :w], entropy[rows, :w] = actor.logprobs, actor.entropy  # (b, w)
             ref_logprobs[rows, :w] = response_readout(
-                roles.reference, ids, attn, start, ctx.sampling
+                roles.reference, ids, attn, start, ctx.sampling, share_prompts=share
             ).logprobs
             if values is not None:
                 values[rows, :w] = critic_values(roles.critic, ids, attn, start)

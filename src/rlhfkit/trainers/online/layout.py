@@ -9,7 +9,9 @@ layout makes the first ratio differ from 1 by up to ~1e-3 on a tiny model (docs/
 
 Inside a minibatch the rows are sorted by length before they are cut into micro-batches, so that trimming
 the columns no row of a micro-batch uses (:func:`rlhfkit.trainers.online.context.model_inputs`) removes most
-padding. A minibatch's rows and its loss normaliser are unchanged by the order (the loss of every
+padding. With groups (``online.group_size`` G > 1) the permutation and the sort move whole groups (a group
+sorts by its longest row), so a micro-batch holds the G rows of a prompt together and its forwards read that
+prompt once (:mod:`rlhfkit.models.prompt_cache`). A minibatch's rows and its loss normaliser are unchanged by the order (the loss of every
 micro-batch is divided by the whole minibatch's normaliser), so the gradient changes by float rounding only;
 which rows a process holds is unchanged too (docs/design.md, "Data parallelism").
 
@@ -40,7 +42,12 @@ def local_minibatches(ctx: OnlineContext, step: int, epoch: int) -> list[torch.T
     :func:`rlhfkit.trainers.online.ppo_update.ppo_update`).
     """
     first, local, total = ctx.rows()
-    order = minibatch_order(total, ctx.cfg.seed, step, epoch, ctx.device)
+    g = ctx.cfg.online.group_size
+    if g > 1 and total % g == 0:  # whole groups: a group's rows stay together (their prompt is read once)
+        groups = minibatch_order(total // g, ctx.cfg.seed, step, epoch, ctx.device)
+        order = (groups[:, None] * g + torch.arange(g, device=ctx.device)).flatten()
+    else:
+        order = minibatch_order(total, ctx.cfg.seed, step, epoch, ctx.device)
     size = total // ctx.cfg.online.num_minibatches
     out = []
     for k in range(ctx.cfg.online.num_minibatches):
@@ -67,8 +74,11 @@ def micro_batches(
     Returns:
         one list per minibatch (possibly empty: this process holds no row of it) of (b,) long tensors.
     """
-    _, local, total = ctx.rows()
+    first, local, total = ctx.rows()
     micro = ctx.cfg.train.micro_batch_size or local // ctx.cfg.online.num_minibatches
+    g = ctx.cfg.online.group_size
+    if g > 1 and first % g == 0 and local % g == 0:  # sort whole groups, by their longest row
+        lengths = lengths.view(-1, g).amax(1).repeat_interleave(g)
     out = []
     for rows in local_minibatches(ctx, step, epoch):
         rows = rows[torch.argsort(lengths[rows], stable=True)]

@@ -187,6 +187,7 @@ def micro_batch_loss(
             ctx.sampling,
             entropy=online.ent_coef > 0 or read is not None,
             router_aux=ctx.router_aux_coef > 0,
+            share_prompts=online.group_size > 1,
         )
         logprobs, aux = readout.logprobs, readout.aux_loss  # (b, w)
         old = mb.logprobs[:, :w] if read is None else logprobs.detach()
