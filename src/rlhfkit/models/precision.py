@@ -93,6 +93,38 @@ def autocast_region(model: torch.nn.Module):
     return torch.autocast(device_type=next(model.parameters()).device.type, dtype=dtype)
 
 
+@contextlib.contextmanager
+def frozen_linears_cast(model: torch.nn.Module):
+    """Within this block the frozen float32 weights and biases of ``model``'s linear layers are held in its
+    autocast dtype (one cast each), their float32 values put back after; for a region of many forwards (a
+    ``generate`` call). Autocast keeps its casts of trained leaves for a whole region, but casts a frozen
+    weight (a LoRA base, requires_grad False) again at every forward: 135M parameters each decode step.
+    Autocast gives a linear layer's bf16 product of the bf16-rounded weight either way, so the outputs are the
+    same bit for bit. A weight an embedding also reads (tied embeddings) stays as it is: the embedding is not
+    autocast. A null context without :func:`autocast_forward`'s dtype."""
+    dtype = getattr(model, "rlhfkit_autocast", None)
+    if dtype is None:
+        yield model
+        return
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    held = []
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        for p in (module.weight, module.bias):
+            if p is None or p.requires_grad or p.dtype != torch.float32 or id(p) in embeddings:
+                continue
+            if type(p.data) is not torch.Tensor:  # a sharded (DTensor) weight is left to its owner
+                continue
+            held.append((p, p.data))
+            p.data = p.data.to(dtype)
+    try:
+        yield model
+    finally:
+        for p, data in held:
+            p.data = data
+
+
 FLOAT32_CPU_SDPA = "rlhfkit_sdpa_float32_on_cpu"
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhfkit.models.precision import autocast_region
+from rlhfkit.models.precision import autocast_region, frozen_linears_cast
 from rlhfkit.models.prompt_cache import cache_keyword, shared_prompt_cache
 from rlhfkit.models.sampling import Sampling, generation_kwargs, without_checkpoint_defaults
 
@@ -127,7 +127,7 @@ def generate_responses(
             return_dict_in_generate=True,
             **generation_kwargs(sampling, greedy),
         )
-        with without_checkpoint_defaults(model), autocast_region(model):
+        with without_checkpoint_defaults(model), autocast_region(model), frozen_linears_cast(model):
             cache = shared_prompt_cache(model, prompt_ids, prompt_mask) if share_prompts else None
             if cache is not None:
                 kwargs[cache_keyword(model)] = cache

@@ -23,6 +23,7 @@ import torch
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.data import PromptCollator
 from rlhfkit.models import can_share_prompts, response_readout
+from rlhfkit.models.precision import frozen_linears_cast
 from rlhfkit.rollout import generate_responses
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import (
@@ -120,7 +121,7 @@ def sample_rollout(
     # does not), so both take the same kernels; the reference's always may.
     share = online.group_size > 1
     share_actor = share and can_share_prompts(ctx.trained["actor"])
-    with clock("forward"):
+    with clock("forward"), frozen_linears_cast(roles.actor):  # a LoRA base in bf16 once, not each forward
         for rows in _forward_rows(ctx, step, batch["query_mask"], response_mask, size):
             ids, attn, start, w = model_inputs(
                 batch["query_ids"][rows], batch["query_mask"][rows], response_ids[rows], response_mask[rows]

@@ -23,6 +23,7 @@ from rlhfkit.engine.finite import masked
 from rlhfkit.engine.folder import RunDir, logged_at, open_run
 from rlhfkit.engine.seed import get_rng_state, seed_everything
 from rlhfkit.errors import ConfigError
+from rlhfkit.models.precision import frozen_linears_cast
 from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
 from rlhfkit.rollout.scoring import Scorer, check_signature, data_columns
 from rlhfkit.trainers.common import finish_run, run_tokenizer
@@ -190,7 +191,7 @@ def train_online(
         )
 
         # 5. PPO epochs: shuffled minibatches, one optimizer step each, micro-batch accumulation
-        with clock("update"):
+        with clock("update"), frozen_linears_cast(ctx.roles.actor):  # bit-identical to autocast's own casts
             update = (
                 UpdateResult(StatSums(ctx.device))
                 if skip
