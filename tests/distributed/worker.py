@@ -244,9 +244,11 @@ def _online(case: str, root: Path, out: Path, accelerator) -> tuple[dict, dict]:
     case = ("control-" if control else "") + case.removeprefix("sharded-")
     estimator = {"grpo": "grpo", "reinforce_pp": "reinforce_pp"}.get(case, "gae")
     mode = case.removeprefix("ppo-") if case.startswith("ppo-") else "token-mean"
-    # 8 responses, rows 0-3 on the first process: with 2 minibatches the first is rows {2, 5, 6, 7} (1 + 3 rows);
-    # with 4 it is {5, 6}, and the first process joins that step's all-reduce with no row of its own
-    minibatches = 2 if estimator == "gae" else 4
+    # 8 responses, rows 0-3 on the first process. GAE's layout moves rows: with 2 minibatches the first is rows
+    # {2, 5, 6, 7} (1 + 3 rows). The group estimators' moves whole groups (rlhfkit.trainers.online.layout): the
+    # first is groups {1, 0} = rows 0-3, the second rows 4-7, so each process joins one step's all-reduce with
+    # no row of its own
+    minibatches = 2
     cfg = load_config(
         None,
         [

@@ -17,10 +17,18 @@ from tests.trainers.online.online_fixtures import make_context, online_config, w
 from tests.trainers.online.test_online import _ragged_generation, rollout_for_update
 
 
-def test_micro_batches_sort_each_minibatch_by_length_and_keep_its_rows(tmp_path):
+@pytest.mark.parametrize("kind", ["ppo", "grpo"])
+def test_micro_batches_sort_each_minibatch_by_length_and_keep_its_rows(tmp_path, kind):
+    """PPO (GAE) sorts rows; the group estimators sort whole groups, by their longest row, and keep a
+    group's rows next to each other (a micro-batch reads their prompt once)."""
     paths = write_online_problem(tmp_path, reward_model=False)
     cfg = online_config(
-        paths, tmp_path / "run", "train.batch_size=8", "train.micro_batch_size=3", "online.num_minibatches=2"
+        paths,
+        tmp_path / "run",
+        "train.batch_size=8",
+        "train.micro_batch_size=3",
+        "online.num_minibatches=2",
+        kind=kind,
     )
     ctx = make_context(cfg)  # 8 prompts x 2 = 16 rows, minibatches of 8, micro-batches of 3, 3, 2
     lengths = torch.randint(1, 40, (16,), generator=torch.Generator().manual_seed(0))
@@ -30,12 +38,14 @@ def test_micro_batches_sort_each_minibatch_by_length_and_keep_its_rows(tmp_path)
             assert [len(m) for m in micros] == [3, 3, 2]
             joined = torch.cat(micros)
             assert sorted(joined.tolist()) == sorted(rows.tolist())  # the same rows: the same normaliser
+            if kind == "ppo":
+                assert (lengths[joined].diff() >= 0).all()  # sorted, so each micro-batch trims its padding
+                continue
             g = ctx.cfg.online.group_size
             assert g == 2
             longest = lengths.view(-1, g).amax(1)  # a group sorts by its longest row
-            assert (longest[joined // g].diff() >= 0).all()  # sorted, so each micro-batch trims its padding
-            # a group's rows stay next to each other (a micro-batch reads their prompt once)
-            assert (joined.view(-1, g) // g == (joined.view(-1, g) // g)[:, :1]).all()
+            assert (longest[joined // g].diff() >= 0).all()
+            assert (joined.view(-1, g) // g == (joined.view(-1, g) // g)[:, :1]).all()  # groups together
 
 
 def test_without_groups_rows_sort_by_their_own_length(tmp_path):

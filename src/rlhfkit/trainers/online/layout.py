@@ -9,7 +9,7 @@ layout makes the first ratio differ from 1 by up to ~1e-3 on a tiny model (docs/
 
 Inside a minibatch the rows are sorted by length before they are cut into micro-batches, so that trimming
 the columns no row of a micro-batch uses (:func:`rlhfkit.trainers.online.context.model_inputs`) removes most
-padding. With groups (``online.group_size`` G > 1) the permutation and the sort move whole groups (a group
+padding. With groups (``online.group_size`` G > 1, a critic-free estimator: :func:`group_layout`) the permutation and the sort move whole groups (a group
 sorts by its longest row), so a micro-batch holds the G rows of a prompt together and its forwards read that
 prompt once (:mod:`rlhfkit.models.prompt_cache`). A minibatch's rows and its loss normaliser are unchanged by the order (the loss of every
 micro-batch is divided by the whole minibatch's normaliser), so the gradient changes by float rounding only;
@@ -33,6 +33,14 @@ def minibatch_order(
     return torch.randperm(n, generator=g).to(device)
 
 
+def group_layout(ctx: OnlineContext) -> int:
+    """G when the layout moves whole groups of G rows (the group estimators: grpo, rloo, reinforce_pp, with
+    ``online.group_size`` > 1), else 1: rows. GAE (PPO) keeps the row layout, whose minibatches hold rows
+    of every group."""
+    online = ctx.cfg.online
+    return online.group_size if online.advantage_estimator != "gae" else 1
+
+
 def local_minibatches(ctx: OnlineContext, step: int, epoch: int) -> list[torch.Tensor]:
     """This process's rows (local indices) of each of the epoch's ``online.num_minibatches`` minibatches.
 
@@ -42,7 +50,7 @@ def local_minibatches(ctx: OnlineContext, step: int, epoch: int) -> list[torch.T
     :func:`rlhfkit.trainers.online.ppo_update.ppo_update`).
     """
     first, local, total = ctx.rows()
-    g = ctx.cfg.online.group_size
+    g = group_layout(ctx)
     if g > 1 and total % g == 0:  # whole groups: a group's rows stay together (their prompt is read once)
         groups = minibatch_order(total // g, ctx.cfg.seed, step, epoch, ctx.device)
         order = (groups[:, None] * g + torch.arange(g, device=ctx.device)).flatten()
@@ -76,7 +84,7 @@ def micro_batches(
     """
     first, local, total = ctx.rows()
     micro = ctx.cfg.train.micro_batch_size or local // ctx.cfg.online.num_minibatches
-    g = ctx.cfg.online.group_size
+    g = group_layout(ctx)
     if g > 1 and first % g == 0 and local % g == 0:  # sort whole groups, by their longest row
         lengths = lengths.view(-1, g).amax(1).repeat_interleave(g)
     out = []
