@@ -119,7 +119,6 @@ def test_every_tiny_architecture_reads_out_the_same_with_a_shared_prompt(arch, m
     from transformers import AutoModelForCausalLM
 
     import rlhfkit.models.head_chunks as head_chunks
-
     from tests.models.tiny_architectures import bpe_tokenizer
 
     torch.manual_seed(0)
