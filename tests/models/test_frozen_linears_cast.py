@@ -63,7 +63,7 @@ def test_only_frozen_linears_are_cast_and_a_tied_embedding_is_not():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_a_planted_cast_of_the_tied_embedding_changes_the_samples(monkeypatch):
+def test_a_planted_cast_of_the_tied_embedding_changes_the_samples():
     """Casting the embedding too (it is read outside autocast) is caught by the equality above."""
     model = _lora_bf16(tied=True)
     plain = _sample(model, greedy=True)

@@ -9,11 +9,12 @@ layout makes the first ratio differ from 1 by up to ~1e-3 on a tiny model (docs/
 
 Inside a minibatch the rows are sorted by length before they are cut into micro-batches, so that trimming
 the columns no row of a micro-batch uses (:func:`rlhfkit.trainers.online.context.model_inputs`) removes most
-padding. With groups (``online.group_size`` G > 1, a critic-free estimator: :func:`group_layout`) the permutation and the sort move whole groups (a group
-sorts by its longest row), so a micro-batch holds the G rows of a prompt together and its forwards read that
-prompt once (:mod:`rlhfkit.models.prompt_cache`). A minibatch's rows and its loss normaliser are unchanged by the order (the loss of every
-micro-batch is divided by the whole minibatch's normaliser), so the gradient changes by float rounding only;
-which rows a process holds is unchanged too (docs/design.md, "Data parallelism").
+padding. With groups (``online.group_size`` G > 1 and a critic-free estimator: :func:`group_layout`) the
+permutation and the sort move whole groups (a group sorts by its longest row), so a micro-batch holds the G
+rows of a prompt together and its forwards read that prompt once (:mod:`rlhfkit.models.prompt_cache`). A
+minibatch's rows and its loss normaliser are unchanged by the order (the loss of every micro-batch is divided
+by the whole minibatch's normaliser), so the gradient changes by float rounding only; which rows a process
+holds is unchanged too (docs/design.md, "Data parallelism").
 
 Shapes: ``B`` responses of this process.
 """
