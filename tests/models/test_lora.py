@@ -110,10 +110,11 @@ def test_lora_ppo_roles_hold_no_copy_and_disabled_adapter_is_the_base(tmp_path):
 
 
 @pytest.mark.parametrize("train_reward_model", [False, True])
-def test_lora_bf16_roles_keep_what_trains_and_the_shared_reward_base_in_float32(tmp_path, train_reward_model):
-    """bf16 with LoRA: the actor's base is trained-role float32 (its reference is the same weights); the reward
-    model that carries the critic's adapters and head copy stays float32 too. When a refresh trains the reward
-    model, the critic gets its own base, and the reward model is float32 as a trained role."""
+def test_lora_bf16_roles_train_float32_weights_on_a_bf16_base(tmp_path, train_reward_model):
+    """bf16 with LoRA: what trains (adapters, the critic's head copy) is float32; the frozen base's linear
+    weights are held in bf16 (rlhfkit.models.precision.hold_frozen_linears), embeddings and norms float32; the
+    reference is the actor's own weights. When a refresh trains the reward model, the critic gets its own base
+    and the reward model, a trained role then, is float32 throughout."""
     from rlhfkit.engine.accel import make_accelerator
     from rlhfkit.trainers.online.roles import build_roles
 
@@ -127,8 +128,14 @@ def test_lora_bf16_roles_keep_what_trains_and_the_shared_reward_base_in_float32(
     )
     tokenizer = load_tokenizer(str(paths["policy"]))
     roles = build_roles(cfg, tokenizer, make_accelerator(cpu=True).device, train_reward_model)
-    for role in (roles.actor, roles.reference, roles.critic, roles.reward_model):
-        assert {p.dtype for p in role.parameters()} == {torch.float32}
+    for role in (roles.actor, roles.critic):
+        linears = {id(m.weight) for m in role.modules() if isinstance(m, torch.nn.Linear)}
+        for name, p in role.named_parameters():
+            held = not p.requires_grad and id(p) in linears and "embed" not in name
+            assert p.dtype == (torch.bfloat16 if held else torch.float32), name
+    assert {p.dtype for p in roles.reference.parameters()} == {torch.float32, torch.bfloat16}
+    if train_reward_model:
+        assert {p.dtype for p in roles.reward_model.parameters()} == {torch.float32}
 
     def ptrs(m):
         return {p.data_ptr() for p in m.parameters()}

@@ -7,13 +7,15 @@ the start, so an adapted model starts exactly where its base is. Here:
 - :func:`prepare_trained` turns a loaded model into the trained role the run config asks for: gradient
   checkpointing (``model.gradient_checkpointing``), then adapters on ``model.lora_target_modules`` when
   ``model.lora_rank`` > 0 (a scalar model's ``score`` head is trained too: peft's sequence-classification
-  task keeps a trainable copy of it and the original beside it);
+  task keeps a trainable copy of it and the original beside it); under bf16 autocast the frozen base's
+  linear weights are then held in bf16 (:func:`rlhfkit.models.precision.hold_frozen_linears`: the same
+  forwards, half their memory), their float32 originals on disk for the merged save;
 - :class:`AdapterDisabled` is a frozen role made of a trained one's weights with its adapter switched off:
   the PPO reference (the policy's base) and, when the critic is an adapter on the reward model, the reward
   model itself. It holds no copy of any weight;
 - :func:`save_adapter` writes the adapter alone in peft's format (``adapter_config.json`` +
   ``adapter_model.safetensors``); :func:`merged_copy` gives the plain Hugging Face model with the update
-  merged into W (what ``final/`` holds);
+  merged into the float32 W (what ``final/`` holds);
 - :func:`adapter_base` recognises an adapter folder, so that one can be given wherever a model folder is:
   it is loaded as its base with the adapter merged in (the model it stands for).
 
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from rlhfkit.errors import UserError
+from rlhfkit.models.precision import hold_frozen_linears, restore_frozen_linears
 
 ADAPTER_DIR = "adapter"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -68,6 +71,7 @@ def prepare_trained(model: torch.nn.Module, model_cfg) -> torch.nn.Module:
             dropout=model_cfg.lora_dropout,
             target_modules=modules,
         )
+        hold_frozen_linears(model)  # bf16 compute: the frozen base in bf16, its float32 originals on disk
     return model
 
 
@@ -165,7 +169,7 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning)
-        return copy.deepcopy(model).merge_and_unload()
+        return restore_frozen_linears(copy.deepcopy(model)).merge_and_unload()  # into float32 weights
 
 
 def save_adapter(model: torch.nn.Module, tokenizer, path: str | os.PathLike) -> None:
