@@ -25,7 +25,7 @@ under no_grad or with grad; backward; the optimizer step; "other" is the rest (r
     python benchmarks/grpo_vs_trl.py grpo --precision fp32 --repeats 3
     python benchmarks/grpo_vs_trl.py grpo --precision bf16 --repeats 3
     python benchmarks/grpo_vs_trl.py ppo --repeats 3               # rlhfkit PPO (with a critic) beside both GRPOs
-    python benchmarks/grpo_vs_trl.py scaling --repeats 1 --json .bench/grpo_scaling.json
+    python benchmarks/grpo_vs_trl.py scaling --repeats 1 --rollouts 3 --precision bf16 --json .bench/grpo_scaling.json
 
 Run it on an otherwise idle machine: every figure is a wall time.
 """
@@ -321,17 +321,19 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-SCALING = [(8, 4, 48), (8, 4, 192), (8, 4, 512), (32, 4, 48)]
+SCALING = [(8, 4, 48), (8, 4, 192), (8, 4, 512), (32, 4, 48), (64, 4, 48)]
 
 
-def plot_scaling(results: list[dict], path: Path) -> None:
-    """Seconds per rollout and peak RSS of both systems against response length and responses per rollout."""
+def plot_scaling(results: list[dict], path: Path):
+    """Seconds per rollout, peak RSS and where the time goes, for both systems, against response length
+    (32 responses a rollout) and responses per rollout (48 tokens each)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(3, 2, figsize=(12, 10.5))
+    colours = dict(zip(PHASES, plt.get_cmap("tab10").colors, strict=False))
     for col, (key, fixed, xlabel) in enumerate(
         (
             ("response_length", ("responses", 32), "response tokens (32 responses a rollout)"),
@@ -340,8 +342,9 @@ def plot_scaling(results: list[dict], path: Path) -> None:
     ):
         rows = sorted((r for r in results if r[fixed[0]] == fixed[1]), key=lambda r: r[key])
         xs = [r[key] for r in rows]
+        names = [n for n in ("rlhfkit", "trl") if all(n in r for r in rows)]
         for name, style in (("rlhfkit", "o-"), ("trl", "s--")):
-            if all(name in r for r in rows):
+            if name in names:
                 axes[0, col].plot(xs, [r[name]["seconds"] for r in rows], style, label=label(name))
                 axes[1, col].plot(
                     xs, [r[name]["peak_rss_mib"] / 1024 for r in rows], style, label=label(name)
@@ -353,6 +356,25 @@ def plot_scaling(results: list[dict], path: Path) -> None:
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
+        # where the time goes: one stacked bar per system at each size, the phases bottom to top
+        ax = axes[2, col]
+        width = 0.8 / max(len(names), 1)
+        for j, name in enumerate(names):
+            left = [i + (j - (len(names) - 1) / 2) * width for i in range(len(rows))]
+            bottom = [0.0] * len(rows)
+            for phase in PHASES:
+                heights = [r[name]["phases"][phase] for r in rows]
+                ax.bar(
+                    left, heights, width * 0.95, bottom=bottom, color=colours[phase],
+                    hatch="" if name == "rlhfkit" else "//", edgecolor="white",
+                    label=phase if j == 0 else None,
+                )  # fmt: skip
+                bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        ax.set_xticks(range(len(rows)), [str(x) for x in xs])
+        ax.set_xlabel(xlabel + "; plain bars rlhfkit, hatched TRL")
+        ax.set_ylabel("seconds per rollout, by phase")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7, ncol=2)
     r0 = results[0]
     fig.suptitle(
         f"GRPO on SmolLM2-135M-Instruct, LoRA r16, {r0['precision']}, {r0['threads']} threads: "
@@ -361,6 +383,7 @@ def plot_scaling(results: list[dict], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    return fig
 
 
 def main() -> None:
