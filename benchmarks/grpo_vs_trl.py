@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = ROOT / ".bench" / "trl-1.16"
 TRL_VERSION = "1.16.0"
 PHASES = common.PHASES
+FIRST_DIFF = "ratio/first_minibatch_max_logprob_diff"
 KL_COEF, LEARNING_RATE, LORA = 0.04, 1e-5, dict(r=16, alpha=32)
 TOPICS = (
     "the sea", "a rainy morning", "trains", "bread", "a library", "winter", "bees", "a lighthouse",
@@ -120,7 +121,7 @@ def worker_rlhfkit(a, out: Path, timer) -> None:
         "online.kl_coef": KL_COEF,
         "online.kl_in_loss": True,
         "online.kl_loss_estimator": "k3",
-        "online.ppo_epochs": 1,
+        "online.ppo_epochs": a.epochs,
         "online.num_minibatches": 1,
         "logging.samples_per_step": 0,
         "logging.progress_bar": False,
@@ -131,6 +132,11 @@ def worker_rlhfkit(a, out: Path, timer) -> None:
         common.run_rlhfkit(a.algo, common.nested(overrides), out)
     finally:
         loop.build_context, head_chunks.chunked_readout = build_context, readout
+    rows = [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
+    diffs = [r[FIRST_DIFF] for r in rows if FIRST_DIFF in r]
+    if len(diffs) != a.rollouts:
+        raise SystemExit(f"expected {FIRST_DIFF} in each of {a.rollouts} rollouts, got {len(diffs)}")
+    worker_rlhfkit.first_diff = max(diffs)
 
 
 def worker_trl(a, out: Path, timer) -> None:
@@ -208,6 +214,8 @@ def run_worker(a) -> None:
                 f"expected one generate call per rollout, got {len(timer.marks)} in {a.rollouts}"
             )
         result = timer.window(1, len(timer.marks) - 1)
+        if a.system == "rlhfkit":  # the largest log-prob change before an update, over the run's rollouts
+            result[FIRST_DIFF] = worker_rlhfkit.first_diff
         result.update(
             system=a.system,
             algo=a.algo,
@@ -239,6 +247,7 @@ def measure(a, system: str, algo: str, **sizes) -> dict:
     args = [python, str(Path(__file__).resolve()), "worker", "--system", system, "--algo", algo]
     args += ["--work", str(a.work), "--model", str(a.model), "--threads", str(a.threads)]
     args += ["--precision", a.precision, "--rollouts", str(a.rollouts), "--micro-batch", str(a.micro_batch)]
+    args += ["--epochs", str(getattr(a, "epochs", 1))]
     for k, v in sizes.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "RLHFKIT_NUM_THREADS": str(a.threads)}
@@ -286,6 +295,8 @@ def compare(a, names: list[str], prompts: int, group: int, response_length: int)
     for name, rs in runs.items():
         m = common.median_run(rs)
         m["tokens_per_second"] = tokens / m["seconds"]
+        if any(FIRST_DIFF in r for r in rs):
+            m[FIRST_DIFF] = max(r[FIRST_DIFF] for r in rs)
         result[name] = m
     if "trl" in result and "rlhfkit" in result:
         result["speedup"] = result["rlhfkit"]["tokens_per_second"] / result["trl"]["tokens_per_second"]
@@ -309,6 +320,11 @@ def report(r: dict) -> str:
             f"| {label(n)} | {m['seconds']:.2f} | {m['tokens_per_second']:.1f} | {m['peak_rss_mib']:.0f} MiB | "
             f"{', '.join(f'{x:.2f}' for x in m['all_seconds'])} |"
         )
+    for n in names:
+        if FIRST_DIFF in r[n]:
+            lines.append(
+                f"{label(n)}: largest log-prob change before an update (`{FIRST_DIFF}`): {r[n][FIRST_DIFF]:.3g}"
+            )
     if "speedup" in r:
         lines += [
             "",
@@ -378,7 +394,9 @@ def plot_scaling(results: list[dict], path: Path):
     r0 = results[0]
     fig.suptitle(
         f"GRPO on SmolLM2-135M-Instruct, LoRA r16, {r0['precision']}, {r0['threads']} threads: "
-        f"rlhfkit and TRL 1.16 (median of {r0['rounds']} per point)"
+        f"rlhfkit and TRL 1.16 ("
+        + ("one round per point" if r0["rounds"] == 1 else f"median of {r0['rounds']} rounds per point")
+        + ")"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -408,6 +426,14 @@ def main() -> None:
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "figures" / "grpo_vs_trl_scaling.png")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=1,
+        help="rlhfkit's online.ppo_epochs (TRL's num_iterations stays 1: with 1 rlhfkit's old log-probs are the "
+        "update's own forward; with 2 or more stage 1 reads them, and the worker's result says how far the first "
+        "update's forward moved from them, which must be 0)",
+    )
     p.add_argument("--system", choices=["rlhfkit", "trl"])  # worker only
     p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo")  # worker only
     a = p.parse_args()
