@@ -83,7 +83,8 @@ def prepare(work: Path, model: Path | None) -> dict:
 # workers: one measurement, one process; print one JSON line
 
 
-def worker_rlhfkit(a, out: Path, timer) -> None:
+def worker_rlhfkit(a, out: Path, timer) -> dict:
+    from rlhfkit.engine.metrics_writer import read_metrics
     from rlhfkit.models import head_chunks
     from rlhfkit.trainers.online import loop
 
@@ -132,14 +133,13 @@ def worker_rlhfkit(a, out: Path, timer) -> None:
         common.run_rlhfkit(a.algo, common.nested(overrides), out)
     finally:
         loop.build_context, head_chunks.chunked_readout = build_context, readout
-    rows = [json.loads(line) for line in open(out / "run" / "metrics.jsonl")]
-    diffs = [r[FIRST_DIFF] for r in rows if FIRST_DIFF in r]
+    diffs = [r[FIRST_DIFF] for r in read_metrics(out / "run" / "metrics.jsonl") if FIRST_DIFF in r]
     if len(diffs) != a.rollouts:
         raise SystemExit(f"expected {FIRST_DIFF} in each of {a.rollouts} rollouts, got {len(diffs)}")
-    worker_rlhfkit.first_diff = max(diffs)
+    return {FIRST_DIFF: max(diffs)}  # the largest log-prob change before an update, over the run's rollouts
 
 
-def worker_trl(a, out: Path, timer) -> None:
+def worker_trl(a, out: Path, timer) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -194,6 +194,7 @@ def worker_trl(a, out: Path, timer) -> None:
         trainer.train()
     finally:
         GRPOTrainer._get_per_token_logps_and_entropies = method
+    return {}
 
 
 def run_worker(a) -> None:
@@ -207,15 +208,13 @@ def run_worker(a) -> None:
     def once() -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
-            worker(a, Path(tmp), timer)
+            extra = worker(a, Path(tmp), timer)
             total = time.perf_counter() - start
         if len(timer.marks) != a.rollouts:
             raise SystemExit(
                 f"expected one generate call per rollout, got {len(timer.marks)} in {a.rollouts}"
             )
-        result = timer.window(1, len(timer.marks) - 1)
-        if a.system == "rlhfkit":  # the largest log-prob change before an update, over the run's rollouts
-            result[FIRST_DIFF] = worker_rlhfkit.first_diff
+        result = timer.window(1, len(timer.marks) - 1) | extra
         result.update(
             system=a.system,
             algo=a.algo,
@@ -247,7 +246,7 @@ def measure(a, system: str, algo: str, **sizes) -> dict:
     args = [python, str(Path(__file__).resolve()), "worker", "--system", system, "--algo", algo]
     args += ["--work", str(a.work), "--model", str(a.model), "--threads", str(a.threads)]
     args += ["--precision", a.precision, "--rollouts", str(a.rollouts), "--micro-batch", str(a.micro_batch)]
-    args += ["--epochs", str(getattr(a, "epochs", 1))]
+    args += ["--epochs", str(a.epochs)]
     for k, v in sizes.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "RLHFKIT_NUM_THREADS": str(a.threads)}
