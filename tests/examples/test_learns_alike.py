@@ -1,0 +1,96 @@
+"""examples/experiments/learns_alike.py: the launch of each arm, the runs' settings, the verdict and the table by
+hand, and the whole experiment at the smoke size (slow: 3 launches). The figures come from the full run
+(docs/experiments.md)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.examples.loader import load_example
+
+ex = load_example("experiments/learns_alike")
+
+
+def _records(base_gold, sharded_gold, sft_gold=0.0):
+    records = []
+    for seed, (b, sh) in enumerate(zip(base_gold, sharded_gold, strict=True)):
+        figures = {"proxy": 0.0, "kl": 0.0, "length": 10.0}
+        records.append({"kind": "sft", "arm": "sft", "seed": seed, "gold": sft_gold, **figures})
+        train = [{"rollout": 1, "score": 0.0, "kl": 0.0}, {"rollout": 2, "score": 1.0, "kl": 0.1}]
+        for arm, gold in (("1", b), ("2-sharded", sh)):
+            records.append(
+                {
+                    "kind": "ppo",
+                    "arm": arm,
+                    "seed": seed,
+                    "gold": gold,
+                    "seconds": 1.0,
+                    **figures,
+                    "train": train,
+                }
+            )
+    return records
+
+
+def test_each_arm_launches_as_its_name_says():
+    one = ex.launch_argv("ppo", "1", "c.yaml")
+    assert one[0] == sys.executable and "torch.distributed.run" not in one
+    assert not any(a.startswith("train.sharding") for a in one)
+    dp = ex.launch_argv("grpo", "2-dp", "c.yaml")
+    assert dp[1:3] == ["-m", "torch.distributed.run"] and dp[dp.index("--nproc_per_node") + 1] == "2"
+    assert not any(a.startswith("train.sharding") for a in dp)
+    sharded = ex.launch_argv("grpo", "2-sharded", "c.yaml")
+    assert sharded[: len(dp)] == dp and sharded[len(dp) :] == ["train.sharding=full_shard"]
+    engine = ex.launch_argv("ppo", "vllm", "c.yaml")
+    assert engine[: len(one)] == one and engine[len(one) :] == ["online.generation_backend=vllm"]
+    assert "vllm" not in ex.DEFAULT_ARMS  # it needs the environment of ./setup.sh vllm
+
+
+def test_grpo_gets_as_many_responses_a_rollout_as_ppo():
+    s = ex.SIZES["default"]
+    stage = {"sft": "sft", "reward": "rm", "files": {"prompts_train": "p.jsonl"}}
+    ppo, grpo = ex.run_config("ppo", "x", 0, stage, s), ex.run_config("grpo", "y", 0, stage, s)
+    assert grpo["train.batch_size"] * grpo["online.group_size"] == ppo["train.batch_size"] == s.ppo_batch
+    assert {k: v for k, v in ppo.items() if k not in ("output_dir", "train.batch_size")} == {
+        k: v for k, v in grpo.items() if k not in ("output_dir", "train.batch_size", "online.group_size")
+    }
+
+
+def test_the_verdict_reads_the_seed_spread_and_the_gain_over_sft():
+    by = lambda records, arm: ex._by(records, "ppo", arm)  # noqa: E731
+    within = _records([1.0, 2.0, 3.0], [2.5, 1.5, 2.9])  # 1 process: 2.0 ± 1.0; sharded mean 2.3
+    assert ex.verdict(by(within, "1"), by(within, "2-sharded"), ex._by(within, "sft", "sft")).startswith(
+        "holds"
+    )
+    outside = _records([1.0, 2.0, 3.0], [3.5, 3.1, 3.3])  # sharded mean 3.3 > 2.0 + 1.0
+    assert "outside" in ex.verdict(by(outside, "1"), by(outside, "2-sharded"), ex._by(outside, "sft", "sft"))
+    flat = _records([1.0, 2.0, 3.0], [2.5, 1.5, 2.9], sft_gold=2.0)  # seed 1's sharded run ends below SFT
+    assert "at or below its SFT" in ex.verdict(
+        by(flat, "1"), by(flat, "2-sharded"), ex._by(flat, "sft", "sft")
+    )
+    one = _records([1.0], [1.1])
+    assert ex.verdict(by(one, "1"), by(one, "2-sharded"), ex._by(one, "sft", "sft")).startswith("open here")
+
+
+def test_the_table_has_every_seed_and_the_paired_difference():
+    text = ex.markdown(_records([1.0, 2.0, 3.0], [2.5, 1.5, 2.9]), ["ppo"], ["1", "2-sharded"])
+    assert "| PPO, 2 processes, FSDP2 full_shard | 2.30 (2.50 / 1.50 / 2.90) |" in text
+    assert "| SFT | 0.00 (0.00 / 0.00 / 0.00) |" in text
+    assert "FSDP2 full_shard minus 1 process: +0.30 (+1.50 / -0.50 / -0.10)" in text
+
+
+@pytest.mark.slow
+def test_the_experiment_end_to_end_at_the_smoke_size(tmp_path):
+    out = tmp_path / "out"
+    assert ex.main(["--out", str(out), "--size", "smoke", "--seeds", "0", "--kinds", "grpo"]) == 0
+    records = ex.collect(out, [0], ["grpo"], list(ex.DEFAULT_ARMS))
+    assert {r["arm"] for r in records} == {"sft", *ex.DEFAULT_ARMS}
+    for r in records[1:]:
+        assert len(r["train"]) == ex.SIZES["smoke"].rollouts and r["seconds"] > 0
+    sharded = out / "seed-0" / "grpo-2-sharded"
+    assert "full_shard" in (sharded / "config.yaml").read_text()
+    assert (sharded / "final" / "config.json").is_file()  # gathered into a plain HF folder
+    assert (out / "learns_alike.png").stat().st_size > 0
+    assert "learns as 1 process does" in (out / "learns_alike.md").read_text()
