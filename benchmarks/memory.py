@@ -50,6 +50,11 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def local(p):
+    """A parameter's tensor on this process: a sharded (DTensor) parameter's own shard, else itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def child_env() -> dict[str, str]:
     """The environment of a measuring process. glibc adapts its mmap threshold upwards as large blocks are
     freed, after which big tensors come from the heap, whose freed space is reused or not depending on the
@@ -112,9 +117,13 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int) -> dict:
     )
     ctx = build_context(cfg, accelerator, tokenizer)
     roles = [ctx.roles.actor, ctx.roles.reference, ctx.roles.critic, ctx.roles.reward_model]
-    held = {p.data_ptr(): p.numel() for role in roles for p in role.parameters()}
+    # A sharded parameter counts its own shard (its local tensor): a DTensor's data_ptr is not its storage's.
+    held = {local(p).data_ptr(): local(p).numel() for role in roles for p in role.parameters()}
     trained = sum(
-        p.numel() for m in (ctx.roles.actor, ctx.roles.critic) for p in m.parameters() if p.requires_grad
+        local(p).numel()
+        for m in (ctx.roles.actor, ctx.roles.critic)
+        for p in m.parameters()
+        if p.requires_grad
     )
     cuda = accelerator.device.type == "cuda"
     if cuda:

@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                             round(r.get("baseline_bytes", 0) / 2**20, 1) for r in ranks
                         ],
                         "parameters_held_per_process": ranks[0]["parameters_held"],
+                        "parameters_trained_per_process": ranks[0]["parameters_trained"],
                     }
                 ),
                 flush=True,
