@@ -77,6 +77,8 @@ def run_settings(args, paths: dict[str, str], algo: str, dtype: str, length: int
     ]
     if args.stop_token:
         settings.append(f"online.stop_token={args.stop_token}")
+    if args.epochs is not None:
+        settings.append(f"online.ppo_epochs={args.epochs}")
     return settings
 
 
@@ -135,6 +137,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--backends", default="hf,vllm")
     parser.add_argument("--stop-token", default=None, help="text of the token that ends a response")
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="online.ppo_epochs (default: the trainer's, 4); 1 shrinks the update",
+    )
     parser.add_argument("--out", default="runs/bench_generation_backend")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--algo", help=argparse.SUPPRESS)

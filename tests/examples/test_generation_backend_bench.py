@@ -9,6 +9,7 @@ import importlib.util
 import os
 
 import pytest
+import yaml
 
 from tests.examples.loader import ROOT, load_example
 
@@ -23,7 +24,18 @@ def test_one_rollout_of_grpo_and_ppo_with_each_backend(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     bench = load_example("generation_backend", ROOT / "benchmarks")
     args = ["--preset", "tiny", "--dtypes", "float32", "--lengths", "6", "--responses", "4"]
-    args += ["--group-size", "2", "--rollouts", "1", "--repeats", "1", "--out", str(tmp_path)]
+    args += [
+        "--group-size",
+        "2",
+        "--rollouts",
+        "1",
+        "--repeats",
+        "1",
+        "--epochs",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     lines = bench.main(args)
     assert [(x["algo"], x["backend"]) for x in lines] == [
         ("grpo", "hf"),
@@ -37,3 +49,5 @@ def test_one_rollout_of_grpo_and_ppo_with_each_backend(tmp_path, monkeypatch):
         assert (x["time/weight_sync"] > 0) == (x["backend"] == "vllm")
         assert 0 < x["response_length"] <= 6
     assert all(x["generate_vs_hf"] > 0 for x in lines if x["backend"] == "vllm")
+    for run in (tmp_path / "runs").iterdir():  # --epochs reached every run
+        assert yaml.safe_load((run / "config.yaml").read_text())["online"]["ppo_epochs"] == 1, run
