@@ -85,8 +85,12 @@ def prepare(folder: Path, preset: str) -> dict[str, str]:
     }
 
 
-def measure(paths: dict[str, str], overrides: list[str], threads: int) -> dict:
-    """One rollout + update of ``rlhfkit train ppo`` with ``overrides``; the memory figures and counts."""
+def measure(paths: dict[str, str], overrides: list[str], threads: int, rollouts: int = 1) -> dict:
+    """``rollouts`` rollouts + updates of ``rlhfkit train ppo`` with ``overrides``; the memory figures and counts.
+
+    The first rollout generates before AdamW's state exists (it is allocated at the first step); from the second
+    on, generation (and under sharding the actor's gathered copy) comes on top of it, as in every later rollout.
+    """
     import torch
 
     torch.set_num_threads(threads)
@@ -129,12 +133,13 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     # One iteration of rlhfkit.trainers.online.train_online: generate, score, shape, advantages, PPO epochs.
-    batch = prompt_batch(ctx, examples, 1)
-    rollout = sample_rollout(ctx, batch)
-    take_scores(rollout, score_rollout(ctx, rollout, batch["records"]))
-    shape_rollout(ctx, rollout, ctx.kl_ctl.value)
-    rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
-    ppo_update(ctx, rollout, 1)
+    for step in range(1, rollouts + 1):
+        batch = prompt_batch(ctx, examples, step)
+        rollout = sample_rollout(ctx, batch)
+        take_scores(rollout, score_rollout(ctx, rollout, batch["records"]))
+        shape_rollout(ctx, rollout, ctx.kl_ctl.value)
+        rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
+        ppo_update(ctx, rollout, step)
     out = {
         "parameters_held": sum(held.values()),
         "parameters_trained": trained,

@@ -1,4 +1,5 @@
-"""Benchmark: peak per-process memory of one PPO rollout + update (actor, critic, reference, reward model),
+"""Benchmark: peak per-process memory of PPO rollouts + updates (actor, critic, reference, reward model; two by
+default, so that a rollout generates beside AdamW's state as in a real run),
 on 1 process, on 2 data-parallel processes and on 2 FSDP2-sharded processes (``train.sharding=full_shard``,
 frozen models sharded too: ``train.frozen_models=shard``), in float32 or bfloat16.
 
@@ -60,7 +61,7 @@ def child(args) -> int:
             "data.max_prompt_length=32",
             *CONFIGS[args.child][1],
         ]
-        result = measure(json.loads(args.paths), overrides, args.threads)
+        result = measure(json.loads(args.paths), overrides, args.threads, args.rollouts)
     Path(args.out, f"rank-{rank}.json").write_text(json.dumps(result))
     return 0
 
@@ -73,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per rollout (all processes)")
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--ppo-epochs", type=int, default=1)
+    parser.add_argument(
+        "--rollouts",
+        type=int,
+        default=2,
+        help="rollouts + updates (from the second on, generation runs beside AdamW's state, as in a real run)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="from: " + ", ".join(CONFIGS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -99,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--out={out}",
                 *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("dtype", "batch_size")),
                 *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("response_length", "ppo_epochs")),
+                f"--rollouts={args.rollouts}",
                 f"--threads={args.threads}",
             ]
             proc = subprocess.run(command, env=child_env(), capture_output=True, text=True)
@@ -113,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                         "config": name,
                         "processes": nproc,
                         "dtype": args.dtype,
+                        "rollouts": args.rollouts,
                         "model": args.model or args.preset,
                         "peak_bytes_per_process_max": peak,
                         "peak_mib_per_process": [round(r["peak_bytes"] / 2**20, 1) for r in ranks],
