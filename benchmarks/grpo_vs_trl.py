@@ -33,7 +33,6 @@ Run it on an otherwise idle machine: every figure is a wall time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -86,17 +85,8 @@ def prepare(work: Path, model: Path | None) -> dict:
 def worker_rlhfkit(a, out: Path, timer) -> dict:
     from rlhfkit.engine.metrics_writer import read_metrics
     from rlhfkit.models import head_chunks
-    from rlhfkit.trainers.online import loop
 
-    build_context, readout = loop.build_context, head_chunks.chunked_readout
-
-    def forced_length(*args, **kwargs):  # the stop token is one the sampler never emits: R tokens always
-        ctx = build_context(*args, **kwargs)
-        pad = ctx.tokenizer.pad_token_id
-        sampling = dataclasses.replace(ctx.sampling, suppress_ids=(pad,))
-        return dataclasses.replace(ctx, stop_token_ids=[pad], sampling=sampling)
-
-    loop.build_context = forced_length
+    readout = head_chunks.chunked_readout
     head_chunks.chunked_readout = timer.wrap_forward(readout)  # its read-out: the forward's phase
     responses = a.prompts * a.group
     overrides = {
@@ -130,9 +120,10 @@ def worker_rlhfkit(a, out: Path, timer) -> dict:
     if a.algo == "grpo":
         overrides["online.group_size"] = a.group
     try:
-        common.run_rlhfkit(a.algo, common.nested(overrides), out)
+        with common.forced_length():  # R tokens always
+            common.run_rlhfkit(a.algo, common.nested(overrides), out)
     finally:
-        loop.build_context, head_chunks.chunked_readout = build_context, readout
+        head_chunks.chunked_readout = readout
     diffs = [r[FIRST_DIFF] for r in read_metrics(out / "run" / "metrics.jsonl") if FIRST_DIFF in r]
     if len(diffs) != a.rollouts:
         raise SystemExit(f"expected {FIRST_DIFF} in each of {a.rollouts} rollouts, got {len(diffs)}")

@@ -303,24 +303,33 @@ def nested(flat: dict) -> dict:
     return out
 
 
-def worker_ppo_rlhfkit(a, out: Path) -> None:
+@contextlib.contextmanager
+def forced_length():
+    """While open, rlhfkit's online runs sample exactly ``online.response_length`` tokens a response: the stop
+    token is the pad token (EOS in these models), which the sampler never emits (suppressed), so no response
+    ends early, with either generation backend."""
     import dataclasses
 
     from rlhfkit.trainers.online import loop
 
     build_context = loop.build_context
 
-    def forced_length(*args, **kwargs):  # the stop token is one the sampler never emits: R tokens always
+    def forced(*args, **kwargs):
         ctx = build_context(*args, **kwargs)
         pad = ctx.tokenizer.pad_token_id
         sampling = dataclasses.replace(ctx.sampling, suppress_ids=(pad,))
         return dataclasses.replace(ctx, stop_token_ids=[pad], sampling=sampling)
 
-    loop.build_context = forced_length
+    loop.build_context = forced
     try:
-        _train_ppo(a, out)
+        yield
     finally:
         loop.build_context = build_context
+
+
+def worker_ppo_rlhfkit(a, out: Path) -> None:
+    with forced_length():
+        _train_ppo(a, out)
 
 
 def _train_ppo(a, out: Path) -> None:

@@ -33,6 +33,7 @@ def test_one_rollout_of_grpo_and_ppo_with_each_backend(tmp_path, monkeypatch):
         "1",
         "--epochs",
         "1",
+        "--forced-length",
         "--out",
         str(tmp_path),
     ]
@@ -47,7 +48,7 @@ def test_one_rollout_of_grpo_and_ppo_with_each_backend(tmp_path, monkeypatch):
         assert x["rollouts_timed"] == 1 and x["rollout_seconds"] > 0 and x["time/generate"] > 0
         assert x["rest"] == pytest.approx(x["rollout_seconds"] - x["time/generate"] - x["time/weight_sync"])
         assert (x["time/weight_sync"] > 0) == (x["backend"] == "vllm")
-        assert 0 < x["response_length"] <= 6
+        assert x["response_length"] == 6  # --forced-length: no response ends early
     assert all(x["generate_vs_hf"] > 0 for x in lines if x["backend"] == "vllm")
     for run in (tmp_path / "runs").iterdir():  # --epochs reached every run
         assert yaml.safe_load((run / "config.yaml").read_text())["online"]["ppo_epochs"] == 1, run
