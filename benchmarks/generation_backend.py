@@ -82,6 +82,8 @@ def run_settings(args, paths: dict[str, str], algo: str, dtype: str, length: int
         settings.append(f"online.stop_token={args.stop_token}")
     if args.epochs is not None:
         settings.append(f"online.ppo_epochs={args.epochs}")
+    if args.micro_batch is not None:
+        settings.append(f"train.micro_batch_size={args.micro_batch}")
     return settings
 
 
@@ -155,6 +157,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         type=int,
         default=None,
         help="online.ppo_epochs (default: the trainer's, 4); 1 shrinks the update",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="train.micro_batch_size (default: the trainer's, the whole rollout); 8 keeps 32 x 512 tokens in memory",
     )
     parser.add_argument("--out", default="runs/bench_generation_backend")
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -34,6 +34,8 @@ def test_one_rollout_of_grpo_and_ppo_with_each_backend(tmp_path, monkeypatch):
         "--epochs",
         "1",
         "--forced-length",
+        "--micro-batch",
+        "2",
         "--out",
         str(tmp_path),
     ]
@@ -50,5 +52,6 @@ def test_one_rollout_of_grpo_and_ppo_with_each_backend(tmp_path, monkeypatch):
         assert (x["time/weight_sync"] > 0) == (x["backend"] == "vllm")
         assert x["response_length"] == 6  # --forced-length: no response ends early
     assert all(x["generate_vs_hf"] > 0 for x in lines if x["backend"] == "vllm")
-    for run in (tmp_path / "runs").iterdir():  # --epochs reached every run
-        assert yaml.safe_load((run / "config.yaml").read_text())["online"]["ppo_epochs"] == 1, run
+    for run in (tmp_path / "runs").iterdir():  # --epochs and --micro-batch reached every run
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        assert config["online"]["ppo_epochs"] == 1 and config["train"]["micro_batch_size"] == 2, run
