@@ -93,9 +93,30 @@ def _num(x, digits=2):
     return "–" if x is None or x != x else f"{x:.{digits}f}"
 
 
-def markdown(results: list[dict], arms) -> str:
+def preference_lines(results: list[dict]) -> list[str]:
+    """The reward models' length preference, paired per seed: the premise (the plain reward model prefers length
+    more than gold does) and the penalty's aim (no length preference, whichever its sign: |correlation| towards
+    0)."""
     from rlhfkit.reporting.paired import describe, paired, verdict
 
+    a = [r["preference"]["reward"]["length_correlation"] for r in results]
+    b = [r["preference"]["length_bias"]["length_correlation"] for r in results]
+    gold = [r["preference"]["reward"]["gold_length_correlation"] for r in results]
+    if not all(x is not None and x == x for x in a + b + gold):
+        return []
+    premise = paired(gold, a)
+    aim = paired([abs(x) for x in a], [abs(x) for x in b])
+    return [
+        "",
+        f"Plain − gold score–length correlation: {describe(premise)}; premise (the reward model prefers length "
+        f"more than gold does): {verdict(premise, +1)}.",
+        "",
+        f"Length-penalised − plain |score–length correlation|: {describe(aim)}; claim (the penalty takes the "
+        f"correlation towards 0): {verdict(aim, -1)}.",
+    ]
+
+
+def markdown(results: list[dict], arms) -> str:
     lines = [
         "| reward model | score–length correlation per seed | gold–length correlation | held-out accuracy |"
     ]
@@ -104,12 +125,7 @@ def markdown(results: list[dict], arms) -> str:
         cells = [" / ".join(_num(r["preference"][key][f]) for r in results) for f in
                  ("length_correlation", "gold_length_correlation", "accuracy")]  # fmt: skip
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    a = [r["preference"]["reward"]["length_correlation"] for r in results]
-    b = [r["preference"]["length_bias"]["length_correlation"] for r in results]
-    if all(x is not None and x == x for x in a + b):
-        p = paired(a, b)
-        lines += ["", f"Length-penalised − plain score–length correlation: {describe(p)}; claim (lower): "
-                  f"{verdict(p, -1)}."]  # fmt: skip
+    lines += preference_lines(results)
     lines += ["", ppo_arms.end_table(results, arms)]
     if BASE in {a.name for a in arms}:
         lines += ["", ppo_arms.paired_table(results, arms, BASE, CLAIMS)]

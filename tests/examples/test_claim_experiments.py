@@ -84,7 +84,7 @@ def test_length_bias_trains_the_penalised_rm_and_runs_the_refresh(stage, tmp_pat
     penalised = result["preference"]["length_bias"]
     assert penalised["length_correlation"] is not None and -1 <= penalised["length_correlation"] <= 1
     text = ex.report(tmp_path, [result, {**result, "seed": 1}], 1, ("rm-kl0", "rm-kl0-refresh"))
-    assert "Length-penalised − plain score–length correlation" in text and "length down:" in text
+    assert "Length-penalised − plain |score–length correlation|" in text and "length down:" in text
     assert (tmp_path / "length_bias.png").is_file()
 
 
@@ -105,3 +105,23 @@ def test_overfit_reward_trains_on_the_subset_and_measures_its_fit(stage, tmp_pat
     text = ex.report(tmp_path, [result, {**result, "seed": 1}], ("rm-kl0", "overfit-kl0"))
     assert "| over-fitted | 4 |" in text and "gold down:" in text
     assert (tmp_path / "overfit_reward.png").is_file()
+
+
+def test_length_preference_is_read_by_its_size_whatever_its_sign():
+    """The penalty's aim is no length preference: a plain reward model that prefers SHORT answers (correlation
+    -0.2) and a penalised one near 0 is the penalty working (the signed difference would read "fails"); the
+    premise compares the plain model's preference with gold's (here equal, so the premise is not borne out)."""
+    ex = load_example("experiments/length_bias")
+    plain, penalised, gold = (-0.21, -0.20, -0.21, -0.13, -0.16), (-0.04, 0.0, -0.01, 0.0, -0.01), (
+        -0.19, -0.19, -0.15, -0.21, -0.14)  # fmt: skip
+    results = [
+        {"preference": {"reward": {"length_correlation": a, "gold_length_correlation": g},
+                        "length_bias": {"length_correlation": b}}}
+        for a, b, g in zip(plain, penalised, gold, strict=True)
+    ]  # fmt: skip
+    lines = [x for x in ex.preference_lines(results) if x]
+    assert lines[0].startswith("Plain − gold score–length correlation: -0.01") and lines[0].endswith(
+        "open here."
+    )
+    assert lines[1].startswith("Length-penalised − plain |score–length correlation|: -0.17")
+    assert lines[1].endswith("towards 0): holds.")
