@@ -102,18 +102,20 @@ def preference_lines(results: list[dict]) -> list[str]:
     a = [r["preference"]["reward"]["length_correlation"] for r in results]
     b = [r["preference"]["length_bias"]["length_correlation"] for r in results]
     gold = [r["preference"]["reward"]["gold_length_correlation"] for r in results]
-    if not all(x is not None and x == x for x in a + b + gold):
-        return []
-    premise = paired(gold, a)
-    aim = paired([abs(x) for x in a], [abs(x) for x in b])
-    return [
-        "",
-        f"Plain − gold score–length correlation: {describe(premise)}; premise (the reward model prefers length "
-        f"more than gold does): {verdict(premise, +1)}.",
-        "",
-        f"Length-penalised − plain |score–length correlation|: {describe(aim)}; claim (the penalty takes the "
-        f"correlation towards 0): {verdict(aim, -1)}.",
-    ]
+    lines = []
+    if _numbers(a + gold):
+        premise = paired(gold, a)
+        lines += ["", f"Plain − gold score–length correlation: {describe(premise)}; premise (the reward model "
+                  f"prefers length more than gold does): {verdict(premise, +1)}."]  # fmt: skip
+    if _numbers(a + b):
+        aim = paired([abs(x) for x in a], [abs(x) for x in b])
+        lines += ["", f"Length-penalised − plain |score–length correlation|: {describe(aim)}; claim (the penalty "
+                  f"takes the correlation towards 0): {verdict(aim, -1)}."]  # fmt: skip
+    return lines
+
+
+def _numbers(values) -> bool:
+    return all(x is not None and x == x for x in values)
 
 
 def markdown(results: list[dict], arms) -> str:
