@@ -200,6 +200,7 @@ def worker_trl(a, out: Path, timer) -> dict:
 
         init = vllm.LLM.__init__
         vllm.LLM.__init__ = lambda self, *args, **kw: init(self, *args, **{**kw, "dtype": "bfloat16"})
+        timer.undo.append(lambda: setattr(vllm.LLM, "__init__", init))
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=length_reward,
@@ -318,8 +319,10 @@ def measure(a, system: str, algo: str, **sizes) -> dict:
         args += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "RLHFKIT_NUM_THREADS": str(a.threads)}
     env["PYTHONPATH"] = str(ROOT / "src") + (os.pathsep + str(VLLM_TRL) if a.vllm and system == "trl" else "")
-    if a.vllm:  # the engine in the worker's own process, the same KV-cache space in both systems
-        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB))
+    if a.vllm:  # the engine in the worker's own process (rlhfkit sets the KV-cache space from its own key)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if system == "trl":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)
     env.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     done = subprocess.run(args, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
