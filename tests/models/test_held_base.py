@@ -131,3 +131,55 @@ def test_a_save_first_hands_freed_heap_memory_back():
     release_freed_memory()
     assert before - rss_mib() > 200
     assert len(kept) == 40
+
+
+def _head_casts(model) -> int:
+    """How many times a forward + read-out casts a (V, H) tensor (the tied output weight) to another dtype."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vh = tuple(model.get_output_embeddings().weight.shape)
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == vh:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        _readout(model)
+    return Count.n
+
+
+def test_a_tied_frozen_head_is_multiplied_in_bf16_without_a_cast_per_call():
+    """The tied output weight's bf16 copy (hold_tied_head_cast) gives the same log-probs, entropies and adapter
+    gradients bit for bit as autocast's cast at every call, and is made once, not at every call."""
+    from rlhfkit.models.precision import HALF_HEAD
+
+    _, held = _pair(tied=True)
+    head = held.get_base_model().get_output_embeddings()
+    assert head.weight is held.get_base_model().get_input_embeddings().weight
+    assert getattr(head, HALF_HEAD, "missing") is None  # set up by prepare_trained, filled at the first call
+    with_copy = _readout(held)
+    copy_tensor = getattr(head, HALF_HEAD)[1]
+    assert copy_tensor.dtype == torch.bfloat16
+    assert _head_casts(held) == 0
+    assert getattr(head, HALF_HEAD)[1] is copy_tensor  # kept between calls
+    del head.forward  # the class's forward: autocast casts the float32 weight at each call
+    assert _head_casts(held) > 1
+    plain = _readout(held)
+    assert torch.equal(with_copy[0], plain[0]) and torch.equal(with_copy[1], plain[1])
+    assert all(torch.equal(with_copy[2][k], plain[2][k]) for k in plain[2])
+
+
+def test_no_head_copy_untied_trained_or_float32():
+    from rlhfkit.models.precision import HALF_HEAD, hold_tied_head_cast
+
+    _, untied = _pair(tied=False)
+    assert not hasattr(untied.get_base_model().get_output_embeddings(), HALF_HEAD)
+    full = prepare_trained(
+        _base(tied=True), ModelConfig()
+    )  # the tied weight is trained: autocast keeps its cast
+    assert not hold_tied_head_cast(full)
+    assert not hold_tied_head_cast(_base(dtype=None, tied=True))

@@ -1,10 +1,13 @@
 """Stop-token truncation by hand (including pad == EOS) and generation from left-padded prompts."""
 
+from unittest import mock
+
 import pytest
 import torch
 
 from rlhfkit.models import sampling_for
 from rlhfkit.rollout import generate_responses, truncate_at_stop
+from rlhfkit.rollout.generation import inverse_cdf_sample
 from tests.helpers import tiny_llama
 
 EOS, PAD = 2, 0
@@ -204,3 +207,65 @@ def test_distinct_prompts_take_plain_generate():
     from rlhfkit.models.prompt_cache import shared_prompt_cache
 
     assert shared_prompt_cache(model, ids, mask) is None
+
+
+def test_inverse_cdf_sample_draws_each_entry_at_its_probability():
+    """Frequencies over many draws against the probabilities (unnormalised rows, rows of other shapes), and
+    entries of probability 0 (first, inside and last) never drawn."""
+    probs = torch.tensor(
+        [
+            [0.0, 0.1, 0.0, 0.6, 0.3, 0.0],
+            [2.0, 0.0, 0.0, 0.0, 0.0, 2.0],  # unnormalised: halves
+            [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+        ]
+    )
+    n = 20000
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([inverse_cdf_sample(probs, generator) for _ in range(n)], dim=1)  # (3, n)
+    counts = torch.stack([torch.bincount(row, minlength=6) for row in draws]).float() / n
+    expected = probs / probs.sum(-1, keepdim=True)
+    assert torch.equal(counts[expected == 0], torch.zeros_like(counts[expected == 0]))
+    # 5 standard errors of a frequency at n = 20,000 is at most 0.018
+    torch.testing.assert_close(counts, expected, rtol=0, atol=0.018)
+
+
+def test_inverse_cdf_sample_never_draws_a_zero_at_a_boundary():
+    """A uniform number exactly on a cumulative boundary goes to the next entry with mass, not to an empty
+    interval (a search that is not strictly above the number would draw the zero-probability entry)."""
+    probs = torch.tensor([[0.5, 0.0, 0.5]])
+    with mock.patch("torch.rand", lambda *a, **k: torch.full((1, 1), 0.5, dtype=torch.float64)):
+        assert inverse_cdf_sample(probs).tolist() == [2]
+    with mock.patch("torch.rand", lambda *a, **k: torch.zeros((1, 1), dtype=torch.float64)):
+        assert inverse_cdf_sample(probs).tolist() == [0]
+
+
+def test_sampled_tokens_and_logprobs_follow_the_scored_distribution():
+    """The sampler's log-probs are those the trainer recomputes (sampled_logprobs on the model's logits under
+    the same Sampling, top-k and top-p included), and every drawn token is inside the truncated set."""
+    from rlhfkit.models import response_logits, sampled_logprobs
+
+    model = tiny_llama(seed=0)
+    eos, pad = model.config.eos_token_id, model.config.pad_token_id
+    ids, mask = _grouped_prompts(pad, group=4)
+    for sampling in (sampling_for(pad, [eos], 0.7), sampling_for(pad, [eos], 1.3, top_k=5, top_p=0.8)):
+        torch.manual_seed(1)
+        out = generate_responses(
+            model,
+            ids,
+            mask,
+            max_new_tokens=6,
+            stop_token_ids=[eos],
+            pad_token_id=pad,
+            sampling=sampling,
+            return_logprobs=True,
+        )
+        with torch.no_grad():
+            logits = response_logits(model, out.input_ids, out.attention_mask, out.response_start)
+            scored = sampled_logprobs(logits, out.response_ids, sampling)
+        torch.testing.assert_close(
+            torch.where(out.mask, out.sampled_logprobs, 0.0),
+            torch.where(out.mask, scored, 0.0),
+            rtol=0,
+            atol=1e-5,
+        )
+        assert bool(torch.isfinite(out.sampled_logprobs).all())

@@ -16,6 +16,9 @@ the start, so an adapted model starts exactly where its base is. Here:
 - :func:`save_adapter` writes the adapter alone in peft's format (``adapter_config.json`` +
   ``adapter_model.safetensors``); :func:`merged_copy` gives the plain Hugging Face model with the update
   merged into the float32 W (what ``final/`` holds);
+- :func:`merged_for_generation` merges the adapter into the base's linear weights for the length of a
+  ``generate`` call, the originals put back after: one matrix product per layer and decoding step instead of
+  three, and none of the adapter's casts;
 - :func:`adapter_base` recognises an adapter folder, so that one can be given wherever a model folder is:
   it is loaded as its base with the adapter merged in (the model it stands for).
 
@@ -26,6 +29,7 @@ the stored activations one per block instead of every intermediate.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -35,7 +39,7 @@ from pathlib import Path
 import torch
 
 from rlhfkit.errors import UserError
-from rlhfkit.models.precision import hold_frozen_linears, restore_frozen_linears
+from rlhfkit.models.precision import hold_frozen_linears, hold_tied_head_cast, restore_frozen_linears
 
 ADAPTER_DIR = "adapter"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -72,6 +76,7 @@ def prepare_trained(model: torch.nn.Module, model_cfg) -> torch.nn.Module:
             target_modules=modules,
         )
         hold_frozen_linears(model)  # bf16 compute: the frozen base in bf16, its float32 originals on disk
+        hold_tied_head_cast(model.get_base_model())  # and a bf16 copy of a tied, frozen output projection
     return model
 
 
@@ -170,6 +175,66 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning)
         return restore_frozen_linears(copy.deepcopy(model)).merge_and_unload()  # into float32 weights
+
+
+def _mergeable_lora_layers(model: torch.nn.Module) -> list | None:
+    """The LoRA linear layers of a peft model, each with one plain adapter active (no DoRA or other variant)
+    and a plain (not sharded) base weight, or None when any LoRA layer is not such (or there is none). Only a
+    peft model itself: an :class:`AdapterDisabled` role samples from the base, not the adapted weights."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return None
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    layers = []
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        active = [a for a in module.active_adapters if a in module.lora_A]
+        if (
+            type(module) is not LoraLinear
+            or len(active) != 1
+            or module.lora_variant
+            or module.merged
+            or module.disable_adapters
+            or type(module.base_layer.weight.data) is not torch.Tensor
+        ):
+            return None
+        layers.append((module, active[0]))
+    return layers or None
+
+
+@contextlib.contextmanager
+def merged_for_generation(model: torch.nn.Module):
+    """Within this block a LoRA model's linear layers compute with ``W + alpha / r * B A`` merged into one
+    weight (in the dtype the base weight has there: bf16 inside :func:`rlhfkit.models.precision.frozen_linears_cast`
+    or when held, float32 otherwise) and the adapters switched off; the base weights are put back after,
+    untouched (the merged weights are new tensors). For sampling only: no gradient flows, and the merged
+    product differs from the adapter's ``W x + B (A x)`` by the rounding of the sum, so the trainer's log-probs
+    (recomputed through the adapters) stay exact and the sampled tokens are drawn from the same distribution up
+    to that rounding (the ``test_merged_generation`` tests bound it).
+
+    A null context for any other model, and for a peft model with a layer that is not a plain LoRA linear
+    layer with one active adapter (DoRA, several adapters, a sharded base weight)."""
+    layers = _mergeable_lora_layers(model)
+    if layers is None:
+        yield model
+        return
+    held = []
+    try:
+        with torch.no_grad():
+            for module, adapter in layers:
+                weight = module.base_layer.weight
+                held.append((weight, weight.data))
+                delta = module.get_delta_weight(adapter)  # (d_out, d_in), float32 like the adapter
+                weight.data = (weight.data.to(delta.dtype) + delta).to(weight.dtype)
+        with model.disable_adapter():
+            yield model
+    finally:
+        for weight, data in held:
+            weight.data = data
 
 
 def save_adapter(model: torch.nn.Module, tokenizer, path: str | os.PathLike) -> None:

@@ -162,6 +162,58 @@ def hold_frozen_linears(model: torch.nn.Module) -> int:
     return len(weights)
 
 
+HALF_HEAD = "rlhfkit_half_weight"  # the output module's attribute holding its weight's autocast-dtype copy
+
+
+def hold_tied_head_cast(model: torch.nn.Module) -> bool:
+    """Give a model whose frozen float32 output projection shares its weight with the input embedding (tied
+    embeddings, as SmolLM2, Gemma, Qwen2 0.5B) a copy of that weight in the autocast dtype, which its output
+    module multiplies under autocast instead of casting the float32 weight again at every call.
+
+    :func:`hold_frozen_linears` cannot hold such a weight in bf16: the embedding reads it too, and is not
+    autocast. Autocast does not keep its cast of a frozen weight, so each call cast the whole (V, H) matrix
+    again: 28M values at every decoding step and every read-out chunk of SmolLM2-135M, 20-50 ms each on this
+    CPU (torch.profiler). Autocast's cast is a round to nearest of the same values, so the products are the
+    same bit for bit (``tests/models/test_held_base.py``). The copy is a plain attribute (not a buffer: no
+    state dict, no broadcast), made again should the weight ever change (its version counter).
+
+    Only for a model under :func:`autocast_forward`'s dtype whose output module is a plain ``nn.Linear`` with
+    a frozen float32 (not sharded) weight that the input embedding also holds. Returns whether it was set up."""
+    dtype = getattr(model, "rlhfkit_autocast", None)
+    get_out, get_in = (
+        getattr(model, "get_output_embeddings", None),
+        getattr(model, "get_input_embeddings", None),
+    )
+    if dtype is None or get_out is None or get_in is None:
+        return False
+    head, embedding = get_out(), get_in()
+    if type(head) is not torch.nn.Linear or embedding is None or head.weight is not embedding.weight:
+        return False
+    weight = head.weight
+    if weight.requires_grad or weight.dtype != torch.float32 or type(weight.data) is not torch.Tensor:
+        return False
+    if getattr(head, HALF_HEAD, None) is not None:
+        return True
+
+    def forward(self, x):
+        w = self.weight
+        if not (
+            torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == dtype
+        ):
+            return torch.nn.functional.linear(x, w, self.bias)
+        held = getattr(self, HALF_HEAD)
+        key = (w.data_ptr(), w._version, w.device)
+        if held is None or held[0] != key:
+            with torch.no_grad():
+                held = (key, w.detach().to(dtype))
+            setattr(self, HALF_HEAD, held)
+        return torch.nn.functional.linear(x, held[1], self.bias)
+
+    setattr(head, HALF_HEAD, None)
+    head.forward = types.MethodType(forward, head)
+    return True
+
+
 def restore_frozen_linears(model: torch.nn.Module) -> torch.nn.Module:
     """Put the float32 originals :func:`hold_frozen_linears` wrote back into ``model`` (the held model or a
     copy of it: the weights are found by name), so that merging an adapter into them is exact. Returns
