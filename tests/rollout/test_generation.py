@@ -7,7 +7,7 @@ import torch
 
 from rlhfkit.models import sampling_for
 from rlhfkit.rollout import generate_responses, truncate_at_stop
-from rlhfkit.rollout.generation import inverse_cdf_sample
+from rlhfkit.rollout.generation import SAMPLE_BLOCK, inverse_cdf_sample
 from tests.helpers import tiny_llama
 
 EOS, PAD = 2, 0
@@ -209,34 +209,54 @@ def test_distinct_prompts_take_plain_generate():
     assert shared_prompt_cache(model, ids, mask) is None
 
 
-def test_inverse_cdf_sample_draws_each_entry_at_its_probability():
-    """Frequencies over many draws against the probabilities (unnormalised rows, rows of other shapes), and
-    entries of probability 0 (first, inside and last) never drawn."""
+@pytest.mark.parametrize("block", [SAMPLE_BLOCK, 2, 3])  # one level; two levels, with and without a tail
+def test_inverse_cdf_sample_draws_each_entry_at_its_probability(block):
+    """Frequencies over many draws against the probabilities (unnormalised rows; mass in the short last block),
+    and entries of probability 0 (first, inside, last, whole blocks) never drawn."""
     probs = torch.tensor(
         [
-            [0.0, 0.1, 0.0, 0.6, 0.3, 0.0],
-            [2.0, 0.0, 0.0, 0.0, 0.0, 2.0],  # unnormalised: halves
-            [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+            [0.0, 0.1, 0.0, 0.6, 0.3, 0.0, 0.0],
+            [2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0],  # unnormalised: halves; the second in the last block
+            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
         ]
     )
     n = 20000
     generator = torch.Generator().manual_seed(0)
-    draws = torch.stack([inverse_cdf_sample(probs, generator) for _ in range(n)], dim=1)  # (3, n)
-    counts = torch.stack([torch.bincount(row, minlength=6) for row in draws]).float() / n
+    draws = torch.stack([inverse_cdf_sample(probs, generator, block) for _ in range(n)], dim=1)  # (3, n)
+    counts = torch.stack([torch.bincount(row, minlength=7) for row in draws]).float() / n
     expected = probs / probs.sum(-1, keepdim=True)
     assert torch.equal(counts[expected == 0], torch.zeros_like(counts[expected == 0]))
     # 5 standard errors of a frequency at n = 20,000 is at most 0.018
     torch.testing.assert_close(counts, expected, rtol=0, atol=0.018)
 
 
-def test_inverse_cdf_sample_never_draws_a_zero_at_a_boundary():
-    """A uniform number exactly on a cumulative boundary goes to the next entry with mass, not to an empty
-    interval (a search that is not strictly above the number would draw the zero-probability entry)."""
-    probs = torch.tensor([[0.5, 0.0, 0.5]])
+@pytest.mark.parametrize(
+    "probs, block, expected",
+    [
+        ([0.5, 0.0, 0.5], SAMPLE_BLOCK, 2),  # one level: u = 0.5 is the boundary of the empty interval
+        ([0.5, 0.0, 0.0, 0.0, 0.0, 0.5], 2, 5),  # two levels: the middle block's sum is 0
+    ],
+)
+def test_inverse_cdf_sample_never_draws_a_zero_at_a_boundary(probs, block, expected):
+    """A uniform number exactly on a cumulative boundary goes to the next entry (block) with mass, not to an
+    empty interval (a search that is not strictly above the number would draw a zero-probability entry)."""
+    probs = torch.tensor([probs])
     with mock.patch("torch.rand", lambda *a, **k: torch.full((1, 1), 0.5, dtype=torch.float64)):
-        assert inverse_cdf_sample(probs).tolist() == [2]
+        assert inverse_cdf_sample(probs, block=block).tolist() == [expected]
     with mock.patch("torch.rand", lambda *a, **k: torch.zeros((1, 1), dtype=torch.float64)):
-        assert inverse_cdf_sample(probs).tolist() == [0]
+        assert inverse_cdf_sample(probs, block=block).tolist() == [0]
+
+
+def test_two_level_draws_a_large_vocabulary_as_one_level_does():
+    """At a real vocabulary size (49,152 entries, 48 blocks) the two-level draw's frequencies over a few
+    entries spread across blocks, the tail block included, are the probabilities."""
+    probs = torch.zeros(1, 49_152 + 100)
+    probs[0, [3, 1500, 30_000, 49_200]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    generator = torch.Generator().manual_seed(1)
+    draws = torch.cat([inverse_cdf_sample(probs.expand(500, -1), generator) for _ in range(40)])
+    assert set(draws.tolist()) == {3, 1500, 30_000, 49_200}
+    freq = torch.tensor([(draws == i).float().mean().item() for i in (3, 1500, 30_000, 49_200)])
+    torch.testing.assert_close(freq, torch.tensor([0.1, 0.2, 0.3, 0.4]), rtol=0, atol=0.02)
 
 
 def test_sampled_tokens_and_logprobs_follow_the_scored_distribution():
