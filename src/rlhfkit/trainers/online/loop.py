@@ -24,7 +24,6 @@ from rlhfkit.engine.folder import RunDir, logged_at, open_run
 from rlhfkit.engine.seed import get_rng_state, seed_everything
 from rlhfkit.errors import ConfigError
 from rlhfkit.models.precision import frozen_linears_cast
-from rlhfkit.models.saving import release_freed_memory
 from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
 from rlhfkit.rollout.scoring import Scorer, check_signature, data_columns
 from rlhfkit.trainers.common import finish_run, run_tokenizer
@@ -191,11 +190,7 @@ def train_online(
             },
         )
 
-        # 5. PPO epochs: shuffled minibatches, one optimizer step each, micro-batch accumulation. The memory
-        # the rollout freed (generation's caches, the scoring forwards' temporaries) goes back to the system
-        # first: the C allocator keeps it otherwise, and the update's activations land on top of it (peak RSS
-        # of GRPO on SmolLM2-135M in fp32: 2,841 -> 2,715 MiB, benchmarks/grpo_vs_trl.py with BENCH_RSS=1).
-        release_freed_memory()
+        # 5. PPO epochs: shuffled minibatches, one optimizer step each, micro-batch accumulation
         with clock("update"), frozen_linears_cast(ctx.roles.actor):  # bit-identical to autocast's own casts
             update = (
                 UpdateResult(StatSums(ctx.device))
