@@ -1,13 +1,10 @@
 """Stop-token truncation by hand (including pad == EOS) and generation from left-padded prompts."""
 
-from unittest import mock
-
 import pytest
 import torch
 
 from rlhfkit.models import sampling_for
 from rlhfkit.rollout import generate_responses, truncate_at_stop
-from rlhfkit.rollout.generation import SAMPLE_BLOCK, inverse_cdf_sample
 from tests.helpers import tiny_llama
 
 EOS, PAD = 2, 0
@@ -207,85 +204,3 @@ def test_distinct_prompts_take_plain_generate():
     from rlhfkit.models.prompt_cache import shared_prompt_cache
 
     assert shared_prompt_cache(model, ids, mask) is None
-
-
-@pytest.mark.parametrize("block", [SAMPLE_BLOCK, 2, 3])  # one level; two levels, with and without a tail
-def test_inverse_cdf_sample_draws_each_entry_at_its_probability(block):
-    """Frequencies over many draws against the probabilities (unnormalised rows; mass in the short last block),
-    and entries of probability 0 (first, inside, last, whole blocks) never drawn."""
-    probs = torch.tensor(
-        [
-            [0.0, 0.1, 0.0, 0.6, 0.3, 0.0, 0.0],
-            [2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0],  # unnormalised: halves; the second in the last block
-            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
-        ]
-    )
-    n = 20000
-    generator = torch.Generator().manual_seed(0)
-    draws = torch.stack([inverse_cdf_sample(probs, generator, block) for _ in range(n)], dim=1)  # (3, n)
-    counts = torch.stack([torch.bincount(row, minlength=7) for row in draws]).float() / n
-    expected = probs / probs.sum(-1, keepdim=True)
-    assert torch.equal(counts[expected == 0], torch.zeros_like(counts[expected == 0]))
-    # 5 standard errors of a frequency at n = 20,000 is at most 0.018
-    torch.testing.assert_close(counts, expected, rtol=0, atol=0.018)
-
-
-@pytest.mark.parametrize(
-    "probs, block, expected",
-    [
-        ([0.5, 0.0, 0.5], SAMPLE_BLOCK, 2),  # one level: u = 0.5 is the boundary of the empty interval
-        ([0.5, 0.0, 0.0, 0.0, 0.0, 0.5], 2, 5),  # two levels: the middle block's sum is 0
-    ],
-)
-def test_inverse_cdf_sample_never_draws_a_zero_at_a_boundary(probs, block, expected):
-    """A uniform number exactly on a cumulative boundary goes to the next entry (block) with mass, not to an
-    empty interval (a search that is not strictly above the number would draw a zero-probability entry)."""
-    probs = torch.tensor([probs])
-    with mock.patch("torch.rand", lambda *a, **k: torch.full((1, 1), 0.5, dtype=torch.float64)):
-        assert inverse_cdf_sample(probs, block=block).tolist() == [expected]
-    with mock.patch("torch.rand", lambda *a, **k: torch.zeros((1, 1), dtype=torch.float64)):
-        assert inverse_cdf_sample(probs, block=block).tolist() == [0]
-
-
-def test_two_level_draws_a_large_vocabulary_as_one_level_does():
-    """At a real vocabulary size (49,152 entries, 48 blocks) the two-level draw's frequencies over a few
-    entries spread across blocks, the tail block included, are the probabilities."""
-    probs = torch.zeros(1, 49_152 + 100)
-    probs[0, [3, 1500, 30_000, 49_200]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    generator = torch.Generator().manual_seed(1)
-    draws = torch.cat([inverse_cdf_sample(probs.expand(500, -1), generator) for _ in range(40)])
-    assert set(draws.tolist()) == {3, 1500, 30_000, 49_200}
-    freq = torch.tensor([(draws == i).float().mean().item() for i in (3, 1500, 30_000, 49_200)])
-    torch.testing.assert_close(freq, torch.tensor([0.1, 0.2, 0.3, 0.4]), rtol=0, atol=0.02)
-
-
-def test_sampled_tokens_and_logprobs_follow_the_scored_distribution():
-    """The sampler's log-probs are those the trainer recomputes (sampled_logprobs on the model's logits under
-    the same Sampling, top-k and top-p included), and every drawn token is inside the truncated set."""
-    from rlhfkit.models import response_logits, sampled_logprobs
-
-    model = tiny_llama(seed=0)
-    eos, pad = model.config.eos_token_id, model.config.pad_token_id
-    ids, mask = _grouped_prompts(pad, group=4)
-    for sampling in (sampling_for(pad, [eos], 0.7), sampling_for(pad, [eos], 1.3, top_k=5, top_p=0.8)):
-        torch.manual_seed(1)
-        out = generate_responses(
-            model,
-            ids,
-            mask,
-            max_new_tokens=6,
-            stop_token_ids=[eos],
-            pad_token_id=pad,
-            sampling=sampling,
-            return_logprobs=True,
-        )
-        with torch.no_grad():
-            logits = response_logits(model, out.input_ids, out.attention_mask, out.response_start)
-            scored = sampled_logprobs(logits, out.response_ids, sampling)
-        torch.testing.assert_close(
-            torch.where(out.mask, out.sampled_logprobs, 0.0),
-            torch.where(out.mask, scored, 0.0),
-            rtol=0,
-            atol=1e-5,
-        )
-        assert bool(torch.isfinite(out.sampled_logprobs).all())

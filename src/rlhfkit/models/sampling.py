@@ -79,14 +79,11 @@ def sampling_for(
 
 def generation_kwargs(sampling: Sampling, greedy: bool = False) -> dict:
     """``generate`` keyword arguments for exactly this processing (call ``generate`` inside
-    :func:`without_checkpoint_defaults`, so that nothing of the checkpoint's is added). When sampling,
-    ``top_k`` is always given: unset, transformers' own default of 50 would apply; greedy decoding gets none of
-    the sampling settings (transformers warns that they are ignored)."""
-    kwargs: dict = {"do_sample": False}
+    :func:`without_checkpoint_defaults`, so that nothing of the checkpoint's is added). ``top_k`` is always
+    given: unset, transformers' own default of 50 would apply."""
+    kwargs: dict = {"do_sample": not greedy, "top_k": 0, "top_p": 1.0, "temperature": 1.0}
     if not greedy:
-        kwargs.update(
-            do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
-        )
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     if sampling.suppress_ids:
         kwargs["suppress_tokens"] = list(sampling.suppress_ids)
     return kwargs
