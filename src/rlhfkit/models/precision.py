@@ -192,7 +192,7 @@ def hold_tied_head_cast(model: torch.nn.Module) -> bool:
     weight = head.weight
     if weight.requires_grad or weight.dtype != torch.float32 or type(weight.data) is not torch.Tensor:
         return False
-    if getattr(head, HALF_HEAD, None) is not None:
+    if hasattr(head, HALF_HEAD):  # set up already (the copy itself is made at the first call)
         return True
 
     def forward(self, x):
