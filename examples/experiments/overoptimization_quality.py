@@ -211,7 +211,7 @@ def parse_args(argv=None):
         "--quickstart", type=Path, help="take the SFT policy and prompts of this finished quickstart"
     )
     p.add_argument("--task-seed", type=int, default=0, help="the task's seed (the quickstart's --seed)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument(
         "--qualities", type=int, nargs="+", default=list(QUALITIES), help="training pairs per reward model"
     )

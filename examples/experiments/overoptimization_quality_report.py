@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE.parent))  # examples/overoptimization.py: the RL for
 from overoptimization import fit_gao, gao_curve  # noqa: E402
 from temperature_report import plus_minus, write_csv  # noqa: E402
 
-from rlhfkit.reporting.paired import describe, paired  # noqa: E402
+from rlhfkit.reporting.paired import describe, paired, verdict  # noqa: E402
 
 
 def fit_quadratic(d, delta) -> dict:
@@ -96,6 +96,7 @@ def summarise(runs: list[dict]) -> dict:
         "kl_coef": seeds[0]["kl_coef"],
         "refresh_steps": seeds[0]["refresh_steps"],
         "seeds": len(seeds),
+        "seed_ids": [r["seed"] for r in seeds],
         "rm_accuracy": _mean_sd([r["rm_accuracy"] for r in seeds]),
         "sft_gold": float(np.mean(list(sft.values()))),
         "curve": curve,
@@ -201,7 +202,56 @@ def markdown(table: list[dict]) -> str:
                 f" | {test} | {plain['peak']['delta']:+.2f} → {r['peak']['delta']:+.2f}"
                 f" | {_pm(plain['end_kl'], 1)} → {_pm(r['end_kl'], 1)} |"
             )
+    verdicts = verdict_rows(table)
+    if verdicts:
+        lines += [
+            "",
+            "| comparison (end Δgold, b − a) | paired per seed (95% t-interval; sign test) | claim | verdict |",
+            "|---|---|---|---|",
+            *verdicts,
+        ]
     return "\n".join(lines) + "\n"
+
+
+def verdict_rows(table: list[dict]) -> list[str]:
+    """The claims the page makes, each as a per-seed paired difference of end Δgold with its verdict: the KL
+    penalty against none for every reward model, the refresh against none, and the largest reward model against
+    the smallest at each KL coefficient (a seed's runs share its SFT policy and pool; its reward models are
+    nested subsets of that pool)."""
+    arms = {(s["quality"], s["kl_coef"], s["refresh_steps"]): s for s in table}
+    qualities = sorted({s["quality"] for s in table})
+    coefs = sorted({s["kl_coef"] for s in table})
+    claims = []  # (label, arm a, arm b, the claimed sign, the claim)
+    for q in qualities:
+        for k in coefs[1:]:
+            claims.append((f"{q} pairs: kl_coef {k:g} − 0", (q, 0.0, 0), (q, k, 0), "the penalty helps"))
+        for s in table:
+            if s["quality"] == q and s["refresh_steps"]:
+                claims.append(
+                    (
+                        f"{q} pairs: refresh − plain (kl_coef {s['kl_coef']:g})",
+                        (q, s["kl_coef"], 0),
+                        (q, s["kl_coef"], s["refresh_steps"]),
+                        "the refresh helps",
+                    )
+                )
+    if len(qualities) > 1:
+        for k in coefs:
+            low, high = qualities[0], qualities[-1]
+            claims.append(
+                (f"kl_coef {k:g}: {high} − {low} pairs", (low, k, 0), (high, k, 0), "a better RM ends higher")
+            )
+    rows = []
+    for label, a, b, claim in claims:
+        if a not in arms or b not in arms:
+            continue
+        x, y = (dict(zip(arms[c]["seed_ids"], arms[c]["end_delta_per_seed"], strict=True)) for c in (a, b))
+        common = sorted(set(x) & set(y))
+        if not common:
+            continue
+        test = paired([x[i] for i in common], [y[i] for i in common])
+        rows.append(f"| {label} | {describe(test)} | {claim} | {verdict(test, 1)} |")
+    return rows
 
 
 def plot(path: Path, table: list[dict]) -> None:

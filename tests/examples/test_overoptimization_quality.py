@@ -102,6 +102,36 @@ def test_the_refresh_table_pairs_each_refresh_run_with_the_plain_run_of_its_rewa
     )
 
 
+def test_the_verdict_table_pairs_end_gold_by_seed_id_and_reads_the_interval():
+    # end Δgold per seed: plain (seeds 0, 1, 2) 0.5, 0.0, 1.0; kl_coef 0.05 (seeds 0, 2 only) 1.5, 1.5
+    runs = [
+        _run(0, [0.0, 0.5], [0.0, 1.0]),
+        _run(1, [1.0, 1.0], [0.0, 1.0]),
+        _run(2, [0.0, 1.0], [0.0, 1.0]),
+        _run(0, [0.0, 1.5], [0.0, 1.0], kl_coef=0.05),
+        _run(2, [0.0, 1.5], [0.0, 1.0], kl_coef=0.05),
+        _run(0, [0.0, 0.2], [0.0, 1.0], quality=4000),
+        _run(2, [0.0, 0.1], [0.0, 1.0], quality=4000),
+        _run(0, [0.0, 1.6], [0.0, 1.0], quality=4000, kl_coef=0.05),
+        _run(2, [0.0, 1.7], [0.0, 1.0], quality=4000, kl_coef=0.05),
+    ]
+    rows = rep.verdict_rows(rep.summaries(runs))
+    # seeds 0 and 2 only (seed 1 has no kl_coef 0.05 run): differences +1.0 and +0.5, both positive
+    penalty = next(r for r in rows if r.startswith("| 256 pairs: kl_coef 0.05 − 0 |"))
+    half = 12.706204736174707 * math.sqrt(0.125) / math.sqrt(2)  # t(0.975, 1) * sd / sqrt(n)
+    assert f"+0.75 (+1.00 / +0.50); 95% t-interval [{0.75 - half:+.2f}, {0.75 + half:+.2f}]" in penalty
+    assert penalty.endswith("| the penalty helps | open here |")  # the interval spans 0 at n = 2
+    # the largest reward model against the smallest: 0.2 - 0.5 and 0.1 - 1.0, both negative, the claim +
+    worse = next(r for r in rows if r.startswith("| kl_coef 0: 4000 − 256 pairs |"))
+    assert "-0.60 (-0.30 / -0.90)" in worse and "sign test 0+ 2-" in worse
+    better = next(r for r in rows if r.startswith("| kl_coef 0.05: 4000 − 256 pairs |"))
+    assert "+0.15 (+0.10 / +0.20)" in better and better.endswith("| open here |")
+    same = [_run(s, [0.0, 1.0 + s], [0.0, 1.0]) for s in range(3)]
+    same += [_run(s, [0.0, 2.0 + s + 0.01 * s], [0.0, 1.0], kl_coef=0.05) for s in range(3)]
+    (row,) = rep.verdict_rows(rep.summaries(same))
+    assert row.endswith("| holds |")  # +1.00, +1.01, +1.02: a tight interval above 0
+
+
 def test_the_runs_and_reward_model_steps_of_each_quality_and_the_child_command():
     args = ex.parse_args(
         ["--out", "x", "--size", "smoke", "--qualities", "4", "16", "--refresh-qualities", "16"]
