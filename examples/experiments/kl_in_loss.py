@@ -8,7 +8,7 @@ to pi_old has the gradient of KL(pi || pi_ref) (Liu et al. 2025, arXiv 2510.0155
 SFT policy of the arithmetic task; the measured figures are the KL to the reference each rollout (k1, nats
 per response: ``kl/mean``), the policy's entropy, and greedy held-out exact match after training.
 
-    python examples/experiments/kl_in_loss.py --out runs/kl_in_loss               # task + SFT, then 9 runs
+    python examples/experiments/kl_in_loss.py --out runs/kl_in_loss               # task + SFT, then 15 runs
     python examples/experiments/kl_in_loss.py --out runs/kl_in_loss --report-only # table + figure again
 
 Variants (each over ``--seeds``): ``k3`` and ``k2`` at symmetric clipping; ``k2+clip-higher`` with
@@ -83,17 +83,20 @@ def run_one(base: Path, out: Path, preset, seed: int, variant: str, kl_coef: flo
     }
 
 
+COMPARISONS = (("k2", "k3"), ("k2+clip-higher", "k2"))  # (b, a): each changes one thing
+
+
 def paired_lines(results: list[dict], tail) -> list[str]:
-    """Each variant against the first (``k3``), paired per seed (the seeds' runs share the SFT policy and
-    prompts): KL (last 10 rollouts), entropy (last 10), greedy exact match."""
+    """Each comparison b − a of :data:`COMPARISONS` (the estimator at symmetric clipping, then clip-higher at
+    the same estimator), paired per seed (the seeds' runs share the SFT policy and prompts): KL (last 10
+    rollouts), entropy (last 10), greedy exact match."""
     from rlhfkit.reporting.paired import describe, paired
 
-    first, *others = list(VARIANTS)
-    base = {r["seed"]: r for r in results if r["variant"] == first}
-    lines = ["", f"Paired per seed against {first} (variant − {first}; 95% t-interval; sign test):", ""]
-    for variant in others:
+    lines = ["", "Paired per seed (b − a; 95% t-interval; sign test):", ""]
+    for b, a in COMPARISONS:
+        base = {r["seed"]: r for r in results if r["variant"] == a}
         rows = sorted(
-            (r for r in results if r["variant"] == variant and r["seed"] in base), key=lambda r: r["seed"]
+            (r for r in results if r["variant"] == b and r["seed"] in base), key=lambda r: r["seed"]
         )
         if not rows:
             continue
@@ -103,7 +106,7 @@ def paired_lines(results: list[dict], tail) -> list[str]:
             f"{name} {describe(paired([f(base[r['seed']]) for r in rows], [f(r) for r in rows]), d)}"
             for name, f, d in figures
         ]
-        lines.append(f"- {variant}: " + "; ".join(cells))
+        lines.append(f"- {b} − {a}: " + "; ".join(cells))
     return lines
 
 
@@ -158,7 +161,7 @@ def report(results: list[dict], out: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--rollouts", type=int, default=30)
     parser.add_argument("--kl-coef", type=float, default=0.1)
