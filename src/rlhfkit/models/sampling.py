@@ -85,8 +85,30 @@ def generation_kwargs(sampling: Sampling, greedy: bool = False) -> dict:
     if not greedy:
         kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     if sampling.suppress_ids:
-        kwargs["suppress_tokens"] = list(sampling.suppress_ids)
+        from transformers import LogitsProcessorList
+
+        kwargs["logits_processor"] = LogitsProcessorList([_suppress_in_place(sampling.suppress_ids)])
     return kwargs
+
+
+def _suppress_in_place(ids: Sequence[int]):
+    """A logits processor that sets ``ids`` to -inf in the scores it is given: the values of transformers'
+    ``SuppressTokensLogitsProcessor`` (``torch.where`` over a vocabulary mask) without a new (B, V) tensor per
+    step. ``generate`` hands the processors its own float32 copy of the step's logits and runs the ones it is
+    given before its temperature / top-k / top-p warpers, the order :func:`processed_logits` scores in."""
+    from transformers import LogitsProcessor
+
+    class SuppressInPlace(LogitsProcessor):
+        def __init__(self, ids: Sequence[int]):
+            self.ids = list(ids)
+            self._index: torch.Tensor | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self._index is None or self._index.device != scores.device:
+                self._index = torch.as_tensor(self.ids, dtype=torch.long, device=scores.device)
+            return scores.index_fill_(-1, self._index, float("-inf"))
+
+    return SuppressInPlace(ids)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,11 @@ Sampling = scoring: ``generate`` runs with exactly the processing of a :class:`r
 (:func:`rlhfkit.models.sampled_logprobs`). Only the token ids are taken from here; ``return_logprobs``
 also gives the log-probs ``generate`` sampled with, to check that they are the recomputed ones.
 
+Per step, nothing of size cache or (B, vocabulary) is copied that the result does not need: the key / value
+cache writes into storage reserved for prompt + ``max_new_tokens`` (:mod:`rlhfkit.models.decode_cache`), the
+suppressed ids are set to -inf in place, and no ``min_new_tokens`` processor is added (it clones the scores at
+every step even when its minimum is 0). The tokens are those of ``generate``'s defaults bit for bit.
+
 Shapes: ``B`` prompts, ``P`` padded prompt length, ``R`` response length (``max_new_tokens``).
 """
 
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhfkit.models.decode_cache import fresh_cache, reserve_positions
 from rlhfkit.models.lora import merged_for_generation
 from rlhfkit.models.precision import autocast_region, frozen_linears_cast
 from rlhfkit.models.prompt_cache import cache_keyword, shared_prompt_cache
@@ -120,7 +126,6 @@ def generate_responses(
     try:
         kwargs = dict(
             max_new_tokens=max_new_tokens,
-            min_new_tokens=0,
             pad_token_id=pad_token_id,
             eos_token_id=list(stop_token_ids),
             use_cache=True,
@@ -135,7 +140,10 @@ def generate_responses(
             merged_for_generation(model),
         ):
             cache = shared_prompt_cache(model, prompt_ids, prompt_mask) if share_prompts else None
+            if cache is None:
+                cache = fresh_cache(model)
             if cache is not None:
+                reserve_positions(cache, prompt_ids.shape[1] + max_new_tokens)
                 kwargs[cache_keyword(model)] = cache
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
     finally:
