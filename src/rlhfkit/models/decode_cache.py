@@ -16,67 +16,56 @@ Shapes: ``B`` rows, ``H`` key / value heads, ``L`` cached positions, ``D`` head 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-
-def _dynamic_layer_class():
-    try:
-        from transformers.cache_utils import DynamicLayer
-    except ImportError:  # a transformers without cache layers: nothing to reserve
-        return None
-    return DynamicLayer
+from rlhfkit.models.readout import hf_model
 
 
+@functools.cache
 def _reserved_class():
-    base = _dynamic_layer_class()
-    if base is None:
-        return None
-    global _RESERVED
-    if _RESERVED is None:
+    """``ReservedLayer``, built on first use (transformers is imported only when a model is)."""
+    from transformers.cache_utils import DynamicLayer
 
-        class ReservedLayer(base):
-            """A ``DynamicLayer`` whose update writes into reserved storage (module docstring)."""
+    class ReservedLayer(DynamicLayer):
+        """A ``DynamicLayer`` whose update writes into reserved storage (module docstring)."""
 
-            capacity: int = 0
+        capacity: int = 0
 
-            def update(self, key_states, value_states, *args, **kwargs):
-                if not self.is_initialized:
-                    self.lazy_initialization(key_states, value_states)
-                length = self.get_seq_length()
-                store = getattr(self, "_store", None)
-                views = getattr(self, "_views", (None, None))
-                if length and (
-                    key_states.dtype != self.keys.dtype or value_states.dtype != self.values.dtype
-                ):
-                    self._store = None  # another dtype: the plain concatenation (and its type promotion)
-                    return super().update(key_states, value_states, *args, **kwargs)
-                end = length + key_states.shape[-2]
-                if (
-                    store is None
-                    or store[0].shape[-2] < end
-                    or (length and (self.keys is not views[0] or self.values is not views[1]))
-                ):
-                    capacity = max(end, self.capacity)
-                    keys = key_states.new_empty((*key_states.shape[:-2], capacity, key_states.shape[-1]))
-                    values = value_states.new_empty(
-                        (*value_states.shape[:-2], capacity, value_states.shape[-1])
-                    )
-                    if length:
-                        keys[..., :length, :] = self.keys
-                        values[..., :length, :] = self.values
-                    store = self._store = (keys, values)
-                keys, values = store
-                keys[..., length:end, :] = key_states
-                values[..., length:end, :] = value_states
-                self.keys, self.values = keys[..., :end, :], values[..., :end, :]
-                self._views = (self.keys, self.values)
-                return self.keys, self.values
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            length = self.get_seq_length()
+            store = getattr(self, "_store", None)
+            views = getattr(self, "_views", (None, None))
+            if length and (key_states.dtype != self.keys.dtype or value_states.dtype != self.values.dtype):
+                self._store = None  # another dtype: the plain concatenation (and its type promotion)
+                return super().update(key_states, value_states, *args, **kwargs)
+            end = length + key_states.shape[-2]
+            if (
+                store is None
+                or store[0].shape[-2] < end
+                or (length and (self.keys is not views[0] or self.values is not views[1]))
+            ):
+                capacity = max(end, self.capacity)
+                keys = key_states.new_empty((*key_states.shape[:-2], capacity, key_states.shape[-1]))
+                values = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
+                if length:
+                    keys[..., :length, :] = self.keys
+                    values[..., :length, :] = self.values
+                store = self._store = (keys, values)
+            keys, values = store
+            keys[..., length:end, :] = key_states
+            values[..., length:end, :] = value_states
+            self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+            self._views = (
+                self.keys,
+                self.values,
+            )  # what this update handed out: anything else came from outside
+            return self.keys, self.values
 
-        _RESERVED = ReservedLayer
-    return _RESERVED
-
-
-_RESERVED = None
+    return ReservedLayer
 
 
 def reserve_positions(cache, capacity: int) -> int:
@@ -89,10 +78,10 @@ def reserve_positions(cache, capacity: int) -> int:
     Returns:
         the number of layers reserved.
     """
-    base, reserved = _dynamic_layer_class(), _reserved_class()
+    reserved = _reserved_class()
     count = 0
     for layer in getattr(cache, "layers", None) or []:
-        if type(layer) is base or type(layer) is reserved:
+        if type(layer) in (reserved, reserved.__base__):
             layer.__class__ = reserved
             layer.capacity = int(capacity)
             count += 1
@@ -102,16 +91,11 @@ def reserve_positions(cache, capacity: int) -> int:
 def fresh_cache(model: torch.nn.Module):
     """The empty ``DynamicCache`` that ``generate`` would make for ``model``, or None where it would make none
     (models that need another cache: ``generate`` then builds its own)."""
-    try:
-        from transformers import DynamicCache
-    except ImportError:
-        return None
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the HF model
+    from transformers import DynamicCache
+
+    base = hf_model(model)
     supports = getattr(base, "_supports_default_dynamic_cache", None)
     config = getattr(base, "config", None)
     if supports is None or config is None or not supports() or getattr(config, "is_encoder_decoder", False):
         return None
-    try:
-        return DynamicCache(config=config.get_text_config(decoder=True))
-    except TypeError:  # an older DynamicCache without ``config``
-        return None
+    return DynamicCache(config=config.get_text_config(decoder=True))

@@ -33,7 +33,13 @@ from torch.utils.checkpoint import checkpoint
 from rlhfkit.algos import entropy_from_logits
 from rlhfkit.models.precision import autocast_region
 from rlhfkit.models.prompt_cache import cache_keyword, shared_prompt_cache
-from rlhfkit.models.readout import position_ids_from_mask, response_forward, sampled_logprobs, unwrap_model
+from rlhfkit.models.readout import (
+    hf_model,
+    position_ids_from_mask,
+    response_forward,
+    sampled_logprobs,
+    unwrap_model,
+)
 from rlhfkit.models.sampling import Sampling, processed_logits
 
 # Elements of one (chunk_tokens, V) float32 block: 2**22 = 16 MiB. The read-out of a chunk holds a few such
@@ -58,14 +64,9 @@ class Readout(NamedTuple):
     aux_loss: torch.Tensor | None
 
 
-def _lm(model: torch.nn.Module) -> torch.nn.Module:
-    inner = unwrap_model(model)
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # a LoRA model's own
-
-
 def chunkable(model: torch.nn.Module) -> bool:
     """Whether ``model`` (possibly wrapped: DDP, peft) takes the chunked read-out (module docstring)."""
-    lm = _lm(model)
+    lm = hf_model(model)
     config = getattr(lm, "config", None)
     if config is None or any(getattr(config, name, None) not in (None, 1, 1.0) for name in _OTHER_SCALINGS):
         return False
@@ -86,7 +87,7 @@ def can_share_prompts(model: torch.nn.Module) -> bool:
     recompute its layers (gradient checkpointing runs without a cache)."""
     if unwrap_model(model) is not model:
         return False
-    return not any(getattr(m, "gradient_checkpointing", False) is True for m in _lm(model).modules())
+    return not any(getattr(m, "gradient_checkpointing", False) is True for m in hf_model(model).modules())
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -201,7 +202,7 @@ def response_readout(
         logits, aux = response_forward(model, input_ids, attention_mask, response_start, router_aux)
         ent = entropy_from_logits(processed_logits(logits, sampling, labels)) if entropy else None
         return Readout(sampled_logprobs(logits, labels, sampling), ent, aux)
-    lm = _lm(model)
+    lm = hf_model(model)
     captured = []
 
     def keep_hidden(_module, _inputs, output):

@@ -22,7 +22,7 @@ import inspect
 
 import torch
 
-from rlhfkit.models.readout import position_ids_from_mask, unwrap_model
+from rlhfkit.models.readout import hf_model, position_ids_from_mask
 
 
 def _distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
@@ -73,7 +73,5 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
 def cache_keyword(model: torch.nn.Module) -> str:
     """The name of the key / value cache in the model's forward and outputs: ``cache`` from transformers 5.20
     on, ``past_key_values`` before (and for models that keep the old name)."""
-    inner = unwrap_model(model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft: the HF model
-    forward = base.forward
+    forward = hf_model(model).forward
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"

@@ -44,6 +44,13 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
+def hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model itself: :func:`unwrap_model`'s, and for a peft (LoRA) model its base model, whose
+    ``forward`` signature, config and modules are the model's own."""
+    inner = unwrap_model(model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that ignore padding on either side.
 
@@ -200,10 +207,7 @@ def causal_lm_output(
         the model's output; ``.logits`` is (B, L, V), or (B, keep_last, V) when ``keep_last`` > 0.
     """
     kwargs = {}
-    inner = unwrap_model(model)
-    inner = (
-        inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    )  # a LoRA model's own forward
+    inner = hf_model(model)  # a LoRA model's own forward
     if keep_last > 0 and "logits_to_keep" in inspect.signature(inner.forward).parameters:
         kwargs["logits_to_keep"] = keep_last
     if router_aux:
