@@ -16,6 +16,10 @@ the start, so an adapted model starts exactly where its base is. Here:
 - :func:`save_adapter` writes the adapter alone in peft's format (``adapter_config.json`` +
   ``adapter_model.safetensors``); :func:`merged_copy` gives the plain Hugging Face model with the update
   merged into the float32 W (what ``final/`` holds);
+- :func:`fuse_lora_forward` gives each plain LoRA linear layer a forward that adds the adapter's product into
+  the base layer's output in one ``addmm_`` (``W x`` then ``+= alpha / r * (A x) B^T``) instead of peft's
+  ``result + lora_B(lora_A(x)) * scaling``, which allocates three output-sized temporaries per layer; the same
+  function up to the rounding of the sum, with the same saved tensors (``x`` and ``A x``);
 - :func:`merged_for_generation` merges the adapter into the base's linear weights for the length of a
   ``generate`` call, the originals put back after: one matrix product per layer and decoding step instead of
   three, and none of the adapter's casts;
@@ -33,6 +37,7 @@ import contextlib
 import copy
 import json
 import os
+import types
 import warnings
 from pathlib import Path
 
@@ -75,6 +80,7 @@ def prepare_trained(model: torch.nn.Module, model_cfg) -> torch.nn.Module:
             dropout=model_cfg.lora_dropout,
             target_modules=modules,
         )
+        fuse_lora_forward(model)  # the adapter's product added in place: fewer temporaries
         hold_frozen_linears(model)  # bf16 compute: the frozen base in bf16, its float32 originals on disk
         hold_tied_head_cast(model.get_base_model())  # and a bf16 copy of a tied, frozen output projection
     return model
@@ -131,6 +137,63 @@ def add_lora(
     if os.path.isdir(source):  # so that the adapter folder finds its base from any working folder
         peft_model.peft_config[adapter_name].base_model_name_or_path = os.path.abspath(source)
     return peft_model
+
+
+def fuse_lora_forward(model: torch.nn.Module) -> int:
+    """Give every peft LoRA linear layer of ``model`` whose base is a plain ``nn.Linear`` the forward
+    :func:`_fused_lora_forward`. Returns how many layers took it.
+
+    Why: in the update's forward of a LoRA model every adapted layer made three temporaries the size of its
+    output (``lora_B(...)``, ``* scaling``, ``result + ...``). Freed between allocations that live on (the
+    activations the backward keeps), they fragment the heap, and the C allocator keeps the holes: measured on
+    SmolLM2-135M with LoRA r16 (fp32, 8 x 88 tokens, four forward + backward passes), 2,410 -> 2,200 MiB peak
+    resident and no slower (docs/performance.md). Layers that are anything else keep peft's forward."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    fused = 0
+    for module in model.modules():
+        if type(module) is LoraLinear and type(module.base_layer) is torch.nn.Linear:
+            module.forward = types.MethodType(_fused_lora_forward, module)
+            fused += 1
+    return fused
+
+
+def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """peft's ``lora.Linear.forward`` for one active plain adapter (no DoRA or other variant, no bias on B),
+    not merged, not disabled, without extra arguments: ``y = W x + b``, then ``y += scaling * (A x') B^T`` in
+    place (x' = the adapter's dropout of x). In place is safe: ``y`` is the base layer's fresh output, which
+    its backward does not keep (autograd would refuse otherwise). Every other case is peft's own forward.
+
+    Under autocast the input is not cast to the adapter's float32 first (peft does, and autocast casts it back
+    to bf16 for the product: the same values). Shapes: x (..., d_in) -> (..., d_out)."""
+    active = self.active_adapters
+    adapter = active[0] if len(active) == 1 else None
+    base = self.base_layer
+    if (
+        args
+        or kwargs
+        or self.disable_adapters
+        or self.merged
+        or adapter not in self.lora_A
+        or adapter in self.lora_variant
+        or self.lora_B[adapter].bias is not None
+        or base._forward_hooks
+        or base._forward_pre_hooks
+    ):
+        return type(self).forward(self, x, *args, **kwargs)
+    lora_a, lora_b = self.lora_A[adapter], self.lora_B[adapter]
+    out = base(x)
+    if not out.is_contiguous():
+        out = out.contiguous()
+    if not torch.is_autocast_enabled(x.device.type):
+        x = self._cast_input_dtype(x, lora_a.weight.dtype)
+    low = lora_a(self.lora_dropout[adapter](x))  # (..., r)
+    out.view(-1, out.shape[-1]).addmm_(
+        low.reshape(-1, low.shape[-1]).to(out.dtype),
+        lora_b.weight.t().to(out.dtype),
+        alpha=self.scaling[adapter],
+    )
+    return out
 
 
 class AdapterDisabled(torch.nn.Module):
