@@ -66,6 +66,34 @@ def test_chunked_equals_plain_in_values_and_gradients_fp32(name, chunk, softcap)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [4, 100])
+def test_entropy_as_a_value_is_the_same_and_spares_its_backward(chunk):
+    """``entropy_grad=False`` (an entropy no loss uses): the same entropies bit for bit, no graph, the same
+    log-prob gradients, and a backward that recomputes the log-probs only (fewer operations)."""
+    head, hidden, labels = _problem()
+    sampling = SAMPLINGS["suppress-topk"]
+    runs = []
+    for grad in (True, False):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            lp, ent = chunked_readout(head, hidden, labels, sampling, True, None, chunk, entropy_grad=grad)
+            grads = torch.autograd.grad(lp.sum(), [hidden, head.weight])
+        runs.append((lp, ent, grads, sum(e.count for e in prof.key_averages())))
+    (lp1, ent1, g1, ops1), (lp0, ent0, g0, ops0) = runs
+    assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1)
+    assert ent1.requires_grad and not ent0.requires_grad
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+    assert ops0 < ops1
+    # through a model, the chunked path and the plain one (a config scaling the logits takes it) alike
+    for scale in (None, 1.5):
+        model = tiny_llama(**({"logit_scale": scale} if scale else {}))
+        assert chunkable(model) == (scale is None)
+        ids, mask = torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.ones(1, 6, dtype=torch.long)
+        with_grad = response_readout(model, ids, mask, 2, sampling, entropy=True)
+        value = response_readout(model, ids, mask, 2, sampling, entropy=True, entropy_grad=False)
+        assert torch.equal(with_grad.entropy, value.entropy) and with_grad.entropy.requires_grad
+        assert not value.entropy.requires_grad and value.logprobs.requires_grad
+
+
 def test_chunked_backward_keeps_no_full_logits():
     """The graph of the chunked read-out saves hidden-sized tensors, never a (B, T, V) or (chunk, V) block:
     every saved tensor of the autograd graph is counted through saved-tensor hooks."""

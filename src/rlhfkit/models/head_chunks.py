@@ -24,6 +24,7 @@ Shapes: ``B`` rows, ``L`` sequence length, ``R`` response length, ``H`` hidden s
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import NamedTuple
 
@@ -103,7 +104,7 @@ def chunk_size(vocab: int, chunk_tokens: int | None = None) -> int:
     return chunk_tokens if chunk_tokens else max(1, CHUNK_ELEMENTS // max(1, vocab))
 
 
-def _chunk_readout(head, cap, sampling, want_entropy, hidden, labels):
+def _chunk_readout(head, cap, sampling, want_entropy, entropy_grad, hidden, labels):
     """Log-probs (and entropies) of ``labels`` (n,) from ``hidden`` (n, H): one chunk of tokens."""
     logits = head(hidden)[None]  # (1, n, V)
     if cap:  # transformers' Gemma2ForCausalLM: logits / cap, tanh, * cap
@@ -111,7 +112,15 @@ def _chunk_readout(head, cap, sampling, want_entropy, hidden, labels):
     logprobs = sampled_logprobs(logits, labels[None], sampling)[0]  # (n,)
     if not want_entropy:
         return logprobs, torch.zeros_like(logprobs)
-    return logprobs, entropy_from_logits(processed_logits(logits, sampling, labels[None]))[0]
+    return logprobs, _entropy(logits, sampling, labels[None], entropy_grad)[0]
+
+
+def _entropy(logits, sampling, labels, grad: bool) -> torch.Tensor:
+    """The entropy of the sampling distribution at each position; with ``grad`` False a value only: no graph,
+    and inside a checkpointed chunk nothing of it is recomputed in the backward (non-reentrant checkpointing
+    stops once the tensors the backward needs are back)."""
+    with contextlib.nullcontext() if grad else torch.no_grad():
+        return entropy_from_logits(processed_logits(logits, sampling, labels))
 
 
 def chunked_readout(
@@ -122,6 +131,7 @@ def chunked_readout(
     entropy: bool = False,
     softcap: float | None = None,
     chunk_tokens: int | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` and entropies under ``sampling`` of the logits ``head(hidden)``, chunk by chunk.
 
@@ -137,6 +147,7 @@ def chunked_readout(
         entropy: also return the entropies.
         softcap: a final soft-capping ``cap * tanh(logits / cap)`` (Gemma 2/3), or None.
         chunk_tokens: positions per chunk (default :func:`chunk_size` of the vocabulary).
+        entropy_grad: False when no loss uses the entropies (a metric): the same values, without a graph.
     Returns:
         (logprobs (B, T) float32, entropy (B, T) float32 or None).
     """
@@ -153,10 +164,12 @@ def chunked_readout(
     for h, y in zip(hidden.reshape(-1, width).split(size), flat_labels.split(size), strict=True):
         if recorded:  # backward recomputes this chunk's logits from h instead of keeping them
             parts.append(
-                checkpoint(_chunk_readout, head, softcap, sampling, entropy, h, y, use_reentrant=False)
+                checkpoint(
+                    _chunk_readout, head, softcap, sampling, entropy, entropy_grad, h, y, use_reentrant=False
+                )
             )
         else:
-            parts.append(_chunk_readout(head, softcap, sampling, entropy, h, y))
+            parts.append(_chunk_readout(head, softcap, sampling, entropy, entropy_grad, h, y))
     logprobs = torch.cat([p[0] for p in parts]).view(batch, steps)
     return logprobs, (torch.cat([p[1] for p in parts]).view(batch, steps) if entropy else None)
 
@@ -172,6 +185,7 @@ def response_readout(
     chunk_tokens: int | None = None,
     labels: torch.Tensor | None = None,
     share_prompts: bool = False,
+    entropy_grad: bool = True,
 ) -> Readout:
     """Log-probs (and entropies) of the response tokens of a causal LM, without (B, R, V) logits when the model
     is :func:`chunkable` (else the plain path of :func:`rlhfkit.models.readout.response_forward`).
@@ -190,6 +204,8 @@ def response_readout(
         share_prompts: rows whose prompt columns ``[0, response_start)`` are the same (a GRPO group) run them
             once (:mod:`rlhfkit.models.prompt_cache`), where :func:`can_share_prompts` allows; equal to the
             plain forward up to float rounding.
+        entropy_grad: False when no loss uses the entropies (the update's entropy metric with no entropy
+            bonus): the same values, without a graph or a backward recompute.
     Returns:
         a :class:`Readout`; ``logprobs[:, t]`` and ``entropy[:, t]`` are read at column p0 + t - 1.
     """
@@ -200,7 +216,7 @@ def response_readout(
     labels = (input_ids[:, response_start:] if labels is None else labels).long().clamp(min=0)  # (B, R)
     if not chunkable(model):
         logits, aux = response_forward(model, input_ids, attention_mask, response_start, router_aux)
-        ent = entropy_from_logits(processed_logits(logits, sampling, labels)) if entropy else None
+        ent = _entropy(logits, sampling, labels, entropy_grad) if entropy else None
         return Readout(sampled_logprobs(logits, labels, sampling), ent, aux)
     lm = hf_model(model)
     captured = []
@@ -232,7 +248,7 @@ def response_readout(
     wrapped = lm if hasattr(lm, "rlhfkit_autocast") else unwrap_model(model)
     with autocast_region(wrapped):  # the projection under the model's own autocast, as in its forward
         logprobs, ent = chunked_readout(
-            lm.get_output_embeddings(), hidden, labels, sampling, entropy, cap, chunk_tokens
+            lm.get_output_embeddings(), hidden, labels, sampling, entropy, cap, chunk_tokens, entropy_grad
         )
     return Readout(logprobs, ent, out.aux_loss if router_aux else None)
 

@@ -195,6 +195,25 @@ def test_the_update_forward_gives_the_old_logprobs_of_a_one_epoch_run(tmp_path, 
     assert all(torch.equal(fused_weights[k], plain_weights[k]) for k in fused_weights)
 
 
+def test_the_entropy_bonus_moves_the_weights_and_the_entropy_metric_does_not(tmp_path):
+    """Without an entropy bonus the update reads the entropies as values only (no graph, no backward
+    recompute); with one they carry its gradient. One rollout each: the same entropies are read, and only the
+    bonus changes the weights."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    runs = {}
+    for coef in ("0", "0.5"):
+        out = tmp_path / f"run-{coef}"
+        cfg = online_config(
+            paths, out, "train.max_steps=1", "online.ppo_epochs=1", f"online.ent_coef={coef}", kind="grpo"
+        )
+        train(cfg, hooks=OnlineHooks(evaluate_at_start=False))
+        row = next(r for r in read_metrics(out / "metrics.jsonl") if "loss/policy" in r)
+        runs[coef] = row, load_file(out / "final" / "model.safetensors")
+    (row0, weights0), (row5, weights5) = runs["0"], runs["0.5"]
+    assert row0["entropy/mean"] == row5["entropy/mean"] > 0 and "loss/entropy" in row5
+    assert any(not torch.equal(weights0[k], weights5[k]) for k in weights0)
+
+
 @pytest.mark.parametrize(
     "extra, step, expected",
     [

@@ -186,6 +186,7 @@ def micro_batch_loss(
             start,
             ctx.sampling,
             entropy=online.ent_coef > 0 or read is not None,
+            entropy_grad=online.ent_coef > 0,  # else a metric (and the rollout's, when read): no graph
             router_aux=ctx.router_aux_coef > 0,
             share_prompts=online.group_size > 1,
         )
