@@ -2,7 +2,7 @@
 renders without a console error, every plot loads, the sample browser filters by step and run and sorts by
 each column, and a screenshot is taken (into ``$RLHFKIT_SCREENSHOT_DIR`` when set, for a person to look at).
 
-Skipped, with the reason, where no Chromium is installed (``setup.sh`` installs Debian's as root).
+Skipped, with the reason, where no Chromium is installed (``./setup.sh dev`` installs Debian's, saying so, as root).
 """
 
 import json
@@ -19,7 +19,7 @@ BINARY = find_chromium()
 pytestmark = pytest.mark.skipif(
     BINARY is None,
     reason="no Chromium found: install Debian's chromium package "
-    "(setup.sh does, as root) or set RLHFKIT_CHROMIUM",
+    "(`./setup.sh dev` does, as root) or set RLHFKIT_CHROMIUM",
 )
 
 
