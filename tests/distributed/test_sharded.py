@@ -187,6 +187,33 @@ def test_sharding_without_processes_or_with_deepspeed_or_lora_online_is_refused_
     assert load_config(None, [*base, "model.lora_rank=8"], "sft").model.lora_rank == 8  # refused later
 
 
+@pytest.mark.parametrize(
+    ("setting", "key"),
+    [
+        ("online.generation_backend=vllm", "online.generation_backend"),
+        ("data.eval_file=e", "data.eval_file"),
+        ("refresh.every=2", "refresh.every"),
+        ("model.lora_rank=8", "model.lora_rank"),
+    ],
+)
+def test_the_sharding_rules_apply_to_an_accelerate_fsdp_launch(monkeypatch, setting, key):
+    """The run shards under ACCELERATE_USE_FSDP without train.sharding (sharding_mode), so the checks that
+    refuse what sharding cannot run read the same: each combination is a named error at load time."""
+    from rlhfkit.config import load_config
+    from rlhfkit.errors import ConfigError
+
+    online = ["output_dir=x", "model.name_or_path=m", "data.train_file=t", "online.reward_model=r"]
+    extra = ["online.rollout_correction=tis"] if "vllm" in setting else []
+    assert load_config(None, [*online, setting, *extra], "grpo").train.sharding == "none"  # accepted unsharded
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError, match=rf"{key}.*sharding=full_shard from the accelerate FSDP launch"):
+        load_config(None, [*online, setting, *extra], "grpo")
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    with pytest.raises(ConfigError, match=rf"{key}.*sharding=shard_grad_op from the accelerate FSDP launch"):
+        load_config(None, [*online, setting, *extra], "grpo")
+    assert load_config(None, online, "grpo").train.sharding == "none"  # the rest is accepted
+
+
 def test_under_an_accelerate_fsdp_config_every_process_loads_the_weights_and_accelerate_does_not_wrap(
     monkeypatch,
 ):

@@ -1,11 +1,17 @@
 """Checks of a configuration: numeric bounds, ``Literal`` choices, the column mapping and every cross-field
 rule, at load time (:func:`validate`; each failure a ConfigError naming the key and where it was set), and
-the one rule that needs the launch, the process count (:func:`check_process_count`)."""
+the one rule that needs the launch, the process count (:func:`check_process_count`).
+
+The sharding rules read the sharding the run will use (:func:`sharding_mode`): ``train.sharding``, or an
+``accelerate launch`` FSDP config, which the launcher passes as environment variables before the
+configuration is read. It is defined here, below the engine that shards by it, so that the checks and the
+trainers cannot disagree on it."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from typing import Any
 
 from rlhfkit.config.fields import check_bounds, field_types, get_dotted, literal_choices
@@ -34,6 +40,41 @@ def check_columns(columns: dict | None, key: str = "data.columns") -> dict[str, 
     if twice:
         raise ConfigError(f"{key}: column(s) {', '.join(twice)} mapped to more than one standard name")
     return out
+
+
+def launch_sharding(env: dict[str, str] | None = None) -> str:
+    """The sharding an ``accelerate launch`` FSDP config asks for (``none`` without one).
+
+    accelerate passes its config as environment variables: ``ACCELERATE_USE_FSDP`` and either
+    ``FSDP_RESHARD_AFTER_FORWARD`` (FSDP2 configs) or ``FSDP_SHARDING_STRATEGY`` (FSDP1 configs).
+    """
+    env = os.environ if env is None else env
+    if env.get("ACCELERATE_USE_FSDP", "").strip().lower() not in ("1", "true", "yes"):
+        return "none"
+    strategy = env.get("FSDP_SHARDING_STRATEGY", "").strip().upper()
+    reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "").strip().upper()
+    if strategy in ("SHARD_GRAD_OP", "2") or reshard in ("FALSE", "SHARD_GRAD_OP"):
+        return "shard_grad_op"
+    if strategy in ("NO_SHARD", "3"):
+        return "none"
+    return "full_shard"
+
+
+def sharding_mode(cfg) -> str:
+    """The sharding the run uses: ``train.sharding``, or when that is ``none`` the launcher's FSDP config
+    (:func:`launch_sharding`)."""
+    configured = getattr(cfg.train, "sharding", "none")
+    return configured if configured != "none" else launch_sharding()
+
+
+def _sharding_source(run: RunConfig, sharding: str) -> str:
+    """Where the sharding comes from, for a message: ``train.sharding=X`` or the accelerate launch."""
+    if run.train.sharding != "none":
+        return f"train.sharding={sharding}"
+    return (
+        f"sharding={sharding} from the accelerate FSDP launch (ACCELERATE_USE_FSDP; a launch without an FSDP "
+        "config does not shard)"
+    )
 
 
 def key_failure(set_by: dict[str, str]):
@@ -81,8 +122,9 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
             f"must be below data.max_length ({run.data.max_length}) to leave room "
             f"for a response, got {run.data.max_prompt_length}",
         )
-    if train.sharding != "none":
-        _check_sharding(run, kind, fail)
+    sharding = sharding_mode(run)
+    if sharding != "none":
+        _check_sharding(run, kind, fail, _sharding_source(run, sharding))
     if kind == "dpo" and run.dpo.loss == "ipo" and run.dpo.label_smoothing:
         fail("dpo.label_smoothing", "applies to the sigmoid loss only; set it to 0 with dpo.loss=ipo")
     heldout = run.data.eval_file or run.data.eval_split
@@ -129,10 +171,10 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 f"{online.advantage_estimator} does not compare a prompt's responses; use grpo or rloo, or "
                 "set it to false",
             )
-        if online.generation_backend == "vllm" and train.sharding != "none":
+        if online.generation_backend == "vllm" and sharding != "none":
             fail(
                 "online.generation_backend",
-                f"vllm with train.sharding={train.sharding} is not built yet (the engine would need the "
+                f"vllm with {_sharding_source(run, sharding)} is not built yet (the engine would need the "
                 "gathered weights of the sharded actor); use generation_backend=hf, which generates from a "
                 "gathered copy, or no sharding",
             )
@@ -143,6 +185,8 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 "the trainer; with generation_backend=hf the actor samples itself (the weight is 1): set "
                 "online.generation_backend=vllm or rollout_correction=none",
             )
+        if online.generation_backend == "vllm" and online.vllm_max_model_len is not None:
+            _check_engine_length(run, fail)
         responses = train.batch_size * online.group_size
         if responses % online.num_minibatches:
             fail(
@@ -152,30 +196,30 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
             )
 
 
-def _check_sharding(run: RunConfig, kind: str, fail) -> None:
-    """What ``train.sharding`` cannot be combined with (each refused with its reason)."""
-    sharding = run.train.sharding
+def _check_sharding(run: RunConfig, kind: str, fail, sharding: str) -> None:
+    """What sharding cannot be combined with (each refused with its reason); ``sharding`` says where the
+    sharding comes from (:func:`_sharding_source`)."""
     if kind in ("dpo", *ONLINE_KINDS) and run.model.lora_rank:
         # The LoRA reference is the policy with its adapter disabled, and the LoRA critic an adapter on the
         # reward model's weights: one FSDP2 module would serve a trained and a frozen role, whose parameters
         # FSDP2 gathers and reduce-scatters as one flat group (the adapters' and the base's together).
         fail(
             "model.lora_rank",
-            f"{run.model.lora_rank} with train.sharding={sharding}: LoRA shares the base weights between a "
+            f"{run.model.lora_rank} with {sharding}: LoRA shares the base weights between a "
             "trained and a frozen role, which FSDP2 does not shard apart; use train.sharding=none (data "
             "parallel: a LoRA run keeps the frozen base out of the optimizer) or model.lora_rank=0",
         )
     if kind in ONLINE_KINDS and run.refresh.every:
         fail(
             "refresh.every",
-            f"{run.refresh.every} with train.sharding={sharding}: the refresh trains the reward model in "
+            f"{run.refresh.every} with {sharding}: the refresh trains the reward model in "
             "place, unsharded; set refresh.every=0 or train.sharding=none",
         )
     if kind in ONLINE_KINDS and (run.data.eval_file or run.data.eval_split):
         # each process samples its own share of the held-out prompts, so the processes would run different
         # numbers of forwards through the sharded models, whose all-gathers must pair up
         key = "data.eval_file" if run.data.eval_file else "data.eval_split"
-        fail(key, f"held-out sampling is not supported with train.sharding={sharding} yet; remove {key}")
+        fail(key, f"held-out sampling is not supported with {sharding} yet; remove {key}")
 
 
 def _check_choices(obj: Any, prefix: str, fail) -> None:
@@ -203,4 +247,21 @@ def check_process_count(cfg: RunConfig, num_processes: int) -> None:
         raise ConfigError(
             f"train.batch_size ({batch_size}) must be a multiple of the number of processes "
             f"({num_processes}): each process {share}"
+        )
+
+
+def _check_engine_length(run: RunConfig, fail) -> None:
+    """``online.vllm_max_model_len`` must hold the longest prompt and the longest response the engine serves
+    (as its default does): the engine stops a request at that cap, so a shorter one would cut responses
+    without a stop token, as if the model had run out of ``online.response_length``."""
+    online, refresh = run.online, run.refresh
+    longest = ("online.response_length", online.response_length)
+    if refresh.every and refresh.max_new_tokens > online.response_length:  # a refresh samples from the engine
+        longest = ("refresh.max_new_tokens", refresh.max_new_tokens)
+    needed = run.data.max_prompt_length + longest[1]
+    if online.vllm_max_model_len < needed:
+        fail(
+            "online.vllm_max_model_len",
+            f"{online.vllm_max_model_len} is below data.max_prompt_length + {longest[0]} = {needed}: the engine "
+            f"would cut responses at its length cap; set it to at least {needed}, or leave it unset (that sum)",
         )

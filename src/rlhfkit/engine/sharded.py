@@ -29,13 +29,14 @@ whole model per process.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+# the sharding a run uses is defined with the checks that read it (the config layer), named here too
+from rlhfkit.config.checks import launch_sharding, sharding_mode  # noqa: F401
 from rlhfkit.engine.checkpoint import load_checkpoint as load_engine_checkpoint
 from rlhfkit.engine.checkpoint import save_checkpoint as save_engine_checkpoint
 from rlhfkit.errors import CheckpointError, ConfigError
@@ -43,30 +44,6 @@ from rlhfkit.errors import CheckpointError, ConfigError
 MODES = ("none", "full_shard", "shard_grad_op")
 SUFFIX = ".sharded"
 _PLAIN_CLASS = "_rlhfkit_plain_class"
-
-
-def launch_sharding(env: dict[str, str] | None = None) -> str:
-    """The sharding an ``accelerate launch`` FSDP config asks for (``none`` without one).
-
-    accelerate passes its config as environment variables: ``ACCELERATE_USE_FSDP`` and either
-    ``FSDP_RESHARD_AFTER_FORWARD`` (FSDP2 configs) or ``FSDP_SHARDING_STRATEGY`` (FSDP1 configs).
-    """
-    env = os.environ if env is None else env
-    if env.get("ACCELERATE_USE_FSDP", "").strip().lower() not in ("1", "true", "yes"):
-        return "none"
-    strategy = env.get("FSDP_SHARDING_STRATEGY", "").strip().upper()
-    reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "").strip().upper()
-    if strategy in ("SHARD_GRAD_OP", "2") or reshard in ("FALSE", "SHARD_GRAD_OP"):
-        return "shard_grad_op"
-    if strategy in ("NO_SHARD", "3"):
-        return "none"
-    return "full_shard"
-
-
-def sharding_mode(cfg) -> str:
-    """``train.sharding``, or when that is ``none`` the launcher's FSDP config (:func:`launch_sharding`)."""
-    configured = getattr(cfg.train, "sharding", "none")
-    return configured if configured != "none" else launch_sharding()
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
