@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,13 @@ import torch
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import response_logits, sampled_logprobs, sampling_for
 from rlhfkit.rollout import generate_responses
-from rlhfkit.rollout.vllm_engine import EngineSettings, VLLMEngine, check_engine_can_run, head_size
+from rlhfkit.rollout.vllm_engine import (
+    EngineSettings,
+    VLLMEngine,
+    check_engine_can_run,
+    engine_responses,
+    head_size,
+)
 from tests.helpers import tiny_llama
 
 needs_vllm = (
@@ -92,6 +99,32 @@ def test_a_head_size_the_cpu_attention_lacks_is_refused_naming_it():
     check_engine_can_run(engine_model().config, "m", on_cpu=True)  # 32 runs
     with pytest.raises(ConfigError, match="head size 8"):  # before anything is handed to vLLM
         VLLMEngine(small, EngineSettings("float32", 1, "auto", 64))
+
+
+def _completion(token_ids: list[int], logprob: float = -0.5) -> SimpleNamespace:
+    """A vLLM ``CompletionOutput`` as rlhfkit reads it: the ids and, per token, {id: entry with .logprob}."""
+    return SimpleNamespace(
+        token_ids=token_ids, logprobs=[{t: SimpleNamespace(logprob=logprob)} for t in token_ids]
+    )
+
+
+@pytest.mark.parametrize("pad", [PAD, EOS])
+def test_a_completion_cut_by_the_engines_length_cap_is_masked_by_what_the_engine_produced(pad):
+    """The engine stops a request whose prompt + response reaches its max_model_len: fewer than R tokens and no
+    stop token. Its filler is outside the mask and the row is not ended, also when pad == EOS (the filler
+    would otherwise read as a stop token and count as an ending the model never produced)."""
+    ids, mask = prompts(rows=3, length=4)
+    completions = [
+        _completion([5, 6, 7]),  # cut by the cap after 3 of 6 tokens: no stop token
+        _completion([5, EOS]),  # stopped by the model
+        _completion([5, 6, 7, 8, 9, 10]),  # all R tokens, no stop: response_length reached
+    ]
+    out = engine_responses(ids, mask, completions, max_new_tokens=6, stop_token_ids=[EOS], pad_token_id=pad)
+    assert out.mask.sum(1).tolist() == [3, 2, 6]
+    assert out.ended.tolist() == [False, True, False]
+    assert out.response_ids[0].tolist() == [5, 6, 7, pad, pad, pad]
+    assert torch.equal(out.attention_mask[:, 4:], out.mask.long())
+    assert out.sampled_logprobs.sum(1).tolist() == [-1.5, -1.0, -3.0]  # 0 outside the mask
 
 
 @needs_vllm

@@ -58,7 +58,10 @@ class Responses:
 
 
 def truncate_at_stop(
-    response_ids: torch.Tensor, stop_token_ids: list[int] | tuple[int, ...], pad_token_id: int
+    response_ids: torch.Tensor,
+    stop_token_ids: list[int] | tuple[int, ...],
+    pad_token_id: int,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cut each response after its first stop token.
 
@@ -66,19 +69,28 @@ def truncate_at_stop(
         response_ids: (B, R) generated ids (whatever follows a stop token is ignored).
         stop_token_ids: the ids that end a response (EOS, or a configured stop token).
         pad_token_id: written after the first stop token.
+        lengths: (B,) how many tokens of each row were generated (None: all R). The columns from a row's
+            length on are filler, not tokens: never a stop token, never inside the mask. An engine that stops
+            a request at its own length cap returns fewer than R tokens and no stop token; the filler must
+            neither be trained nor, when pad == EOS, end the row (docs/known-bugs.md).
     Returns:
         (response_ids (B, R) with pads after the stop, mask (B, R) bool including the stop token,
-        ended (B,) bool).
+        ended (B,) bool: a stop token was generated).
     """
     if len(stop_token_ids) == 0:
         raise ValueError("stop_token_ids is empty")
     is_stop = torch.isin(
         response_ids, torch.as_tensor(list(stop_token_ids), device=response_ids.device)
     )  # (B, R)
+    produced = torch.ones_like(is_stop)  # (B, R)
+    if lengths is not None:
+        columns = torch.arange(response_ids.shape[1], device=response_ids.device)
+        produced = columns[None, :] < lengths.to(response_ids.device)[:, None]
+        is_stop = is_stop & produced
     ended = is_stop.any(dim=1)  # (B,)
     # Number of stop tokens strictly before column t; a column is kept while none came before it.
     stops_before = torch.cumsum(is_stop.int(), dim=1) - is_stop.int()  # (B, R)
-    mask = stops_before == 0
+    mask = (stops_before == 0) & produced
     return response_ids.masked_fill(~mask, pad_token_id), mask, ended
 
 

@@ -4,7 +4,8 @@ The engine runs in the trainer's own process (colocated, ``VLLM_ENABLE_V1_MULTIP
 a data-parallel run has its own engine) on a copy of the actor written once at start-up, and the actor's
 current weights are loaded into it in place before every generation (:meth:`VLLMEngine.load_weights`, the
 model runner's ``reload_weights``; LoRA: the merged weights). Only token ids are taken from it: the responses
-are cut at the stop token by :func:`rlhfkit.rollout.generation.truncate_at_stop`, as with ``hf``, and every
+are cut at the stop token by :func:`rlhfkit.rollout.generation.truncate_at_stop`, as with ``hf`` (and masked
+by the tokens the engine produced: :func:`engine_responses`), and every
 log-prob, value and mask the update reads is recomputed by rlhfkit's own models. The engine's log-prob of each
 sampled token (``logprobs_mode=processed_logprobs``: after the suppressed ids, the temperature and top-k /
 top-p, the processing of :class:`rlhfkit.models.Sampling`) comes back beside the ids, for the stale-weights
@@ -210,7 +211,8 @@ class VLLMEngine:
             prompt_ids, prompt_mask: (B, P) left-padded prompts (only the real tokens are sent).
             max_new_tokens: R.
             stop_token_ids: the ids that end a response (the engine stops on exactly these).
-            pad_token_id: filler after the stop token.
+            pad_token_id: filler after the stop token, and after the last token of a completion the engine
+                cut at its ``max_model_len`` (outside the mask; :func:`engine_responses`).
             sampling: the processing of the logits (temperature, top-k / top-p, suppressed ids).
             seeds: B per-request seeds.
             greedy: argmax decoding of the suppressed logits.
@@ -255,22 +257,56 @@ class VLLMEngine:
             raise GenerationEngineError(
                 f"the vLLM engine failed while generating: {_first_line(error)}"
             ) from error
-        rows = len(requests)
-        generated = prompt_ids.new_full((rows, max_new_tokens), pad_token_id)  # (B, R)
-        engine_logprobs = torch.zeros(rows, max_new_tokens)  # (B, R)
-        for i, out in enumerate(outputs):
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)[:max_new_tokens]
-            generated[i, : len(ids)] = torch.as_tensor(ids, dtype=generated.dtype)
-            for t, (token, entry) in enumerate(zip(ids, completion.logprobs or [], strict=False)):
-                engine_logprobs[i, t] = float(entry[token].logprob)
-        response_ids, mask, ended = truncate_at_stop(generated, list(stop_token_ids), pad_token_id)
-        engine_logprobs = torch.where(mask, engine_logprobs, 0.0).to(prompt_ids.device)
-        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1)
-        return Responses(
-            input_ids, attention_mask, response_ids, mask, ended, prompt_ids.shape[1], engine_logprobs
+        return engine_responses(
+            prompt_ids,
+            prompt_mask,
+            [out.outputs[0] for out in outputs],
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            pad_token_id=pad_token_id,
         )
+
+
+def engine_responses(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completions: Sequence,
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+) -> Responses:
+    """The engine's completions as :class:`Responses`, masked by what the engine produced.
+
+    A completion may hold fewer than ``max_new_tokens`` tokens without a stop token: the engine stops a request
+    whose prompt + response reaches its ``max_model_len``. The columns it did not produce are filler (the pad
+    id) outside the mask, and such a row is not ``ended`` (``online.missing_eos`` applies to it), also when the
+    pad token is the EOS token: ``ended`` comes only from a stop token the engine generated.
+
+    Args:
+        prompt_ids, prompt_mask: (B, P) the prompts the completions answer.
+        completions: B of vLLM's ``CompletionOutput`` (``token_ids``; ``logprobs``: per token, a dict from
+            the sampled id to an entry with ``.logprob``, or None).
+    Returns:
+        :class:`Responses` with R = ``max_new_tokens`` columns and ``sampled_logprobs`` (0 outside the mask).
+    """
+    rows = len(completions)
+    generated = prompt_ids.new_full((rows, max_new_tokens), pad_token_id)  # (B, R)
+    lengths = torch.zeros(rows, dtype=torch.long)  # (B,) tokens the engine produced
+    engine_logprobs = torch.zeros(rows, max_new_tokens)  # (B, R)
+    for i, completion in enumerate(completions):
+        ids = list(completion.token_ids)[:max_new_tokens]
+        lengths[i] = len(ids)
+        generated[i, : len(ids)] = torch.as_tensor(ids, dtype=generated.dtype)
+        for t, (token, entry) in enumerate(zip(ids, completion.logprobs or [], strict=False)):
+            engine_logprobs[i, t] = float(entry[token].logprob)
+    response_ids, mask, ended = truncate_at_stop(generated, list(stop_token_ids), pad_token_id, lengths)
+    engine_logprobs = torch.where(mask, engine_logprobs, 0.0).to(prompt_ids.device)
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1)
+    return Responses(
+        input_ids, attention_mask, response_ids, mask, ended, prompt_ids.shape[1], engine_logprobs
+    )
 
 
 def engine_generate(engine: VLLMEngine) -> Callable[..., Responses]:
