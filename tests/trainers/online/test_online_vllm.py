@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -123,6 +124,133 @@ def test_logprob_gap_hand_computed_and_its_stop(tmp_path):
     ):
         check_logprob_gap(strict, rollout)
     assert check_logprob_gap(ctx, SimpleNamespace(engine_logprobs=None)) == {}  # hf: nothing
+
+
+def test_a_nonfinite_gap_stops_the_run_naming_the_gap(tmp_path):
+    """NaN > limit is False: a NaN gap must still stop the run, by its name, saying which side is not finite."""
+    from rlhfkit.trainers.online.engine_rollout import check_logprob_gap
+
+    paths = write_online_problem(tmp_path, reward_model=False)
+    ctx = make_context(online_config(paths, tmp_path / "a", *VLLM, kind="grpo"))
+    mask = torch.tensor([[True, True], [True, False]])
+    for engine_value, trainer_value, side in (
+        (float("nan"), -1.0, "1 of the engine's log-probs"),
+        (-1.0, float("-inf"), "1 of the trainer's log-probs"),
+    ):
+        rollout = SimpleNamespace(
+            engine_logprobs=torch.tensor([[-1.0, engine_value], [-1.0, 0.0]]),
+            logprobs=torch.tensor([[-1.0, trainer_value], [-1.0, 0.0]]),
+            mask=mask,
+        )
+        with pytest.raises(GenerationEngineError) as stop:
+            check_logprob_gap(ctx, rollout, round_=2)
+        message = str(stop.value)
+        assert message.startswith("generation/logprob_gap/mean = ")
+        assert "(dynamic sampling round 2) is not a finite number" in message and side in message
+    masked_nan = SimpleNamespace(  # NaN where the mask is off is no gap at all
+        engine_logprobs=torch.tensor([[-1.0, -1.0], [-1.0, float("nan")]]),
+        logprobs=torch.tensor([[-1.0, -1.0], [-1.0, -1.0]]),
+        mask=mask,
+    )
+    assert check_logprob_gap(ctx, masked_nan)["generation/logprob_gap/mean"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "keys, needed",
+    [
+        (("online.vllm_max_model_len=21",), "data.max_prompt_length + online.response_length = 22"),
+        (
+            ("online.vllm_max_model_len=30", "refresh.every=2", "refresh.max_new_tokens=20"),
+            "data.max_prompt_length + refresh.max_new_tokens = 36",
+        ),
+    ],
+)
+def test_an_engine_length_below_prompt_plus_response_is_refused_at_start_up(tmp_path, keys, needed):
+    """A cap below the longest prompt + response would have the engine cut responses with no stop token."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    with pytest.raises(ConfigError, match=rf"^online.vllm_max_model_len .*{re.escape(needed)}"):
+        online_config(paths, tmp_path / "a", "online.generation_backend=vllm", *keys, kind="grpo")
+    online_config(paths, tmp_path / "b", "online.generation_backend=vllm", "online.vllm_max_model_len=22")
+    online_config(paths, tmp_path / "c", "online.vllm_max_model_len=8", kind="grpo")  # hf: no engine
+
+
+class CopyEngine:
+    """An engine in vLLM's place that samples with Hugging Face ``generate`` from its own copy of the weights
+    it was last given (so a skipped sync samples from stale weights, as vLLM would), and counts its calls.
+    ``offset``: call number -> nats added to the engine log-probs of that generate call (a planted gap)."""
+
+    def __init__(self, offset: dict[int, float] | None = None):
+        self.model, self.loads, self.calls, self.offset = None, 0, 0, offset or {}
+
+    def load_weights(self, model):
+        import copy
+
+        self.model, self.loads = copy.deepcopy(model), self.loads + 1
+
+    def generate(self, prompt_ids, prompt_mask, *, seeds, **kwargs):
+        from rlhfkit.rollout import generate_responses
+
+        self.calls += 1
+        out = generate_responses(self.model, prompt_ids, prompt_mask, return_logprobs=True, **kwargs)
+        shift = self.offset.get(self.calls, 0.0)
+        out.sampled_logprobs = torch.where(out.mask, out.sampled_logprobs + shift, 0.0)
+        return out
+
+    def close(self):
+        pass
+
+
+HALF_CONSTANT = '''
+def half_constant(prompts, completions, **kwargs):
+    """The response's length for prompts of odd length, 1.0 for the others (those groups never spread)."""
+    return [float(len(c)) if len(p) % 2 else 1.0 for p, c in zip(prompts, completions)]
+'''
+
+
+def _dynamic_run(tmp_path, monkeypatch, engine, name):
+    """A grpo run of 2 rollouts with dynamic sampling, whose engine is ``engine``: its metrics rows."""
+    import rlhfkit.trainers.online.loop as loop
+    from rlhfkit.engine.metrics_writer import read_metrics
+    from rlhfkit.trainers.online import OnlineHooks, train
+
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    monkeypatch.setattr(loop, "start_engine", lambda cfg, actor: engine)
+    paths = write_online_problem(tmp_path / "problem", reward_model=False)
+    rewards = tmp_path / "half.py"
+    rewards.write_text(HALF_CONSTANT)
+    out = tmp_path / name
+    cfg = online_config(
+        paths,
+        out,
+        *VLLM,
+        f"online.reward_functions=[{rewards}:half_constant]",
+        "online.dynamic_sampling=true",
+        "online.missing_eos=none",
+        "train.max_steps=2",
+        kind="grpo",
+    )
+    train(cfg, hooks=OnlineHooks(evaluate_at_start=False))
+    return [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+
+
+def test_dynamic_sampling_loads_the_engine_once_per_rollout(tmp_path, monkeypatch):
+    """The actor does not move between sampling rounds: one weight load per rollout, not one per round."""
+    engine = CopyEngine()
+    rows = _dynamic_run(tmp_path, monkeypatch, engine, "once")
+    rounds = sum(r["groups/sampling_rounds"] for r in rows)
+    assert len(rows) == 2 and rounds >= 1  # extra rounds were sampled
+    assert engine.calls == len(rows) + rounds  # stage 1 and every round generated from the engine
+    assert engine.loads == len(rows)  # ... which was loaded once per rollout
+    for r in rows:  # the rounds sampled from the weights of this rollout, not the previous one's
+        assert r["generation/logprob_gap/mean"] < 1e-4
+
+
+def test_every_sampling_rounds_gap_is_checked(tmp_path, monkeypatch):
+    """An engine whose log-probs are off in the first extra round only (call 2) stops the run there."""
+    engine = CopyEngine(offset={2: 1.0})
+    with pytest.raises(GenerationEngineError, match=r"(?s)dynamic sampling round 1.*vllm_max_logprob_gap"):
+        _dynamic_run(tmp_path, monkeypatch, engine, "gap")
+    assert engine.calls == 2
 
 
 @pytest.mark.parametrize("cap, weight", [(1.5, 1.5), (3.0, 2.0)])

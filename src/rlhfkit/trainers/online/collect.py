@@ -73,6 +73,7 @@ def sample_rollout(
     clock: StageClock | None = None,
     step: int | None = None,
     actor_forward: bool | None = None,
+    sync_engine: bool = True,
 ) -> Rollout:
     """Stage 1: sample one response per row of ``batch`` and read log-probs and values at sampling time.
 
@@ -89,6 +90,8 @@ def sample_rollout(
     on chunks of ``online.rollout_batch_size`` rows. ``actor_forward=False`` (default: when
     :func:`~rlhfkit.trainers.online.layout.old_logprobs_from_update` says so for ``step``) skips the actor's
     forward: ``logprobs`` and ``entropy`` stay 0 until the update's own forward fills them in.
+    ``sync_engine=False`` (vllm): sample from the weights already in the engine, which the caller loaded
+    since the actor last moved (dynamic sampling's extra rounds; an evaluation's later chunks).
 
     Returns:
         the rollout with ``logprobs``, ``ref_logprobs``, ``values`` (critic only), ``group_ids``, ``ended``,
@@ -99,7 +102,9 @@ def sample_rollout(
     n = batch["query_ids"].shape[0]
     size = online.rollout_batch_size or n
     clock = clock or StageClock()
-    pieces = generate_pieces(ctx, batch, size, clock, generate_responses)  # hf or vllm (generation_backend)
+    pieces = generate_pieces(  # hf or vllm (generation_backend)
+        ctx, batch, size, clock, generate_responses, sync=sync_engine
+    )
     response_mask = torch.cat([p.mask for p in pieces])  # (B, R)
     width = max(int(response_mask.sum(1).max()), 1)  # T: the longest response
     response_mask = response_mask[:, :width]

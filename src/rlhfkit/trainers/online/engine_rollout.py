@@ -4,7 +4,8 @@
 
 - :func:`start_engine`: the engine of a run (None with ``hf``), started once when the context is built;
 - :func:`generate_pieces`: the responses of a batch, in ``online.rollout_batch_size`` pieces; with ``vllm`` the
-  weight sync first (``time/weight_sync``), then per-request seeds that are a stateless function of (the
+  weight sync first (``time/weight_sync``; once per rollout: dynamic sampling's extra rounds sample from the
+  weights stage 1 loaded, the actor has not moved since), then per-request seeds that are a stateless function of (the
   sampling seed of the rollout, prompt, sample);
 - :func:`engine_for_hook`: the engine's sampler for a caller's hook that takes one (the reward-model refresh);
 - :func:`check_logprob_gap`: the engine's log-prob of each sampled token against the trainer's
@@ -16,6 +17,7 @@ Shapes: ``B`` responses of this process, ``T`` response length.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -82,12 +84,14 @@ def generate_pieces(
     clock: StageClock,
     hf_generate: Callable[..., Responses],
     greedy: bool = False,
+    sync: bool = True,
 ) -> list[Responses]:
     """The responses of ``batch`` in pieces of ``size`` rows, from the configured backend: ``hf_generate``
     (:func:`rlhfkit.rollout.generate_responses`, passed by the caller, whose tests replace it) under ``hf``.
 
-    With ``vllm`` the actor's current weights are loaded into the engine first (timed as ``weight_sync``), and
-    each :class:`Responses` carries the engine's log-probs in ``sampled_logprobs``.
+    With ``vllm`` the actor's current weights are loaded into the engine first (timed as ``weight_sync``; not
+    with ``sync=False``: the caller loaded them since the actor last moved), and each :class:`Responses`
+    carries the engine's log-probs in ``sampled_logprobs``.
     """
     online, n = ctx.cfg.online, batch["query_ids"].shape[0]
     common = dict(
@@ -108,8 +112,9 @@ def generate_pieces(
                 )
                 for i in range(0, n, size)
             ]
-    with clock("weight_sync"):
-        ctx.engine.load_weights(ctx.roles.actor)
+    if sync:
+        with clock("weight_sync"):
+            ctx.engine.load_weights(ctx.roles.actor)
     base = int(torch.randint(2**62, (1,)))  # from the rollout's seeded global generator
     seeds = request_seeds(base, batch["group_ids"])
     with clock("generate"):
@@ -136,30 +141,46 @@ def engine_for_hook(ctx: OnlineContext, hook: Callable) -> dict[str, Callable[..
     return {"generate": engine_generate(ctx.engine)}
 
 
-def check_logprob_gap(ctx: OnlineContext, rollout: Rollout) -> dict[str, float]:
+def check_logprob_gap(ctx: OnlineContext, rollout: Rollout, round_: int = 0) -> dict[str, float]:
     """``generation/logprob_gap/mean`` and ``/max``: |engine log-prob - trainer log-prob| of the sampled tokens
     (``rollout.engine_logprobs`` against ``rollout.logprobs``, the same processing) over the valid tokens of all
-    processes; a mean above ``online.vllm_max_logprob_gap`` stops the run. Nothing (``{}``) with ``hf``.
+    processes; a mean above ``online.vllm_max_logprob_gap``, or a gap that is not a finite number, stops the
+    run. ``round_``: dynamic sampling's extra round the rollout comes from (0: stage 1's own), named in the
+    message. Nothing (``{}``) with ``hf``.
 
     Raises:
-        GenerationEngineError: the engine holds other weights than the actor (a failed or skipped sync).
+        GenerationEngineError: the engine holds other weights than the actor (a failed or skipped sync), or
+            one side's log-probs are NaN or infinite (``mean > limit`` alone is False for NaN).
     """
     if rollout.engine_logprobs is None:
         return {}
     engine_logprobs, logprobs, mask = rollout.engine_logprobs, rollout.logprobs, rollout.mask
     gap = fill_masked((engine_logprobs - logprobs).abs().double(), mask)  # (B, T)
-    summed = ctx.all_sum(torch.stack([gap.sum(), mask.sum().double()]))  # (2,)
+    nonfinite = [fill_masked(~torch.isfinite(x), mask).sum().double() for x in (engine_logprobs, logprobs)]
+    summed = ctx.all_sum(torch.stack([gap.sum(), mask.sum().double(), *nonfinite]))  # (4,)
     largest = gap.max() if gap.numel() else gap.new_zeros(())
     if ctx.accelerator.num_processes > 1:
         largest = largest.clone()
         torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
     mean = float(summed[0] / summed[1]) if float(summed[1]) > 0 else 0.0
     metrics = {"generation/logprob_gap/mean": mean, "generation/logprob_gap/max": float(largest)}
+    where = f" (dynamic sampling round {round_})" if round_ else ""
+    stop = "nothing of this rollout is trained or saved, and --resume continues from the newest checkpoint"
+    if not math.isfinite(mean) or not math.isfinite(metrics["generation/logprob_gap/max"]):
+        sides = [
+            f"{int(count)} of the {name} log-probs"
+            for name, count in zip(("engine's", "trainer's"), summed[2:].tolist(), strict=True)
+            if count > 0
+        ]
+        raise GenerationEngineError(
+            f"generation/logprob_gap/mean = {mean:.4g} nats{where} is not a finite number: "
+            f"{' and '.join(sides) or 'their differences'} are NaN or infinite on the sampled tokens (the "
+            f"engine's weights or numerics, or the actor's, are broken); {stop}"
+        )
     limit = ctx.cfg.online.vllm_max_logprob_gap
     if mean > limit:
         raise GenerationEngineError(
-            f"generation/logprob_gap/mean = {mean:.4g} nats > online.vllm_max_logprob_gap = {limit:g}: the vLLM "
-            "engine samples from other weights than the actor (the weight sync failed); nothing of this rollout "
-            "is trained or saved, and --resume continues from the newest checkpoint"
+            f"generation/logprob_gap/mean = {mean:.4g} nats{where} > online.vllm_max_logprob_gap = {limit:g}: the "
+            f"vLLM engine samples from other weights than the actor (the weight sync failed); {stop}"
         )
     return metrics

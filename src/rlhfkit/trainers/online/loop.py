@@ -292,9 +292,15 @@ def _score(
 def _draw(
     ctx: OnlineContext, examples: list[dict], step: int, clock: StageClock, score, round_: int
 ) -> tuple[dict, Rollout, Scores]:
-    """Stages 1 and 2 on the prompts of dynamic sampling's extra round ``round_`` of rollout ``step``."""
+    """Stages 1 and 2 on the prompts of dynamic sampling's extra round ``round_`` of rollout ``step``.
+
+    vllm: the engine samples from the weights stage 1 of this rollout loaded (the actor has not moved since;
+    loading them again each round would copy the whole model, merged LoRA included, for nothing), and the
+    round's log-prob gap is checked as stage 1's is: its tokens are trained too."""
     batch = prompt_batch(ctx, examples, step, stream=round_)
-    rollout = sample_rollout(ctx, batch, clock, actor_forward=not old_logprobs_from_update(ctx, step))
+    actor_forward = not old_logprobs_from_update(ctx, step)
+    rollout = sample_rollout(ctx, batch, clock, actor_forward=actor_forward, sync_engine=False)
+    check_logprob_gap(ctx, rollout, round_)  # vllm: a stop when this round's engine log-probs are off
     return batch, rollout, score(rollout, batch["records"])
 
 

@@ -98,7 +98,7 @@ def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, floa
             "records": b["records"],
             "group_ids": torch.arange(len(chunk), device=ctx.device),
         }
-        rollout = sample_rollout(ctx, batch)
+        rollout = sample_rollout(ctx, batch, sync_engine=i == 0)  # vllm: the actor's weights loaded once
         _, raw_scores, _, scored, _ = score_rollout(ctx, rollout, batch["records"])
         kl = measured_kl(ctx, rollout)
         s.add_sum("eval/score/mean", raw_scores[scored].sum(), scored.sum())
