@@ -90,7 +90,7 @@ def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, floa
     mine = examples[accelerator.process_index :: accelerator.num_processes]
     size = max(1, ctx.cfg.train.batch_size * online.group_size // accelerator.num_processes)
     collate = PromptCollator(ctx.tokenizer.pad_token_id)
-    for chunk in micro_batches(mine, size):
+    for i, chunk in enumerate(micro_batches(mine, size)):
         b = collate(list(chunk))
         batch = {
             "query_ids": b["input_ids"].to(ctx.device),
