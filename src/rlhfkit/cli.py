@@ -3,7 +3,7 @@
     rlhfkit train {sft,reward,prm,ppo,grpo,rloo,dpo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
     rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite] [--refresh-steps K]
     rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE] [--reward-model DIR]
-                     [--backend hf|vllm]
+                     [--reward-function FILE.py:FN ...] [--backend hf|vllm]
     rlhfkit label-pairs --policy DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
     rlhfkit report RUN_DIR [RUN_DIR ...] [--out FILE]
 
@@ -188,6 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     gen.add_argument(
         "--out", metavar="FILE", help="write {prompt, response} JSON Lines here (default: stdout)"
+    )
+    gen.add_argument(
+        "--reward-function",
+        action="append",
+        default=[],
+        dest="reward_functions",
+        metavar="FILE.py:FN",
+        help="add each response's score from this reward function, named as in online.reward_functions "
+        "(path/to/file.py:fn or pkg.module:fn; TRL's convention, called with the prompts file's other "
+        "columns); repeat for several, each part's own score goes under \"parts\"",
     )
     gen.add_argument(
         "--reward-model",

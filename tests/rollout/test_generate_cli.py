@@ -99,3 +99,80 @@ def test_generate_with_a_reward_model_adds_its_normalised_score(tmp_path, capsys
         == 2
     )
     assert "--reward-model: folder not found" in capsys.readouterr().err
+
+
+REWARDS_PY = """
+def words(prompts, completions, **kwargs):
+    return [float(len(c.split())) for c in completions]
+
+def echoes_answer(completions, answer, completion_ids):
+    # None (no opinion) where the row has no answer; the column and the token ids arrive as keywords
+    return [None if a is None else float(a in c) + 0.001 * len(ids) for c, a, ids in zip(completions, answer, completion_ids)]
+
+def needs_label(completions, label):
+    return [0.0 for _ in completions]
+"""
+
+
+def test_generate_with_reward_functions_scores_each_part_as_training_does(tmp_path, capsys):
+    """--reward-function takes online.reward_functions' names: its own score per part under "parts", the sum
+    (with the reward model's, when given) as "score", None where nothing had an opinion; the data's other
+    columns arrive as keywords; a function that needs a column the file lacks is refused before sampling."""
+    import torch
+
+    from rlhfkit.models import load_scalar_model, load_tokenizer, sequence_scores
+    from tests.helpers import tiny_llama
+
+    paths = write_sft_problem(tmp_path)
+    tokenizer = load_tokenizer(str(paths["model"]))
+    rm = tiny_llama("scalar", seed=5, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    rm.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    (tmp_path / "rewards.py").write_text(REWARDS_PY)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        '{"prompt": "hello", "answer": "the"}\n{"prompt": "the cat sat"}\n{"prompt": "a", "answer": "x"}\n'
+    )
+    out = tmp_path / "scored.jsonl"
+    base = ["generate", "--model", str(paths["model"]), "--prompts", str(prompts), "--max-new-tokens", "6"]
+    functions = ["--reward-function", f"{tmp_path / 'rewards.py'}:words"]
+    functions += ["--reward-function", f"{tmp_path / 'rewards.py'}:echoes_answer"]
+    assert main([*base, *functions, "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    answers = ["the", None, "x"]
+    for row, answer in zip(rows, answers, strict=True):
+        ids = tokenizer(row["response"], add_special_tokens=False)["input_ids"]
+        ids += [tokenizer.eos_token_id] if row["ended"] else []
+        expected = None if answer is None else float(answer in row["response"]) + 0.001 * len(ids)
+        assert row["parts"]["words"] == float(len(row["response"].split()))
+        if expected is None:
+            assert row["parts"]["echoes_answer"] is None
+        else:
+            assert abs(row["parts"]["echoes_answer"] - expected) < 1e-6, row
+        assert abs(row["score"] - sum(v for v in row["parts"].values() if v is not None)) < 1e-5
+
+    # with a reward model: its normalised score is one more part, and the score is the sum
+    assert main([*base, *functions, "--reward-model", str(tmp_path / "rm"), "--out", str(out)]) == 0
+    model = load_scalar_model(str(tmp_path / "rm"), tokenizer=tokenizer).eval()
+    for row in (json.loads(line) for line in out.read_text().splitlines()):
+        ids = (
+            tokenizer(row["prompt"])["input_ids"]
+            + tokenizer(row["response"], add_special_tokens=False)["input_ids"]
+        )
+        if row["ended"]:
+            ids.append(tokenizer.eos_token_id)
+        with torch.no_grad():
+            raw = float(sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids))))
+        assert list(row["parts"]) == ["reward_model", "words", "echoes_answer"]
+        assert abs(row["parts"]["reward_model"] - raw) < 1e-4
+        assert abs(row["score"] - sum(v for v in row["parts"].values() if v is not None)) < 1e-4
+
+    # a function that needs a column the prompts lack, or a file that is not there: exit 2, named, nothing written
+    out.unlink()
+    assert (
+        main([*base, "--reward-function", f"{tmp_path / 'rewards.py'}:needs_label", "--out", str(out)]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "--reward-function[0]: reward function 'needs_label' requires 'label'" in err and not out.exists()
+    assert main([*base, "--reward-function", f"{tmp_path / 'nowhere.py'}:words"]) == 2
+    assert "--reward-function[0]: file not found" in capsys.readouterr().err

@@ -35,6 +35,7 @@ class PolicySamples:
     proxy: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     valid: list[bool] = field(default_factory=list)
+    response_ids: list[list[int]] = field(default_factory=list)  # up to and including the stop token
 
     def summary(self) -> dict[str, float]:
         """Means of every figure that was measured (``gold_mean``, ``proxy_mean``, ``kl_mean``, ...)."""
@@ -125,11 +126,10 @@ def sample_and_score(
         policy, tokenizer, examples, sampling, max_new_tokens, greedy, batch_size, generate
     ):
         prompts = [_prompt_text(ex, tokenizer) for ex in chunk]
-        texts = [
-            tokenizer.decode(ids[m], skip_special_tokens=True)
-            for ids, m in zip(r.response_ids, r.mask, strict=True)
-        ]
+        kept = [ids[m].tolist() for ids, m in zip(r.response_ids, r.mask, strict=True)]
+        texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
         out.prompts += prompts
+        out.response_ids += kept
         out.responses += texts
         out.ended += r.ended.tolist()
         out.lengths += r.mask.sum(1).tolist()

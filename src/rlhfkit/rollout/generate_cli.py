@@ -2,12 +2,19 @@
 
     rlhfkit generate --model runs/quickstart/ppo/final --prompts prompts.jsonl --temperature 0.7 --out samples.jsonl
     rlhfkit generate --model runs/quickstart/ppo/final --prompts prompts.jsonl --reward-model runs/quickstart/reward/final
+    rlhfkit generate --model runs/grpo/final --prompts prompts.jsonl --reward-function rewards.py:accuracy
 
 Prompts are read and validated like any prompts dataset (every shape of :mod:`rlhfkit.data.records` that
 has a prompt), left padded, and sampled in batches; each output line is ``{"prompt", "response", "ended"}``
 where ``ended`` says whether the response stopped at EOS (False: it hit ``--max-new-tokens``), and, with
-``--reward-model``, ``"score"``: the reward model's normalised score of the response (``gain * raw + bias``,
-as online training uses it).
+``--reward-model`` and/or ``--reward-function``, ``"score"``: the response's score as online training's
+scorer gives it before the missing-EOS rule (:class:`rlhfkit.rollout.scoring.Scorer`: the reward model's
+normalised score ``gain * raw + bias`` plus each reward function's value; null when nothing had an opinion).
+With reward functions, ``"parts"`` holds each part's own score by name (``reward_model`` and each function's
+name, null for no opinion). A reward function is named as in ``online.reward_functions``
+(``path/to/file.py:fn`` or ``pkg.module:fn``, TRL's convention: ``fn(prompts, completions, **columns)``) and is
+called with the prompts file's other columns; one that needs a column the file lacks is refused before any
+model loads.
 
 ``--backend vllm`` samples with a vLLM engine in this process (:mod:`rlhfkit.rollout.vllm_engine`, sized as
 online training's defaults: ``online.vllm_kv_cache_gib``, the longest prompt + ``--max-new-tokens``); the
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -26,7 +34,10 @@ from rlhfkit.data import TokenLimits, prepare_examples
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
 from rlhfkit.rollout.evaluate import sample_and_score
+from rlhfkit.rollout.scoring import Scorer, combine_parts, data_columns
 from rlhfkit.rollout.vllm_engine import EngineSettings, VLLMEngine, engine_generate
+
+FUNCTIONS_FLAG = "--reward-function"  # names the setting in the errors of a reward function
 
 
 def generate(
@@ -40,13 +51,20 @@ def generate(
     trust_remote_code: bool = False,
     reward_model: str | None = None,
     backend: str = "hf",
+    reward_functions: Sequence[str] = (),
 ) -> list[dict]:
     """Load the policy in ``model_dir``, sample for every prompt of ``prompts_file``, write JSON Lines (with each
-    response's score when ``reward_model``, a reward-model folder, is given). ``backend``: ``"hf"`` (Hugging
-    Face ``generate``) or ``"vllm"`` (a vLLM engine on the policy's weights)."""
+    response's score when ``reward_model``, a reward-model folder, or ``reward_functions``, names as in
+    ``online.reward_functions``, are given). ``backend``: ``"hf"`` (Hugging Face ``generate``) or ``"vllm"``
+    (a vLLM engine on the policy's weights)."""
     seed_everything(seed)
+    functions = Scorer.load_functions(reward_functions, where=FUNCTIONS_FLAG)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     examples = prepare_examples(prompts_file, "prompts", tokenizer, TokenLimits())
+    records = [ex["record"] for ex in examples]
+    function_scorer = Scorer(None, functions) if functions else None
+    if function_scorer is not None:  # before any model loads
+        function_scorer.check_columns(data_columns(records), where=FUNCTIONS_FLAG)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     scorer = None
     if reward_model is not None:
@@ -77,11 +95,21 @@ def generate(
         if engine is not None:
             engine.close()
     rows = [
-        {"prompt": ex["record"]["prompt"], "response": response, "ended": bool(ended)}
-        for ex, response, ended in zip(examples, samples.responses, samples.ended, strict=True)
+        {"prompt": record["prompt"], "response": response, "ended": bool(ended)}
+        for record, response, ended in zip(records, samples.responses, samples.ended, strict=True)
     ]
-    for row, score in zip(rows, samples.proxy, strict=False):  # proxy is empty without a reward model
-        row["score"] = score
+    parts = {"reward_model": torch.tensor(samples.proxy)} if scorer is not None else {}
+    if function_scorer is not None:
+        prompts = [record["prompt"] for record in records]
+        parts.update(
+            function_scorer.function_parts(prompts, samples.responses, records, samples.response_ids)
+        )
+    if parts:
+        scores, scored = combine_parts(parts)
+        for i, row in enumerate(rows):
+            row["score"] = float(scores[i]) if scored[i] else None
+            if function_scorer is not None:
+                row["parts"] = {name: _number(values[i]) for name, values in parts.items()}
     stream = open(out, "w", encoding="utf-8") if out else sys.stdout  # noqa: SIM115
     try:
         for row in rows:
@@ -90,6 +118,10 @@ def generate(
         if out:
             stream.close()
     return rows
+
+
+def _number(value: torch.Tensor) -> float | None:
+    return None if value.isnan() else float(value)
 
 
 def _engine(

@@ -84,6 +84,23 @@ def critic_values(
     return response_values(critic, input_ids, attention_mask, response_start).float() * gain + bias  # (B, R)
 
 
+# Names the online trainer logs as ``score/<name>`` itself: a reward function is never logged under one.
+RESERVED_SCORE_NAMES = frozenset(
+    {"mean", "raw_mean", "unscored", "penalised_frac", "process_mean", "process_steps", "reward_model"}
+)
+
+
+def function_names(specs: Sequence[str]) -> list[str]:
+    """The name of each reward function in ``specs``, as its score part (``score/<name>`` in metrics.jsonl,
+    ``parts`` in samples): the function's own name (``fn`` of ``"pkg.module:fn"``), with ``_<index>`` when two
+    share a name or the name is one the trainer logs itself (:data:`RESERVED_SCORE_NAMES`)."""
+    short = [spec.rpartition(":")[2] for spec in specs]
+    return [
+        name if short.count(name) == 1 and name not in RESERVED_SCORE_NAMES else f"{name}_{i}"
+        for i, name in enumerate(short)
+    ]
+
+
 class RewardFunctionError(UserError):
     """A reward function returned something that is not one finite number per response."""
 
@@ -250,16 +267,14 @@ class Scorer:
             )
 
     @staticmethod
-    def load_functions(specs: Sequence[str]) -> list[tuple[str, RewardFunction]]:
-        """The functions named in ``specs`` (``online.reward_functions``), each named after its function
-        (``fn`` of ``"pkg.module:fn"``), with ``_<index>`` when two share a name."""
-        short = [spec.rpartition(":")[2] for spec in specs]
+    def load_functions(
+        specs: Sequence[str], where: str = "online.reward_functions"
+    ) -> list[tuple[str, RewardFunction]]:
+        """The functions named in ``specs`` (``online.reward_functions``), each under its
+        :func:`function_names` name; ``where`` names the setting in error messages."""
         return [
-            (
-                name if short.count(name) == 1 else f"{name}_{i}",
-                load_reward_function(spec, f"online.reward_functions[{i}]"),
-            )
-            for i, (spec, name) in enumerate(zip(specs, short, strict=True))
+            (name, load_reward_function(spec, f"{where}[{i}]"))
+            for i, (spec, name) in enumerate(zip(specs, function_names(specs), strict=True))
         ]
 
     @classmethod
@@ -274,11 +289,11 @@ class Scorer:
         """Whether :meth:`__call__` needs the prompts, response texts and records."""
         return bool(self.functions)
 
-    def check_columns(self, columns: Sequence[str]) -> None:
+    def check_columns(self, columns: Sequence[str], where: str = "online.reward_functions") -> None:
         """Refuse, before training, a function that requires a keyword no call will have
-        (:func:`check_signature`)."""
+        (:func:`check_signature`); ``where`` names the setting in error messages."""
         for i, (name, fn) in enumerate(self.functions):
-            check_signature(name, fn, columns, f"online.reward_functions[{i}]")
+            check_signature(name, fn, columns, f"{where}[{i}]")
 
     @torch.no_grad()
     def __call__(
@@ -318,23 +333,33 @@ class Scorer:
         if self.functions:
             if prompts is None or responses is None or records is None:
                 raise ValueError("reward functions need prompts, responses and records")
-            keywords = self.keywords(prompts, responses, records, completion_ids)
-            for name, fn in self.functions:
-                accepted, _ = accepted_keywords(fn)
-                given = keywords if accepted is None else {k: v for k, v in keywords.items() if k in accepted}
-                try:
-                    values = fn(**{k: list(v) for k, v in given.items()})
-                except Exception as e:  # the user's code: any error stops the run, named
-                    raise RewardFunctionError(
-                        f"reward function '{name}' raised {type(e).__name__}: {e}{_raised_at(e)}"
-                    ) from e
-                parts[name] = check_function_scores(values, batch, name, prompts, responses).to(
-                    input_ids.device
-                )
-        stacked = torch.stack(list(parts.values()))  # (K, B)
-        scored = ~stacked.isnan().all(0)  # (B,)
-        scores = stacked.nan_to_num(0.0).sum(0)  # (B,): NaN (no opinion) adds nothing
+            parts.update(self.function_parts(prompts, responses, records, completion_ids, input_ids.device))
+        scores, scored = combine_parts(parts)
         return scores, parts, scored
+
+    def function_parts(
+        self,
+        prompts: list,
+        responses: list[str],
+        records: list[dict],
+        completion_ids: list[list[int]] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> dict[str, torch.Tensor]:
+        """Each reward function's scores of B responses: name -> (B,) float32 on ``device``, NaN where it
+        returned None (arguments as :meth:`__call__`'s)."""
+        keywords = self.keywords(prompts, responses, records, completion_ids)
+        parts = {}
+        for name, fn in self.functions:
+            accepted, _ = accepted_keywords(fn)
+            given = keywords if accepted is None else {k: v for k, v in keywords.items() if k in accepted}
+            try:
+                values = fn(**{k: list(v) for k, v in given.items()})
+            except Exception as e:  # the user's code: any error stops the run, named
+                raise RewardFunctionError(
+                    f"reward function '{name}' raised {type(e).__name__}: {e}{_raised_at(e)}"
+                ) from e
+            parts[name] = check_function_scores(values, len(responses), name, prompts, responses).to(device)
+        return parts
 
     @staticmethod
     def keywords(
@@ -356,6 +381,14 @@ class Scorer:
         for column in data_columns(records):
             out[column] = [record.get(column) for record in records]
         return out
+
+
+def combine_parts(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores (B,): the sum of the parts that have an opinion, 0 where none has; scored (B,) bool: some part
+    has an opinion) of score parts name -> (B,), NaN for no opinion."""
+    stacked = torch.stack(list(parts.values()))  # (K, B)
+    scored = ~stacked.isnan().all(0)  # (B,)
+    return stacked.nan_to_num(0.0).sum(0), scored  # NaN (no opinion) adds nothing
 
 
 def data_columns(records: Sequence[dict]) -> list[str]:
