@@ -6,6 +6,9 @@
                      [--reward-function FILE.py:FN ...] [--backend hf|vllm]
     rlhfkit label-pairs --policy DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
     rlhfkit report RUN_DIR [RUN_DIR ...] [--out FILE]
+    rlhfkit config init KIND                                     # a commented YAML of KIND's keys and defaults
+    rlhfkit config show KIND [--config FILE] [dotted.key=value ...]   # validate, print the resolved config
+    rlhfkit config reference > docs/configuration.md             # every key, from the dataclasses
 
 A user's mistake (a :class:`rlhfkit.errors.UserError`: bad configuration, bad data, an occupied output
 folder) prints one line ``rlhfkit: error: <message>`` on stderr and exits with code 2. A run that stops on
@@ -37,13 +40,16 @@ from collections.abc import Sequence
 from rlhfkit import __version__
 from rlhfkit.commands import (
     DEFAULT_TEMPERATURE,
+    config_init_command,
+    config_reference_command,
+    config_show_command,
     generate_command,
     label_pairs_command,
     quickstart_command,
     report_command,
     train_command,
 )
-from rlhfkit.config import KINDS, config_help
+from rlhfkit.config import KINDS
 from rlhfkit.errors import ProcessLost, RunStopped, UserError
 
 
@@ -53,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:
-            if args.command != "train" or any(a.startswith("-") or "=" not in a for a in extra):
+            takes_overrides = args.command == "train" or getattr(args, "tool", None) == "show"
+            if not takes_overrides or any(a.startswith("-") or "=" not in a for a in extra):
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
             args.overrides = [*args.overrides, *extra]  # overrides written before an option
     except SystemExit as e:  # --help, or a usage error that argparse has already printed
@@ -88,19 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.modules["rlhfkit.engine.folder"].release_locks()
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose epilog may be a function, called only when the help is printed: the
-    configuration keys' help names the choices ``rlhfkit.algos`` declares, and importing it imports torch,
-    which argument errors and the other commands need not wait for."""
-
-    def format_help(self) -> str:
-        if callable(self.epilog):
-            self.epilog = self.epilog()
-        return super().format_help()
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = argparse.ArgumentParser(
         prog="rlhfkit",
         description="Classic RLHF on Hugging Face language models: SFT, reward models, PPO "
         "(and GRPO / RLOO / REINFORCE++).",
@@ -112,16 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train one model from a YAML configuration",
         description="Train one model. Every configuration key can be set in the YAML file or overridden "
-        "here as dotted.key=value (parsed as YAML: 1e-5, true, null, [a, b]).",
-        epilog=lambda: "configuration keys:\n" + config_help(),
+        "here as dotted.key=value (parsed as YAML: 1e-5, true, null, [a, b]). `rlhfkit train KIND --help` "
+        "lists the keys KIND reads, with KIND's defaults; docs/configuration.md lists them all.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
     )
     train.add_argument(
-        "kind",
-        choices=KINDS,
-        help="sft, reward (Bradley-Terry), prm (process reward), ppo, grpo, rloo, dpo (direct preference "
-        "optimization)",
+        "-h", "--help", action=_KindHelp, nargs=0, help="show this help (after KIND: KIND's keys) and exit"
     )
+    train.add_argument("kind", choices=KINDS, help=KIND_HELP)
     train.add_argument("--config", required=True, metavar="FILE", help="the run's YAML configuration")
     folder = train.add_mutually_exclusive_group()
     folder.add_argument(
@@ -279,7 +274,72 @@ def build_parser() -> argparse.ArgumentParser:
         help="the side-by-side page of several runs (default: compare.html in their parent folder)",
     )
     rep.set_defaults(run=report_command)
+    _config_parser(commands)
     return parser
+
+
+KIND_HELP = (
+    "sft, reward (Bradley-Terry), prm (process reward), ppo, grpo, rloo, dpo (direct preference "
+    "optimization); REINFORCE++ is ppo with online.advantage_estimator=reinforce_pp (no critic)"
+)
+
+
+class _KindHelp(argparse.Action):
+    """``rlhfkit train KIND --help``: the usage, then the keys KIND reads at KIND's defaults (or, before a
+    KIND, the sections each kind reads). The keys' help names the choices ``rlhfkit.algos`` declares, and
+    importing it imports torch, which argument errors and the other commands need not wait for: the list is
+    built only here."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from rlhfkit.config import KIND_SECTIONS, config_help
+
+        kind = getattr(namespace, "kind", None)
+        if kind in KINDS:
+            parser.epilog = f"configuration keys of `train {kind}`:\n" + config_help(kind=kind)
+        else:
+            parser.epilog = "sections each kind reads (rlhfkit train KIND --help lists their keys):\n" + "\n".join(
+                f"  {k}: {', '.join(KIND_SECTIONS[k])}" for k in KINDS
+            )
+        parser.print_help()
+        parser.exit()
+
+
+def _config_parser(commands) -> None:
+    """``rlhfkit config init|show|reference``: a configuration written, checked or described without a run."""
+    conf = commands.add_parser(
+        "config",
+        help="write, check or describe a configuration without training",
+        description="Configuration tools: `init` writes a commented YAML of a kind's keys and defaults, `show` "
+        "validates a configuration and prints it resolved (exit 2 with the error a run would give), "
+        "`reference` writes the Markdown reference of every key (docs/configuration.md). None loads a model.",
+    )
+    tools = conf.add_subparsers(dest="tool", required=True, metavar="TOOL")
+    init = tools.add_parser(
+        "init",
+        help="print a commented YAML of KIND's keys at KIND's defaults",
+        description="Print every key `rlhfkit train KIND` reads, at KIND's defaults, with its help as a "
+        "comment: `rlhfkit config init grpo > grpo.yaml`, then fill in the required keys.",
+    )
+    init.add_argument("kind", choices=KINDS, help=KIND_HELP)
+    init.set_defaults(run=config_init_command)
+    show = tools.add_parser(
+        "show",
+        help="validate a configuration and print it resolved",
+        description="Resolve the configuration exactly as `rlhfkit train KIND` would (defaults < KIND's "
+        "defaults < FILE < dotted.key=value), check it, and print the keys KIND reads; a mistake exits 2 "
+        "with the error a run would give. No model or data is loaded.",
+    )
+    show.add_argument("kind", choices=KINDS, help=KIND_HELP)
+    show.add_argument("--config", metavar="FILE", help="the run's YAML configuration")
+    show.add_argument("overrides", nargs="*", metavar="dotted.key=value", help="configuration overrides")
+    show.set_defaults(run=config_show_command)
+    ref = tools.add_parser(
+        "reference",
+        help="print the Markdown reference of every configuration key",
+        description="Print docs/configuration.md (every key's type, default per kind and help, from the "
+        "configuration dataclasses): `rlhfkit config reference > docs/configuration.md`.",
+    )
+    ref.set_defaults(run=config_reference_command)
 
 
 def _lost_process(exc: BaseException) -> str | None:

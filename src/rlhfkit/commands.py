@@ -112,6 +112,7 @@ def generate_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         reward_model=args.reward_model,
         backend=args.backend,
+        reward_functions=args.reward_functions,
     )
     return 0
 
@@ -160,7 +161,6 @@ def report_command(args: argparse.Namespace) -> int:
             raise UserError(f"run folder not found: {run_dir}")
     if args.out is not None and len(args.run_dirs) == 1:
         raise UserError(
-        reward_functions=args.reward_functions,
             "--out names the side-by-side page of several runs; one run's page is RUN_DIR/report.html"
         )
     set_threads()
