@@ -70,9 +70,12 @@ def test_help(capsys):
     out = capsys.readouterr().out
     for command in ("train", "quickstart", "generate", "report"):
         assert command in out
-    assert cli.main(["train", "--help"]) == 0
+    assert cli.main(["train", "ppo", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--resume" in out and "online.kl_estimator (k1|k2|k3, default: 'k1')" in out
+    assert cli.main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "grpo: model, data, train, online, logging" in out and "online.kl_estimator" not in out
     for command in ("quickstart", "generate", "report"):
         assert cli.main([command, "--help"]) == 0
     assert cli.main(["--version"]) == 0

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhfkit.config import RunConfig, load_config
-from rlhfkit.errors import UserError
+from rlhfkit.errors import ConfigError, UserError
 
 DEFAULT_TEMPERATURE = 0.7  # as online.temperature (Huang et al. 2024)
 
@@ -31,8 +31,22 @@ def trainer(kind: str) -> Callable[..., dict[str, Any]]:
     return train
 
 
+def train_config(kind: str, path: str | None, overrides: list[str]) -> RunConfig:
+    """The configuration of ``rlhfkit train KIND``, checked as the run checks it (``rlhfkit config show``
+    gives the same errors): :func:`rlhfkit.config.load_config`, and what the command line cannot provide."""
+    cfg: RunConfig = load_config(path, overrides, kind)
+    if cfg.refresh.every:
+        raise ConfigError(
+            f"refresh.every={cfg.refresh.every}: `rlhfkit train` has no labeller for the new pairs a refresh "
+            "needs; a refresh runs in `rlhfkit quickstart --refresh-steps K` (the built-in task's annotators) "
+            "or from Python with OnlineHooks.refresh_reward_model (docs/configuration.md, refresh); set "
+            "refresh.every=0"
+        )
+    return cfg
+
+
 def train_command(args: argparse.Namespace) -> int:
-    cfg: RunConfig = load_config(args.config, args.overrides, args.kind)
+    cfg = train_config(args.kind, args.config, args.overrides)
     set_threads()
     from rlhfkit.engine.accel import launch_rank
     from rlhfkit.engine.folder import prepare_output_dir  # imports torch
@@ -57,6 +71,36 @@ def train_command(args: argparse.Namespace) -> int:
             return 0
     with graceful_stop():  # SIGTERM / SIGINT: finish the step, checkpoint, exit 128 + signal
         train(cfg, resume=args.resume)
+    return 0
+
+
+def config_init_command(args: argparse.Namespace) -> int:
+    from rlhfkit.config.describe import init_yaml
+
+    sys.stdout.write(init_yaml(args.kind))
+    return 0
+
+
+def config_show_command(args: argparse.Namespace) -> int:
+    """Print the resolved configuration of ``rlhfkit train KIND``, the keys KIND reads, as YAML that
+    ``rlhfkit train KIND --config`` reads back; loads no model, imports no torch beyond the choices'."""
+    import yaml
+
+    from rlhfkit.config import KIND_SECTIONS, config_to_dict
+
+    cfg = train_config(args.kind, args.config, args.overrides)
+    resolved = config_to_dict(cfg)
+    shown = {"output_dir": resolved["output_dir"], "seed": resolved["seed"], "kind": resolved["kind"]}
+    shown.update({name: resolved[name] for name in KIND_SECTIONS[args.kind]})
+    print(f"# rlhfkit train {args.kind}: the resolved configuration (valid)")
+    sys.stdout.write(yaml.safe_dump(shown, sort_keys=False, allow_unicode=True))
+    return 0
+
+
+def config_reference_command(args: argparse.Namespace) -> int:
+    from rlhfkit.config.reference import reference_markdown
+
+    sys.stdout.write(reference_markdown())
     return 0
 
 

@@ -1,8 +1,8 @@
 """Run configuration: one typed dataclass per component, every field documented once.
 
 Each field is declared with :func:`option`, which stores its help text (and optional bounds) in the
-dataclass field's ``metadata``; ``rlhfkit train --help`` lists them from there (:func:`config_help`), so
-there is no second schema anywhere. A YAML file only sets values; the command line overrides any key with
+dataclass field's ``metadata``; ``rlhfkit train KIND --help`` lists them from there (:func:`config_help`), as do ``rlhfkit config init``
+and docs/configuration.md (:mod:`rlhfkit.config.reference`), so there is no second schema anywhere. A YAML file only sets values; the command line overrides any key with
 ``dotted.key=value`` (the value is parsed as a YAML scalar or flow list). Parsing and type conversion are
 omegaconf structured configs, on a copy of the dataclasses with every ``Literal`` field typed ``str``
 (:func:`rlhfkit.config.parse._omegaconf_schema`: omegaconf 2.3, which hydra-core 1.3 needs, has no ``Literal``); this module checks
@@ -30,7 +30,15 @@ from rlhfkit.config.parse import (
     read_run_info,
     save_config,
 )
-from rlhfkit.config.run import KIND_DEFAULTS, KIND_FORCED, KINDS, ONLINE_KINDS, Kind, RunConfig
+from rlhfkit.config.run import (
+    KIND_DEFAULTS,
+    KIND_FORCED,
+    KIND_SECTIONS,
+    KINDS,
+    ONLINE_KINDS,
+    Kind,
+    RunConfig,
+)
 from rlhfkit.config.sections import (
     DataConfig,
     DPOConfig,
@@ -44,6 +52,7 @@ __all__ = [
     "KINDS",
     "KIND_DEFAULTS",
     "KIND_FORCED",
+    "KIND_SECTIONS",
     "ONLINE_KINDS",
     "RUN_INFO_PREFIX",
     "STANDARD_COLUMNS",

@@ -76,8 +76,9 @@ class OnlineConfig:
     )
     advantage_estimator: AdvantageEstimator = option(
         "gae",
-        "Advantage estimator: gae (PPO with a critic) or a critic-free one. Set by the command for "
-        "`train grpo` / `train rloo`.",
+        "Advantage estimator: gae (PPO with a critic) or a critic-free one: grpo and rloo (set by `train grpo` "
+        "/ `train rloo`), reinforce_pp (REINFORCE++, Hu 2025: `train ppo online.advantage_estimator="
+        "reinforce_pp`).",
     )
     group_size: int = option(1, "Responses per prompt (critic-free grpo / rloo need at least 2).", gt=0)
     normalize_advantages: bool = option(

@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlhfkit.config.checks import key_failure, validate
+from rlhfkit.config.describe import keys
 from rlhfkit.config.fields import check_bounds, field_types, is_section, literal_choices
 from rlhfkit.config.legacy import apply_old_keys, pop_old_keys
-from rlhfkit.config.run import KIND_DEFAULTS, KIND_FORCED, KINDS, RunConfig
+from rlhfkit.config.run import KIND_DEFAULTS, KIND_FORCED, KIND_SECTIONS, KINDS, RunConfig
+from rlhfkit.config.trl_names import trl_hint
 from rlhfkit.errors import ConfigError
 
 
@@ -46,7 +48,7 @@ def load_config(
     old_keys = []  # keys of earlier versions (rlhfkit.config.legacy)
     for source, values in layers:
         old_keys += pop_old_keys(values, source)
-        for key in _check_keys(values, RunConfig, "", source):
+        for key in _check_keys(values, RunConfig, "", source, kind):
             set_by[key] = source
         try:
             cfg = OmegaConf.merge(cfg, values)
@@ -152,20 +154,16 @@ def _nest(flat: dict[str, Any]) -> dict:
     return out
 
 
-def _check_keys(values: dict, cls: type, prefix: str, source: str) -> list[str]:
-    """Refuse unknown keys (suggesting the closest known one); return the dotted keys set."""
+def _check_keys(values: dict, cls: type, prefix: str, source: str, kind: str) -> list[str]:
+    """Refuse unknown keys (suggesting the right one); return the dotted keys set."""
     hints = field_types(cls)
     seen = []
     for name, value in values.items():
         key = prefix + str(name)
         if name not in hints:
-            close = difflib.get_close_matches(str(name), list(hints), n=1)
-            hint = (
-                f" (did you mean '{prefix}{close[0]}'?)"
-                if close
-                else f"; known keys here: {', '.join(hints)}"
+            raise ConfigError(
+                f"{source}: unknown key '{key}'{_unknown_key_hint(str(name), prefix, hints, kind)}"
             )
-            raise ConfigError(f"{source}: unknown key '{key}'{hint}")
         if is_section(hints[name]):
             if value is None:  # `online:` with every key commented out
                 values[name] = value = {}
@@ -173,10 +171,31 @@ def _check_keys(values: dict, cls: type, prefix: str, source: str) -> list[str]:
                 raise ConfigError(
                     f"{source}: '{key}' is a section; expected a mapping of its keys, got {value!r}"
                 )
-            seen += _check_keys(value, hints[name], key + ".", source)
+            seen += _check_keys(value, hints[name], key + ".", source, kind)
         else:
             seen.append(key)
     return seen
+
+
+def _unknown_key_hint(name: str, prefix: str, hints: dict[str, Any], kind: str) -> str:
+    """What an unknown key ``prefix + name`` most likely means, in this order: a TRL name (its rlhfkit key,
+    :mod:`rlhfkit.config.trl_names`), a key of that name in another section that ``kind`` reads (a bare
+    ``learning_rate`` at the top level), a close spelling here, else the keys known here."""
+    trl = trl_hint(name, kind)
+    if trl is not None:
+        key, note = trl
+        if key is None:
+            return f" (TRL's '{name}' has no rlhfkit key: {note})"
+        if key != prefix + name:
+            return f" (TRL's '{name}' is '{key}' in rlhfkit{': ' + note if note else ''})"
+    read = KIND_SECTIONS[kind]
+    elsewhere = [k.name for k in keys() if k.name.rsplit(".", 1)[-1] == name and k.name.split(".")[0] in read]
+    if elsewhere:
+        return f" (did you mean {' or '.join(repr(k) for k in elsewhere)}?)"
+    close = difflib.get_close_matches(name, list(hints), n=1)
+    if close:
+        return f" (did you mean '{prefix}{close[0]}'?)"
+    return f"; known keys here: {', '.join(hints)}"
 
 
 def _translate(e: Exception, source: str) -> ConfigError:

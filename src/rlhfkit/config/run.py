@@ -52,3 +52,15 @@ KIND_FORCED: dict[str, dict[str, Any]] = {
     "grpo": {"online.advantage_estimator": "grpo"},
     "rloo": {"online.advantage_estimator": "rloo"},
 }
+
+# The sections each command reads, besides output_dir and seed: what `rlhfkit train KIND --help`, `rlhfkit
+# config init KIND` and `rlhfkit config show KIND` list. `refresh` is left out of the online kinds: a refresh
+# needs a labeller of new pairs (the quickstart's simulated annotators, or OnlineHooks.refresh_reward_model
+# from Python), which `rlhfkit train` has not, so `train ppo|grpo|rloo` refuses refresh.every > 0.
+KIND_SECTIONS: dict[str, tuple[str, ...]] = {
+    "sft": ("model", "data", "train", "logging"),
+    "reward": ("model", "data", "train", "reward", "logging"),
+    "prm": ("model", "data", "train", "reward", "logging"),
+    "dpo": ("model", "data", "train", "dpo", "logging"),
+    **{kind: ("model", "data", "train", "online", "logging") for kind in ONLINE_KINDS},
+}

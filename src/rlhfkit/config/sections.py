@@ -86,6 +86,13 @@ class DataConfig:
         "Training data: a .jsonl/.json/.parquet file, a datasets folder or a hub name. For ppo/grpo/rloo, "
         "the prompts. Required.",
     )
+    dataset_config: str | None = option(
+        None,
+        "The configuration (subset) name of a hub dataset or of a dataset repository folder in "
+        "data.train_file, as datasets.load_dataset(path, name) takes it, e.g. main for openai/gsm8k; also "
+        "used for data.eval_file when that names the same dataset. none = the dataset's only (or default) "
+        "configuration.",
+    )
     eval_file: str | None = option(None, "Evaluation data in the same format; none = no evaluation.")
     max_prompt_length: int = option(256, "Longest prompt, in tokens.", gt=0)
     max_length: int = option(512, "Longest prompt + response, in tokens (sft/reward/prm/dpo).", gt=0)
