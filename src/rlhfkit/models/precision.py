@@ -292,6 +292,14 @@ def float32_attention_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def carry_precision(source: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
+    """Give ``target``, a model built apart from ``source`` on ``source``'s config (the whole-weights copy of a
+    sharded actor that generates: rlhfkit.trainers.online.sharding), ``source``'s :func:`autocast_forward`
+    dtype, so that both compute the same function. (The attention implementation, float32 on a CPU included, is
+    in the config they share.) Returns ``target``."""
+    return autocast_forward(target, getattr(source, "rlhfkit_autocast", None))
+
+
 def set_update_mode(model: torch.nn.Module, dropout: bool) -> torch.nn.Module:
     """Put a trained role in the mode of the PPO update's forwards (module docstring).
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlhfkit.engine import sharded
+from rlhfkit.models.precision import carry_precision
 from rlhfkit.trainers.online.roles import Roles
 
 if TYPE_CHECKING:
@@ -38,11 +39,12 @@ def is_sharded(ctx: OnlineContext) -> bool:
 @contextlib.contextmanager
 def generation_model(ctx: OnlineContext):
     """The actor to sample from: itself, or a sharded actor's whole weights gathered into a plain copy (one
-    all-gather of the model per rollout, a collective), freed on exit."""
+    all-gather of the model per rollout, a collective) with the actor's precision set-up (bf16 autocast, float32
+    CPU attention: the copy samples from the policy the update trains), freed on exit."""
     if not is_sharded(ctx):
         yield ctx.roles.actor
         return
-    copy = sharded.unshard(ctx.roles.actor)
+    copy = carry_precision(ctx.roles.actor, sharded.unshard(ctx.roles.actor))
     copy.eval()
     try:
         yield copy
