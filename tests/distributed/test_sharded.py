@@ -142,7 +142,39 @@ def test_an_accelerate_fsdp_config_chooses_the_sharding(env, expected):
     )
 
 
-def test_sharding_without_processes_or_with_deepspeed_or_lora_online_is_refused_naming_the_alternative(
+def test_a_sharded_run_stops_and_resumes_on_a_plain_single_process(tmp_path, monkeypatch, capsys):
+    """No launcher (a plain ``rlhfkit train ... --resume`` on the one machine left): a process group of one,
+    the sharded checkpoint resumed, and the run ends where the uninterrupted one does."""
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "sft").mkdir()
+    write_sft_problem(tmp_path / "sft")
+    (tmp_path / "run.yaml").write_text("seed: 0\n")
+
+    def sft(out, steps, *extra):
+        args = sharded_worker.sft_run(
+            tmp_path / "sft", tmp_path / out, f"train.max_steps={steps}", "train.save_steps=1", *extra
+        )
+        if "--resume" in extra:  # --resume in place of --overwrite, last
+            args = [*[a for a in args if a not in ("--resume", "--overwrite")], "--resume"]
+        return main(args)
+
+    assert sft("straight", 2, "train.sharding=full_shard") == 0
+    assert sft("stopped", 1, "train.sharding=full_shard") == 0
+    first = (tmp_path / "stopped" / "checkpoints" / "step-1" / "COMPLETE").stat().st_mtime_ns
+    capsys.readouterr()
+    assert sft("stopped", 2, "train.sharding=full_shard", "--resume") == 0, capsys.readouterr().err[-2000:]
+    err = capsys.readouterr().err
+    assert "sft on 1 process (python" in err and "model sharded (full_shard, FSDP2)" in err
+    assert (tmp_path / "stopped" / "checkpoints" / "step-1" / "COMPLETE").stat().st_mtime_ns == first  # resumed
+    assert not torch.distributed.is_initialized()  # the group ended with the command
+    state = json.loads((tmp_path / "stopped" / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    assert state["sharded"]["world_size"] == 1
+    assert _max_diff(_final(tmp_path / "stopped"), _final(tmp_path / "straight")) == 0.0
+
+
+def test_sharding_with_deepspeed_or_lora_online_is_refused_naming_the_alternative(
     tmp_path, monkeypatch, capsys
 ):
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
@@ -152,11 +184,6 @@ def test_sharding_without_processes_or_with_deepspeed_or_lora_online_is_refused_
 
     def sft(*extra):
         return main(sharded_worker.sft_run(tmp_path / "sft", tmp_path / "run", "train.max_steps=1", *extra))
-
-    assert sft("train.sharding=full_shard") == 2  # a plain python start: no process group
-    err = capsys.readouterr().err
-    assert "no process group" in err and "torchrun --nproc_per_node N" in err and "Traceback" not in err
-    assert not (tmp_path / "run" / "checkpoints").exists()
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     assert sft() == 2

@@ -19,7 +19,9 @@ complete only when both are. Only tensors go to DCP (weights, Adam moments and s
 hyper-parameters are JSON. DCP writes its index (``.metadata``) with pickle: it is read back here with
 torch's weights-only unpickler and an allow-list of DCP's own record classes, and any non-tensor item is
 refused, so loading runs no arbitrary code. DCP re-shards on load, so a checkpoint of W processes resumes
-under another W.
+under another W, one included: a process that no launcher started gets a process group of one
+(:func:`single_process_group`). An optimizer without state (before its first step) is saved and restored as
+such, its hyper-parameters in the JSON: building its DCP state would take a step (docs/known-bugs.md, 12).
 
 At the end of training every process gathers the full weights into a plain (unsharded) copy of the model
 (:func:`unshard`): evaluation, ``final/`` (a plain Hugging Face folder with safetensors, written by the main
@@ -29,6 +31,7 @@ whole model per process.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -55,9 +58,13 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def shard_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     """Shard ``model`` in place over the process group (each decoder layer, then the root) and return it.
 
+    A plain single-process start (``python``, ``rlhfkit train ... --resume`` on one machine, no launcher)
+    gets a process group of one (:func:`single_process_group`): the same sharded code and checkpoints, each
+    shard the whole tensor.
+
     Raises:
-        ConfigError: no process group (a plain ``python`` start), or a LoRA model (already small to train:
-            its frozen base is not sharded; use data parallelism).
+        ConfigError: a LoRA model (already small to train: its frozen base is not sharded; use data
+            parallelism), or a model that names no decoder layer class.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -66,10 +73,7 @@ def shard_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     if is_sharded(model):  # already sharded by its caller
         return model
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise ConfigError(
-            f"train.sharding={mode} asks for sharded training over processes, but this run has no process group; "
-            "start it with torchrun --nproc_per_node N -m rlhfkit.cli ... (or accelerate launch)"
-        )
+        single_process_group(next(model.parameters()).device)
     if hasattr(model, "peft_config"):
         raise ConfigError(
             f"train.sharding={mode} with model.lora_rank: a LoRA run trains only its adapters; run it with "
@@ -95,6 +99,24 @@ def shard_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     fully_shard(model, reshard_after_forward=reshard and not trained)
     setattr(model, _PLAIN_CLASS, plain_class)
     return model
+
+
+def single_process_group(device: torch.device | str) -> None:
+    """Start a process group of one for a process that no launcher started (gloo on a CPU, NCCL on a GPU),
+    so that a sharded run, or the resume of one, runs on a single process as under ``torchrun
+    --nproc_per_node 1``. :func:`rlhfkit.engine.accel.end_processes` ends it with the command.
+
+    Raises:
+        ConfigError: the launcher says there are several processes (``WORLD_SIZE``) but none started a group.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world != 1:
+        raise ConfigError(
+            f"WORLD_SIZE={world} but no process group was started; launch with torchrun --nproc_per_node N "
+            "-m rlhfkit.cli ... (or accelerate launch)"
+        )
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
@@ -161,7 +183,10 @@ def _dcp_state(models: dict, optimizers: dict) -> tuple[dict[str, Any], dict[str
     """(the tensors of every model and optimizer, sharded; each optimizer's param_groups, plain data).
 
     The keys are ``model`` / ``optim`` for the role named ``model`` (the offline trainers' one model) and
-    ``<role>.model`` / ``<role>.optim`` for the others (the online actor and critic)."""
+    ``<role>.model`` / ``<role>.optim`` for the others (the online actor and critic). torch builds the DCP
+    state of an optimizer that holds none by taking a step at lr 0, which leaves AdamW at step 1 with zero
+    moments (docs/known-bugs.md): harmless for a load target, whose state the load replaces, but a save passes
+    only the optimizers that hold state (:func:`_stateless`)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     state: dict[str, Any] = {}
@@ -169,12 +194,23 @@ def _dcp_state(models: dict, optimizers: dict) -> tuple[dict[str, Any], dict[str
     for name, model in models.items():
         prefix = "" if name == "model" else f"{name}."
         state[prefix + "model"] = get_model_state_dict(model)
-        if name in optimizers:  # materialises the moments before a first step
+        if name in optimizers:
             optim = get_optimizer_state_dict(model, optimizers[name])
             state[prefix + "optim"] = optim["state"]
             groups[name] = optim["param_groups"]
     _tensors_only(state, "state")
     return state, groups
+
+
+def _stateless(optimizers: dict) -> dict[str, list[dict[str, Any]]]:
+    """The hyper-parameters of each optimizer that holds no state yet (before its first step: a critic's
+    warm-up leaves the actor's untouched, a skipped rollout both), by role: saved and restored as having no
+    state, so that a save changes nothing and a resumed optimizer takes the first step a fresh one takes."""
+    return {
+        name: [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        for name, optimizer in optimizers.items()
+        if not optimizer.state
+    }
 
 
 def shard_folder(step_dir: str | Path) -> Path:
@@ -226,7 +262,8 @@ def save_roles(
     if main_process and shards.exists():  # an attempt at this step that never got its marker
         shutil.rmtree(shards)
     torch.distributed.barrier()
-    state, groups = _dcp_state(models, optimizers)
+    stateless = _stateless(optimizers)
+    state, groups = _dcp_state(models, {n: o for n, o in optimizers.items() if n not in stateless})
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(shards)))
     torch.distributed.barrier()
     if main_process:
@@ -236,6 +273,7 @@ def save_roles(
             "files": files,
             "world_size": torch.distributed.get_world_size(),
             "param_groups": groups,
+            "stateless_optimizers": stateless,
         }
         save_engine_checkpoint(
             root, step, {}, {}, schedulers, {**trainer_state, "sharded": info}, keep_last=keep_last
@@ -280,19 +318,32 @@ def load_roles(path: str | Path, models: dict, optimizers: dict, schedulers: dic
     groups = info["param_groups"]
     if isinstance(groups, list):  # written before checkpoints held several roles
         groups = {"model": groups}
-    target, _ = _dcp_state(models, optimizers)
+    stateless = info.get("stateless_optimizers", {})
+    target, _ = _dcp_state(models, {n: o for n, o in optimizers.items() if n not in stateless})
     reader, planner = safe_reader_and_planner(shards)
     dcp.load(target, storage_reader=reader, planner=planner)
     for name, model in models.items():
         prefix = "" if name == "model" else f"{name}."
         set_model_state_dict(model, target[prefix + "model"])
-        if name in optimizers:
+        if name in stateless:  # saved before its first step: its hyper-parameters only, no state
+            _restore_hyper_parameters(optimizers[name], stateless[name], path)
+        elif name in optimizers:
             set_optimizer_state_dict(
                 model,
                 optimizers[name],
                 {"state": target[prefix + "optim"], "param_groups": groups[name]},
             )
     return state
+
+
+def _restore_hyper_parameters(optimizer, groups: list[dict[str, Any]], path: Path) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{path}: the optimizer has {len(optimizer.param_groups)} parameter groups, the checkpoint "
+            f"{len(groups)}"
+        )
+    for live, saved in zip(optimizer.param_groups, groups, strict=True):
+        live.update({k: tuple(v) if isinstance(live.get(k), tuple) else v for k, v in saved.items()})
 
 
 _ALLOWED_GLOBALS = {

@@ -1,0 +1,139 @@
+"""Sharded (FSDP2) models in this very process, in a process group of one (gloo, CPU): what a sharded run
+saves and restores, the read-out path it takes and the copy it generates from, checked on the tensors.
+
+A group of one is what a plain ``rlhfkit train ... --resume`` of a sharded run starts
+(:func:`rlhfkit.engine.sharded.single_process_group`); FSDP2 and DCP run their sharded code paths in it (DTensor
+parameters, the optimizer's DCP state), so each defect below shows here as it does on several processes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhfkit.engine import sharded
+from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
+from tests.helpers import tiny_llama
+
+
+@pytest.fixture
+def group():
+    assert not torch.distributed.is_initialized()
+    sharded.single_process_group("cpu")
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def _batch(seed: int = 1) -> torch.Tensor:
+    return torch.randint(4, 48, (3, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def _first_update(model: torch.nn.Module, optimizer) -> dict[str, torch.Tensor]:
+    """One AdamW step on a fixed batch: the change of every weight."""
+    before = _weights(model)
+    ids = _batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    after = _weights(model)
+    return {n: after[n] - before[n] for n in before}
+
+
+def _roles(shard: bool):
+    """(actor, critic, their AdamW optimizers); the critic has taken one step (warm-up), the actor none."""
+    actor, critic = tiny_llama(seed=0).train(), tiny_llama(seed=1).train()
+    if shard:
+        sharded.shard_model(actor, "full_shard")
+        sharded.shard_model(critic, "full_shard")
+    optimizers = {
+        "actor": torch.optim.AdamW(actor.parameters(), lr=1e-2),
+        "critic": torch.optim.AdamW(critic.parameters(), lr=1e-2),
+    }
+    _first_update(critic, optimizers["critic"])
+    return actor, critic, optimizers
+
+
+def _norm(update: dict[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((d.double() ** 2).sum() for d in update.values())))
+
+
+def _assert_same(update, reference, tol: float = 0.0) -> None:
+    assert sorted(update) == sorted(reference)
+    gap = max(float((update[n] - reference[n]).abs().max()) for n in update)
+    assert gap <= tol, f"largest difference {gap:.3g}; update norm {_norm(update):.6g} vs {_norm(reference):.6g}"
+
+
+def test_a_checkpoint_saved_before_an_optimizer_steps_leaves_it_without_state(group, tmp_path):
+    """A save during the critic's warm-up (the actor's optimizer untouched) changes nothing: the actor's first
+    update after it, and after resuming from it (sharded or not), is the one a run without the save takes.
+    (torch builds the DCP state of a stateless optimizer by an lr=0 step: AdamW at step 1 with zero moments,
+    and a first update 0.74x as large.)"""
+    actor, critic, optimizers = _roles(shard=True)
+    fresh_actor, _, fresh_optimizers = _roles(shard=True)
+    without_save = _first_update(fresh_actor, fresh_optimizers["actor"])
+
+    sharded.save_roles(tmp_path, 1, {"actor": actor, "critic": critic}, optimizers, {}, {}, main_process=True)
+    assert not optimizers["actor"].state  # still none: the save took no step
+    _assert_same(_first_update(actor, optimizers["actor"]), without_save)
+
+    resumed_actor, resumed_critic, resumed = _roles(shard=True)
+    resumed["critic"] = torch.optim.AdamW(resumed_critic.parameters(), lr=1e-2)  # fresh: state from the file
+    sharded.load_roles(
+        tmp_path / "step-1", {"actor": resumed_actor, "critic": resumed_critic}, resumed, {}
+    )
+    assert not resumed["actor"].state and resumed["actor"].param_groups[0]["lr"] == 1e-2
+    steps = {float(s["step"]) for s in resumed["critic"].state.values()}
+    assert steps == {1.0}  # the critic's state restored as saved
+    _assert_same(_first_update(resumed_actor, resumed["actor"]), without_save)
+
+    # the same checkpoint unsharded (the engine's own format) gives that first update too
+    plain_actor, plain_critic, plain = _roles(shard=False)
+    save_checkpoint(tmp_path / "plain", 1, {"actor": plain_actor}, {"actor": plain["actor"]})
+    plain_resumed = tiny_llama(seed=0).train()
+    plain_optimizer = torch.optim.AdamW(plain_resumed.parameters(), lr=1e-2)
+    load_checkpoint(tmp_path / "plain" / "step-1", {"actor": plain_resumed}, {"actor": plain_optimizer})
+    _assert_same(_first_update(plain_resumed, plain_optimizer), without_save, tol=1e-6)
+
+
+def _bf16_actor(seed: int = 0) -> torch.nn.Module:
+    """A trained role as ``model.dtype: bfloat16`` loads it on a CPU: float32 weights, bf16 autocast forwards,
+    float32 sdpa attention (rlhfkit.models.loading)."""
+    from rlhfkit.models.precision import autocast_forward, float32_attention_on_cpu
+
+    model = tiny_llama(seed=seed, attn_implementation="sdpa")
+    return float32_attention_on_cpu(autocast_forward(model, torch.bfloat16))
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=_batch(2)).logits.float()
+
+
+def test_the_gathered_copy_that_generates_carries_the_actors_precision(group):
+    """The sharded actor's whole weights gathered for generation compute what the actor computes: bf16 autocast
+    and float32 CPU attention carried over (without them the copy sampled from a float32 policy)."""
+    from rlhfkit.trainers.online.sharding import generation_model
+
+    actor = _bf16_actor()
+    unsharded = _logits(actor)
+    sharded.shard_model(actor, "full_shard")
+    ctx = SimpleNamespace(roles=SimpleNamespace(actor=actor))
+    with generation_model(ctx) as copy_:
+        assert copy_ is not actor
+        gathered = _logits(copy_)
+    reference = _logits(actor)
+    assert float((reference - unsharded).abs().max()) <= 1e-6  # the sharded actor itself, as before
+    assert float((gathered - reference).abs().max()) <= 1e-6
+    float32 = _logits(tiny_llama(seed=0, attn_implementation="sdpa"))
+    assert float((float32 - reference).abs().max()) > 1e-4  # what the copy gave without the actor's set-up
