@@ -205,3 +205,23 @@ def test_bad_input_raises():
         kl_penalty_loss(x, x, estimator="k3_is", old_logprobs=torch.zeros(3, 2))
     with pytest.raises(ValueError, match="mask"):
         kl_penalty_loss(x, x, estimator="k3", mask=torch.ones(2, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("estimator", UNBIASED)
+def test_a_huge_importance_ratio_gives_a_finite_value_and_gradient(estimator):
+    """The importance weight exp(logprobs - old_logprobs) of k2 and k3_is has its log bounded at +-20 (as the
+    policy loss's ratio): a log-ratio of 100 (float32's exp overflows above ~88.7) gives finite values and
+    gradients; within the bound the value and gradient are the unbounded formula's."""
+    ref = torch.tensor([[-2.0, -2.0, -2.0]])
+    old = torch.tensor([[-105.0, -3.0, -2.5]])
+    x = torch.tensor([[-5.0, -2.5, -2.2]], requires_grad=True)
+    loss = kl_penalty_loss(x, ref, estimator=estimator, old_logprobs=old)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(x.grad).all()
+    x0 = x.detach()[:, 1:].clone().requires_grad_()
+    weight = torch.exp(x0 - old[:, 1:])
+    k3 = torch.expm1(ref[:, 1:] - x0) - (ref[:, 1:] - x0)
+    want = weight.detach() * 0.5 * (x0 - ref[:, 1:]) ** 2 if estimator == "k2" else weight * k3
+    want.sum().backward()
+    torch.testing.assert_close(loss[:, 1:], want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(x.grad[:, 1:], x0.grad, rtol=1e-6, atol=0)

@@ -149,3 +149,46 @@ def test_bad_settings_raise():
         ppo_policy_loss(x, x, x, clip_eps_high=-0.1)
     with pytest.raises(ValueError, match="shapes must match"):
         ppo_policy_loss(x, x, torch.zeros(2, 4), dual_clip=3.0)
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient(dual_clip):
+    """float32's exp overflows above a log-ratio of ~88.7; one stale or corrupted token must not make the loss
+    or the gradient NaN (verl and OpenRLHF bound the log-ratio at +-20 before the exp). Where the token is
+    clipped its gradient is 0, as it is at any finite ratio; with A = 0 its loss is 0, not 0 * inf."""
+    adv = torch.tensor([[1.0, 0.0, -1.0, 1.0, -1.0, 0.5]])
+    log_ratio = torch.tensor([[100.0, 100.0, 100.0, -200.0, -200.0, 0.1]])
+    old = torch.full_like(log_ratio, -3.0)
+    x = (old + log_ratio).requires_grad_()
+    loss, stats = ppo_policy_loss(x, old, adv, 0.2, dual_clip=dual_clip)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(v).all() for v in stats.values()), stats
+    # A > 0 and ratio huge: -A * 1.2 wins; A = 0: 0; A > 0 and ratio ~0: -A * ratio ~ 0; A < 0 and ratio ~0:
+    # -A * 0.8 wins; the last token is inside the range and untouched
+    assert loss[0, 0].item() == pytest.approx(-1.2) and loss[0, 1].item() == 0.0
+    assert loss[0, 4].item() == pytest.approx(0.8) and loss[0, 5].item() == pytest.approx(
+        -0.5 * 1.1052, rel=1e-4
+    )
+    assert x.grad[0, :5].eq(0).all()  # clipped or beyond the bound: no gradient (not NaN)
+    assert x.grad[0, 5].item() == pytest.approx(-0.5 * 1.1052, rel=1e-4)
+    if dual_clip:
+        assert loss[0, 2].item() == pytest.approx(dual_clip)  # A < 0, ratio huge: capped at -A * c
+    else:
+        assert loss[0, 2].item() == pytest.approx(float(torch.tensor(20.0).exp()))  # the bounded ratio
+
+
+def test_float32_values_and_gradients_equal_the_unbounded_formula_inside_the_bound():
+    """For every log-ratio within +-20 (a ratio from 2e-9 to 4.9e8) the bound changes nothing, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(8, 50, generator=gen) * 5
+    lp = old + (torch.rand(8, 50, generator=gen) * 2 - 1) * 19.9
+    lp[0, :3] = old[0, :3] + torch.tensor([20.0, -20.0, 0.0])  # on the bound: still the gradient of exp
+    adv = torch.randn(8, 50, generator=gen)
+    x0, x1 = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+    want, _, want_kl = _ppo_before(x0, old, adv, 0.2, torch.ones(8, 50, dtype=torch.bool))
+    want.sum().backward()
+    got, stats = ppo_policy_loss(x1, old, adv, 0.2)
+    got.sum().backward()
+    assert torch.equal(got, want) and torch.equal(x1.grad, x0.grad)
+    assert torch.equal(stats["approx_kl"], want_kl)

@@ -31,6 +31,20 @@ import torch
 
 from rlhfkit.algos.masked import fill_masked
 
+# Bound on the log of an importance ratio pi_theta / pi_old before its exp, as verl (trainer/ppo/core_algos.py,
+# compute_policy_loss: ``torch.clamp(negative_approx_kl, min=-20.0, max=20.0)``) and OpenRLHF (models/loss.py,
+# PolicyLoss: ``log_ratio.clamp(min=-20.0, max=20.0)``) bound it: float32's exp overflows above ~88.7, and the
+# backward of an infinite ratio is 0 * inf = NaN even where the token is clipped and its true gradient is 0.
+LOG_RATIO_BOUND = 20.0
+
+
+def importance_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``exp(clamp(log_ratio, -20, 20))``, ``(B, T)`` -> ``(B, T)``: the ratio ``exp(log_ratio)`` with its value
+    and gradient unchanged for ``|log_ratio| <= 20`` (a ratio in [2e-9, 4.9e8], far outside any trust region),
+    and finite beyond, where the clamp stops the gradient (:data:`LOG_RATIO_BOUND`)."""
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
+
 KLEstimator = Literal["k1", "k2", "k3"]
 """The names of the KL estimators (a config field uses this ``Literal``)."""
 
@@ -97,7 +111,7 @@ def kl_loss_k2(
     k2 = 0.5 * (logprobs - ref_logprobs) ** 2  # (B, T)
     if old_logprobs is None:
         return k2
-    return torch.exp(logprobs - old_logprobs).detach() * k2
+    return importance_ratio(logprobs - old_logprobs).detach() * k2
 
 
 def kl_loss_k3_is(
@@ -114,7 +128,7 @@ def kl_loss_k3_is(
     ``pi_ref / pi_theta`` is large (see ``DEFAULT_KL_LOSS_ESTIMATOR``).
     """
     old = logprobs.detach() if old_logprobs is None else old_logprobs
-    return torch.exp(logprobs - old) * kl_k3(logprobs, ref_logprobs)  # (B, T)
+    return importance_ratio(logprobs - old) * kl_k3(logprobs, ref_logprobs)  # (B, T)
 
 
 def kl_loss_k3(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.algos.kl import kl_k3
+from rlhfkit.algos.kl import LOG_RATIO_BOUND
 from rlhfkit.algos.masked import fill_masked, masked_mean
 
 Stats = dict[str, torch.Tensor]
@@ -91,7 +91,10 @@ def ppo_policy_loss(
     """PPO's clipped surrogate, as a per-token loss to minimise (Schulman et al. 2017, eq. 7).
 
     ``max(-A * ratio, -A * clip(ratio, 1 - clip_eps, 1 + clip_eps_high))`` with
-    ``ratio = exp(logprobs - old_logprobs)``; an upper bound above the lower one is DAPO's "clip-higher"
+    ``ratio = exp(logprobs - old_logprobs)``, its log bounded at +-20 before the exp as in verl and OpenRLHF
+    (:func:`rlhfkit.algos.kl.importance_ratio`: the same value and gradient at any ratio in [2e-9, 4.9e8], and a
+    finite one, with gradient 0, beyond, where float32's exp would overflow and the gradient be NaN); an upper
+    bound above the lower one is DAPO's "clip-higher"
     (Yu et al. 2025, arXiv 2503.14476, section 3.1). With ``dual_clip = c``, a token with ``A < 0`` has its
     loss capped at ``-A * c``: ``min(max(...), -A * c)`` (Ye et al. 2020, arXiv 1912.09729, eq. 5), so that a
     ratio far above 1 cannot make one token's loss unbounded. When ``logprobs == old_logprobs`` the ratio is
@@ -130,7 +133,8 @@ def ppo_policy_loss(
         raise ValueError(f"dual_clip must be a constant > 1 (Ye et al. 2020 use 3) or None, got {dual_clip}")
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     logprobs, old_logprobs, advantages = _read(mask, logprobs, old_logprobs, advantages)
-    ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T), finite: no NaN gradient from one stale token
     unclipped = -advantages * ratio  # (B, T)
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)  # (B, T)
     loss = torch.maximum(unclipped, clipped)  # (B, T)
@@ -149,7 +153,7 @@ def ppo_policy_loss(
         "clipfrac/low": _mean(cut & negative, mask),
         "clipfrac/high": _mean(cut & (advantages > 0), mask),
         "clipfrac/dual": _mean(dual, mask),
-        "approx_kl": _mean(kl_k3(old_logprobs.detach(), logprobs.detach()), mask),
+        "approx_kl": _mean(torch.expm1(log_ratio) - log_ratio, mask),  # k3(old, new) of the bounded log-ratio
         "ratio/mean": _mean(ratio, mask),
     }
     return loss, stats
