@@ -154,6 +154,37 @@ BAD_JSONL = [
         "expected a string, got null",
     ),
     ("sft", [{"messages": "hi"}], 1, "messages", "expected a list of messages, got str"),
+    # a misspelt role is named, in every place a message can be (a prompt, a reply, a conversation)
+    (
+        "sft",
+        [
+            GOOD["sft"][0],
+            {"messages": [{"role": "usr", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+        ],
+        2,
+        "messages[0].role",
+        "unknown role 'usr': expected one of 'system', 'user', 'assistant', 'tool'",
+    ),
+    (
+        "prompts",
+        [{"prompt": [{"role": "User", "content": "hi"}]}],
+        1,
+        "prompt[0].role",
+        "unknown role 'User'",
+    ),
+    (
+        "preferences",
+        [
+            {
+                "prompt": [{"role": "user", "content": "a"}],
+                "chosen": [{"role": "assistant", "content": "b"}],
+                "rejected": [{"role": "assistent", "content": "c"}],
+            }
+        ],
+        1,
+        "rejected[0].role",
+        "unknown role 'assistent'",
+    ),
     (
         "sft",
         [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": " "}]}],

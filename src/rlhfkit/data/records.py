@@ -16,7 +16,7 @@ for a reward function):
   booleans, one per step).
 
 A prompt is a non-empty string (plain) or a non-empty list of ``{"role", "content"}`` messages
-(conversational). A response (``completion``, ``chosen``, ``rejected``) is a string or a list of
+(conversational), each role one of :data:`ROLES` (``system``, ``user``, ``assistant``, ``tool``). A response (``completion``, ``chosen``, ``rejected``) is a string or a list of
 assistant messages. A response list that starts with the prompt's turns (the H4 UltraFeedback shape:
 ``prompt`` a string, ``chosen`` / ``rejected`` repeating it as a user message) has them taken off, after
 a check that they are the prompt. With a plain-text prompt and assistant messages as the response, the
@@ -41,6 +41,9 @@ from rlhfkit.errors import DataError
 
 Kind = Literal["prompts", "sft", "preferences", "prm"]
 KINDS = ("prompts", "sft", "preferences", "prm")
+# The roles of a message: those chat templates render (a misspelt one, "usr", would reach the template, which
+# drops it or renders it as it stands, and the model would train on a conversation nobody wrote).
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class FieldError(Exception):
@@ -103,6 +106,10 @@ def _messages(value, name: str, require_role: str | None = None) -> list[dict]:
                 where, f"expected a message object with 'role' and 'content', got {_type_name(message)}"
             )
         role = _text(message.get("role"), f"{where}.role")
+        if role not in ROLES:
+            raise FieldError(
+                f"{where}.role", f"unknown role '{role}': expected one of {', '.join(repr(r) for r in ROLES)}"
+            )
         content = message.get("content")
         if not isinstance(content, str):
             raise FieldError(f"{where}.content", f"expected a string, got {_type_name(content)}")
