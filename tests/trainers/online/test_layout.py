@@ -11,7 +11,12 @@ from safetensors.torch import load_file
 from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.trainers.online import OnlineHooks, collect, train
 from rlhfkit.trainers.online.context import model_inputs
-from rlhfkit.trainers.online.layout import local_minibatches, micro_batches, old_logprobs_from_update
+from rlhfkit.trainers.online.layout import (
+    local_minibatches,
+    micro_batches,
+    old_logprobs_from_update,
+    row_lengths,
+)
 from rlhfkit.trainers.online.ppo_update import ppo_update
 from tests.trainers.online.online_fixtures import make_context, online_config, write_online_problem
 from tests.trainers.online.test_online import _ragged_generation, rollout_for_update
@@ -108,6 +113,44 @@ def test_length_sorting_removes_padding_columns(tmp_path, monkeypatch):
         mb = rollout.select(rows)
         widths.append(model_inputs(mb.query_ids, mb.query_mask, mb.response_ids, mb.response_mask)[3])
     assert widths == [1, 1, 3, 6]
+
+
+@pytest.mark.parametrize("kind", ["ppo", "grpo"])
+def test_stage_one_reads_the_rows_of_the_updates_first_epoch_micro_batches(tmp_path, monkeypatch, kind):
+    """The actor's forwards of stage 1 get exactly the inputs of the update's first-epoch forwards: the same
+    rows, in the same micro-batches and order, cut to the same columns. (The first ratio being 1 cannot show
+    another order in float32 on this CPU: the read-out's rounding happens not to depend on it.)"""
+    import rlhfkit.trainers.online.ppo_update as update_module
+
+    paths = write_online_problem(tmp_path, reward_model=False)
+    cfg = online_config(paths, tmp_path / "run", "train.learning_rate=0", kind=kind, reward="words")
+    ctx = make_context(cfg)  # 8 responses, 2 minibatches of 4 per epoch, micro-batches of 2, 2 epochs
+    monkeypatch.setattr(collect, "generate_responses", _ragged_generation(ctx.tokenizer, [1, 6, 3, 0, 2]))
+    reads = []
+
+    def recording(module):
+        real = module.response_readout
+
+        def readout(model, ids, attn, start, *args, **kwargs):
+            if model is not ctx.roles.reference:  # the actor's (stage 1: unwrapped; update: as trained)
+                reads.append((ids.clone(), attn.clone(), start))
+            return real(model, ids, attn, start, *args, **kwargs)
+
+        monkeypatch.setattr(module, "response_readout", readout)
+
+    recording(collect)
+    recording(update_module)
+    rollout = rollout_for_update(ctx)
+    stage_one, reads[:] = list(reads), []
+    ppo_update(ctx, rollout, step=1)
+    first_epoch = reads[: len(stage_one)]
+    assert len(stage_one) == 4 and len(reads) == 2 * len(stage_one)  # 4 micro-batches an epoch
+    for (ids, attn, start), (ids_u, attn_u, start_u) in zip(stage_one, first_epoch, strict=True):
+        assert torch.equal(ids, ids_u) and torch.equal(attn, attn_u) and start == start_u
+    # the layout tested is neither the rollout's plain chunks nor the second epoch's (either would differ)
+    lengths = row_lengths(rollout.query_mask, rollout.response_mask)
+    layouts = [[r.tolist() for micros in micro_batches(ctx, 1, e, lengths) for r in micros] for e in (0, 1)]
+    assert layouts[0] != [[0, 1], [2, 3], [4, 5], [6, 7]] and layouts[0] != layouts[1]
 
 
 @pytest.mark.parametrize(

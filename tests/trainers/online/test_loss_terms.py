@@ -253,6 +253,80 @@ def test_dynamic_sampling_stops_at_its_bound_and_says_so():
     }
 
 
+def _prompted(scores_per_group, width, prompt_width, token):
+    """:func:`_rollout` whose group j has its own prompt, ``prompt_width`` tokens ``token + j``."""
+    rollout, scores = _rollout(scores_per_group, width, prompt_width)
+    groups = torch.arange(len(scores_per_group)).repeat_interleave(2)  # (B,)
+    rollout.query_ids = (token + groups)[:, None].expand(-1, prompt_width).clone()
+    return rollout, scores
+
+
+def _batch_of(rollout, name):
+    return {
+        "query_ids": rollout.query_ids,
+        "query_mask": rollout.query_mask,
+        "group_ids": rollout.group_ids,
+        "records": [{"prompt": f"{name}{i // 2}"} for i in range(rollout.batch_size)],
+    }
+
+
+def test_a_replacement_group_carries_its_own_prompt_ids():
+    """The filled slot's rows read the new prompt (ids and mask, left padded to the wider batch), in the
+    rollout and in the batch the loop goes on with; the kept group keeps its own."""
+    rollout, scores = _prompted([(1.0, 1.0), (0.0, 1.0), (2.0, 2.0)], width=3, prompt_width=2, token=10)
+    extra, extra_scores = _prompted([(5.0, 5.0), (3.0, 4.0), (1.0, 0.0)], width=3, prompt_width=4, token=40)
+    out_batch, out, _, _ = fill_informative_groups(
+        _ctx(3),
+        _batch_of(rollout, "p"),
+        rollout,
+        scores,
+        lambda r: (_batch_of(extra, "x"), extra, extra_scores),
+    )
+    pad = _ctx(3).tokenizer.pad_token_id
+    assert out.query_ids.tolist() == [
+        [41] * 4,  # slot 0 <- new group 1
+        [41] * 4,
+        [pad, pad, 11, 11],  # kept
+        [pad, pad, 11, 11],
+        [42] * 4,  # slot 2 <- new group 2
+        [42] * 4,
+    ]
+    assert out.query_mask.tolist() == [[1] * 4, [1] * 4, [0, 0, 1, 1], [0, 0, 1, 1], [1] * 4, [1] * 4]
+    assert torch.equal(out_batch["query_ids"], out.query_ids)
+    assert torch.equal(out_batch["query_mask"], out.query_mask)
+    assert [r["prompt"] for r in out_batch["records"]] == ["x1", "x1", "p1", "p1", "x2", "x2"]
+
+
+def test_slots_a_partial_round_leaves_empty_are_filled_by_the_next_round():
+    """Round 1 has one group with a spread for two empty slots: it fills the first; round 2 fills the
+    other; no third round is drawn."""
+    rollout, scores = _prompted([(1.0, 1.0), (0.0, 1.0), (2.0, 2.0)], width=3, prompt_width=2, token=10)
+    rounds = {
+        1: _prompted([(5.0, 5.0), (3.0, 4.0), (6.0, 6.0)], width=3, prompt_width=2, token=40),
+        2: _prompted([(7.0, 8.0), (9.0, 9.0), (9.0, 9.0)], width=3, prompt_width=2, token=70),
+    }
+    calls = []
+
+    def draw(round_):
+        calls.append(round_)
+        extra, extra_scores = rounds[round_]
+        return _batch_of(extra, f"r{round_}-"), extra, extra_scores
+
+    out_batch, out, out_scores, stats = fill_informative_groups(
+        _ctx(3), _batch_of(rollout, "p"), rollout, scores, draw
+    )
+    assert calls == [1, 2]
+    assert out_scores.scores.tolist() == [3.0, 4.0, 0.0, 1.0, 7.0, 8.0]
+    assert out.query_ids[:, 0].tolist() == [41, 41, 11, 11, 70, 70]
+    assert [r["prompt"] for r in out_batch["records"]] == ["r1-1", "r1-1", "p1", "p1", "r2-0", "r2-0"]
+    assert out.group_ids.tolist() == rollout.group_ids.tolist()
+    assert stats.means(_ctx(3)) == {
+        "groups/resampled": 2.0,
+        "groups/unfilled": 0.0,
+        "groups/sampling_rounds": 2.0,
+    }
+
+
 def test_concat_rollouts_refuses_a_field_set_on_one_side_only():
     a, _ = _rollout([(1.0, 2.0)], 2, 2)
     b, _ = _rollout([(1.0, 2.0)], 2, 2)
