@@ -109,7 +109,7 @@ def run_summary(
     accelerator,
 ) -> dict[str, Any]:
     """summary.json: the final model's held-out figures, and the training throughput (held-out evaluations
-    excluded; this session's steps when resumed)."""
+    excluded; after a resume, only the steps run since it)."""
     train_seconds = max(result["wall_seconds"] - counters["eval_seconds"], 1e-9)
     tokens = counters["tokens"]
     if accelerator.num_processes > 1:  # every process counted its own slice of each batch
