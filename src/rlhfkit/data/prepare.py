@@ -228,10 +228,11 @@ def prepare_examples(
     columns: dict | None = None,
     num_proc: int | None = None,
     split_key: str = "data.train_split",
+    dataset_config: str | None = None,
 ) -> Examples:
     """Read, validate and tokenise a whole dataset up front (tokens cached: :func:`tokenize_cached`), so that
     bad data stops a run before training."""
-    records = load_dataset_records(source, kind, split, columns, split_key)
+    records = load_dataset_records(source, kind, split, columns, split_key, dataset_config)
     return tokenize_cached(records, tokenizer, limits, num_proc)
 
 
@@ -243,13 +244,21 @@ def prepare_run_data(
     Training: ``data.train_file``, split ``data.train_split``. Evaluation: ``data.eval_file`` (split
     ``data.eval_split``, or its only split when that is unset: a dataset with several splits is an error
     that names them, never a silent choice of ``train``); with no ``eval_file``, ``data.eval_split`` of the
-    training dataset; neither: no evaluation. ``data.columns`` applies to both. With ``accelerator``, the
-    main process prepares first and the others then read its cache.
+    training dataset; neither: no evaluation. ``data.columns`` applies to both; ``data.dataset_config`` to the
+    training dataset, and to ``eval_file`` when it names the same dataset. With ``accelerator``, the main
+    process prepares first and the others then read its cache.
     """
     options = {"columns": data_cfg.columns, "num_proc": data_cfg.num_proc}
+    config = data_cfg.dataset_config
     with accelerator.main_process_first() if accelerator is not None else nullcontext():
         train = prepare_examples(
-            data_cfg.train_file, kind, tokenizer, limits, data_cfg.train_split, **options
+            data_cfg.train_file,
+            kind,
+            tokenizer,
+            limits,
+            data_cfg.train_split,
+            dataset_config=config,
+            **options,
         )
         heldout = None
         if data_cfg.eval_file:
@@ -260,6 +269,7 @@ def prepare_run_data(
                 limits,
                 data_cfg.eval_split,
                 split_key="data.eval_split",
+                dataset_config=config if data_cfg.eval_file == data_cfg.train_file else None,
                 **options,
             )
         elif data_cfg.eval_split:
@@ -277,6 +287,7 @@ def prepare_run_data(
                 limits,
                 data_cfg.eval_split,
                 split_key="data.eval_split",
+                dataset_config=config,
                 **options,
             )
     return train, heldout

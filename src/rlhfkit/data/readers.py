@@ -43,21 +43,34 @@ class RawRows:
 
 
 def read_rows(
-    source: str | os.PathLike, split: str | None = "train", split_key: str = "data.train_split"
+    source: str | os.PathLike,
+    split: str | None = "train",
+    split_key: str = "data.train_split",
+    config: str | None = None,
 ) -> RawRows:
     """Read every row of ``source``.
 
     Args:
         source: a ``.jsonl``/``.ndjson``, ``.json`` (a list of objects, or JSON Lines), ``.parquet``
-            file; a folder written by ``datasets.save_to_disk``; or a hub dataset name.
+            file; a folder written by ``datasets.save_to_disk``; a dataset repository folder (data files,
+            and a README.md whose ``configs:`` name its configurations) or a hub dataset name, both read
+            by ``datasets.load_dataset(source, config)``.
         split: the split to take from a ``DatasetDict`` folder or a hub dataset; None = its only split
             (a DataError names the splits when there are several). A single file or ``Dataset`` has no
             splits: it is read for ``"train"`` (the default) and None, and any other name is a DataError.
         split_key: the configuration key that set ``split``, named in those errors.
+        config: the dataset's configuration name (``data.dataset_config``, e.g. ``"main"`` for
+            ``openai/gsm8k``); None = its only or default one (a DataError names them when it must be
+            chosen). Only a repository folder or a hub dataset has configurations.
     """
     source = os.fspath(source)
     path = os.path.expanduser(source)
     if os.path.isdir(path):
+        if _saved_to_disk(path):
+            _no_configs(source, config, "a folder written by save_to_disk")
+        elif config is not None or os.path.isfile(os.path.join(path, "README.md")):
+            # a dataset repository (e.g. a hub dataset's clone): its data files, its card's configurations
+            return _read_hub(source, split, split_key, config, where=path)
         return _read_datasets_folder(source, path, split, split_key)
     lower = path.lower()
     if os.path.exists(path) or lower.endswith(FILE_SUFFIXES) or path.startswith((".", "/", "~")):
@@ -66,10 +79,27 @@ def read_rows(
         if not lower.endswith(FILE_SUFFIXES):
             raise DataError(source, "unsupported file type: use .jsonl, .json, .parquet or a datasets folder")
         _no_splits(source, split, split_key)
+        _no_configs(source, config, "one file")
         if lower.endswith(PARQUET_SUFFIXES):
             return _read_parquet(source, path)
         return _read_json(source, path, lines=lower.endswith(JSONL_SUFFIXES))
-    return _read_hub(source, split, split_key)
+    return _read_hub(source, split, split_key, config)
+
+
+def _saved_to_disk(path: str) -> bool:
+    return any(
+        os.path.exists(os.path.join(path, name)) for name in ("dataset_info.json", "dataset_dict.json")
+    )
+
+
+def _no_configs(source: str, config: str | None, what: str) -> None:
+    if config is not None:
+        raise DataError(
+            source,
+            f"is {what}, which has no configurations, so data.dataset_config='{config}' cannot be taken "
+            "from it; configurations come with a hub dataset or a dataset repository folder (remove "
+            "data.dataset_config)",
+        )
 
 
 def _no_splits(source: str, split: str | None, split_key: str) -> None:
@@ -144,13 +174,12 @@ def _read_parquet(source: str, path: str) -> RawRows:
 
 
 def _read_datasets_folder(source: str, path: str, split: str | None, split_key: str) -> RawRows:
-    if not any(
-        os.path.exists(os.path.join(path, name)) for name in ("dataset_info.json", "dataset_dict.json")
-    ):
+    if not _saved_to_disk(path):
         raise DataError(
             source,
-            "not a datasets folder (no dataset_info.json or dataset_dict.json); "
-            "give a .jsonl/.json/.parquet file or a folder from Dataset.save_to_disk",
+            "not a datasets folder (no dataset_info.json or dataset_dict.json) nor a dataset repository "
+            "(no README.md); give a .jsonl/.json/.parquet file, a folder from Dataset.save_to_disk, or a "
+            "dataset repository folder",
         )
     import datasets
 
@@ -161,16 +190,40 @@ def _read_datasets_folder(source: str, path: str, split: str | None, split_key: 
     return _dataset_rows(source, loaded, split, split_key)
 
 
-def _read_hub(source: str, split: str | None, split_key: str) -> RawRows:
+def _read_hub(
+    source: str, split: str | None, split_key: str, config: str | None, where: str | None = None
+) -> RawRows:
+    """A hub dataset, or (``where``) a local dataset repository folder, through ``datasets.load_dataset``."""
     import datasets
 
+    path = where or source
     try:  # every split, so that a missing one can be named beside those that exist
-        loaded = datasets.load_dataset(source)
+        loaded = datasets.load_dataset(path) if config is None else datasets.load_dataset(path, config)
     except Exception as error:  # the hub client raises many types (network, auth, missing repo)
-        raise DataError(
-            source, f"not a local file or folder, and loading it from the hub failed: {error}"
-        ) from error
+        names = _config_names(path)
+        if names and (config is None or config not in names):
+            problem = f"has no configuration '{config}'" if config else "has several configurations"
+            raise DataError(
+                source, f"{problem} ({', '.join(names)}); set data.dataset_config to one of them"
+            ) from error
+        what = (
+            "a folder that is not from save_to_disk (no dataset_info.json or dataset_dict.json), and "
+            "datasets.load_dataset could not read it as a dataset repository"
+            if where
+            else "not a local file or folder, and loading it from the hub failed"
+        )
+        raise DataError(source, f"{what}: {' '.join(str(error).split())}") from error
     return _dataset_rows(source, loaded, split, split_key)
+
+
+def _config_names(path: str) -> list[str]:
+    """The configuration names of a hub dataset or repository folder; [] when they cannot be read."""
+    import datasets
+
+    try:
+        return list(datasets.get_dataset_config_names(path))
+    except Exception:  # offline, no such dataset: the load's own error is the one to report
+        return []
 
 
 def _dataset_rows(source: str, loaded, split: str | None, split_key: str) -> RawRows:

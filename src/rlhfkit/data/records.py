@@ -420,6 +420,7 @@ def load_dataset_records(
     split: str | None = "train",
     columns: dict | None = None,
     split_key: str = "data.train_split",
+    dataset_config: str | None = None,
 ) -> Records:
     """Read and validate a whole dataset before any training starts.
 
@@ -430,9 +431,10 @@ def load_dataset_records(
             :func:`rlhfkit.data.read_rows`.
         columns: standard name -> the dataset's column (``data.columns``).
         split_key: the configuration key that chose ``split``, for error messages.
+        dataset_config: the configuration name of a hub dataset or repository folder (``data.dataset_config``).
     Returns:
         the validated records, a list of dicts in the normalised shapes of this module's docstring.
     Raises:
         DataError: naming the file, the line (1-based, JSON Lines) or row (0-based), and the field.
     """
-    return validate_rows(read_rows(source, split, split_key), kind, columns)
+    return validate_rows(read_rows(source, split, split_key, dataset_config), kind, columns)
