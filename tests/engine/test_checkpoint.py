@@ -339,3 +339,55 @@ def test_a_save_interrupted_at_each_write_leaves_the_previous_checkpoint_the_new
         assert all(torch.equal(v, saved[key]) for key, v in fresh.state_dict().items())
     save_checkpoint(root, 2, {"policy": model}, {"policy": opt}, {"policy": sched}, {"data_position": 8})
     assert latest_checkpoint(root).name == "step-2" and checkpoint_step(root / "step-2") == 2
+
+
+def _flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_every_file_of_a_checkpoint_is_under_the_marker_which_is_written_last(tmp_path, monkeypatch, capsys):
+    """Every file of ``step-N/`` (model, optimizer, scheduler, RNG and trainer state, JSON and tensors) has its
+    size and SHA-256 in the marker, and the marker is written after every one of them (only the publishing
+    rename follows it); each file damaged in turn is named at resume, which falls back to the previous
+    checkpoint. A file left out of the checksums, or written after the marker, fails here."""
+    import shutil
+    from pathlib import Path
+
+    from rlhfkit.engine.checkpoint import MARKER, resume_checkpoint
+
+    root = tmp_path / "checkpoints"
+    model, opt, sched = build(0)
+    train(model, opt, sched, 1)
+    save_checkpoint(root, 1, {"policy": model}, {"policy": opt}, {"policy": sched}, {"data_position": 4})
+    train(model, opt, sched, 1)
+    state = {"data_position": 8, "kl": torch.tensor([0.5, 0.25])}  # a tensor: trainer_state.safetensors too
+    with monkeypatch.context() as m:
+        writes = _interrupt_after(m, 0)  # the log of every write, none interrupted
+        path = save_checkpoint(root, 2, {"policy": model}, {"policy": opt}, {"policy": sched}, state)
+
+    files = sorted(p.name for p in path.iterdir() if p.name != MARKER)
+    for stem in ("model.policy", "optimizer.policy", "scheduler.policy", "rng", "trainer_state"):
+        assert any(name.startswith(stem + ".") for name in files), stem
+    assert {"rng.json", "rng.safetensors", "trainer_state.json", "trainer_state.safetensors"} <= set(files)
+    marker = json.loads((path / MARKER).read_text())
+    assert sorted(marker["sha256"]) == sorted(marker["files"]) == files
+
+    written = [Path(entry.split(":", 1)[1]).name for entry in writes]
+    last = written.index(MARKER)
+    assert set(files) <= set(written[:last]), "a file of the checkpoint was written after its marker"
+    assert written.count(MARKER) == 1
+    assert all(entry.startswith(("rename", "replace")) for entry in writes[last + 1 :]), writes[last:]
+
+    pristine = tmp_path / "pristine"
+    shutil.copytree(path, pristine)
+    for name in [*files, MARKER]:
+        shutil.rmtree(path)
+        shutil.copytree(pristine, path)
+        _flip_a_byte(path / name)
+        capsys.readouterr()
+        assert resume_checkpoint(root) == root / "step-1", name
+        err = capsys.readouterr().err
+        named = MARKER if name == MARKER else f"corrupt: {name} does not match its checksum in {MARKER}"
+        assert "step-2: " in err and named in err and "resuming from the previous" in err, (name, err)
