@@ -71,7 +71,9 @@ def _norm(update: dict[str, torch.Tensor]) -> float:
 def _assert_same(update, reference, tol: float = 0.0) -> None:
     assert sorted(update) == sorted(reference)
     gap = max(float((update[n] - reference[n]).abs().max()) for n in update)
-    assert gap <= tol, f"largest difference {gap:.3g}; update norm {_norm(update):.6g} vs {_norm(reference):.6g}"
+    assert gap <= tol, (
+        f"largest difference {gap:.3g}; update norm {_norm(update):.6g} vs {_norm(reference):.6g}"
+    )
 
 
 def test_a_checkpoint_saved_before_an_optimizer_steps_leaves_it_without_state(group, tmp_path):
@@ -89,9 +91,7 @@ def test_a_checkpoint_saved_before_an_optimizer_steps_leaves_it_without_state(gr
 
     resumed_actor, resumed_critic, resumed = _roles(shard=True)
     resumed["critic"] = torch.optim.AdamW(resumed_critic.parameters(), lr=1e-2)  # fresh: state from the file
-    sharded.load_roles(
-        tmp_path / "step-1", {"actor": resumed_actor, "critic": resumed_critic}, resumed, {}
-    )
+    sharded.load_roles(tmp_path / "step-1", {"actor": resumed_actor, "critic": resumed_critic}, resumed, {})
     assert not resumed["actor"].state and resumed["actor"].param_groups[0]["lr"] == 1e-2
     steps = {float(s["step"]) for s in resumed["critic"].state.values()}
     assert steps == {1.0}  # the critic's state restored as saved
@@ -137,3 +137,38 @@ def test_the_gathered_copy_that_generates_carries_the_actors_precision(group):
     assert float((gathered - reference).abs().max()) <= 1e-6
     float32 = _logits(tiny_llama(seed=0, attn_implementation="sdpa"))
     assert float((float32 - reference).abs().max()) > 1e-4  # what the copy gave without the actor's set-up
+
+
+def test_each_file_of_a_sharded_checkpoint_damaged_in_turn_is_named_at_resume(group, tmp_path):
+    """The shard files (DCP's index and data) have their checksums in the marker of ``step-N/`` as every file
+    of ``step-N/`` has: one flipped byte anywhere is a named CheckpointError, not silently loaded weights."""
+    import shutil
+
+    from rlhfkit.errors import CheckpointError
+
+    actor, critic, optimizers = _roles(shard=True)
+    _first_update(actor, optimizers["actor"])
+    sharded.save_roles(
+        tmp_path, 1, {"actor": actor, "critic": critic}, optimizers, {}, {"seen": 4}, main_process=True
+    )
+    step, shards = tmp_path / "step-1", tmp_path / "step-1.sharded"
+    files = [p for folder in (step, shards) for p in sorted(folder.iterdir()) if p.name != "COMPLETE"]
+    assert {".metadata", "rng.json", "trainer_state.json"} <= {p.name for p in files}
+    assert any(p.suffix == ".distcp" for p in files)
+    pristine = tmp_path / "pristine"
+    for folder in (step, shards):
+        shutil.copytree(folder, pristine / folder.name)
+
+    def resume():
+        actor2, critic2, optimizers2 = _roles(shard=True)
+        return sharded.load_roles(step, {"actor": actor2, "critic": critic2}, optimizers2, {})
+
+    assert resume()["seen"] == 4
+    for file in files:
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        file.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match=f"{file.name}.*(corrupt|checksum)|corrupt: {file.name}"):
+            resume()
+        shutil.copy(pristine / file.parent.name / file.name, file)
+    assert resume()["seen"] == 4

@@ -14,9 +14,9 @@ Checkpoints (:func:`save_roles`: one or several models by role name). A sharded 
 ``checkpoints/step-N/`` is an ordinary engine checkpoint (scheduler, RNG,
 trainer state, the ``COMPLETE`` marker) without model or optimizer files; those are in
 ``checkpoints/step-N.sharded/``, written by every process with ``torch.distributed.checkpoint`` (DCP) before
-the marker of ``step-N`` is: the marker's trainer state lists the shard files and their sizes, so a step is
-complete only when both are. Only tensors go to DCP (weights, Adam moments and step counts); the optimizer's
-hyper-parameters are JSON. DCP writes its index (``.metadata``) with pickle: it is read back here with
+the marker of ``step-N`` is: the marker's trainer state lists the shard files with their sizes and SHA-256
+(checked on load, like every file of ``step-N``), so a step is complete only when both are. Only tensors go
+to DCP (weights, Adam moments and step counts); the optimizer's hyper-parameters are JSON. DCP writes its index (``.metadata``) with pickle: it is read back here with
 torch's weights-only unpickler and an allow-list of DCP's own record classes, and any non-tensor item is
 refused, so loading runs no arbitrary code. DCP re-shards on load, so a checkpoint of W processes resumes
 under another W, one included: a process that no launcher started gets a process group of one
@@ -40,6 +40,7 @@ import torch
 
 # the sharding a run uses is defined with the checks that read it (the config layer), named here too
 from rlhfkit.config.checks import launch_sharding, sharding_mode  # noqa: F401
+from rlhfkit.engine.checkpoint import file_sha256
 from rlhfkit.engine.checkpoint import load_checkpoint as load_engine_checkpoint
 from rlhfkit.engine.checkpoint import save_checkpoint as save_engine_checkpoint
 from rlhfkit.errors import CheckpointError, ConfigError
@@ -267,10 +268,11 @@ def save_roles(
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(shards)))
     torch.distributed.barrier()
     if main_process:
-        files = {p.name: p.stat().st_size for p in sorted(shards.iterdir()) if p.is_file()}
+        written = [p for p in sorted(shards.iterdir()) if p.is_file()]
         info = {
             "folder": shards.name,
-            "files": files,
+            "files": {p.name: p.stat().st_size for p in written},
+            "sha256": {p.name: file_sha256(p) for p in written},
             "world_size": torch.distributed.get_world_size(),
             "param_groups": groups,
             "stateless_optimizers": stateless,
@@ -315,6 +317,7 @@ def load_roles(path: str | Path, models: dict, optimizers: dict, schedulers: dic
     for name, size in info["files"].items():
         if not (shards / name).is_file() or (shards / name).stat().st_size != size:
             raise CheckpointError(f"{shards / name}: missing or not the size the marker of {path} records")
+    _verify_shards(shards, info.get("sha256", {}), path)
     groups = info["param_groups"]
     if isinstance(groups, list):  # written before checkpoints held several roles
         groups = {"model": groups}
@@ -334,6 +337,20 @@ def load_roles(path: str | Path, models: dict, optimizers: dict, schedulers: dic
                 {"state": target[prefix + "optim"], "param_groups": groups[name]},
             )
     return state
+
+
+def _verify_shards(shards: Path, sums: dict[str, str], path: Path) -> None:
+    """CheckpointError naming the first shard file whose SHA-256 differs from the one the marker of ``path``
+    records (checked by the first process, its verdict shared: every process raises the same)."""
+    verdict: list[str | None] = [None]
+    if torch.distributed.get_rank() == 0:
+        for name in sorted(sums):
+            if file_sha256(shards / name) != sums[name]:
+                verdict[0] = f"{shards / name}: corrupt: does not match its checksum in the marker of {path}"
+                break
+    torch.distributed.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(verdict[0])
 
 
 def _restore_hyper_parameters(optimizer, groups: list[dict[str, Any]], path: Path) -> None:
