@@ -1,0 +1,137 @@
+"""Every recipe of examples/recipes/ parses as it is (a Hub model and Hub data) and trains for 2 steps with the
+model and the data swapped for local tiny stand-ins: the recipe's own splits, column names, reward functions
+and settings, on a tiny Llama and a dataset folder shaped like the Hub dataset it names."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhfkit import cli
+from rlhfkit.config import load_config
+from tests.helpers import tiny_llama, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {"grpo": "grpo", "dpo": "dpo", "sft": "sft", "reward": "reward", "ppo": "ppo"}  # file -> kind
+
+
+def conversation(user: str, assistant: str) -> list[dict]:
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+
+
+# Rows in each Hub dataset's own shape: gsm8k (question, answer "... #### N"), Capybara (messages),
+# ultrafeedback_binarized (chosen / rejected conversations sharing the user turn).
+ROWS = {
+    "openai/gsm8k": [
+        {"question": q, "answer": f"two and two . #### {a}"}
+        for q, a in [("one two", "3"), ("two two", "4"), ("the cat", "1"), ("five six", "11")] * 2
+    ],
+    "trl-lib/Capybara": [
+        {"messages": conversation(u, a)}
+        for u, a in [
+            ("hello", "world ."),
+            ("the cat", "sat on a mat ."),
+            ("one two", "three ."),
+            ("yes", "no ."),
+        ]
+        * 2
+    ],
+    "trl-lib/ultrafeedback_binarized": [
+        {
+            "chosen": conversation(u, good),
+            "rejected": conversation(u, bad),
+            "score_chosen": 8.0,
+            "score_rejected": 2.0,
+        }
+        for u, good, bad in [
+            ("hello", "world .", "bad !"),
+            ("the cat", "sat .", "no"),
+            ("one two", "three .", "ten"),
+        ]
+        * 2
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipe-models")
+    tokenizer = tiny_tokenizer(chat_template=True)
+    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    folders = {"policy": root / "policy", "reward": root / "reward"}
+    tiny_llama(seed=0, **ids).save_pretrained(folders["policy"])
+    tiny_llama("scalar", seed=1, **ids).save_pretrained(folders["reward"])
+    for folder in folders.values():
+        tokenizer.save_pretrained(folder)
+    return folders
+
+
+def stand_in_dataset(recipe: dict, folder: Path) -> Path:
+    """A DatasetDict folder with the recipe's splits, in the shape (and column names) of its Hub dataset."""
+    import datasets
+
+    data = recipe["data"]
+    rows = ROWS[data["train_file"]]
+    splits = {data.get("train_split", "train"): rows}
+    if data.get("eval_split"):
+        splits[data["eval_split"]] = rows[:3]
+    datasets.DatasetDict({name: datasets.Dataset.from_list(r) for name, r in splits.items()}).save_to_disk(
+        str(folder)
+    )
+    return folder
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_parses_and_trains_two_steps_on_stand_ins(name, models, tmp_path, monkeypatch, capsys):
+    path = ROOT / "examples" / "recipes" / f"{name}.yaml"
+    kind = RECIPES[name]
+    recipe = yaml.safe_load(path.read_text())
+    as_written = load_config(path, [], kind)  # the recipe itself, Hub names and all, is a valid configuration
+    assert "/" in recipe["model"]["name_or_path"] or kind == "ppo"
+    monkeypatch.chdir(ROOT)  # reward functions are named from the repository root, as the recipes say
+    out = tmp_path / "run"
+    overrides = [
+        f"output_dir={out}",
+        f"model.name_or_path={models['policy']}",
+        f"data.train_file={stand_in_dataset(recipe, tmp_path / 'data')}",
+        "data.dataset_config=null",
+        "data.max_prompt_length=16",
+        "train.max_steps=2",
+        "train.batch_size=4",
+        "train.micro_batch_size=2",
+        "logging.progress_bar=false",
+    ]
+    if kind in ("ppo", "grpo", "rloo"):
+        overrides += ["online.response_length=6"]
+        if recipe["online"].get("reward_model"):
+            overrides.append(f"online.reward_model={models['reward']}")
+        if recipe["online"].get("num_minibatches", 1) > 4:
+            overrides.append("online.num_minibatches=4")
+    else:
+        overrides += ["data.max_length=40"]
+    assert cli.main(["train", kind, "--config", str(path), *overrides]) == 0, capsys.readouterr().err
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 2 and (out / "final").is_dir()
+    saved = load_config(out / "config.yaml", [], kind)
+    # the run trained with the recipe's own settings, only the sizes swapped
+    assert saved.train.learning_rate == as_written.train.learning_rate
+    assert saved.data.columns == as_written.data.columns
+    for key in (
+        "group_size",
+        "kl_coef",
+        "kl_in_loss",
+        "reward_functions",
+        "ppo_epochs",
+        "advantage_estimator",
+    ):
+        assert getattr(saved.online, key) == getattr(as_written.online, key), key
+
+
+def test_the_gsm8k_reward_reads_the_final_answer(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "recipes"))
+    from gsm8k_reward import correct
+
+    answers = ["Natalia sold 48/2 = 24 clips.\n#### 72", "#### 1,234", "#### 5"]
+    completions = ["so 48 + 24 = 72.", "The answer is 1234", [{"role": "assistant", "content": "6"}]]
+    assert correct(prompts=["p"] * 3, completions=completions, answer=answers) == [1.0, 1.0, 0.0]
