@@ -189,6 +189,7 @@ def test_quickstart_generate_report(tmp_path, fake, capsys):
             "seed": 0,
             "reward_model": None,
             "backend": "hf",
+            "reward_functions": [],
         },
     )
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--backend", "vllm"]) == 0
