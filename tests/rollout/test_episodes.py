@@ -213,10 +213,12 @@ def test_the_budget_bounds_every_turn_together_and_truncates():
     call, answer = char_ids(tok, CALL), char_ids(tok, "answer=408</s>")
     suffix = tok("</s>\n<|tool|><tool_response>408</tool_response>\n<|assistant|>", add_special_tokens=False)
     room = len(call) + len(suffix["input_ids"]) + 3  # 3 tokens left for the answer
-    sampler = ScriptedSampler([[call, char_ids(tok, "answer=408</s>")], [answer]])
+    # A second episode with a shorter call has more room left, so the one generate call of turn 2 may sample
+    # more tokens than the first episode's budget: the loop cuts each episode at its own.
+    short = char_ids(tok, CALL.replace("12*34", "1*2"))
+    sampler = ScriptedSampler([[call, short], [answer, char_ids(tok, "a</s>")]])
     prompts = ["What is 12*34?"] * 2
-    runner = runner_for(tok, response_length=room)
-    out = run_episodes(runner, MODEL, prompts, generate=sampler)
+    out = run_episodes(runner_for(tok, response_length=room), MODEL, prompts, generate=sampler)
     _, response, mask = row(out, 0)
     assert len(response) == room and response[-3:] == answer[:3]  # cut inside the second model turn
     assert bool(out.truncated[0]) and not bool(out.ended[0])
