@@ -223,3 +223,35 @@ def test_subprocess_user_error_has_no_traceback(tmp_path):
     )
     assert done.returncode == 2
     assert done.stderr == f"rlhfkit: error: config file not found: {tmp_path / 'missing.yaml'}\n"
+
+
+def test_label_pairs_takes_model_like_generate_and_still_reads_policy(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def label_pairs(policy, out, **kw):
+        calls.append((policy, out))
+        info = {"pairs": 1, "file": "f", "bayes_ceiling": None}
+        return {"train": info, "eval": info, "seconds": {"total": 0.0}}
+
+    monkeypatch.setattr("rlhfkit.rollout.pairs.label_pairs", label_pairs)
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    assert cli.main(["label-pairs", "--model", str(policy), "--out", str(tmp_path / "a")]) == 0
+    assert calls[-1] == (str(policy), str(tmp_path / "a")) and "warning" not in capsys.readouterr().err
+    assert cli.main(["label-pairs", "--policy", str(policy), "--out", str(tmp_path / "b")]) == 0
+    assert calls[-1] == (str(policy), str(tmp_path / "b"))
+    assert "rlhfkit: warning: --policy is now --model" in capsys.readouterr().err
+    for command in ("generate", "label-pairs"):
+        assert cli.main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "--model DIR" in out and "--out" in out
+
+
+def test_reinforce_pp_is_reachable_from_train_ppo(tmp_path, fake, capsys):
+    path = config_file(tmp_path)
+    assert cli.main(["train", "ppo", "--config", str(path), "online.advantage_estimator=reinforce_pp"]) == 0
+    assert fake[-1][1].online.advantage_estimator == "reinforce_pp"
+    assert cli.main(["train", "ppo", "--help"]) == 0
+    assert "REINFORCE++ is ppo with online.advantage_estimator=reinforce_pp" in " ".join(
+        capsys.readouterr().out.split()
+    )

@@ -4,7 +4,7 @@
     rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite] [--refresh-steps K]
     rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE] [--reward-model DIR]
                      [--reward-function FILE.py:FN ...] [--backend hf|vllm]
-    rlhfkit label-pairs --policy DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
+    rlhfkit label-pairs --model DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
     rlhfkit report RUN_DIR [RUN_DIR ...] [--out FILE]
     rlhfkit config init KIND                                     # a commented YAML of KIND's keys and defaults
     rlhfkit config show KIND [--config FILE] [dotted.key=value ...]   # validate, print the resolved config
@@ -217,7 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(with gold scores for evaluation) and labels.json (counts, Bayes ceiling) into --out.",
     )
     lab.add_argument(
-        "--policy", required=True, metavar="DIR", help="the policy folder that samples the responses"
+        "--model",
+        "--policy",
+        dest="model",
+        required=True,
+        metavar="DIR",
+        action=_OldSpelling,
+        help="the policy folder that samples the responses (e.g. <run>/final), as `generate --model`; "
+        "--policy is its old spelling, still read (with a warning) in this release",
     )
     lab.add_argument("--out", required=True, metavar="DIR", help="output folder")
     lab.add_argument("--task", default="reviews", help="built-in task (default: %(default)s)")
@@ -282,6 +289,20 @@ KIND_HELP = (
     "sft, reward (Bradley-Terry), prm (process reward), ppo, grpo, rloo, dpo (direct preference "
     "optimization); REINFORCE++ is ppo with online.advantage_estimator=reinforce_pp (no critic)"
 )
+
+
+class _OldSpelling(argparse.Action):
+    """Stores the value; an option given by its old spelling (every spelling after the first) also prints
+    one warning naming the new one. Old spellings are read for one release, then removed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is not None and option_string != self.option_strings[0]:
+            print(
+                f"rlhfkit: warning: {option_string} is now {self.option_strings[0]}; the old spelling goes in "
+                "the next release",
+                file=sys.stderr,
+            )
+        setattr(namespace, self.dest, values)
 
 
 class _KindHelp(argparse.Action):

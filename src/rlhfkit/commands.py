@@ -170,13 +170,13 @@ def label_pairs_command(args: argparse.Namespace) -> int:
     ):
         if value < least:
             raise UserError(f"{flag} must be >= {least}, got {value}")
-    if not Path(args.policy).is_dir():
-        raise UserError(f"policy folder not found: {args.policy}")
+    if not Path(args.model).is_dir():
+        raise UserError(f"--model: policy folder not found: {args.model}")
     set_threads()
     from rlhfkit.rollout.pairs import label_pairs
 
     summary = label_pairs(
-        args.policy,
+        args.model,
         args.out,
         task=args.task,
         task_seed=args.task_seed,

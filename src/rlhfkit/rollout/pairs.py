@@ -6,7 +6,7 @@ policy (temperature 1 by default, so that the pairs cover what the policy actual
 token is never sampled), and an annotator of the task prefers one with Bradley-Terry noise on the gold
 scores, P(a > b) = sigmoid((gold(a) - gold(b)) / T) (:mod:`rlhfkit.tasks.annotators`).
 
-    rlhfkit label-pairs --policy runs/sft/final --out data/pairs [--pairs 2000] [--eval-pairs 500] [--seed 0]
+    rlhfkit label-pairs --model runs/sft/final --out data/pairs [--pairs 2000] [--eval-pairs 500] [--seed 0]
 
 writes, under ``--out``:
 
