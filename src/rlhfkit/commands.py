@@ -71,6 +71,10 @@ def train_command(args: argparse.Namespace) -> int:
             return 0
     with graceful_stop():  # SIGTERM / SIGINT: finish the step, checkpoint, exit 128 + signal
         train(cfg, resume=args.resume)
+    if launch_rank() == 0:  # where the run is and its headline figures, on a terminal or in a job's log
+        from rlhfkit.reporting.headline import end_of_run_lines
+
+        print("\n".join(end_of_run_lines(cfg.output_dir)), flush=True)
     return 0
 
 

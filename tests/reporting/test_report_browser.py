@@ -112,6 +112,33 @@ def test_run_page_renders_and_its_sample_browser_filters_and_sorts(tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 50_000
 
 
+def test_sample_browser_without_gold_has_no_gold_column_and_its_cells_line_up(tmp_path):
+    """A run scored by a reward function has no gold annotator: no gold column or sort, and every row has one
+    cell per heading (the score and KL under their own headings)."""
+    rows = [
+        {"step": 1, "prompt": f"p{i}", "response": f"r{i}", "score": i - 1.0, "parts": {"accuracy": 0.0}}
+        | {"kl": 10.0 + i, "length": 5, "ended": i > 0}
+        for i in range(3)
+    ]
+    samples = "".join(json.dumps(r) + "\n" for r in rows)
+    write_run(tmp_path / "run", online_rows(), samples=samples, config="kind: grpo\n")
+    page = write_report(tmp_path / "run")
+    with Chromium(BINARY) as browser:
+        browser.open(page.as_uri())
+        heads = browser.evaluate(
+            "[...document.querySelectorAll('#samples-table th')].map(t => t.textContent)"
+        )
+        assert "gold" not in heads and heads[:3] == ["step", "score (as trained)", "KL"]
+        cells = browser.evaluate(
+            "[...document.querySelectorAll('#samples-table tbody tr')].map(r => [...r.cells].map(c => c.textContent))"
+        )
+        assert len(cells) == 3 and all(len(row) == len(heads) for row in cells)
+        assert sorted(row[2] for row in cells) == ["10", "11", "12"]  # the KL column holds the KL
+        sorts = browser.evaluate("[...document.querySelectorAll('#sample-sort option')].map(o => o.value)")
+        assert "gold" not in sorts
+        assert browser.errors() == []
+
+
 def test_side_by_side_page_filters_by_run(tmp_path):
     write_run(tmp_path / "runs" / "kl-0.05", online_rows(), samples=many_samples())
     write_run(tmp_path / "runs" / "kl-0.2", online_rows(n=7, kl_speed=1.0), samples=SAMPLES)

@@ -50,6 +50,7 @@ SCRIPT = r"""
   const stepSel = document.getElementById("sample-step"), sortSel = document.getElementById("sample-sort"),
         orderSel = document.getElementById("sample-order"), runSel = document.getElementById("sample-run"),
         body = document.querySelector("#samples-table tbody"), count = document.getElementById("sample-count");
+  const gold = document.getElementById("samples-table").dataset.gold === "1";  // a gold column only with gold
   const steps = [...new Set(rows.map(r => r.step).filter(s => s !== null))].sort((a, b) => a - b);
   for (const s of steps) { const o = document.createElement("option"); o.value = String(s); o.textContent = String(s); stepSel.append(o); }
   const num = v => (v === null || v === undefined) ? "n/a" : (Number.isInteger(v) ? String(v) : String(Number(v.toPrecision(4))));
@@ -69,7 +70,7 @@ SCRIPT = r"""
       tr.dataset.step = String(r.step); tr.dataset.score = String(r.score); tr.dataset.gold = String(r.gold);
       tr.dataset.kl = String(r.kl); tr.dataset.length = String(r.length);
       if (runSel) cell(tr, r.run);
-      cell(tr, num(r.step), "num"); cell(tr, num(r.score), "num"); cell(tr, num(r.gold), "num");
+      cell(tr, num(r.step), "num"); cell(tr, num(r.score), "num"); if (gold) cell(tr, num(r.gold), "num");
       cell(tr, num(r.kl), "num"); cell(tr, num(r.length), "num");
       cell(tr, r.ended === null ? "n/a" : (r.ended ? "yes" : "no"));
       cell(tr, Object.entries(r.parts).map(([k, v]) => k + ": " + num(v)).join("\n"), "parts text");
@@ -120,7 +121,7 @@ def summary_table(run: Run) -> str:
         if isinstance(value, list | dict):
             continue
         rows.append(
-            f"<tr><th>{e(label(key))}</th><td class=num>{e(fmt(value))}</td>"
+            f"<tr><th>{e(run.label(key))}</th><td class=num>{e(fmt(value))}</td>"
             f"<td>{_kl_note(key, value, estimator)}</td></tr>"
         )
     if not rows:
@@ -151,7 +152,8 @@ def comparison_table(runs: list[Run], warnings: dict[str, list[health.HealthWarn
     ]
     for key in keys:
         cells = "".join(f"<td class=num>{e(fmt(flat.get(key)))}</td>" for flat in flats)
-        body.append(f"<tr><th>{e(label(key))}</th>{cells}</tr>")
+        names = {r.label(key) for r in runs}  # runs scored by different sources share the plain words
+        body.append(f"<tr><th>{e(names.pop() if len(names) == 1 else label(key))}</th>{cells}</tr>")
     return f'<table class="comparison"><tr><th>figure</th>{head}</tr>{"".join(body)}</table>'
 
 
@@ -194,7 +196,7 @@ def figures_block(figs: list[Plot], warned: set[str] = frozenset(), prefix: str 
 def last_step_block(run: Run) -> str:
     last = run.rows[-1]
     rows = "".join(
-        f"<tr><th>{e(label(k))}</th><td class=num>{e(fmt(v))}</td><td class=muted>{e(k)}</td></tr>"
+        f"<tr><th>{e(run.label(k))}</th><td class=num>{e(fmt(v))}</td><td class=muted>{e(k)}</td></tr>"
         for k, v in last.items()
         if k != "step"
     )
@@ -228,11 +230,14 @@ def samples_block(runs: list[Run]) -> str:
         run_select = (
             f'<label>run <select id="sample-run"><option value="all">all</option>{opts}</select></label>'
         )
+    # A gold column (and sort) only where an annotator gave gold scores: a run scored by reward functions or a
+    # reward model alone has none, and a column of n/a says nothing.
+    gold = any(row.get("gold") is not None for row in rows)
     sort_opts = "".join(
         f'<option value="{k}">{t}</option>'
         for k, t in (
-            ("score", "proxy score"),
-            ("gold", "gold score"),
+            ("score", "score (as trained)"),
+            *((("gold", "gold score"),) if gold else ()),
             ("kl", "KL"),
             ("length", "length"),
             ("step", "step"),
@@ -246,7 +251,8 @@ def samples_block(runs: list[Run]) -> str:
     head = "".join(
         f"<th>{t}</th>"
         for t in (["run"] if many else [])
-        + ["step", "proxy score", "gold", "KL", "length", "ended", "reward parts", "prompt", "response"]
+        + ["step", "score (as trained)", *(["gold"] if gold else []), "KL", "length", "ended"]
+        + ["reward parts (own scores)", "prompt", "response"]
     )
     return (
         f'<div id="samples-controls">{run_select}<label>step <select id="sample-step"><option value="all">all'
@@ -254,7 +260,7 @@ def samples_block(runs: list[Run]) -> str:
         '<label>order <select id="sample-order"><option value="desc">highest first</option>'
         '<option value="asc">lowest first</option></select></label><span id="sample-count" class="muted">'
         f"</span></div>{'<p class=muted>' + e('; '.join(notes)) + '</p>' if notes else ''}"
-        f'<table id="samples-table"><thead><tr>{head}</tr></thead><tbody></tbody></table>'
+        f'<table id="samples-table" data-gold="{int(gold)}"><thead><tr>{head}</tr></thead><tbody></tbody></table>'
         f'<script type="application/json" id="samples-data">{data}</script>'
     )
 

@@ -34,9 +34,9 @@ PANEL: tuple[Spec, ...] = (
         "Score per response",
         "score",
         (
-            ("score/mean", "proxy (reward model), training", False),
+            ("score/mean", "trained score", False),
             ("gold/mean", "gold, training", False),
-            ("eval/score/mean", "proxy, held out", True),
+            ("eval/score/mean", "held out", True),
             ("eval/gold/mean", "gold, held out", True),
         ),
     ),
@@ -57,7 +57,11 @@ PANEL: tuple[Spec, ...] = (
         "ended",
         "Responses that end with a stop token",
         "fraction",
-        (("response/ended_frac", "training", False), ("eval/response/ended_frac", "held out", True)),
+        (
+            ("response/ended_frac", "training", False),
+            ("eval/response/ended_frac", "held out", True),
+            ("score/penalised_frac", "penalised for not ending (score replaced)", False),
+        ),
         (health.ENDED_LOW,),
     ),
     Spec(
@@ -150,6 +154,30 @@ def run_warnings(run: Run) -> list[health.HealthWarning]:
     return health.check_health(run.series) if run.online else []
 
 
+def run_keys(spec: Spec, run: Run) -> tuple[tuple[str, str, bool], ...]:
+    """The lines of figure ``spec`` for ``run``: the score figure names the trained score after what scored it
+    and adds each score part's own score beside it (each reward function and the reward model, before the
+    missing-EOS rule), or, for a single part, the score before the rule when that differs; a gain of the
+    trained score that its parts do not share came from the rule (learning to stop), not from the reward."""
+    if spec.name != "scores":
+        return spec.keys
+    source = run.reward_source
+    trained = "trained score"
+    if source is not None:
+        trained += f" ({source}{' + missing-EOS penalty' if run.penalised else ''})"
+    parts = [
+        (f"score/{name}", f"{'reward model' if name == 'reward_model' else name}: own score", False)
+        for name in run.reward_parts
+        if run.series(f"score/{name}")[0]
+    ]
+    if not parts and run.series("score/raw_mean") != run.series("score/mean"):
+        parts = [("score/raw_mean", "before the missing-EOS rule", False)]
+    held_out = "held out" + (" (before the missing-EOS rule)" if source is not None else "")
+    named = {"score/mean": trained, "eval/score/mean": held_out}
+    keys = [(key, named.get(key, legend), heldout) for key, legend, heldout in spec.keys]
+    return (keys[0], *parts, *keys[1:])
+
+
 def line_plots(runs: list[Run], warnings: list[health.HealthWarning] | None = None) -> list[Plot]:
     """Every :data:`PANEL` figure that one of ``runs`` logged, runs overlaid (one colour per run)."""
     many = len(runs) > 1
@@ -158,7 +186,7 @@ def line_plots(runs: list[Run], warnings: list[health.HealthWarning] | None = No
     for spec in PANEL:
         lines = []
         for r, run in enumerate(runs):
-            for k, (key, legend, heldout) in enumerate(spec.keys):
+            for k, (key, legend, heldout) in enumerate(run_keys(spec, run)):
                 xs, ys = run.series(key)
                 if xs:
                     color = plots.COLORS[(r if many else k) % len(plots.COLORS)]

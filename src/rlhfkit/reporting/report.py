@@ -10,7 +10,10 @@ a stated rule), the reward model's calibration and held-out score histograms, an
 summaries in one table): ``compare.html`` in the folder that holds them, or ``--out FILE``.
 
 The plots a person looks at first in RLHF (Zheng et al. 2023, "Secrets of RLHF": watch KL, length and
-entropy, not only the reward): the proxy score and, on a task with a gold scorer, the gold score; the KL
+entropy, not only the reward): the score as trained, named after what scored it (the reward model, the reward
+functions, or both) and with the missing-EOS penalty in it, beside each reward function's (and the reward
+model's) own score and the share of responses penalised for not ending, so that a gain that came from
+learning to stop does not pass for a gain in the reward; on a task with a gold scorer, the gold score; the KL
 to the reference; entropy; response length; then the health of the PPO update (clip fraction, approx-KL,
 ratio, value loss and explained variance, gradient norms, learning rate). With a gold scorer, gold and
 proxy score against sqrt(KL): the axis on which Gao et al. (2022) describe reward-model overoptimization.
@@ -32,7 +35,7 @@ from rlhfkit.reporting.panels import (
     reward_model_plots,
     run_warnings,
 )
-from rlhfkit.reporting.runs import Run, fmt, label, load_run
+from rlhfkit.reporting.runs import Run, fmt, load_run
 from rlhfkit.reporting.sample_file import as_text, printable
 
 __all__ = ["gold_vs_kl_points", "write_report", "write_reports", "write_quickstart_page"]
@@ -241,7 +244,7 @@ def _markdown(run: Run, figs: list[Plot], warnings: list[health.HealthWarning]) 
                 if k.endswith("kl_mean") and isinstance(v, int | float)
                 else None
             )
-            lines.append(f"| {_md(label(k))} | {fmt(v)}{' (' + note + ')' if note else ''} |")
+            lines.append(f"| {_md(run.label(k))} | {fmt(v)}{' (' + note + ')' if note else ''} |")
         lines.append("")
     if run.online:
         lines += ["## Warning signs", ""]
@@ -252,7 +255,7 @@ def _markdown(run: Run, figs: list[Plot], warnings: list[health.HealthWarning]) 
         lines.append("")
     last = run.rows[-1]
     lines += [f"## Last logged step ({last['step']})", "", "| metric | value |", "|---|---|"]
-    lines += [f"| {_md(label(k))} | {fmt(v)} |" for k, v in last.items() if k != "step"]
+    lines += [f"| {_md(run.label(k))} | {fmt(v)} |" for k, v in last.items() if k != "step"]
     lines.append("")
     for p in figs:
         lines += [f"## {p.title}", "", f"![{p.title}](report/{p.name}.png)", ""]

@@ -11,16 +11,19 @@ from typing import Any
 from rlhfkit.engine.metrics_writer import flatten_dict, read_metrics
 from rlhfkit.errors import UserError
 from rlhfkit.reporting.sample_file import SampleFile, read_samples
+from rlhfkit.rollout.scoring import function_names
 
 ONLINE_KINDS = ("ppo", "grpo", "rloo")
 HELDOUT_SCORES = "heldout_scores.jsonl"  # written by the reward trainer: the final model's held-out scores
 
 # Metric key -> the words a person reads. Keys not listed are shown as they are, '/' and '_' as spaces.
 LABELS: dict[str, str] = {
-    "score/mean": "proxy score (reward model)",
-    "score/raw_mean": "proxy score before the missing-EOS rule and clipping",
+    "score/mean": "trained score",
+    "score/raw_mean": "score before the missing-EOS rule and clipping",
+    "score/penalised_frac": "responses penalised for not ending (missing EOS)",
+    "score/unscored": "responses that nothing scored",
     "gold/mean": "gold score",
-    "eval/score/mean": "held-out proxy score",
+    "eval/score/mean": "held-out score",
     "eval/gold/mean": "held-out gold score",
     "eval/kl/mean": "held-out KL (nats / response)",
     "eval/valid_rate": "held-out valid responses",
@@ -56,6 +59,10 @@ LABELS: dict[str, str] = {
     "time/step_seconds": "seconds per step",
     # summary.json keys (flattened with dots)
     "kl_mean": "KL to the reference (nats / response)",
+    "score_mean": "mean score (reward model)",  # a reward model's summary; online runs: Run.label
+    "score_raw_mean": "score before the missing-EOS rule and clipping",
+    "score_penalised_frac": "responses penalised for not ending (missing EOS)",
+    "response_ended_frac": "responses that end with a stop token",
     "gold_mean": "gold score",
     "proxy_mean": "proxy score (reward model)",
     "heldout_accuracy": "held-out accuracy",
@@ -120,6 +127,73 @@ class Run:
         """The KL estimator the run trained with (``online.kl_estimator``), None when unknown."""
         online = self.config.get("online")
         return online.get("kl_estimator") if isinstance(online, dict) else None
+
+    @property
+    def reward_parts(self) -> list[str]:
+        """The names the run's score parts are logged under (``score/<name>``): ``reward_model`` for
+        ``online.reward_model``, then each of ``online.reward_functions`` (:func:`function_names`)."""
+        online = self.config.get("online")
+        if not self.online or not isinstance(online, dict):
+            return []
+        specs = online.get("reward_functions") or []
+        names = ["reward_model"] if online.get("reward_model") else []
+        return names + function_names([str(spec) for spec in specs])
+
+    @property
+    def reward_source(self) -> str | None:
+        """What scored the responses, in words (``reward model``, ``reward function accuracy``, ``reward
+        model + reward functions a, b``); None when the configuration does not say."""
+        parts = self.reward_parts
+        functions = [p for p in parts if p != "reward_model"]
+        words = ["reward model"] if "reward_model" in parts else []
+        if functions:
+            words.append(f"reward function{'s' if len(functions) > 1 else ''} {', '.join(functions)}")
+        return " + ".join(words) or None
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the trained score replaces a response's score when it does not end
+        (``online.missing_eos=penalty``, the default)."""
+        online = self.config.get("online")
+        return self.online and (
+            not isinstance(online, dict) or online.get("missing_eos", "penalty") == "penalty"
+        )
+
+    def label(self, key: str) -> str:
+        """:func:`label`, with the scores of an online run named after what scored them: ``trained score
+        (reward function accuracy + missing-EOS penalty)``, ``accuracy: reward function's own score``."""
+        head, _, tail = key.rpartition(".")
+        metric = (
+            tail if "/" in tail else "score/" + tail[len("score_") :] if tail.startswith("score_") else ""
+        )
+        if not self.online or not metric:
+            return label(key)
+        words = self._score_words(metric)
+        if words is None:  # the summary's score_x is the metric score/x
+            return label(f"{head}.{metric}" if head else metric)
+        head = "" if head in ("", "eval") else head
+        return f"{head.replace('.', ' ').replace('_', ' ')}: {words}" if head else words
+
+    def _score_words(self, metric: str) -> str | None:
+        source = self.reward_source
+        if source is None:
+            return None
+        online = self.config.get("online") or {}
+        if metric == "score/mean":
+            rules = (" + missing-EOS penalty" if self.penalised else "") + (
+                ", clipped" if online.get("score_clip") is not None else ""
+            )
+            return f"trained score ({source}{rules})"
+        if metric == "score/raw_mean":
+            return f"score before the missing-EOS rule and clipping ({source})"
+        if metric == "eval/score/mean":
+            return f"held-out score ({source}, before the missing-EOS rule)"
+        part = metric[len("score/") :] if metric.startswith("score/") else None
+        if part == "reward_model" and part in self.reward_parts:
+            return "reward model: its own score"
+        if part in self.reward_parts:
+            return f"{part}: reward function's own score"
+        return None
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of ``key`` over the rows that logged it as a finite number."""

@@ -49,7 +49,8 @@ minibatch, the KL controller reads the whole rollout's KL, and the logged statis
 processes once per rollout. Only the sampling noise depends on N (each process seeds its own from
 (seed, rollout, process)).
 
-Files: ``metrics.jsonl`` (one line per rollout: ``score/mean``, ``kl/mean``, ``kl/per_token``, ``kl_coef``,
+Files: ``metrics.jsonl`` (one line per rollout: ``score/mean`` (as trained), ``score/raw_mean`` and each
+reward function's own ``score/<name>``, ``score/penalised_frac``, ``kl/mean``, ``kl/per_token``, ``kl_coef``,
 ``loss/policy``, ``loss/value``, ``entropy/mean``, ``clipfrac``, ``approx_kl`` (and ``clipfrac/epochK``,
 ``approx_kl/epochK`` per PPO epoch with ``online.epoch_stats``), ``ratio/mean``,
 ``value/explained_variance``, ``grad_norm/<role>``, ``learning_rate/<role>``,

@@ -264,7 +264,17 @@ def train_online(
         ctx.guard.stop_if_asked(step)  # SIGTERM / SIGINT: this rollout is checkpointed; exit 128 + signal
     samples.close()
     wall = time.perf_counter() - start_time
-    summary_keys = ("score/mean", "kl/mean", "kl_coef", "response_length/mean", "tokens_per_second")
+    summary_keys = (
+        "score/mean",
+        "score/raw_mean",
+        *(f"score/{name}" for name, _ in ctx.scorer.functions),  # each reward function's own score
+        "score/penalised_frac",
+        "response/ended_frac",
+        "kl/mean",
+        "kl_coef",
+        "response_length/mean",
+        "tokens_per_second",
+    )
     return {
         "step": train.max_steps,
         "last": {k.replace("/", "_"): last[k] for k in summary_keys if k in last},

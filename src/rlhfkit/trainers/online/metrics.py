@@ -23,8 +23,10 @@ def rollout_stats(ctx: OnlineContext, rollout: Rollout, scores: Scores) -> StatS
     ``kl/mean`` is the mean over responses (those with a valid token) of sum_t kl_t, in nats per response,
     the unit of the adaptive controller; ``score/mean`` is the score as it enters the rewards and
     ``score/raw_mean`` the scorer's before the missing-EOS rule and clipping, both over the responses that
-    something scored; ``score/<part>`` is each part's mean where it had an opinion; ``score/unscored`` counts
-    the responses that nothing scored (left out of the loss). Sums are taken in float64:
+    something scored; ``score/<part>`` is each part's own mean where it had an opinion (before the
+    missing-EOS rule); ``score/penalised_frac`` (under ``missing_eos=penalty``) is the share of all responses
+    whose score the rule replaced by ``online.missing_eos_score`` (they did not end); ``score/unscored``
+    counts the responses that nothing scored (left out of the loss). Sums are taken in float64:
     a float32 sum of values that nearly cancel (whitened advantages) depends on the order of addition.
     """
     s = StatSums(ctx.device)
@@ -35,6 +37,8 @@ def rollout_stats(ctx: OnlineContext, rollout: Rollout, scores: Scores) -> StatS
     s.add_sum("score/raw_mean", scores.raw_scores[scored].double().sum(), scored.sum())
     # A count, not a mean: the weights of all processes add up to 1.
     s.add_sum("score/unscored", (~scored).sum(), 1.0 / ctx.accelerator.num_processes)
+    if ctx.cfg.online.missing_eos == "penalty":  # the share of responses whose score the penalty replaced
+        s.add_sum("score/penalised_frac", (scored & ~rollout.ended).sum(), rows)
     if len(scores.parts) > 1 or ctx.scorer.functions:  # the same names on every process (one all-reduce)
         for name, values in scores.parts.items():
             known = ~values.isnan()
