@@ -6,7 +6,14 @@ import torch
 
 from rlhfkit.algos import entropy_from_logits
 from rlhfkit.models import Sampling, processed_logits, response_logits, sampled_logprobs
-from rlhfkit.models.head_chunks import chunkable, chunked_readout, response_readout
+from rlhfkit.models.head_chunks import (
+    HeadTransform,
+    chunkable,
+    chunked_readout,
+    head_transform,
+    response_readout,
+)
+from rlhfkit.models.readout import position_ids_from_mask
 from tests.helpers import tiny_llama
 from tests.models.tiny_architectures import ARCHITECTURES, tiny_config
 
@@ -16,6 +23,23 @@ SAMPLINGS = {
     "suppress-topk": Sampling(temperature=0.9, top_k=5, suppress_ids=(3,)),
     "topp": Sampling(temperature=1.3, top_p=0.8),
 }
+
+
+def unknown_transform(model, transform):
+    """``model`` whose forward transforms its logits in a way no config field names (``logits_to_keep`` still in
+    its signature, through ``functools.wraps``)."""
+    import functools
+
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = transform(out.logits)
+        return out
+
+    model.forward = run
+    return model
 
 
 def plain(head, hidden, labels, sampling, softcap=None):
@@ -83,9 +107,11 @@ def test_entropy_as_a_value_is_the_same_and_spares_its_backward(chunk):
     assert ent1.requires_grad and not ent0.requires_grad
     assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
     assert ops0 < ops1
-    # through a model, the chunked path and the plain one (a config scaling the logits takes it) alike
+    # through a model, the chunked path and the plain one (an unknown transform of the logits takes it) alike
     for scale in (None, 1.5):
-        model = tiny_llama(**({"logit_scale": scale} if scale else {}))
+        model = tiny_llama()
+        if scale:
+            unknown_transform(model, lambda logits, s=scale: logits * s + 0.1)
         assert chunkable(model) == (scale is None)
         ids, mask = torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.ones(1, 6, dtype=torch.long)
         with_grad = response_readout(model, ids, mask, 2, sampling, entropy=True)
@@ -208,9 +234,106 @@ def test_lora_on_lm_head_takes_the_chunked_path_with_its_adapter():
         torch.testing.assert_close(grads[0][name], grad, atol=1e-5, rtol=1e-4)
 
 
-def test_a_model_with_another_final_scaling_takes_the_plain_path():
+def test_a_model_that_transforms_its_logits_unknowingly_takes_the_plain_path():
+    """A transform the probe does not confirm (a config field the model does not apply is harmless; a forward
+    that scales, shifts or caps its logits some other way) takes the plain path and reads the model's own
+    logits; the answer is cached on the model, keyed by the config fields it read."""
     model = tiny_llama()
-    model.config.logit_scale = 0.5
-    assert not chunkable(model)
+    model.config.logit_scale = 0.5  # Llama does not apply it: the plain head is confirmed
+    assert head_transform(model) == HeadTransform(1.0, None)
     del model.config.logit_scale
-    assert chunkable(model)
+    for transform in (
+        lambda z: z * 0.5,
+        lambda z: z + torch.arange(z.shape[-1]) * 1e-2,
+        lambda z: 2 * torch.tanh(z),
+    ):
+        model = unknown_transform(tiny_llama(), transform)
+        assert head_transform(model) is None and not chunkable(model)
+        _model_readout_case(model, SAMPLINGS["temperature"])  # the plain path: the model's own logits
+    # the same scale named by a config field is applied, and the cached answer follows the field
+    model = unknown_transform(tiny_llama(), lambda z: z * 0.5)
+    model.config.logit_scale = 0.5
+    assert head_transform(model) == HeadTransform(0.5, None)
+    model.config.logit_scale = 3.0
+    assert head_transform(model) is None
+
+
+SCALED = {"falcon_h1": 0.25, "granite": 0.25, "cohere": 0.25, "gemma2": 1.0, "gemma3": 1.0}
+
+
+@pytest.mark.parametrize("arch", list(SCALED))
+@pytest.mark.parametrize(
+    "gain", [1.0, 30.0]
+)  # 30: logits of a few nats, a soft-cap of 2 well inside its bend
+def test_scaled_and_soft_capped_heads_read_out_as_the_models_own_logits(arch, gain):
+    """FalconH1 (``lm_head_multiplier``), Granite (``logits_scaling``), Cohere (``logit_scale``) and Gemma 2/3
+    (``final_logit_softcapping``) take the chunked path, and its log-probs and their gradients equal
+    ``log_softmax`` of the model's own logits (FalconH1 used to be read 0.15 nats off at gain 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.tiny_architectures import bpe_tokenizer
+
+    torch.manual_seed(0)
+    cap = {"final_logit_softcapping": 2.0} if SCALED[arch] == 1.0 else {}
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, bpe_tokenizer(), **cap)).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(gain)
+    assert head_transform(model) == HeadTransform(SCALED[arch], cap.get("final_logit_softcapping"))
+    ids, mask = _batch(model.config.vocab_size)
+    got = response_readout(model, ids, mask, 4).logprobs  # (B, R)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+    want = torch.log_softmax(logits[:, 3:-1].float(), -1).gather(-1, ids[:, 4:, None])[..., 0]
+    valid = mask[:, 4:].bool()
+    torch.testing.assert_close(got[valid], want[valid], atol=2e-5, rtol=0)
+    grads = []
+    for lp in (got, want):
+        model.zero_grad()
+        lp[valid].sum().backward(retain_graph=True)
+        grads.append(model.get_output_embeddings().weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_the_probe_leaves_the_random_state_and_the_model_as_they_were():
+    """The probe (a no-grad forward, once per model) draws no random number a run would see: a model in train
+    mode with dropout reads the same whether or not it was probed before, and is probed once."""
+    calls = []
+    model = tiny_llama(attention_dropout=0.5).train()
+    model.model.register_forward_hook(lambda *a: calls.append(1))
+    torch.manual_seed(0)
+    head_transform(model)
+    after_probe = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(3), after_probe)
+    assert len(calls) == 1 and model.training
+    head_transform(model)
+    chunkable(model)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("arch", ["cohere", "gemma2", "llama"])
+def test_the_probe_confirms_the_transform_in_bf16(arch):
+    """Under bf16 autocast (float32 weights, a trained role) and with bf16 weights (a frozen role), the probe
+    still tells the model's transform from the others (bf16 rounding is far below a wrong scale)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit.models.precision import autocast_forward
+    from tests.models.tiny_architectures import bpe_tokenizer
+
+    cap = {"final_logit_softcapping": 2.0} if arch == "gemma2" else {}
+    want = HeadTransform(0.25 if arch == "cohere" else 1.0, cap.get("final_logit_softcapping"))
+    for weights in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch, bpe_tokenizer(), **cap)).eval()
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(30.0)
+        model = autocast_forward(model.to(weights), torch.bfloat16)
+        assert head_transform(model) == want, weights
+        ids, mask = _batch(model.config.vocab_size)
+        with torch.no_grad():
+            got = response_readout(model, ids, mask, 4).logprobs
+            logits = model(
+                input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
+            ).logits
+        ref = torch.log_softmax(logits[:, 3:-1].float(), -1).gather(-1, ids[:, 4:, None])[..., 0]
+        valid = mask[:, 4:].bool()
+        torch.testing.assert_close(got[valid], ref[valid], atol=0.1, rtol=0)

@@ -19,6 +19,7 @@ from rlhfkit.models import (
     response_logprobs,
     sequence_scores,
 )
+from rlhfkit.models.head_chunks import head_transform
 from tests.helpers import pad_batch, tiny_llama
 from tests.trainers.online.online_fixtures import (
     make_context,
@@ -283,6 +284,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes():
             )
             model = prepare_trained(model, cfg.model)
             model.train()
+            head_transform(model)  # the read-out's probe of the head: one no-grad forward, once per model
             count = []
             layer = model.get_base_model().model.layers[0] if lora else model.model.layers[0]
             layer.mlp.down_proj.register_forward_pre_hook(lambda *_, count=count: count.append(1))

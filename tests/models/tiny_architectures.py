@@ -33,8 +33,29 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3Config", dict(_DECODER, head_dim=8)),
     "mistral": ("MistralConfig", dict(_DECODER, head_dim=8)),
     "gemma": ("GemmaConfig", dict(_DECODER, head_dim=8)),
-    "gemma2": ("Gemma2Config", dict(_DECODER, head_dim=8, sliding_window=4)),
-    "gemma3": ("Gemma3TextConfig", dict(_DECODER, head_dim=8, sliding_window=4)),
+    # Gemma 2/3 soft-cap their logits (cap * tanh(logits / cap)); Granite, Cohere and FalconH1 scale them by a
+    # config value, set away from its default here so that a read-out that misses the scale is visibly off
+    "gemma2": ("Gemma2Config", dict(_DECODER, head_dim=8, sliding_window=4, final_logit_softcapping=30.0)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(_DECODER, head_dim=8, sliding_window=4, final_logit_softcapping=30.0),
+    ),
+    "granite": ("GraniteConfig", dict(_DECODER, logits_scaling=4.0)),
+    "cohere": ("CohereConfig", dict(_DECODER, logit_scale=0.25)),
+    "falcon_h1": (
+        "FalconH1Config",
+        dict(
+            _DECODER,
+            head_dim=8,
+            mamba_d_ssm=16,
+            mamba_n_heads=2,
+            mamba_d_head=8,
+            mamba_d_state=4,
+            mamba_n_groups=1,
+            mamba_chunk_size=4,
+            lm_head_multiplier=0.25,
+        ),
+    ),
     "phi3": ("Phi3Config", _DECODER),
     "gpt_neox": (
         "GPTNeoXConfig",

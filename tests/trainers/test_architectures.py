@@ -1,7 +1,8 @@
 """Bring your own model: every stage on tiny random-initialised models of the common architectures.
 
-For each architecture (GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3, Phi-3, GPT-NeoX, OPT and
-the mixtures of experts Qwen2-MoE, Mixtral, Qwen3-MoE, PhiMoE): SFT, reward, PPO and GRPO run a step each;
+For each architecture (GPT-2, Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3, Phi-3, GPT-NeoX, OPT, the
+mixtures of experts Qwen2-MoE, Mixtral, Qwen3-MoE, PhiMoE, and the scaled heads of Granite, Cohere and FalconH1,
+which have no sequence-classification class, so SFT and GRPO only): SFT, reward, PPO and GRPO run a step each;
 ``final/`` reloads with plain transformers; the reward model's score of a text is the same alone and in a
 left- or right-padded batch; PPO at learning rate 0 has a ratio of exactly 1 on its first minibatch (PhiMoE
 routes experts at random in train mode: the update's forwards must not) and a KL of exactly 0.
@@ -34,6 +35,7 @@ PAIRS = [
     ("the cat", "sat on a mat .", "no"),
     ("one two", "three four .", "six"),
 ]
+CAUSAL_ONLY = {"granite", "cohere", "falcon_h1"}
 FAST = [
     "train.lr_schedule=constant",
     "train.save_steps=100",
@@ -100,40 +102,6 @@ def test_sft_reward_ppo_grpo_on_a_tiny_model_of_each_architecture(tmp_path, arch
     trained = _loads_plainly(sft_dir, AutoModelForCausalLM)
     assert any(not torch.equal(p, before.state_dict()[k]) for k, p in trained.state_dict().items())
 
-    # Reward model: one step from the SFT model; the score of a text does not depend on its batch's padding
-    rm_dir = (
-        _run(
-            "reward",
-            reward,
-            tmp_path,
-            "rm",
-            f"model.name_or_path={sft_dir}",
-            f"data.train_file={data['pairs']}",
-            "train.max_steps=1",
-            "train.batch_size=3",
-            "data.max_length=32",
-        )
-        / "final"
-    )
-    rm = _loads_plainly(rm_dir, AutoModelForSequenceClassification)
-    tokenizer = load_tokenizer(str(rm_dir))
-    texts = [tokenizer(p + " " + c)["input_ids"] + [tokenizer.eos_token_id] for p, c in SFT]
-    with torch.no_grad():
-        alone = torch.stack(
-            [
-                sequence_scores(rm, torch.tensor([t]), torch.ones(1, len(t), dtype=torch.long))[0]
-                for t in texts
-            ]
-        )
-        for side in ("left", "right"):
-            ids, mask = pad_batch(texts, tokenizer.pad_token_id, side)
-            torch.testing.assert_close(sequence_scores(rm, ids, mask), alone, atol=1e-5, rtol=0)
-        ids, mask = pad_batch(texts, tokenizer.pad_token_id, "right")  # plain transformers' own pooling
-        torch.testing.assert_close(
-            rm(input_ids=ids, attention_mask=mask).logits[:, 0], alone, atol=1e-5, rtol=0
-        )
-
-    # PPO at learning rate 0 (reward model, critic from it): the ratio is exactly 1, the KL exactly 0
     online_common = [
         f"model.name_or_path={sft_dir}",
         f"data.train_file={data['prompts']}",
@@ -144,20 +112,57 @@ def test_sft_reward_ppo_grpo_on_a_tiny_model_of_each_architecture(tmp_path, arch
         "online.ppo_epochs=2",
         "online.num_minibatches=1",
     ]
-    ppo_dir = _run(
-        "ppo",
-        online,
-        tmp_path,
-        "ppo",
-        *online_common,
-        f"online.reward_model={rm_dir}",
-        "train.learning_rate=0",
-    )
-    metrics = read_metrics(ppo_dir / "metrics.jsonl")[-1]
-    assert metrics["ratio/first_minibatch_max_logprob_diff"] == 0.0
-    assert metrics["kl/mean"] == 0.0
-    _loads_plainly(ppo_dir / "final", AutoModelForCausalLM)
-    _loads_plainly(ppo_dir / "final_critic", AutoModelForSequenceClassification)
+    # Reward model and PPO where transformers has a sequence-classification class for the architecture
+    # (Granite, Cohere and FalconH1 have none: SFT and GRPO only)
+    if arch not in CAUSAL_ONLY:
+        # Reward model: one step from the SFT model; the score of a text does not depend on its batch's padding
+        rm_dir = (
+            _run(
+                "reward",
+                reward,
+                tmp_path,
+                "rm",
+                f"model.name_or_path={sft_dir}",
+                f"data.train_file={data['pairs']}",
+                "train.max_steps=1",
+                "train.batch_size=3",
+                "data.max_length=32",
+            )
+            / "final"
+        )
+        rm = _loads_plainly(rm_dir, AutoModelForSequenceClassification)
+        tokenizer = load_tokenizer(str(rm_dir))
+        texts = [tokenizer(p + " " + c)["input_ids"] + [tokenizer.eos_token_id] for p, c in SFT]
+        with torch.no_grad():
+            alone = torch.stack(
+                [
+                    sequence_scores(rm, torch.tensor([t]), torch.ones(1, len(t), dtype=torch.long))[0]
+                    for t in texts
+                ]
+            )
+            for side in ("left", "right"):
+                ids, mask = pad_batch(texts, tokenizer.pad_token_id, side)
+                torch.testing.assert_close(sequence_scores(rm, ids, mask), alone, atol=1e-5, rtol=0)
+            ids, mask = pad_batch(texts, tokenizer.pad_token_id, "right")  # plain transformers' own pooling
+            torch.testing.assert_close(
+                rm(input_ids=ids, attention_mask=mask).logits[:, 0], alone, atol=1e-5, rtol=0
+            )
+
+        # PPO at learning rate 0 (reward model, critic from it): the ratio is exactly 1, the KL exactly 0
+        ppo_dir = _run(
+            "ppo",
+            online,
+            tmp_path,
+            "ppo",
+            *online_common,
+            f"online.reward_model={rm_dir}",
+            "train.learning_rate=0",
+        )
+        metrics = read_metrics(ppo_dir / "metrics.jsonl")[-1]
+        assert metrics["ratio/first_minibatch_max_logprob_diff"] == 0.0
+        assert metrics["kl/mean"] == 0.0
+        _loads_plainly(ppo_dir / "final", AutoModelForCausalLM)
+        _loads_plainly(ppo_dir / "final_critic", AutoModelForSequenceClassification)
 
     # GRPO with a reward function: one rollout that changes the policy
     grpo_dir = _run(

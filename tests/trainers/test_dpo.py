@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlhfkit.cli import main
+from rlhfkit.models.head_chunks import head_transform
 from rlhfkit.trainers.dpo import (
     DPOCollator,
     dpo_pair_loss,
@@ -63,6 +64,7 @@ def test_sequence_logprobs_match_a_plain_loop_on_either_padding_side_and_ignore_
             for side in ("chosen", "rejected")
         }
         batch = DPOCollator(tok.pad_token_id)(EXAMPLES)
+        head_transform(model)  # the read-out's probe of the head: one forward, once per model
         calls = []
         hook = model.register_forward_hook(lambda *_: calls.append(1))
         chosen, rejected = pair_logprobs(model, batch)

@@ -11,13 +11,18 @@ from the saved hidden states instead of keeping them (Liger-Kernel's fused linea
 Losses in Large-Vocabulary Language Models, Wijmans et al. 2024, do the same in one kernel). Peak memory of the
 read-out: the (B, T, H) hidden states plus a few (chunk_tokens, V) float32 blocks.
 
-Which models take this path (:func:`chunkable`): those whose causal-LM forward accepts ``logits_to_keep`` and
-whose logits are ``lm_head(last hidden state)``, optionally soft-capped as Gemma 2/3 do
-(``final_logit_softcapping``: ``cap * tanh(logits / cap)``, transformers' ``Gemma2ForCausalLM.forward``). A
-config with another final scaling (``logit_scale``: Cohere; ``logits_scaling``: Granite), and a model sharded by
-FSDP (its head's weight a DTensor outside the forward), take the plain path
-(:func:`rlhfkit.models.readout.response_forward`). tests/models/test_head_chunks.py compares both paths on
-every architecture of tests/models/tiny_architectures.py.
+Which models take this path (:func:`chunkable`, :func:`head_transform`) is decided by what the model computes,
+not by its name: its causal-LM forward must accept ``logits_to_keep``, it must not be sharded by FSDP (its head's
+weight a DTensor outside the forward, where the chunks would apply it), and its logits must be ``lm_head(last
+hidden state)`` up to a final transform the chunks apply too: a constant scale (Cohere's ``logit_scale``,
+Granite's division by ``logits_scaling``, FalconH1's ``lm_head_multiplier``) and a soft-capping ``cap * tanh(
+logits / cap)`` (Gemma 2/3's ``final_logit_softcapping``). The candidates come from those config fields, and the
+one applied is the one that a probe confirms: once per model, a no-grad forward of a fixed batch compares the
+model's own last-position logits with the transformed ``lm_head`` of the last hidden state. A model that
+transforms its logits in any other way matches no candidate and takes the plain path
+(:func:`rlhfkit.models.readout.response_forward`), never a wrong read-out (docs/known-bugs.md, "Scaled output
+heads"). tests/models/test_head_chunks.py compares both paths on every architecture of
+tests/models/tiny_architectures.py, FalconH1, Granite, Cohere and Gemma 2/3 among them.
 
 Shapes: ``B`` rows, ``L`` sequence length, ``R`` response length, ``H`` hidden size, ``V`` vocabulary.
 """
@@ -47,8 +52,16 @@ from rlhfkit.models.sampling import Sampling, processed_logits
 # blocks at once (the logits, their float32 processed copy, the softmax of the backward).
 CHUNK_ELEMENTS = 1 << 22
 
-# Config attributes of a final scaling of the logits that chunked_readout does not apply (module docstring).
-_OTHER_SCALINGS = ("logit_scale", "logits_scaling")
+# Config fields of a constant final scale of the logits: each value v gives the candidates logits * v and
+# logits / v (transformers' Cohere multiplies by logit_scale, Granite divides by logits_scaling, HyperCLOVA X
+# multiplies by it, FalconH1 multiplies by lm_head_multiplier); the probe keeps the one the model computes.
+_SCALE_FIELDS = ("logit_scale", "logits_scaling", "lm_head_multiplier")
+# The attribute of the Hugging Face model that caches the probe's answer, keyed by the candidates.
+_PROBED = "_rlhfkit_head_transform"
+# Relative tolerance of the probe: max |logits - transform(head(h))| <= tol * max |logits|. A wrong candidate is
+# off by |1 - v| (a scale) or more; float32 agrees to ~1e-6, a bf16 head to ~1e-2.
+_PROBE_TOL = {torch.float32: 1e-4, torch.float64: 1e-4}
+_PROBE_TOL_LOW = 3e-2
 
 
 class Readout(NamedTuple):
@@ -65,21 +78,120 @@ class Readout(NamedTuple):
     aux_loss: torch.Tensor | None
 
 
+class HeadTransform(NamedTuple):
+    """The final transform of a causal LM's logits: ``softcap(lm_head(h) * scale)``, where ``softcap(z) =
+    cap * tanh(z / cap)`` (None: no capping)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+
 def chunkable(model: torch.nn.Module) -> bool:
     """Whether ``model`` (possibly wrapped: DDP, peft) takes the chunked read-out (module docstring)."""
+    return head_transform(model) is not None
+
+
+def head_transform(model: torch.nn.Module) -> HeadTransform | None:
+    """The final transform of ``model``'s logits that the chunked read-out applies, or None when ``model``
+    must take the plain path (module docstring).
+
+    A property of the model: the probe runs once per model (cached on it, keyed by the config fields it read),
+    depends on nothing but the model's weights and config (no FSDP state, no process group, no random draw), and
+    a sharded model is never probed, so every process of a run takes the same path.
+    """
     lm = hf_model(model)
     config = getattr(lm, "config", None)
-    if config is None or any(getattr(config, name, None) not in (None, 1, 1.0) for name in _OTHER_SCALINGS):
-        return False
-    if "logits_to_keep" not in inspect.signature(lm.forward).parameters:
-        return False
+    if config is None or "logits_to_keep" not in inspect.signature(lm.forward).parameters:
+        return None
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
     if not (isinstance(head, torch.nn.Module) and isinstance(decoder, torch.nn.Module) and decoder is not lm):
-        return False
+        return None
     # FSDP2 (train.sharding) holds the head's weight as a sharded DTensor outside the model's forward, where the
-    # chunks would apply it: a sharded model reads out the plain way
-    return not any(_is_dtensor(p) for p in head.parameters())
+    # chunks would apply it: a sharded model reads out the plain way. Asked of the modules' classes, which
+    # sharding sets once, not of the parameters, which are DTensors or not depending on whether the root is
+    # gathered at that moment.
+    if _sharded(lm) or any(_is_dtensor(p) for p in head.parameters()):
+        return None
+    candidates = _candidates(config)
+    cached = lm.__dict__.get(_PROBED)
+    if cached is None or cached[0] != candidates:
+        cached = (candidates, _probe(model, lm, head, decoder, candidates))
+        lm.__dict__[_PROBED] = cached
+    return cached[1]
+
+
+def _candidates(config) -> tuple[HeadTransform, ...]:
+    """The transforms the config names, the plain head last (a field a model does not apply is harmless)."""
+    scales = []
+    for name in _SCALE_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
+            scales += [float(value), 1.0 / float(value)]
+    scales.append(1.0)
+    cap = getattr(config, "final_logit_softcapping", None)
+    caps = [float(cap), None] if isinstance(cap, (int, float)) and cap > 0 else [None]
+    return tuple(dict.fromkeys(HeadTransform(scale, c) for c in caps for scale in scales))
+
+
+def _apply(logits: torch.Tensor, transform: HeadTransform) -> torch.Tensor:
+    """``softcap(logits * scale)`` in the order transformers' models apply them."""
+    if transform.scale != 1.0:
+        logits = logits * transform.scale
+    if transform.softcap:  # transformers' Gemma2ForCausalLM: logits / cap, tanh, * cap
+        logits = torch.tanh(logits / transform.softcap) * transform.softcap
+    return logits
+
+
+def _probe(model, lm, head, decoder, candidates) -> HeadTransform | None:
+    """The first of ``candidates`` under which ``head`` of the last hidden state gives the model's own last-
+    position logits, on a fixed batch (2 rows of 6 tokens); None when none does. No grad, the random state
+    restored (a dropout draw here would shift a resumed run's stream), the model's own (autocast) forward."""
+    param = next(lm.parameters())
+    vocab = int(getattr(head, "out_features", None) or head.weight.shape[0])
+    ids = (torch.arange(12, device=param.device).view(2, 6) * 7919 + 11) % vocab  # (2, 6)
+    mask = torch.ones_like(ids)
+    captured = []
+
+    def keep_hidden(_module, _inputs, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    devices = [param.device] if param.device.type == "cuda" else []
+    wrapped = lm if hasattr(lm, "rlhfkit_autocast") else unwrap_model(model)
+    hook = decoder.register_forward_hook(keep_hidden)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            out = unwrap_model(model)(  # not a DDP wrapper: its forward may broadcast buffers (a collective)
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=position_ids_from_mask(mask),
+                logits_to_keep=1,
+                use_cache=False,
+            )
+            if len(captured) != 1:
+                return None
+            with autocast_region(wrapped):
+                raw = head(captured[0][:, -1:])  # (2, 1, V)
+    finally:
+        hook.remove()
+    want = out.logits[:, -1:].float()  # (2, 1, V)
+    size = float(want.abs().max())
+    if want.shape != raw.shape or not size > 0 or not torch.isfinite(want).all():
+        return None
+    tol = _PROBE_TOL.get(raw.dtype, _PROBE_TOL_LOW) * size
+    for transform in candidates:
+        if float((_apply(raw.float(), transform) - want).abs().max()) <= tol:
+            return transform
+    return None
+
+
+def _sharded(lm: torch.nn.Module) -> bool:
+    """Whether FSDP2 has sharded ``lm`` or one of its modules (a class that ``fully_shard`` sets)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) for m in lm.modules())
 
 
 def can_share_prompts(model: torch.nn.Module) -> bool:
@@ -104,11 +216,9 @@ def chunk_size(vocab: int, chunk_tokens: int | None = None) -> int:
     return chunk_tokens if chunk_tokens else max(1, CHUNK_ELEMENTS // max(1, vocab))
 
 
-def _chunk_readout(head, cap, sampling, want_entropy, entropy_grad, hidden, labels):
+def _chunk_readout(head, transform, sampling, want_entropy, entropy_grad, hidden, labels):
     """Log-probs (and entropies) of ``labels`` (n,) from ``hidden`` (n, H): one chunk of tokens."""
-    logits = head(hidden)[None]  # (1, n, V)
-    if cap:  # transformers' Gemma2ForCausalLM: logits / cap, tanh, * cap
-        logits = torch.tanh(logits / cap) * cap
+    logits = _apply(head(hidden)[None], transform)  # (1, n, V)
     logprobs = sampled_logprobs(logits, labels[None], sampling)[0]  # (n,)
     if not want_entropy:
         return logprobs, torch.zeros_like(logprobs)
@@ -132,8 +242,10 @@ def chunked_readout(
     softcap: float | None = None,
     chunk_tokens: int | None = None,
     entropy_grad: bool = True,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of ``labels`` and entropies under ``sampling`` of the logits ``head(hidden)``, chunk by chunk.
+    """Log-probs of ``labels`` and entropies under ``sampling`` of the logits ``softcap(head(hidden) * scale)``,
+    chunk by chunk.
 
     Equal to ``sampled_logprobs(head(hidden), labels, sampling)`` (and ``entropy_from_logits(processed_logits(
     ...))``) up to the rounding of a matrix product of another shape, in values and in the gradients with
@@ -148,6 +260,7 @@ def chunked_readout(
         softcap: a final soft-capping ``cap * tanh(logits / cap)`` (Gemma 2/3), or None.
         chunk_tokens: positions per chunk (default :func:`chunk_size` of the vocabulary).
         entropy_grad: False when no loss uses the entropies (a metric): the same values, without a graph.
+        scale: a constant final scale of the logits, applied before the soft-capping (:class:`HeadTransform`).
     Returns:
         (logprobs (B, T) float32, entropy (B, T) float32 or None).
     """
@@ -157,6 +270,7 @@ def chunked_readout(
     vocab = getattr(head, "out_features", None) or head.weight.shape[0]
     size = chunk_size(vocab, chunk_tokens)
     flat_labels = labels.reshape(-1).long().clamp(min=0)
+    transform = HeadTransform(float(scale), softcap)
     parts = []
     recorded = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in head.parameters())
@@ -165,11 +279,19 @@ def chunked_readout(
         if recorded:  # backward recomputes this chunk's logits from h instead of keeping them
             parts.append(
                 checkpoint(
-                    _chunk_readout, head, softcap, sampling, entropy, entropy_grad, h, y, use_reentrant=False
+                    _chunk_readout,
+                    head,
+                    transform,
+                    sampling,
+                    entropy,
+                    entropy_grad,
+                    h,
+                    y,
+                    use_reentrant=False,
                 )
             )
         else:
-            parts.append(_chunk_readout(head, softcap, sampling, entropy, entropy_grad, h, y))
+            parts.append(_chunk_readout(head, transform, sampling, entropy, entropy_grad, h, y))
     logprobs = torch.cat([p[0] for p in parts]).view(batch, steps)
     return logprobs, (torch.cat([p[1] for p in parts]).view(batch, steps) if entropy else None)
 
@@ -214,7 +336,8 @@ def response_readout(
     if not 1 <= response_start <= length:
         raise ValueError(f"response_start must be in [1, {length}], got {response_start}")
     labels = (input_ids[:, response_start:] if labels is None else labels).long().clamp(min=0)  # (B, R)
-    if not chunkable(model):
+    transform = head_transform(model)
+    if transform is None:
         logits, aux = response_forward(model, input_ids, attention_mask, response_start, router_aux)
         ent = _entropy(logits, sampling, labels, entropy_grad) if entropy else None
         return Readout(sampled_logprobs(logits, labels, sampling), ent, aux)
@@ -244,11 +367,18 @@ def response_readout(
     if len(captured) != 1 or captured[0].shape[:2] != (input_ids.shape[0], length - first):
         raise RuntimeError(f"{type(lm).__name__}'s decoder did not run once over every position")
     hidden = captured[0][:, response_start - 1 - first : length - 1 - first]  # (B, R, H)
-    cap = getattr(lm.config, "final_logit_softcapping", None)
     wrapped = lm if hasattr(lm, "rlhfkit_autocast") else unwrap_model(model)
     with autocast_region(wrapped):  # the projection under the model's own autocast, as in its forward
         logprobs, ent = chunked_readout(
-            lm.get_output_embeddings(), hidden, labels, sampling, entropy, cap, chunk_tokens, entropy_grad
+            lm.get_output_embeddings(),
+            hidden,
+            labels,
+            sampling,
+            entropy,
+            transform.softcap,
+            chunk_tokens,
+            entropy_grad,
+            transform.scale,
         )
     return Readout(logprobs, ent, out.aux_loss if router_aux else None)
 

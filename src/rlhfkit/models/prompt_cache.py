@@ -64,10 +64,21 @@ def shared_prompt_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt
         logits_to_keep=1,
     )
     cache = getattr(out, cache_keyword(model), None)
-    if cache is None or not hasattr(cache, "batch_select_indices"):
+    if cache is None or not hasattr(cache, "batch_select_indices") or not _keys_and_values_only(cache):
         return None
     cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...): row b takes its prompt's entries
     return cache
+
+
+def _keys_and_values_only(cache) -> bool:
+    """Whether every layer of ``cache`` holds attention keys and values only (transformers' ``DynamicLayer`` and
+    its sliding-window form), which a continuation of several columns extends. A hybrid model's recurrent
+    layers (FalconH1's Mamba convolution and SSM states, ``LinearAttentionLayer``) hold a state that a
+    multi-column continuation cannot start from: such a model runs each row's prompt itself."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
