@@ -312,11 +312,17 @@ class _KindHelp(argparse.Action):
     built only here."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from rlhfkit.config import KIND_SECTIONS, config_help
+        from rlhfkit.config import KIND_SECTIONS, ONLINE_KINDS, config_help
 
         kind = getattr(namespace, "kind", None)
         if kind in KINDS:
             parser.epilog = f"configuration keys of `train {kind}`:\n" + config_help(kind=kind)
+            if kind in ONLINE_KINDS:
+                parser.epilog += (
+                    "\nrefresh.*: not listed: `rlhfkit train` has no labeller for the new pairs a reward-model "
+                    "refresh needs (it runs in `rlhfkit quickstart --refresh-steps K`, or from Python with "
+                    "OnlineHooks.refresh_reward_model); docs/configuration.md lists its keys"
+                )
         else:
             parser.epilog = "sections each kind reads (rlhfkit train KIND --help lists their keys):\n" + "\n".join(
                 f"  {k}: {', '.join(KIND_SECTIONS[k])}" for k in KINDS

@@ -32,6 +32,7 @@ def test_train_kind_help_lists_only_its_sections_at_its_defaults(capsys):
     out = capsys.readouterr().out
     assert not re.search(r"\b(dpo|reward|refresh)\.[a-z_]+ \(", out)
     assert "online.group_size (int, default: 4)" in out
+    assert "refresh.*: not listed: `rlhfkit train` has no labeller" in " ".join(out.split())
     assert "REINFORCE++ is ppo with online.advantage_estimator=reinforce_pp" in " ".join(out.split())
     assert cli.main(["train", "dpo", "--help"]) == 0
     out = capsys.readouterr().out
