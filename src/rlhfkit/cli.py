@@ -324,8 +324,9 @@ class _KindHelp(argparse.Action):
                     "OnlineHooks.refresh_reward_model); docs/configuration.md lists its keys"
                 )
         else:
-            parser.epilog = "sections each kind reads (rlhfkit train KIND --help lists their keys):\n" + "\n".join(
-                f"  {k}: {', '.join(KIND_SECTIONS[k])}" for k in KINDS
+            parser.epilog = (
+                "sections each kind reads (rlhfkit train KIND --help lists their keys):\n"
+                + "\n".join(f"  {k}: {', '.join(KIND_SECTIONS[k])}" for k in KINDS)
             )
         parser.print_help()
         parser.exit()
