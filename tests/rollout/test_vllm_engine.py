@@ -220,3 +220,24 @@ def test_the_engine_sampler_is_a_drop_in_for_generate_responses(engine_and_model
     by_hand = engine.generate(ids, mask, seeds=row_seeds(base, 4), **generation(False))
     assert torch.equal(by_hand.response_ids, draws[0])
     assert len(set(row_seeds(base, 4))) == 4 and row_seeds(base, 4) == row_seeds(base, 4)
+
+
+@needs_vllm
+def test_vllm_logs_to_stdout_as_it_is_when_it_writes(engine_and_model, capsys):
+    """vLLM's log handler writes to the current sys.stdout, not to the one of the moment vLLM configured its
+    logging: a stream replaced for a while and closed (as pytest's capture is after each test) must not
+    leave vLLM writing to a closed file ("--- Logging error ---", which made test order matter)."""
+    import contextlib
+    import io
+    import logging
+
+    logger = logging.getLogger("vllm.rlhfkit_probe")  # under vLLM's own logger and handler
+    for text in ("first", "second"):
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            logger.warning("probe %s", text)
+        assert f"probe {text}" in buffer.getvalue()
+        buffer.close()
+    logger.warning("probe after")
+    out, err = capsys.readouterr()
+    assert "probe after" in out and "Logging error" not in err

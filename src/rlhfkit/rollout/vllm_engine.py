@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -95,6 +96,27 @@ def row_seeds(base: int, rows: int) -> list[int]:
     ]
 
 
+class _CurrentStdout:
+    """``sys.stdout`` as it is at each write: the stream of vLLM's log handler (``VLLM_LOGGING_STREAM``).
+
+    vLLM's default, ``ext://sys.stdout``, is resolved once, when vLLM configures its logging: the handler keeps
+    the object ``sys.stdout`` was then. A caller that replaces ``sys.stdout`` for a while (pytest's output
+    capture, ``contextlib.redirect_stdout``, a notebook cell) and closes it leaves vLLM writing to a closed
+    stream, and every later vLLM warning prints a "--- Logging error ---" traceback instead of itself."""
+
+    def write(self, text: str) -> int:
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(sys.stdout, name)
+
+
+CURRENT_STDOUT = _CurrentStdout()
+
+
 def _first_line(error: BaseException) -> str:
     """The exception's name and the first lines of its message that say something (vLLM's can be long)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -127,6 +149,8 @@ class VLLMEngine:
             "0"  # in this process: reload_weights reaches the model
         )
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM logs to stdout as it is when it writes, not as it was when vLLM was imported (_CurrentStdout)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", f"ext://{__name__}.CURRENT_STDOUT")
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(settings.kv_cache_gib)
         try:

@@ -9,7 +9,8 @@
   sampling seed of the rollout, prompt, sample);
 - :func:`engine_for_hook`: the engine's sampler for a caller's hook that takes one (the reward-model refresh);
 - :func:`check_logprob_gap`: the engine's log-prob of each sampled token against the trainer's
-  (``generation/logprob_gap/mean``, ``/max``) and the stop when the engine holds other weights than the actor.
+  (``generation/logprob_gap/mean``, ``/max``) and the stop when the engine holds other weights than the actor
+  or the gap is not a finite number; called on stage 1's rollout and on each of dynamic sampling's rounds.
 
 Shapes: ``B`` responses of this process, ``T`` response length.
 """
