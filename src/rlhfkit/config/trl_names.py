@@ -60,6 +60,12 @@ TRL_NAMES: dict[str, dict[str, tuple[str | None, str]]] = {
     "disable_dropout": {"*": ("model.disable_dropout", "")},
     "model_init_kwargs": {"*": ("model.dtype", "model.dtype and model.trust_remote_code")},
     "chat_template_path": {"*": ("data.chat_template", "a Jinja string or the path of a file")},
+    "eval_strategy": {"*": ("train.eval_steps", "held-out data is evaluated every train.eval_steps")},
+    "save_strategy": {"*": ("train.save_steps", "")},
+    "resume_from_checkpoint": {
+        "*": (None, "pass --resume to `rlhfkit train`: the newest complete checkpoint")
+    },
+    "neftune_noise_alpha": {"*": (None, "no noise is added to the embeddings")},
     # TRL's script arguments (ScriptArguments, ModelConfig of trl scripts)
     "model_name_or_path": {"*": ("model.name_or_path", "")},
     "dataset_name": {"*": ("data.train_file", "a hub name, a datasets folder or a file")},
@@ -107,13 +113,19 @@ TRL_NAMES: dict[str, dict[str, tuple[str | None, str]]] = {
         "dpo": ("dpo.loss", "sigmoid or ipo"),
         "*": (
             "online.loss_agg_mode",
-            "token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm",
+            "token-mean (TRL's dapo and bnpo), seq-mean-token-mean (grpo), seq-mean-token-sum-norm (dr_grpo)",
         ),
     },
     "mask_truncated_completions": {
         "*": ("online.missing_eos", "online.missing_eos=mask leaves responses without a stop token out")
     },
-    "missing_eos_penalty": {"*": ("online.missing_eos_score", "with online.missing_eos=penalty")},
+    "missing_eos_penalty": {
+        "*": (
+            "online.missing_eos_score",
+            "with online.missing_eos=penalty the score of a response without a stop token is replaced by "
+            "this value (TRL subtracts its penalty from the score)",
+        )
+    },
     "stop_token": {"*": ("online.stop_token", "")},
     "top_p": {"*": ("online.top_p", "")},
     "top_k": {"*": ("online.top_k", "")},
@@ -129,9 +141,13 @@ TRL_NAMES: dict[str, dict[str, tuple[str | None, str]]] = {
     "whiten_rewards": {"*": ("online.normalize_advantages", "rlhfkit whitens advantages, not rewards")},
     "local_rollout_forward_batch_size": {"*": ("online.rollout_batch_size", "")},
     "total_episodes": {"*": ("train.max_steps", "rollouts of train.batch_size prompts, not episodes")},
-    "generation_batch_size": {"*": ("online.rollout_batch_size", "")},
+    "generation_batch_size": {
+        "*": ("train.batch_size", "prompts per rollout; responses = train.batch_size * online.group_size")
+    },
     "dynamic_sampling": {"*": ("online.dynamic_sampling", "")},
+    "importance_sampling_level": {"*": (None, "the ratio is per token (no sequence-level ratio)")},
     # DPOConfig
+    "reference_free": {"*": (None, "DPO always compares with a frozen reference (dpo.reference_model)")},
     "label_smoothing": {"*": ("dpo.label_smoothing", "")},
     "ref_model": {"*": ("dpo.reference_model", "")},
     "truncation_mode": {"*": ("data.truncation", "left keeps the end of a prompt, right its start")},
