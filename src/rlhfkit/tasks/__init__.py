@@ -9,7 +9,9 @@ plays the human annotators, with nothing downloaded.
     task.gold_score(prompt, response)            # the "human" judgement
     task.annotate(prompt, a, b, rng)             # a noisy annotator's preference record
 
-The task is described in `rlhfkit.tasks.reviews` (its gold score and the two proxies that can be hacked).
+The task is described in `rlhfkit.tasks.reviews` (its gold score and the two proxies that can be hacked);
+`rlhfkit.tasks.arithmetic` has step-by-step sums, and `rlhfkit.tasks.calculator` (``"tools"``) products that
+a policy answers with a calculator tool over several turns.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from __future__ import annotations
 from rlhfkit.errors import ConfigError
 from rlhfkit.tasks.arithmetic import ArithmeticTask
 from rlhfkit.tasks.base import Task
+from rlhfkit.tasks.calculator import ToolsTask
 from rlhfkit.tasks.presets import MODEL_PRESETS, count_parameters
 from rlhfkit.tasks.reviews import ReviewsTask
 
-TASKS: dict[str, type[Task]] = {"reviews": ReviewsTask, "arithmetic": ArithmeticTask}
+TASKS: dict[str, type[Task]] = {"reviews": ReviewsTask, "arithmetic": ArithmeticTask, "tools": ToolsTask}
 
 
 def get_task(name: str = "reviews", seed: int = 0, **options) -> Task:
