@@ -9,6 +9,7 @@ import re
 from test_report import SAMPLES, write_run
 
 from rlhfkit.cli import main
+from rlhfkit.reporting import health
 from rlhfkit.reporting.headline import end_of_run_lines
 from rlhfkit.reporting.panels import PANEL, line_plots, run_keys
 from rlhfkit.reporting.report import write_report
@@ -96,7 +97,10 @@ def test_grpo_with_a_reward_function_names_it_plots_its_own_score_and_prints_a_s
     # the report: the source by name, no reward model, no gold column, the function's own score plotted
     page = (out / "report.html").read_text()
     md = (out / "report.md").read_text()
-    assert trained in page and trained in md and "reward model" not in page + md
+    table = re.search(r'<table class="summary">(.*?)</table>', page, re.S).group(1)
+    md_summary = md.split("## Summary")[1].split("\n## ")[0]
+    for text in (table, md_summary):
+        assert trained in text and "reward model" not in text and "proxy" not in text
     assert 'data-gold="0"' in page and "<th>gold</th>" not in page and 'value="gold"' not in page
     run = load_run(out)
     scores = next(spec for spec in PANEL if spec.name == "scores")
@@ -173,7 +177,20 @@ def test_a_gain_from_learning_to_stop_shows_beside_the_flat_own_score(tmp_path, 
         "    response length (tokens): 29 -> 24",
     ]
 
+    # the warning sign says it in words, on the score figure; a run whose own score rose as much does not fire
+    run = load_run(tmp_path / "run")
+    fired = health.check_health(run.series)
+    assert [(w.rule, w.metric, w.first_step, w.last_step) for w in fired] == [
+        ("gain_from_stopping", "score/mean", 5, 6)
+    ]
+    assert "the share penalised for not ending fell from 80% to 5%" in fired[0].message
+    learned = [r | {"score/raw_mean": r["score/mean"] + 1.0} for r in rows]
+    assert (
+        health.gain_from_stopping(lambda key: ([r["step"] for r in learned], [r[key] for r in learned])) == []
+    )
+
     page = write_report(tmp_path / "run").read_text()
+    assert "Gain from stopping</b>" in page
     head = re.search(r'<table id="samples-table" data-gold="0"><thead><tr>(.*?)</tr>', page).group(1)
     assert "gold" not in head and 'value="gold"' not in page
     # with gold scores in the samples (a task's annotators), the column is there

@@ -26,6 +26,7 @@ ENTROPY_COLLAPSE = 0.25  # late entropy below a quarter of the early entropy
 LENGTH_BLOWUP = 1.5  # late length above 1.5x the early length
 ENDED_LOW = 0.5  # fewer than half the responses end with a stop token
 GRAD_SPIKE = 10.0  # a gradient norm above 10x the run's median
+STOPPING_SHARE = 0.5  # more than half of the trained score's gain is the missing-EOS rule's, not the reward's
 
 
 @dataclass(frozen=True)
@@ -230,12 +231,44 @@ def overoptimization(get: Callable[[str], Series]) -> list[HealthWarning]:
     return []
 
 
+def gain_from_stopping(get: Callable[[str], Series]) -> list[HealthWarning]:
+    """The trained score (``score/mean``: missing-EOS penalty included) rises from the first third to the last,
+    the score before the rule (``score/raw_mean``: the reward model's and functions' own) rises by less than
+    half as much, and the share penalised for not ending falls: the policy learned to stop, not the reward."""
+    trained, raw, penalised = get("score/mean"), get("score/raw_mean"), get("score/penalised_frac")
+    if min(len(trained[1]), len(raw[1]), len(penalised[1])) < MIN_POINTS:
+        return []
+    t_early, _, t_late, steps = _thirds(trained)
+    r_early, _, r_late, _ = _thirds(raw)
+    p_early, _, p_late, _ = _thirds(penalised)
+    gain, own = _mean(t_late) - _mean(t_early), _mean(r_late) - _mean(r_early)
+    if gain > 0 and _mean(p_late) < _mean(p_early) and own < (1 - STOPPING_SHARE) * gain:
+        return [
+            HealthWarning(
+                "gain_from_stopping",
+                "score/mean",
+                steps[0],
+                steps[-1],
+                f"the trained score rose by {gain:.3g} (first third to last), the score before the "
+                f"missing-EOS rule by {own:.3g}, while the share penalised for not ending fell from "
+                f"{_mean(p_early):.0%} to {_mean(p_late):.0%}: the gain is mostly the policy learning to stop",
+            )
+        ]
+    return []
+
+
 # rule name -> (the rule in words, the check)
 RULES: dict[str, tuple[str, Callable[[Callable[[str], Series]], list[HealthWarning]]]] = {
     "overoptimization": (
         "Reward hacking: the gold score falls on two evaluations in a row, below its best, while "
         "the proxy (reward-model) score is above its first value.",
         overoptimization,
+    ),
+    "gain_from_stopping": (
+        "Gain from stopping: the trained score rises from the first third of the run to the last, the score "
+        f"before the missing-EOS rule (what the reward model and functions give) by less than "
+        f"{1 - STOPPING_SHARE:.0%} of that, and the share of responses penalised for not ending falls.",
+        gain_from_stopping,
     ),
     "kl_runaway": (
         f"KL running away: the mean KL to the reference over the last third of the run is more than "

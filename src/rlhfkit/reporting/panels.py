@@ -58,8 +58,8 @@ PANEL: tuple[Spec, ...] = (
         "Responses that end with a stop token",
         "fraction",
         (
-            ("response/ended_frac", "training", False),
-            ("eval/response/ended_frac", "held out", True),
+            ("response/ended_frac", "ended, training", False),
+            ("eval/response/ended_frac", "ended, held out", True),
             ("score/penalised_frac", "penalised for not ending (score replaced)", False),
         ),
         (health.ENDED_LOW,),
