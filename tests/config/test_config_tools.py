@@ -120,3 +120,19 @@ def test_every_trl_name_points_at_a_real_key():
     for name, scopes in TRL_NAMES.items():
         for scope, (key, note) in scopes.items():
             assert key is None and note or key in known, (name, scope, key)
+
+
+def test_config_show_loads_no_model(tmp_path):
+    """A fresh process: `config show` resolves and prints without importing transformers or any trainer."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from rlhfkit import cli; "
+        f"code = cli.main(['config', 'show', 'grpo', *{required(tmp_path, 'grpo')!r}]); "
+        "loaded = [m for m in ('transformers', 'datasets', 'rlhfkit.models', 'rlhfkit.trainers') if m in sys.modules]; "
+        "print(code, loaded, file=sys.stderr)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == "0 []", done.stderr
+    assert "group_size: 4" in done.stdout
