@@ -172,3 +172,22 @@ def test_each_file_of_a_sharded_checkpoint_damaged_in_turn_is_named_at_resume(gr
             resume()
         shutil.copy(pristine / file.parent.name / file.name, file)
     assert resume()["seen"] == 4
+
+
+def test_the_read_out_path_of_a_sharded_model_is_a_property_of_the_model(group):
+    """Every process of a sharded run must take the same read-out path (each path makes its own collectives).
+    A trained root stays gathered after a no-grad forward (for its backward), so a path chosen by whether the
+    head's weight is a DTensor at that moment changed with the model's history: the plain path, every time."""
+    from rlhfkit.models.head_chunks import chunkable
+
+    plain = tiny_llama(seed=0).train()
+    assert chunkable(plain)  # the same model unsharded takes the chunked path
+    actor = sharded.shard_model(tiny_llama(seed=0).train(), "full_shard")
+    paths = [chunkable(actor)]
+    with torch.no_grad():
+        actor(input_ids=_batch())  # the root now gathered: its head's weight a plain tensor
+    paths.append(chunkable(actor))
+    ids = _batch()
+    actor(input_ids=ids, labels=ids).loss.backward()
+    paths.append(chunkable(actor))
+    assert paths == [False, False, False]
