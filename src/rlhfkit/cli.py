@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.py:FN",
         help="add each response's score from this reward function, named as in online.reward_functions "
         "(path/to/file.py:fn or pkg.module:fn; TRL's convention, called with the prompts file's other "
-        "columns); repeat for several, each part's own score goes under \"parts\"",
+        'columns); repeat for several, each part\'s own score goes under "parts"',
     )
     gen.add_argument(
         "--reward-model",
