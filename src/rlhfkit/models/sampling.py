@@ -111,19 +111,50 @@ def _suppress_in_place(ids: Sequence[int]):
     return SuppressInPlace(ids)
 
 
+_FORWARDED = object()  # a model that holds no generation_config of its own (it reads its inner model's)
+
+
 @contextlib.contextmanager
 def without_checkpoint_defaults(model: torch.nn.Module):
     """Within this block the model's ``generation_config`` (its checkpoint's ``generation_config.json``) is
     blank: ``generate`` fills every field it is not given from that object, so each processor the checkpoint
-    sets (repetition penalty, n-gram blocking, min-p, bad words, forced tokens, ...) would otherwise apply."""
+    sets (repetition penalty, n-gram blocking, min-p, bad words, forced tokens, ...) would otherwise apply.
+
+    Blanked and put back on every level that holds one: the model given and the models inside it (a wrapper's
+    ``module``, a peft model's base model), because peft's ``generate`` copies the wrapper's config onto the
+    base model, where the saved ``final/`` would then find a blank one (no EOS: plain ``generate`` on it
+    ran past the end of turn)."""
     from transformers import GenerationConfig
 
-    saved = model.generation_config
-    model.generation_config = GenerationConfig()
+    levels = [m for m in _model_levels(model) if getattr(m, "generation_config", None) is not None]
+    own = [(m, m.__dict__.get("generation_config", _FORWARDED)) for m in levels]  # a peft wrapper forwards it
+    blank = GenerationConfig()
     try:
+        for m in levels:
+            m.generation_config = blank
         yield model
     finally:
-        model.generation_config = saved
+        for m, config in own:
+            if config is _FORWARDED:
+                m.__dict__.pop("generation_config", None)
+            else:
+                m.generation_config = config
+
+
+def _model_levels(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model`` and the models it wraps (``module``, ``_orig_mod``, peft's ``base_model`` and its ``model``),
+    outermost first, each once."""
+    levels, todo = [], [model]
+    while todo:
+        current = todo.pop()
+        if any(current is m for m in levels):
+            continue
+        levels.append(current)
+        for name in ("module", "_orig_mod", "base_model", "model"):
+            inner = current.__dict__.get("_modules", {}).get(name) or current.__dict__.get(name)
+            if isinstance(inner, torch.nn.Module) and inner is not current:
+                todo.append(inner)
+    return levels
 
 
 def _keep_mask_block(scaled: torch.Tensor, sampling: Sampling) -> torch.Tensor:
