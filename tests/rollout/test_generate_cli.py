@@ -38,10 +38,24 @@ def test_generate_bad_prompts_is_a_user_error(tmp_path, capsys):
     assert "prompts.jsonl" in err and "line 2" in err and "prompt" in err
 
 
-def test_generate_with_a_reward_model_adds_its_normalised_score(tmp_path, capsys):
+def raw_score(model, tokenizer, row) -> float:
+    """The reward model's raw score of one output row's prompt + response (+ EOS when it ended), read alone."""
     import torch
 
-    from rlhfkit.models import load_scalar_model, load_tokenizer, sequence_scores
+    from rlhfkit.models import sequence_scores
+
+    ids = (
+        tokenizer(row["prompt"])["input_ids"]
+        + tokenizer(row["response"], add_special_tokens=False)["input_ids"]
+    )
+    if row["ended"]:
+        ids.append(tokenizer.eos_token_id)
+    with torch.no_grad():
+        return float(sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids))))
+
+
+def test_generate_with_a_reward_model_adds_its_normalised_score(tmp_path, capsys):
+    from rlhfkit.models import load_scalar_model, load_tokenizer
     from tests.helpers import tiny_llama
 
     paths = write_sft_problem(tmp_path)
@@ -75,15 +89,7 @@ def test_generate_with_a_reward_model_adds_its_normalised_score(tmp_path, capsys
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     model = load_scalar_model(str(tmp_path / "rm"), tokenizer=tokenizer).eval()
     for row in rows:  # the score of prompt + response, read alone, under the stored normalisation
-        ids = (
-            tokenizer(row["prompt"])["input_ids"]
-            + tokenizer(row["response"], add_special_tokens=False)["input_ids"]
-        )
-        if row["ended"]:
-            ids.append(tokenizer.eos_token_id)
-        with torch.no_grad():
-            raw = float(sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids))))
-        assert abs(row["score"] - (2.0 * raw - 0.5)) < 1e-4, row
+        assert abs(row["score"] - (2.0 * raw_score(model, tokenizer, row) - 0.5)) < 1e-4, row
     assert (
         main(
             [
@@ -118,9 +124,7 @@ def test_generate_with_reward_functions_scores_each_part_as_training_does(tmp_pa
     """--reward-function takes online.reward_functions' names: its own score per part under "parts", the sum
     (with the reward model's, when given) as "score", None where nothing had an opinion; the data's other
     columns arrive as keywords; a function that needs a column the file lacks is refused before sampling."""
-    import torch
-
-    from rlhfkit.models import load_scalar_model, load_tokenizer, sequence_scores
+    from rlhfkit.models import load_scalar_model, load_tokenizer
     from tests.helpers import tiny_llama
 
     paths = write_sft_problem(tmp_path)
@@ -155,16 +159,8 @@ def test_generate_with_reward_functions_scores_each_part_as_training_does(tmp_pa
     assert main([*base, *functions, "--reward-model", str(tmp_path / "rm"), "--out", str(out)]) == 0
     model = load_scalar_model(str(tmp_path / "rm"), tokenizer=tokenizer).eval()
     for row in (json.loads(line) for line in out.read_text().splitlines()):
-        ids = (
-            tokenizer(row["prompt"])["input_ids"]
-            + tokenizer(row["response"], add_special_tokens=False)["input_ids"]
-        )
-        if row["ended"]:
-            ids.append(tokenizer.eos_token_id)
-        with torch.no_grad():
-            raw = float(sequence_scores(model, torch.tensor([ids]), torch.ones(1, len(ids))))
         assert list(row["parts"]) == ["reward_model", "words", "echoes_answer"]
-        assert abs(row["parts"]["reward_model"] - raw) < 1e-4
+        assert abs(row["parts"]["reward_model"] - raw_score(model, tokenizer, row)) < 1e-4
         assert abs(row["score"] - sum(v for v in row["parts"].values() if v is not None)) < 1e-4
 
     # a function that needs a column the prompts lack, or a file that is not there: exit 2, named, nothing written
