@@ -147,18 +147,17 @@ def _probe(model, lm, head, decoder, candidates) -> HeadTransform | None:
     """The first of ``candidates`` under which ``head`` of the last hidden state gives the model's own last-
     position logits, on a fixed batch (2 rows of 6 tokens); None when none does. No grad, the random state
     restored (a dropout draw here would shift a resumed run's stream), the model's own (autocast) forward."""
-    param = next(lm.parameters())
+    embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    param = getattr(embeddings, "weight", None)
+    param = param if isinstance(param, torch.Tensor) else next(lm.parameters())
     vocab = int(getattr(head, "out_features", None) or head.weight.shape[0])
+    vocab = min(vocab, param.shape[0]) if param.dim() == 2 else vocab  # ids the embedding has rows for
     ids = (torch.arange(12, device=param.device).view(2, 6) * 7919 + 11) % vocab  # (2, 6)
     mask = torch.ones_like(ids)
     captured = []
-
-    def keep_hidden(_module, _inputs, output):
-        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
-
     devices = [param.device] if param.device.type == "cuda" else []
     wrapped = lm if hasattr(lm, "rlhfkit_autocast") else unwrap_model(model)
-    hook = decoder.register_forward_hook(keep_hidden)
+    hook = decoder.register_forward_hook(_keep_hidden(captured))
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             out = unwrap_model(model)(  # not a DDP wrapper: its forward may broadcast buffers (a collective)
@@ -183,6 +182,15 @@ def _probe(model, lm, head, decoder, candidates) -> HeadTransform | None:
         if float((_apply(raw.float(), transform) - want).abs().max()) <= tol:
             return transform
     return None
+
+
+def _keep_hidden(captured: list):
+    """A forward hook for the decoder that appends its last hidden states (B, L, H) to ``captured``."""
+
+    def hook(_module, _inputs, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    return hook
 
 
 def _sharded(lm: torch.nn.Module) -> bool:
@@ -343,17 +351,13 @@ def response_readout(
         return Readout(sampled_logprobs(logits, labels, sampling), ent, aux)
     lm = hf_model(model)
     captured = []
-
-    def keep_hidden(_module, _inputs, output):
-        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
-
     cache = None
     if share_prompts and response_start >= 2 and not router_aux and can_share_prompts(model):
         cache = shared_prompt_cache(model, input_ids[:, :response_start], attention_mask[:, :response_start])
     first = 0 if cache is None else response_start - 1  # the columns this forward runs: [first, L)
     kwargs = {"output_router_logits": True} if router_aux else {}
     kwargs |= {"use_cache": False} if cache is None else {"use_cache": True, cache_keyword(model): cache}
-    hook = lm.get_decoder().register_forward_hook(keep_hidden)
+    hook = lm.get_decoder().register_forward_hook(_keep_hidden(captured))
     try:
         out = model(
             input_ids=input_ids[:, first:],
