@@ -122,6 +122,19 @@ def test_every_option_a_readme_command_shows_exists():
                 assert value in usage, f"README: `{line}` shows the value {value!r} that `--help` does not"
 
 
+def test_every_option_a_readme_script_line_shows_exists():
+    lines = [line for line in readme_commands() if line.startswith("python benchmarks/")]
+    assert lines, "README.md shows how to get the offline model"
+    for line in lines:
+        script, *args = shlex.split(line)[1:]
+        usage = subprocess.run(
+            [sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert usage.returncode == 0, usage.stderr
+        missing = [flag for flag in args if flag.startswith("--") and flag not in usage.stdout]
+        assert not missing, f"README: `{line}` shows options that `--help` does not list: {missing}"
+
+
 def test_the_readme_help_and_config_init_lines_run_as_written(tmp_path):
     lines = readme_commands()
     assert "rlhfkit train grpo --help" in lines
