@@ -90,12 +90,20 @@ class ScriptedSampler:
     def __call__(self, model, prompt_ids, prompt_mask, *, max_new_tokens, stop_token_ids, pad_token_id, **_):
         rows = self.turns.pop(0)
         assert len(rows) == prompt_ids.shape[0], "the script has a turn for every active row"
-        self.seen.append([ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)])
+        self.seen.append(
+            [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+        )
         out = torch.full((len(rows), max_new_tokens), pad_token_id, dtype=torch.long)
         for i, row in enumerate(rows):
             row = row[:max_new_tokens]
             out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         response_ids, mask, ended = truncate_at_stop(out, stop_token_ids, pad_token_id)
         input_ids = torch.cat([prompt_ids, response_ids], 1)
-        return Responses(input_ids, torch.cat([prompt_mask, mask.long()], 1), response_ids, mask, ended,
-                         prompt_ids.shape[1])
+        return Responses(
+            input_ids,
+            torch.cat([prompt_mask, mask.long()], 1),
+            response_ids,
+            mask,
+            ended,
+            prompt_ids.shape[1],
+        )

@@ -142,8 +142,8 @@ def test_mask_covers_exactly_the_model_tokens_and_rows_are_padded():
     width = out.response_ids.shape[1]
     assert width == len(row(out, 0)[1])
     assert out.response_mask[1].tolist() == [True] * len(direct) + [False] * (width - len(direct))
-    assert not out.mask[1, len(direct):].any()
-    assert (out.response_ids[1, len(direct):] == tok.pad_token_id).all()
+    assert not out.mask[1, len(direct) :].any()
+    assert (out.response_ids[1, len(direct) :] == tok.pad_token_id).all()
     metrics = out.metrics()
     assert metrics["tools/calls_per_episode"] == 0.5 and metrics["turns/mean"] == 1.5
     assert metrics["tools/calls/calculator"] == 0.5 and metrics["tools/errors"] == 0.0
@@ -205,7 +205,7 @@ def test_max_turns_stops_the_episode_and_counts_the_unanswered_call():
     assert not bool(out.ended[0]) and not bool(out.truncated[0])  # it stopped at </tool_call>, not at EOS
     assert out.metrics()["episodes/max_turns"] == 1.0
     _, response, mask = row(out, 0)
-    assert response[-len(call):] == call and mask[-len(call):] == [True] * len(call)
+    assert response[-len(call) :] == call and mask[-len(call) :] == [True] * len(call)
 
 
 def test_the_budget_bounds_every_turn_together_and_truncates():
@@ -236,7 +236,8 @@ def test_the_budget_bounds_every_turn_together_and_truncates():
 def test_template_that_rewrites_earlier_turns_is_refused_at_start_up():
     # As reasoning templates that drop earlier <think> blocks: only the last assistant turn is written out.
     hiding = TOOL_TEMPLATE.replace(
-        "<|assistant|>{{ m['content'] }}</s>", "<|assistant|>{% if loop.last %}{{ m['content'] }}{% endif %}</s>"
+        "<|assistant|>{{ m['content'] }}</s>",
+        "<|assistant|>{% if loop.last %}{{ m['content'] }}{% endif %}</s>",
     )
     with pytest.raises(TemplateError, match="does not render prefixes of itself"):
         runner_for(tool_tokenizer(hiding))
@@ -293,8 +294,13 @@ def test_trl_style_environment_runs_unchanged(tmp_path, monkeypatch):
 
 def test_hf_sampler_in_the_loop_is_reproducible_from_the_seed():
     tok = tool_tokenizer()
-    model = tiny_llama(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id, max_position_embeddings=256)
+    model = tiny_llama(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_position_embeddings=256,
+    )
     runner = runner_for(tok, response_length=12)
     rows = []
     for _ in range(2):
@@ -304,3 +310,61 @@ def test_hf_sampler_in_the_loop_is_reproducible_from_the_seed():
         assert out.response_ids.shape[1] <= 12 and out.mask.any()
         assert (out.mask <= out.response_mask).all()
     assert torch.equal(rows[0], rows[1])
+
+
+# SmolLM2-135M-Instruct's chat template (chatml): it shows no tools and has no tool role of its own.
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_template_without_tools_gets_the_default_format():
+    tok = tool_tokenizer(CHATML, marker_tokens=False)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    runner = runner_for(tok)
+    assert not runner.turns.shows_tools
+    first, second = char_ids(tok, CALL + "<|im_end|>"), char_ids(tok, "answer=408<|im_end|>")
+    sampler = ScriptedSampler([[first], [second]])
+    out = run_episodes(runner, MODEL, ["What is 12*34?"], generate=sampler)
+    query, response, mask = row(out, 0)
+    prompt = tok.decode(query, skip_special_tokens=False)
+    assert prompt.startswith("<|im_start|>system\nYou may call one or more functions")
+    assert '"name": "calculator"' in prompt and prompt.endswith(
+        "<|im_start|>user\nWhat is 12*34?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    suffix = "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    suffix_ids = tok(suffix, add_special_tokens=False)["input_ids"]
+    assert response == first + suffix_ids + second
+    assert mask == [True] * len(first) + [False] * len(suffix_ids) + [True] * len(second)
+    assert bool(out.ended[0])
+
+
+def test_tokenizer_that_puts_a_space_before_every_text_is_refused():
+    # SentencePiece-style: every encoded text starts with "▁", so a suffix encoded on its own adds a space.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.helpers_tools import CORPUS
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=False)
+    backend.decoder = decoders.Metaspace(prepend_scheme="always", split=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<pad>", "<s>", "</s>"], show_progress=False
+    )
+    backend.train_from_iterator(CORPUS * 4, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = TOOL_TEMPLATE
+    with pytest.raises(TemplateError, match="a prefix space"):
+        runner_for(tok)

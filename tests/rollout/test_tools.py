@@ -119,7 +119,9 @@ def test_get_reward_is_not_a_tool_and_names_may_not_clash(in_tmp):
 
 
 def test_parse_hermes_calls():
-    text = "Let me compute.\n" + format_call("calculator", {"expression": "2*3"}) + "\n" + format_call("f", {})
+    text = (
+        "Let me compute.\n" + format_call("calculator", {"expression": "2*3"}) + "\n" + format_call("f", {})
+    )
     calls = parse_tool_calls(text)
     assert [(c.name, c.arguments, c.error) for c in calls] == [
         ("calculator", {"expression": "2*3"}, None),

@@ -94,7 +94,8 @@ def test_gold_scorer_checks_the_final_answer():
     assert task.gold_score([conversation[0]], conversation) == 0.0  # the final assistant message counts
     assert final_answer(conversation[:2]) == 56088
     assert correct_answer_reward(
-        [prompt, prompt, "Compute 1+2."], ["answer=56088", [{"role": "assistant", "content": "answer=2"}], "x"]
+        [prompt, prompt, "Compute 1+2."],
+        ["answer=56088", [{"role": "assistant", "content": "answer=2"}], "x"],
     ) == [1.0, 0.0, None]
 
 

@@ -49,8 +49,13 @@ class TemplateError(ConfigError):
 
 def _parting(earlier: str, later: str) -> str:
     """Where ``later`` stops extending ``earlier``, for an error message."""
-    i = next((k for k, (a, b) in enumerate(zip(earlier, later, strict=False)) if a != b), min(len(earlier), len(later)))
-    return f"at character {i}: the earlier render has {earlier[i:i + 40]!r}, the later {later[i:i + 40]!r}"
+    i = next(
+        (k for k, (a, b) in enumerate(zip(earlier, later, strict=False)) if a != b),
+        min(len(earlier), len(later)),
+    )
+    return (
+        f"at character {i}: the earlier render has {earlier[i : i + 40]!r}, the later {later[i : i + 40]!r}"
+    )
 
 
 @dataclass
@@ -79,9 +84,11 @@ class ChatTurns:
             )
         source = template if isinstance(template, str) else json.dumps(template)
         probe = [{"role": "user", "content": "probe"}]
-        shows = bool(schemas) and any(
-            s["function"]["name"] in _render(tokenizer, probe, True, schemas) for s in schemas
-        ) and _render(tokenizer, probe, True, schemas) != _render(tokenizer, probe, True, None)
+        shows = (
+            bool(schemas)
+            and any(s["function"]["name"] in _render(tokenizer, probe, True, schemas) for s in schemas)
+            and _render(tokenizer, probe, True, schemas) != _render(tokenizer, probe, True, None)
+        )
         if shows and DEFAULT_FORMAT.start not in source and any(f in source for f in OTHER_FORMATS):
             raise TemplateError(
                 "the chat template writes tool calls in a format other than <tool_call>{...}</tool_call>, which "
@@ -95,11 +102,15 @@ class ChatTurns:
     def prompt_messages(self, prompt: str | list[dict], reset_text: str | None = None) -> list[dict]:
         """The episode's first messages: a plain prompt as one user message; ``reset_text`` (an environment's
         ``reset``) appended to the last user message; the default format's system message in front."""
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        messages = (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        )
         if reset_text:
             users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
             if not users:
-                raise ConfigError("online.environment: reset() returned text, but the prompt has no user message")
+                raise ConfigError(
+                    "online.environment: reset() returned text, but the prompt has no user message"
+                )
             messages[users[-1]]["content"] = f"{messages[users[-1]]['content']}{reset_text}"
         if self.schemas and not self.shows_tools:
             tools = "\n".join(json.dumps(s) for s in self.schemas)
@@ -134,27 +145,30 @@ class ChatTurns:
                 "(with the generation prompt) is not a prefix of the conversation with that turn, "
                 + _parting(rendered_before, whole)
             )
-        rest = whole[len(rendered_before):]
+        rest = whole[len(rendered_before) :]
         if not rest.startswith(content):
             raise TemplateError(
                 "the chat template does not write the model's turn verbatim right after the generation prompt "
                 f"(it trims or rewrites it), so the row would not be the sampled text: {_parting(content, rest)}"
             )
-        closing = rest[len(content):]
+        closing = rest[len(content) :]
         if eos_text and closing.lstrip().startswith(eos_text):
-            closing = closing.lstrip()[len(eos_text):]  # the EOS is the model's own (sampled) token
+            closing = closing.lstrip()[len(eos_text) :]  # the EOS is the model's own (sampled) token
         after = self.render([*before, assistant, *tools], add_generation_prompt=True)  # F
         if not after.startswith(whole):
             raise TemplateError(
                 "the chat template does not render prefixes of itself: the conversation with a model turn is not "
                 "a prefix of the conversation with the tool results after it (templates that rewrite earlier "
-                "turns, e.g. drop earlier <think> blocks, cannot give token-exact rows), " + _parting(whole, after)
+                "turns, e.g. drop earlier <think> blocks, cannot give token-exact rows), "
+                + _parting(whole, after)
             )
-        return closing + after[len(whole):], after
+        return closing + after[len(whole) :], after
 
     def check(self) -> None:
         """Run two tool turns of a synthetic episode through :meth:`suffix`; a TemplateError says what fails.
-        The turns carry spaces and a newline at their ends, so a template that trims the model's text fails."""
+        The turns carry spaces and a newline at their ends, so a template that trims the model's text fails.
+        Each suffix must also encode on its own into ids that add exactly its text after the row (a
+        SentencePiece tokenizer that puts a space in front of every text it encodes would not)."""
         name = self.schemas[0]["function"]["name"] if self.schemas else "tool"
         eos = self.tokenizer.eos_token
         messages = self.prompt_messages("What is 12*34?")
@@ -163,8 +177,22 @@ class ChatTurns:
             content = f" {format_call(name, {'x': turn})}\n "
             tools = self.tool_messages([ToolResult(name, {"x": turn}, str(turn))])
             # the first turn stops at the call's end marker, the second with EOS
-            _, rendered = self.suffix(messages, rendered, content, eos if turn else None, tools)
-            messages = [*messages, {"role": "assistant", "content": content}, *tools]
+            ending = eos if turn else None
+            suffix, after = self.suffix(messages, rendered, content, ending, tools)
+            row = self._encode(rendered + content + (ending or ""))
+            if self._decode(row + self._encode(suffix)) != self._decode(row) + suffix:
+                raise TemplateError(
+                    "the tokenizer does not encode the template's text between turns on its own faithfully: "
+                    f"the ids of {suffix[:40]!r} add other text after a row (a prefix space?), so rows would "
+                    "not be what the template renders"
+                )
+            messages, rendered = [*messages, {"role": "assistant", "content": content}, *tools], after
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:

@@ -206,7 +206,9 @@ class EpisodeRunner:
         if stop is None or not calls or last_turn:  # cut by the budget, no call, or no turn left
             cause = "budget" if stop is None else "max_turns"
             for call in calls:
-                record.turns.append(_call_turn(ToolResult(call.name, call.arguments, "", call.error or cause)))
+                record.turns.append(
+                    _call_turn(ToolResult(call.name, call.arguments, "", call.error or cause))
+                )
             episode.done, record.truncated, record.ended = True, stop is None, eos
             episode.messages = [*episode.messages, {"role": "assistant", "content": content}]
             return
@@ -222,7 +224,9 @@ class EpisodeRunner:
         ]
         tool_messages = self.turns.tool_messages(results)
         eos_text = self.text([stop]) if eos else None
-        suffix, after = self.turns.suffix(episode.messages, episode.rendered, content, eos_text, tool_messages)
+        suffix, after = self.turns.suffix(
+            episode.messages, episode.rendered, content, eos_text, tool_messages
+        )
         suffix_ids = self.encode(suffix)
         episode.messages = [*episode.messages, {"role": "assistant", "content": content}, *tool_messages]
         if len(episode.ids) + len(suffix_ids) >= self.response_length:  # no room left for a model token

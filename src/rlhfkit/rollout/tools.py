@@ -194,9 +194,7 @@ class Toolbox:
     schemas: list[dict] = field(default_factory=list)
 
     @classmethod
-    def load(
-        cls, tools: Sequence[str | Callable] = (), environment: str | Callable | None = None
-    ) -> Toolbox:
+    def load(cls, tools: Sequence[str | Callable] = (), environment: str | Callable | None = None) -> Toolbox:
         """Load and check ``online.tools`` and ``online.environment``. One environment is made to read its
         tools' schemas (TRL does the same); a name given both ways is a ConfigError."""
         functions = load_tools(tools)
@@ -301,27 +299,45 @@ def run_tool_call(
             a longer one is cut and says so (cause ``too_long``). None = no limit.
     """
     if call.error is not None:
-        return ToolResult(call.name, None, _error_text(call.name, f"the call could not be read: {call.text!r}; "
-                          'write {"name": ..., "arguments": {...}}'), call.error)
+        return ToolResult(
+            call.name,
+            None,
+            _error_text(
+                call.name,
+                f'the call could not be read: {call.text!r}; write {{"name": ..., "arguments": {{...}}}}',
+            ),
+            call.error,
+        )
     fn = functions.get(call.name)
     if fn is None:
         known = ", ".join(sorted(functions)) or "none"
-        return ToolResult(call.name, call.arguments, _error_text(call.name, f"unknown tool; the tools are {known}"),
-                          "unknown_tool")
+        return ToolResult(
+            call.name,
+            call.arguments,
+            _error_text(call.name, f"unknown tool; the tools are {known}"),
+            "unknown_tool",
+        )
     try:
         inspect.signature(fn).bind(**call.arguments)
     except TypeError as e:
-        return ToolResult(call.name, call.arguments, _error_text(call.name, f"bad arguments: {e}"),
-                          "malformed_arguments")
+        return ToolResult(
+            call.name, call.arguments, _error_text(call.name, f"bad arguments: {e}"), "malformed_arguments"
+        )
     except ValueError:  # no signature to check against (a builtin): let the call tell
         pass
     finished, value = call_with_timeout(fn, call.arguments, timeout)
     if not finished:
-        return ToolResult(call.name, call.arguments,
-                          _error_text(call.name, f"no result within {timeout:g} s (timeout)"), "timeout")
+        return ToolResult(
+            call.name,
+            call.arguments,
+            _error_text(call.name, f"no result within {timeout:g} s (timeout)"),
+            "timeout",
+        )
     if isinstance(value, _Raised):
         e = value.error
-        return ToolResult(call.name, call.arguments, _error_text(call.name, f"{type(e).__name__}: {e}"), "exception")
+        return ToolResult(
+            call.name, call.arguments, _error_text(call.name, f"{type(e).__name__}: {e}"), "exception"
+        )
     text = result_text(value)
     if max_length is not None and tokenizer is not None:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
