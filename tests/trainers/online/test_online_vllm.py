@@ -164,6 +164,7 @@ def test_a_nonfinite_gap_stops_the_run_naming_the_gap(tmp_path):
             "data.max_prompt_length + refresh.max_new_tokens = 36",
         ),
     ],
+    ids=["response", "refresh"],
 )
 def test_an_engine_length_below_prompt_plus_response_is_refused_at_start_up(tmp_path, keys, needed):
     """A cap below the longest prompt + response would have the engine cut responses with no stop token."""
