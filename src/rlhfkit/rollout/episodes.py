@@ -177,8 +177,10 @@ class EpisodeRunner:
     @property
     def turn_stops(self) -> tuple[int, ...]:
         """EOS, and the tool-call end marker when it is one token of the vocabulary."""
-        ids = self.tokenizer(self.turns.fmt.end, add_special_tokens=False)["input_ids"]
-        return self.stop_token_ids + (tuple(ids) if len(ids) == 1 else ())
+        if not hasattr(self, "_turn_stops"):
+            ids = self.encode(self.turns.fmt.end)
+            self._turn_stops = self.stop_token_ids + (tuple(ids) if len(ids) == 1 else ())
+        return self._turn_stops
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
