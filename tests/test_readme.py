@@ -76,6 +76,15 @@ def test_every_relative_link_resolves(page):
     assert not missing, f"{page.relative_to(ROOT)} links to missing files: {missing}"
 
 
+def test_the_architecture_count_the_readme_gives_is_the_suites():
+    from tests.models.tiny_architectures import ARCHITECTURES
+
+    count = int(re.search(r"tiny models of (\d+) architectures", README.read_text()).group(1))
+    assert count == len(ARCHITECTURES), (
+        f"README.md says {count} architectures, the suite has {len(ARCHITECTURES)}"
+    )
+
+
 def test_ci_runs_the_readme_test_command_verbatim():
     tests = [line for line in readme_commands() if "pytest" in line and "setup.sh" in line]
     assert len(tests) == 1, f"README.md should show one set-up + test command, found {tests}"
