@@ -35,6 +35,7 @@ from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
 from rlhfkit.engine.folder import RunDir, logged_at
 from rlhfkit.engine.guards import FiniteGuard
 from rlhfkit.engine.optim import optimizer_and_scheduler
+from rlhfkit.models.precision import carry_precision
 from rlhfkit.trainers.common import batch_indices, micro_batches
 
 
@@ -209,7 +210,8 @@ def train_offline(
             break
     elapsed = time.perf_counter() - start_time
     return {
-        "model": sharded.unshard(model) if sharding != "none" else model,
+        # gathered whole with the model's precision set-up: evaluation and normalisation compute as in training
+        "model": carry_precision(model, sharded.unshard(model)) if sharding != "none" else model,
         "step": last_step,
         "loss": loss_value,
         "eval": last_eval,

@@ -67,7 +67,8 @@ def final_models(ctx: OnlineContext) -> tuple[torch.nn.Module, torch.nn.Module |
     actor, critic = ctx.roles.actor, ctx.roles.critic
     if not is_sharded(ctx):
         return actor, critic
-    return sharded.unshard(actor), None if critic is None else sharded.unshard(critic)
+    whole_critic = None if critic is None else carry_precision(critic, sharded.unshard(critic))
+    return carry_precision(actor, sharded.unshard(actor)), whole_critic
 
 
 def micro_batch_passes(ctx: OnlineContext, micros: list[torch.Tensor]) -> list[torch.Tensor | None]:
