@@ -289,6 +289,12 @@ def test_trl_style_environment_runs_unchanged(tmp_path, monkeypatch):
     assert out.environment_scores() == [3.0, 7.0]  # one environment per episode
     assert [r.calls[0]["result"] for r in out.records] == ["3", "7"]
     assert out.conversations[0][0]["content"] == "Count. (the counter starts at 1)"
+    call_text = call.removesuffix("</s>")
+    assert out.completions[1] == [
+        {"role": "assistant", "content": call_text},
+        {"role": "tool", "name": "increment", "content": "7"},
+        {"role": "assistant", "content": "done"},
+    ]
     assert "Count. (the counter starts at 5)" in tok.decode(sampler.seen[0][1], skip_special_tokens=False)
 
 

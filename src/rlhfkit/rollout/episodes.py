@@ -76,7 +76,9 @@ class Episodes:
         ended: (B,) bool, the episode ended with EOS (False when truncated).
         truncated: (B,) bool, cut by ``response_length``.
         records: one :class:`EpisodeRecord` per episode.
-        conversations: each episode's messages, its last model turn included (what reward functions get).
+        conversations: each episode's messages, the prompt's and its last model turn included.
+        completions: each episode's messages after its prompt (model turns and results): TRL's conversational
+            ``completions`` for reward functions.
         environments: each episode's environment (None without ``online.environment``).
     """
 
@@ -89,6 +91,7 @@ class Episodes:
     truncated: torch.Tensor
     records: list[EpisodeRecord]
     conversations: list[list[dict]]
+    completions: list[list[dict]]
     environments: list[Any]
 
     def environment_scores(self) -> list[float | None]:
@@ -132,6 +135,7 @@ class _Episode:
     messages: list[dict]
     rendered: str  # the template's text of the row so far (G of the next turn)
     tools: EpisodeTools
+    prompt_messages: int = 0  # how many of ``messages`` are the prompt's
     ids: list[int] = field(default_factory=list)  # after the prompt
     model: list[bool] = field(default_factory=list)  # True on sampled tokens
     record: EpisodeRecord = field(default_factory=EpisodeRecord)
@@ -192,7 +196,7 @@ class EpisodeRunner:
         tools = self.toolbox.episode(row)
         messages = self.turns.prompt_messages(prompt, tools.reset_text)
         rendered = self.turns.render(messages, add_generation_prompt=True)
-        return _Episode(self.encode(rendered), messages, rendered, tools)
+        return _Episode(self.encode(rendered), messages, rendered, tools, prompt_messages=len(messages))
 
     def play_turn(self, episode: _Episode, sampled: list[int], last_turn: bool) -> None:
         """Append one model turn (its sampled ids, cut at the budget) and, when it calls tools, their results."""
@@ -264,6 +268,7 @@ class EpisodeRunner:
             truncated=torch.tensor([r.truncated for r in records], dtype=torch.bool),
             records=records,
             conversations=[e.messages for e in episodes],
+            completions=[e.messages[e.prompt_messages :] for e in episodes],
             environments=[e.tools.environment for e in episodes],
         )
 
