@@ -148,6 +148,25 @@ def test_greedy_tokens_equal_hf_on_the_current_weights_after_updates(engine_and_
 
 
 @needs_vllm
+@pytest.mark.parametrize("pad", [PAD, EOS])
+def test_the_engine_cut_at_its_max_model_len_trains_no_filler(engine_and_model, pad):
+    """Prompts of 150 and 155 tokens and 12 new tokens against the engine's max_model_len of 160: the engine
+    returns 10 and 5 tokens without a stop token. Only those are in the mask, no row is ended (pad == EOS too),
+    and the engine's log-probs there are the trainer's (the filler, 0 on the engine's side, would read as a
+    gap of nats: the stale-weights stop)."""
+    engine, model = engine_and_model
+    engine.load_weights(model)
+    ids, mask = prompts(rows=4, length=155, seed=2)  # row 0: 150 real tokens
+    kwargs = {**generation(False), "pad_token_id": pad}
+    out = engine.generate(ids, mask, seeds=[0, 1, 2, 3], **kwargs)
+    assert out.mask.sum(1).tolist() == [10, 5, 5, 5] and not out.ended.any()
+    with torch.no_grad():
+        logits = response_logits(model, out.input_ids, out.attention_mask, out.response_start)
+        trainer = sampled_logprobs(logits, out.response_ids, kwargs["sampling"])  # (B, R)
+    assert float((trainer - out.sampled_logprobs).abs()[out.mask].max()) < 1e-4
+
+
+@needs_vllm
 def test_without_the_sync_the_engine_keeps_the_old_tokens(engine_and_model):
     engine, model = engine_and_model
     ids, mask = prompts(seed=3)
