@@ -188,9 +188,12 @@ def test_every_train_command_of_the_readme_resolves_with_config_show(tmp_path):
         for line in readme_commands()
         if line.startswith("rlhfkit train ")
         and "--config" in line
-        and not re.search(r"\[--|\{|FILE|\.\.\.", line)
+        and not re.search(r"\[--|\{sft|FILE|\.\.\.", line)
     ]
     assert {shlex.split(line)[2] for line in trains} >= {"grpo", "dpo", "sft", "reward", "ppo"}
+    assert any("reward_functions" in line for line in trains), (
+        "the GRPO command on the reader's own data is checked"
+    )
     for line in trains:
         args = shlex.split(line)[2:]
         result = rlhfkit("config", "show", *args, cwd=tmp_path)
