@@ -57,15 +57,29 @@ def test_two_process_ppo_run_ends_cleanly_then_resumes_on_one_process(tmp_path, 
     assert state["prompts_seen"] == 3 * 4  # the global sample position: world-size independent
 
 
-@pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
-def test_a_sharded_launch_is_refused_at_start_naming_the_alternative(tmp_path, monkeypatch, capsys, variable):
-    """accelerate sets these for its FSDP / DeepSpeed configs (and on CPU silently trains plain DDP instead)."""
-    monkeypatch.setenv(variable, "true")
+def test_a_deepspeed_launch_is_refused_at_start_naming_the_alternative(tmp_path, monkeypatch, capsys):
+    """accelerate sets this for its DeepSpeed configs (and on CPU silently trains plain DDP instead)."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     paths = write_online_problem(tmp_path)
     assert main(online_cli_args(paths, tmp_path / "run", "train.max_steps=1")) == 2
     err = capsys.readouterr().err
     assert "sharded training" in err and "torchrun --nproc_per_node N" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_accelerate_fsdp_launch_of_one_process_trains_sharded(tmp_path, monkeypatch, capsys):
+    """accelerate starts a one-process FSDP config without a process group: the run shards in a group of one
+    (rlhfkit.engine.sharded.single_process_group), as train.sharding=full_shard does."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    paths = write_online_problem(tmp_path)
+    assert main(online_cli_args(paths, tmp_path / "run", "train.max_steps=1")) == 0
+    err = capsys.readouterr().err
+    assert "ppo on 1 process" in err and "model sharded (full_shard, FSDP2)" in err
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step-1" / "trainer_state.json").read_text())
+    assert state["sharded"]["world_size"] == 1
 
 
 @pytest.mark.parametrize(
