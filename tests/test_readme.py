@@ -283,5 +283,33 @@ def test_experiments_summary_points_at_sections_that_exist():
                 assert low * high > 0, f"experiments.md summary: 'holds' beside an interval across 0: {row}"
 
 
+DATA_KINDS = {
+    "preferences": "preferences",
+    "SFT": "sft",
+    "prompts (ppo/grpo/rloo)": "prompts",
+    "process supervision": "prm",
+}
+
+
+def test_every_row_of_the_data_table_validates_as_its_kind(tmp_path):
+    """docs/data.md's format table: each example row, written to a JSON Lines file, is accepted as its kind."""
+    from rlhfkit.data.readers import read_rows
+    from rlhfkit.data.records import validate_rows
+
+    table = [line for line in (DOCS / "data.md").read_text().splitlines() if line.startswith("| ")]
+    checked = 0
+    for line in table:
+        cells = [cell.strip() for cell in line.strip("|").split(" | ")]
+        if cells[0] not in DATA_KINDS:
+            continue
+        example = re.search(r"`(\{.*?\})`", cells[2]).group(1)
+        path = tmp_path / f"row{checked}.jsonl"
+        path.write_text(json.dumps(json.loads(example)) + "\n")
+        records = list(validate_rows(read_rows(path), DATA_KINDS[cells[0]]))
+        assert len(records) == 1, line
+        checked += 1
+    assert checked >= 10, f"docs/data.md's table has {checked} example rows"
+
+
 if __name__ == "__main__":
     print(trl_rows())
