@@ -7,11 +7,14 @@ coming-from-trl.md, experiments.md's summary) name what exists."""
 from __future__ import annotations
 
 import ast
+import io
 import json
+import os
 import re
 import shlex
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -49,9 +52,17 @@ def command_lines(body: str) -> list[str]:
 
 
 def rlhfkit(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlhfkit", *args], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
+    """``rlhfkit ARGS`` run in this process (:func:`rlhfkit.cli.main`, which never exits) from ``cwd``."""
+    from rlhfkit.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["rlhfkit", *args], code, out.getvalue(), err.getvalue())
 
 
 def readme_commands() -> list[str]:
