@@ -322,5 +322,25 @@ def test_every_row_of_the_data_table_validates_as_its_kind(tmp_path):
     assert checked >= 10, f"docs/data.md's table has {checked} example rows"
 
 
+SECTIONS = "model|data|train|online|refresh|reward|dpo|logging"
+NOT_KEYS = {
+    "online.num_generations",
+    "online.generation_tp",
+    "online.generation_url",
+}  # named as wrong or unbuilt
+
+
+def test_every_configuration_key_the_pages_name_exists():
+    """A dotted key in the README or a docs page is one of docs/configuration.md's (generated from the code)."""
+    keys = set(re.findall(rf"`((?:{SECTIONS})\.\w+)`", (DOCS / "configuration.md").read_text()))
+    assert len(keys) > 100
+    pages = [page for page in LINKED_PAGES if page.name != "configuration.md"]
+    for page in pages:
+        for key in set(re.findall(rf"(?<![\w./])((?:{SECTIONS})\.[a-z_]\w*)", page.read_text())):
+            if key.rsplit(".", 1)[1] in {"py", "yaml", "md", "jsonl", "json"} or key in NOT_KEYS:
+                continue
+            assert key in keys, f"{page.relative_to(ROOT)} names {key}, which is not a configuration key"
+
+
 if __name__ == "__main__":
     print(trl_rows())
