@@ -153,10 +153,23 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 f"{online.critic_warmup_steps}, but advantage_estimator={online.advantage_estimator} has no "
                 "critic to warm up; set it to 0",
             )
-        if not online.reward_model and not online.reward_functions:
+        if not online.reward_model and not online.reward_functions and not online.environment:
             fail(
                 "online.reward_model",
-                "set online.reward_model and/or online.reward_functions: nothing scores the responses",
+                "set online.reward_model and/or online.reward_functions (or an online.environment with "
+                "get_reward): nothing scores the responses",
+            )
+        if (online.tools or online.environment) and online.dynamic_sampling:
+            fail(
+                "online.dynamic_sampling",
+                "with online.tools / online.environment is not built yet (the extra rounds' episodes would "
+                "need merging into the rollout's); set it to false",
+            )
+        if (online.tools or online.environment) and online.generation_backend == "vllm":
+            fail(
+                "online.generation_backend",
+                "vllm with online.tools / online.environment is not built yet (multi-turn episodes sample "
+                "each turn with Hugging Face generate); use generation_backend=hf",
             )
         if online.advantage_estimator in ("grpo", "rloo") and online.group_size < 2:
             fail(
@@ -209,6 +222,9 @@ def _check_sharding(run: RunConfig, kind: str, fail, sharding: str) -> None:
             "trained and a frozen role, which FSDP2 does not shard apart; use train.sharding=none (data "
             "parallel: a LoRA run keeps the frozen base out of the optimizer) or model.lora_rank=0",
         )
+    if kind in ONLINE_KINDS and (run.online.tools or run.online.environment):
+        key = "online.tools" if run.online.tools else "online.environment"
+        fail(key, f"multi-turn episodes with {sharding} are not tested yet; use train.sharding=none")
     if kind in ONLINE_KINDS and run.refresh.every:
         fail(
             "refresh.every",

@@ -21,6 +21,29 @@ class OnlineConfig:
     reward_functions: list[str] = option(
         [], "Reward functions 'pkg.module:fn' or 'path/to/file.py:fn', added to the reward model's score."
     )
+    tools: list[str] = option(
+        [],
+        "Tools the policy may call, 'path/to/file.py:fn' or 'pkg.module:fn': functions with a type hint on every "
+        "argument and an 'Args:' docstring (TRL's tools=); episodes then have several turns (docs/tools.md).",
+    )
+    environment: str | None = option(
+        None,
+        "'path/to/env.py:MakeEnv': a zero-argument callable returning one environment per episode, with "
+        "reset(**row) -> str | None, its public methods as tools and an optional get_reward() -> float that "
+        "is added to the score (TRL's environment_factory; docs/tools.md).",
+    )
+    max_turns: int = option(
+        4, "Model turns per episode with tools or an environment (a turn that calls no tool ends it).", gt=0
+    )
+    tool_timeout: float = option(
+        10.0, "Seconds a tool call may take; a slower one is handed back to the model as an error.", gt=0
+    )
+    max_tool_response_length: int | None = option(
+        256,
+        "Most tokens of one tool result; a longer one is cut and says so. none = no limit. All turns and "
+        "results of an episode together fit in response_length.",
+        gt=0,
+    )
     process_reward_model: str | None = option(
         None,
         "Process reward model folder (from `rlhfkit train prm`): P(step correct) - 1 on every step-end "

@@ -176,6 +176,7 @@ def accepted_keywords(fn: Callable) -> tuple[set[str] | None, set[str]]:
 
 # Keywords every call has; the prompt dataset's columns are passed besides them.
 CALL_KEYWORDS = ("prompts", "completions", "completion_ids")
+EPISODE_KEYWORDS = ("environments",)  # also passed in runs with online.environment (multi-turn episodes)
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -260,8 +261,12 @@ class Scorer:
     functions: list[tuple[str, RewardFunction]] = field(default_factory=list)
     batch_size: int | None = None
 
+    # True when the caller adds a part of its own (an environment's get_reward, rlhfkit.rollout.episodes):
+    # a scorer with neither a model nor functions is then allowed, and gives no parts.
+    extra_parts: bool = False
+
     def __post_init__(self) -> None:
-        if self.reward_model is None and not self.functions:
+        if self.reward_model is None and not self.functions and not self.extra_parts:
             raise ConfigError(
                 "nothing scores the responses: set online.reward_model and/or online.reward_functions"
             )
@@ -304,6 +309,7 @@ class Scorer:
         responses: list[str] | None = None,
         records: list[dict] | None = None,
         completion_ids: list[list[int]] | None = None,
+        episodes: dict[str, list] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """Score B responses.
 
@@ -313,6 +319,9 @@ class Scorer:
             prompts, responses, records: B each, for the reward functions: the prompt, the response text and
                 the data row (its columns become keywords); see the module docstring.
             completion_ids: B token-id lists (default: none passed, an empty list each).
+            episodes: multi-turn episodes' keywords (:mod:`rlhfkit.rollout.episodes`): ``completions`` (each
+                episode's messages after its prompt, replacing the one-message completions) and
+                ``environments`` (each episode's environment); None for single-turn responses.
         Returns:
             (scores (B,) float32 on ``input_ids``' device: the sum of the parts that have an opinion, 0 where
             none has; parts: name -> (B,), ``"reward_model"`` for the model and each function's configured name,
@@ -333,7 +342,9 @@ class Scorer:
         if self.functions:
             if prompts is None or responses is None or records is None:
                 raise ValueError("reward functions need prompts, responses and records")
-            parts.update(self.function_parts(prompts, responses, records, completion_ids, input_ids.device))
+            parts.update(
+                self.function_parts(prompts, responses, records, completion_ids, input_ids.device, episodes)
+            )
         scores, scored = combine_parts(parts)
         return scores, parts, scored
 
@@ -344,10 +355,11 @@ class Scorer:
         records: list[dict],
         completion_ids: list[list[int]] | None = None,
         device: torch.device | str = "cpu",
+        episodes: dict[str, list] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Each reward function's scores of B responses: name -> (B,) float32 on ``device``, NaN where it
         returned None (arguments as :meth:`__call__`'s)."""
-        keywords = self.keywords(prompts, responses, records, completion_ids)
+        keywords = {**self.keywords(prompts, responses, records, completion_ids), **(episodes or {})}
         parts = {}
         for name, fn in self.functions:
             accepted, _ = accepted_keywords(fn)
@@ -397,6 +409,6 @@ def data_columns(records: Sequence[dict]) -> list[str]:
     seen: dict[str, None] = {}
     for record in records:
         for key in record:
-            if key not in ("prompt", "completion", *CALL_KEYWORDS):
+            if key not in ("prompt", "completion", *CALL_KEYWORDS, *EPISODE_KEYWORDS):
                 seen.setdefault(key, None)
     return list(seen)

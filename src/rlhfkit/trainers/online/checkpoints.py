@@ -13,6 +13,7 @@ from rlhfkit.engine.checkpoint import load_checkpoint, save_checkpoint
 from rlhfkit.engine.folder import RunDir
 from rlhfkit.engine.seed import set_rng_state
 from rlhfkit.models import unwrap_model
+from rlhfkit.rollout.episodes import Episodes
 from rlhfkit.rollout.scoring import BIAS_KEY, GAIN_KEY, RewardFunctionError, reward_normalization
 from rlhfkit.trainers.online.collect import Scores, score_rollout
 from rlhfkit.trainers.online.context import OnlineContext
@@ -32,6 +33,7 @@ def score_or_stop(
     first_step: int,
     last_eval: dict[str, float],
     rng_state: dict[str, Any],
+    episodes: Episodes | None = None,
 ) -> Scores:
     """:func:`score_rollout`, or, when a reward function fails (on any process), a checkpoint of rollout
     ``step - 1`` (unless one exists: the resume point, or a ``save_steps`` multiple) with the RNG as it was when
@@ -39,7 +41,7 @@ def score_or_stop(
     once the function is fixed."""
     accelerator = ctx.accelerator
     try:
-        result, failure = score_rollout(ctx, rollout, records), None
+        result, failure = score_rollout(ctx, rollout, records, episodes), None
     except RewardFunctionError as e:
         result, failure = None, e
     failed = failure is not None

@@ -21,21 +21,28 @@ from typing import Any, NamedTuple
 import torch
 
 from rlhfkit.algos.masked import fill_masked
+from rlhfkit.config import RunConfig
 from rlhfkit.data import PromptCollator
-from rlhfkit.models import can_share_prompts, response_readout
+from rlhfkit.errors import ConfigError
+from rlhfkit.models import can_share_prompts, response_readout, sampling_for
 from rlhfkit.models.precision import frozen_linears_cast
 from rlhfkit.rollout import generate_responses
+from rlhfkit.rollout.episodes import EpisodeRunner, Episodes, run_episodes
+from rlhfkit.rollout.scoring import combine_parts
+from rlhfkit.rollout.tools import Toolbox
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import (
     OnlineContext,
     StageClock,
+    StatSums,
     critic_values,
     derived_seed,
     model_inputs,
+    stop_token_ids,
 )
 from rlhfkit.trainers.online.engine_rollout import generate_pieces
 from rlhfkit.trainers.online.layout import micro_batches, old_logprobs_from_update, row_lengths
-from rlhfkit.trainers.online.sharding import is_sharded, reshard
+from rlhfkit.trainers.online.sharding import generation_model, is_sharded, reshard
 from rlhfkit.types import Rollout
 
 
@@ -102,15 +109,21 @@ def sample_rollout(
     n = batch["query_ids"].shape[0]
     size = online.rollout_batch_size or n
     clock = clock or StageClock()
-    pieces = generate_pieces(  # hf or vllm (generation_backend)
-        ctx, batch, size, clock, generate_responses, sync=sync_engine
-    )
-    response_mask = torch.cat([p.mask for p in pieces])  # (B, R)
-    width = max(int(response_mask.sum(1).max()), 1)  # T: the longest response
-    response_mask = response_mask[:, :width]
-    response_ids = torch.cat([p.response_ids for p in pieces])[:, :width]  # (B, T)
-    ended = torch.cat([p.ended for p in pieces])  # (B,)
-    mask = response_mask & ended[:, None] if online.missing_eos == "mask" else response_mask
+    pieces = []
+    if ctx.episodes is not None:  # tools: multi-turn episodes; the model's tokens only are trained
+        model_mask, response_mask, response_ids, ended = play_episodes(ctx, batch, clock)
+        width = response_mask.shape[1]
+    else:
+        pieces = generate_pieces(  # hf or vllm (generation_backend)
+            ctx, batch, size, clock, generate_responses, sync=sync_engine
+        )
+        response_mask = torch.cat([p.mask for p in pieces])  # (B, R)
+        width = max(int(response_mask.sum(1).max()), 1)  # T: the longest response
+        response_mask = response_mask[:, :width]
+        response_ids = torch.cat([p.response_ids for p in pieces])[:, :width]  # (B, T)
+        ended = torch.cat([p.ended for p in pieces])  # (B,)
+        model_mask = response_mask
+    mask = model_mask & ended[:, None] if online.missing_eos == "mask" else model_mask
 
     def zeros():
         return torch.zeros(n, width, device=ctx.device)
@@ -164,6 +177,99 @@ def sample_rollout(
     return rollout
 
 
+def episode_runner(cfg: RunConfig, tokenizer) -> EpisodeRunner | None:
+    """The run's multi-turn episode runner under ``online.tools`` / ``online.environment`` (else None), made at
+    start-up, before any model loads: a bad tool, environment or chat template is a ConfigError here."""
+    online = cfg.online
+    if not online.tools and not online.environment:
+        return None
+    toolbox = Toolbox.load(online.tools, online.environment)
+    stops = stop_token_ids(cfg, tokenizer)
+    return EpisodeRunner.create(
+        tokenizer,
+        toolbox,
+        max_turns=online.max_turns,
+        response_length=online.response_length,
+        tool_timeout=online.tool_timeout,
+        max_tool_response_length=online.max_tool_response_length,
+        stop_token_ids=stops,
+        pad_token_id=tokenizer.pad_token_id,
+        sampling=sampling_for(tokenizer.pad_token_id, stops, online.temperature, online.top_k, online.top_p),
+    )
+
+
+def check_environment_scores(cfg: RunConfig, toolbox: Toolbox) -> None:
+    """A ConfigError when nothing would score the episodes: no reward model, no reward function and an
+    environment without ``get_reward``."""
+    online = cfg.online
+    if online.reward_model or online.reward_functions or toolbox.environment_factory is None:
+        return
+    if not callable(getattr(toolbox.environment_factory(), "get_reward", None)):
+        raise ConfigError(
+            f"online.environment: {online.environment!r} has no get_reward() and there is no "
+            "online.reward_model or online.reward_functions: nothing scores the episodes"
+        )
+
+
+def play_episodes(
+    ctx: OnlineContext, batch: dict[str, Any], clock: StageClock, greedy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1's generation as multi-turn episodes (:func:`rlhfkit.rollout.episodes.run_episodes`), one per row
+    of ``batch``, each prompt rendered by the runner with the tools (the data layer's rendering is replaced:
+    ``batch["query_ids"]`` / ``["query_mask"]`` become the episodes', and ``batch["episodes"]`` holds them for
+    scoring and the logs).
+
+    Returns:
+        (model_mask (B, T) bool: the sampled tokens only, response_mask (B, T) bool: every token of the row,
+        response_ids (B, T), ended (B,) bool), on the run's device.
+    """
+    records = batch["records"]
+    with clock("generate"), generation_model(ctx) as actor:
+        episodes = run_episodes(
+            ctx.episodes,
+            actor,
+            [r["prompt"] for r in records],
+            records,
+            greedy=greedy,
+            generate=generate_responses,  # looked up here: tests replace it
+        )
+    device = ctx.device
+    batch["query_ids"], batch["query_mask"] = episodes.query_ids.to(device), episodes.query_mask.to(device)
+    batch["episodes"] = episodes
+    return (
+        episodes.mask.to(device),
+        episodes.response_mask.to(device),
+        episodes.response_ids.to(device),
+        episodes.ended.to(device),
+    )
+
+
+def episode_stats(ctx: OnlineContext, episodes: Episodes | None) -> StatSums:
+    """The episodes' ``tools/*``, ``turns/mean`` and ``episodes/*`` (:func:`rlhfkit.rollout.episodes.episode_metrics`)
+    as sums over processes: every process adds the same names (each known tool's count, also when 0)."""
+    stats = StatSums(ctx.device)
+    if episodes is None:
+        return stats
+    n = len(episodes.records)
+    calls = sum(len(r.calls) for r in episodes.records)
+    values = episodes.metrics()
+    for name, value in values.items():
+        if name.startswith("tools/errors"):  # shares of the calls
+            stats.add_sum(name, value * calls, calls)
+        elif not name.startswith("tools/calls/"):
+            stats.add_sum(name, value * n, n)
+    for tool in ctx.episodes.toolbox.names:
+        stats.add_sum(f"tools/calls/{tool}", values.get(f"tools/calls/{tool}", 0.0) * n, n)
+    return stats
+
+
+def episode_samples(rows: list[dict], episodes: Episodes | None) -> list[dict]:
+    """``samples.jsonl`` rows with each episode's ``turns`` (its model turns and tool calls, in order)."""
+    if episodes is None:
+        return rows
+    return [{**row, "turns": record.turns} for row, record in zip(rows, episodes.records, strict=False)]
+
+
 def _forward_rows(
     ctx: OnlineContext, step: int | None, query_mask: torch.Tensor, response_mask: torch.Tensor, size: int
 ) -> list[torch.Tensor]:
@@ -203,8 +309,14 @@ class Scores(NamedTuple):
     responses: list[str] | None
 
 
-def score_rollout(ctx: OnlineContext, rollout: Rollout, records: list[dict]) -> Scores:
+def score_rollout(
+    ctx: OnlineContext, rollout: Rollout, records: list[dict], episodes: Episodes | None = None
+) -> Scores:
     """Stage 2: score each response; apply ``online.missing_eos`` and ``online.score_clip``.
+
+    Multi-turn ``episodes`` (:func:`play_episodes`): reward functions also receive each episode's messages as
+    ``completions=`` and its environment as ``environments=``, and an environment's ``get_reward()`` is the
+    part ``"environment"`` of the score, added to the others (NaN, no opinion, where it has none).
 
     The reward model reads each response up to its stop token (``rollout.response_mask``), also one that
     ``missing_eos=mask`` leaves out of the loss. Under ``missing_eos=penalty`` a response without a stop
@@ -223,7 +335,16 @@ def score_rollout(ctx: OnlineContext, rollout: Rollout, records: list[dict]) -> 
             "responses": responses,
             "completion_ids": kept,
         }
-    raw_scores, parts, scored = ctx.scorer(ids, attn, **texts)
+    extra = {}
+    if episodes is not None:
+        extra = {"episodes": {"completions": episodes.completions, "environments": episodes.environments}}
+    parts: dict[str, torch.Tensor] = {}
+    if ctx.scorer.reward_model is not None or ctx.scorer.functions:
+        _, parts, _ = ctx.scorer(ids, attn, **texts, **(extra if ctx.scorer.needs_text else {}))
+    if episodes is not None and episodes.environments and any(e is not None for e in episodes.environments):
+        found = [float("nan") if v is None else v for v in episodes.environment_scores()]
+        parts["environment"] = torch.tensor(found, dtype=torch.float32, device=ids.device)  # (B,)
+    raw_scores, scored = combine_parts(parts)
     scores = raw_scores
     if online.missing_eos == "penalty":
         scores = torch.where(rollout.ended, scores, torch.full_like(scores, online.missing_eos_score))

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedTokenizerBase
 
+    from rlhfkit.rollout.episodes import EpisodeRunner
     from rlhfkit.rollout.vllm_engine import VLLMEngine
 
 
@@ -72,6 +73,9 @@ class OnlineContext:
         engine: the vLLM engine that samples under ``online.generation_backend=vllm``
             (:mod:`rlhfkit.trainers.online.engine_rollout`, started by :func:`rlhfkit.trainers.online.train`),
             else None.
+        episodes: the runner of multi-turn episodes under ``online.tools`` / ``online.environment``
+            (:func:`rlhfkit.trainers.online.collect.episode_runner`, made by :func:`rlhfkit.trainers.online.train`),
+            else None.
     """
 
     cfg: RunConfig
@@ -91,6 +95,7 @@ class OnlineContext:
     process_reward_model: torch.nn.Module | None = None
     step_end_table: torch.Tensor | None = None
     engine: VLLMEngine | None = None
+    episodes: EpisodeRunner | None = None
 
     @property
     def device(self) -> torch.device:
@@ -139,7 +144,9 @@ def build_context(
     )
     if functions is None:
         functions = Scorer.load_functions(online.reward_functions)
-    scorer = Scorer(roles.reward_model, functions, online.rollout_batch_size)
+    scorer = Scorer(
+        roles.reward_model, functions, online.rollout_batch_size, extra_parts=bool(online.environment)
+    )
     stops = stop_token_ids(cfg, tokenizer)
     sampling = sampling_for(tokenizer.pad_token_id, stops, online.temperature, online.top_k, online.top_p)
     prm, table = load_process_reward_model(cfg, tokenizer, accelerator.device)

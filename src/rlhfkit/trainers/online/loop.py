@@ -25,10 +25,19 @@ from rlhfkit.engine.seed import get_rng_state, seed_everything
 from rlhfkit.errors import ConfigError
 from rlhfkit.models.precision import frozen_linears_cast
 from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
-from rlhfkit.rollout.scoring import Scorer, check_signature, data_columns
+from rlhfkit.rollout.scoring import EPISODE_KEYWORDS, Scorer, check_signature, data_columns
 from rlhfkit.trainers.common import finish_run, run_tokenizer
 from rlhfkit.trainers.online.checkpoints import resume_state, save, score_or_stop
-from rlhfkit.trainers.online.collect import Scores, prompt_batch, sample_rollout, take_scores
+from rlhfkit.trainers.online.collect import (
+    Scores,
+    check_environment_scores,
+    episode_runner,
+    episode_samples,
+    episode_stats,
+    prompt_batch,
+    sample_rollout,
+    take_scores,
+)
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, StatSums, build_context, derived_seed
 from rlhfkit.trainers.online.dynamic import fill_informative_groups
 from rlhfkit.trainers.online.engine_rollout import check_logprob_gap, engine_for_hook, start_engine
@@ -76,6 +85,10 @@ def train(
     examples, eval_examples = prepare_run_data(cfg.data, "prompts", tokenizer, limits, accelerator)
     functions = Scorer.load_functions(cfg.online.reward_functions)
     columns = data_columns([*examples.records, *(eval_examples.records if eval_examples else [])])
+    runner = episode_runner(cfg, tokenizer)  # tools: the tools, environment and chat template checked
+    if cfg.online.environment:
+        columns = [*columns, *EPISODE_KEYWORDS]
+        check_environment_scores(cfg, runner.toolbox)
     for i, (name, fn) in enumerate(functions):
         check_signature(name, fn, columns, f"online.reward_functions[{i}]")
     run = open_run(cfg, accelerator, resume, overwrite)
@@ -89,7 +102,8 @@ def train(
     )
     if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
         raise ConfigError("a reward-model refresh needs online.reward_model")
-    ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor))  # vllm: the engine, once
+    # vllm: the engine, once; tools: the episode runner
+    ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor), episodes=runner)
 
     try:
         result = train_online(ctx, run, examples, hooks, eval_examples)
@@ -158,7 +172,7 @@ def train_online(
             last_eval=last_eval,
             rng_state=rng_at_start,
         )
-        scores = score(rollout, batch["records"])
+        scores = score(rollout, batch["records"], episodes=batch.get("episodes"))
         # grpo / rloo with dynamic sampling: groups that all score the same make way for new prompts' groups
         dynamic = StatSums(ctx.device)
         if online.dynamic_sampling:
@@ -209,6 +223,7 @@ def train_online(
             .merge(step_stats)
             .merge(group_stats(ctx, rollout))
             .merge(dynamic)
+            .merge(episode_stats(ctx, batch.get("episodes")))
             .means(ctx)
         )
         if rollout.values is not None:  # of the values the advantages were computed from, before the update
@@ -216,17 +231,16 @@ def train_online(
             if math.isfinite(explained):  # undefined (not logged) when the returns are constant
                 metrics["value/explained_variance"] = explained
         metrics["kl_coef"] = kl_coef
-        samples.write(
-            rollout_samples(
-                step,
-                batch["records"],
-                rollout,
-                scores.parts,
-                ctx.tokenizer,
-                cfg.logging.samples_per_step,
-                scores.responses,
-            )
+        rows = rollout_samples(
+            step,
+            batch["records"],
+            rollout,
+            scores.parts,
+            ctx.tokenizer,
+            cfg.logging.samples_per_step,
+            scores.responses,
         )
+        samples.write(episode_samples(rows, batch.get("episodes")))  # tools: each episode's turns
         metrics.update(update.metrics())
         metrics.update(engine_gap)
         metrics.update(ctx.guard.metrics())

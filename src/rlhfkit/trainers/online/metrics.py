@@ -103,7 +103,7 @@ def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, floa
             "group_ids": torch.arange(len(chunk), device=ctx.device),
         }
         rollout = sample_rollout(ctx, batch, sync_engine=i == 0)  # vllm: the actor's weights loaded once
-        _, raw_scores, _, scored, _ = score_rollout(ctx, rollout, batch["records"])
+        _, raw_scores, _, scored, _ = score_rollout(ctx, rollout, batch["records"], batch.get("episodes"))
         kl = measured_kl(ctx, rollout)
         s.add_sum("eval/score/mean", raw_scores[scored].sum(), scored.sum())
         s.add_sum("eval/kl/mean", kl.sum(), len(chunk))
