@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node 2 -m tests.distributed.cli_runs PLAN.json
 
-``PLAN.json``: ``{"float64": true|false, "reports": true|false, "runs": [[argv...], ...]}``. With ``float64``,
+``PLAN.json``: ``{"float64": true|false, "reports": true|false, "record": FOLDER, "runs": [[argv...], ...]}``
+(``record`` optional: :mod:`tests.distributed.recording`). With ``float64``,
 ``model.dtype=float32`` loads float64 weights (the config offers no float64: a test-only switch), so that
 comparisons between process counts are exact up to summation order. ``"reports": false`` skips the report every
 trainer writes at its end (report.html and its plots: several seconds a run here, and tested in
@@ -31,18 +32,27 @@ def no_reports() -> None:
     common.write_report = lambda run_dir: None
 
 
-def run_all(runs: list[list[str]], float64: bool = False, reports: bool = True) -> int:
+def run_all(
+    runs: list[list[str]], float64: bool = False, reports: bool = True, record: str | None = None
+) -> int:
     if float64:
         float64_models()
     if not reports:
         no_reports()
+    recorder = None
+    if record is not None:
+        from tests.distributed.recording import Recorder
+
+        recorder = Recorder()
     cli._leave_process_group = lambda wait: None  # one group for all the runs of this launch
     try:
-        for argv in runs:
+        for i, argv in enumerate(runs):
             code = cli.main(argv)
             if code:
                 print(f"cli_runs: {' '.join(argv)} exited {code}", file=sys.stderr)
                 return code
+            if recorder is not None:
+                recorder.write(Path(record) / f"run-{i}")
     finally:
         end_processes()
     return 0
@@ -50,4 +60,4 @@ def run_all(runs: list[list[str]], float64: bool = False, reports: bool = True) 
 
 if __name__ == "__main__":
     plan = json.loads(Path(sys.argv[1]).read_text())
-    sys.exit(run_all(plan["runs"], plan.get("float64", False), plan.get("reports", True)))
+    sys.exit(run_all(plan["runs"], plan.get("float64", False), plan.get("reports", True), plan.get("record")))

@@ -34,6 +34,7 @@ from rlhfkit.engine.checkpoint import complete_checkpoints
 from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.models import loading
 from rlhfkit.trainers import common
+from tests.distributed import recording
 from tests.distributed.test_data_parallel import torchrun
 from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
 from tests.trainers.test_dpo import dpo_args, write_dpo_problem
@@ -41,10 +42,12 @@ from tests.trainers.test_dpo import dpo_args, write_dpo_problem
 SHARD = "train.sharding=full_shard"
 
 
-def _start(tmp: Path, nproc: int, runs: list[list[str]]) -> subprocess.Popen:
-    """A torchrun launch of ``runs`` (:mod:`tests.distributed.cli_runs`), started; :func:`_finish` waits for it."""
+def _start(tmp: Path, nproc: int, runs: list[list[str]], record: Path | None = None) -> subprocess.Popen:
+    """A torchrun launch of ``runs`` (:mod:`tests.distributed.cli_runs`), started; :func:`_finish` waits for it.
+    ``record``: the folder of what :mod:`tests.distributed.recording` records."""
     plan = tmp / f"plan-{nproc}-{len(list(tmp.glob('plan-*')))}.json"
-    plan.write_text(json.dumps({"float64": True, "reports": False, "runs": runs}))  # no test here reads one
+    settings = {"float64": True, "reports": False, "runs": runs}  # no test here reads a report
+    plan.write_text(json.dumps({**settings, "record": str(record)} if record else settings))
     return torchrun("-m", "tests.distributed.cli_runs", str(plan), nproc=nproc, wait=False)
 
 
@@ -55,8 +58,8 @@ def _finish(proc: subprocess.Popen) -> str:
     return err
 
 
-def _launch(tmp: Path, nproc: int, runs: list[list[str]]) -> str:
-    return _finish(_start(tmp, nproc, runs))
+def _launch(tmp: Path, nproc: int, runs: list[list[str]], record: Path | None = None) -> str:
+    return _finish(_start(tmp, nproc, runs, record))
 
 
 def _stopped_after_one(run: Path, copy: Path) -> None:
@@ -114,6 +117,7 @@ def runs(tmp_path_factory):
                 [*ppo("two-two", 2), "--resume"],
                 dpo_args(dpo_paths, tmp / "dpo-two", *dpo, SHARD),
             ],
+            record=tmp / "records",  # run-1: "two"
         )
     )
     _stopped_after_one(tmp / "two", tmp / "two-one")
@@ -140,6 +144,25 @@ def test_sharded_ppo_resumes_exactly_and_writes_plain_final_folders(runs):
     groups = state["sharded"]["param_groups"]
     assert sorted(groups) == ["actor", "critic"]  # both trained roles' optimizer states, in the shards
     assert read_run_info(two / "config.yaml")["sharding"] == "full_shard"
+
+
+@pytest.mark.slow
+def test_each_rollout_samples_from_the_actors_weights_as_they_stand_then(runs):
+    """The copy the sharded actor generates from holds the actor's weights of the current rollout: the
+    initial ones, then those after the first update (recorded on the model each generate call is given, and
+    on the sharded actor after each update: tests.distributed.recording). On two processes the gathered
+    weights are a new buffer, so a copy gathered once and kept shows here (on one they are the actor's own
+    storage and would follow it)."""
+    tmp, _ = runs
+    sampled, updated = (recording.read(tmp / "records" / "run-1", name) for name in ("sampled", "updated"))
+
+    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+        return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+    distinct = [w for i, w in enumerate(sampled) if i == 0 or not same(w, sampled[i - 1])]
+    assert len(updated) == 2 and len(distinct) == 2, (len(updated), len(distinct))  # one set per rollout
+    start = {k: v.double() for k, v in _weights(tmp / "online" / "policy", ".").items()}
+    assert same(distinct[0], start) and same(distinct[1], updated[0]) and not same(updated[0], start)
 
 
 @pytest.mark.slow
