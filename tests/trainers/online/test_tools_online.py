@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlhfkit.config import load_config
 from rlhfkit.data import TokenLimits, prepare_examples
@@ -326,3 +327,37 @@ def test_tools_config_errors_name_the_setting(tmp_path):
     )
     with pytest.raises(ConfigError, match="no get_reward"):
         online.train(cfg)
+
+
+def test_a_resumed_tool_run_ends_bit_identical(tmp_path, monkeypatch):
+    """Episodes are a function of (seed, step) like single-turn rollouts: two rollouts, then two more after
+    --resume from the step-2 checkpoint, give the weights and metrics of four uninterrupted ones."""
+    paths = write_tools_problem(tmp_path)
+    monkeypatch.setattr(collect, "generate_responses", ToolSampler(ToolsTask(seed=0).build_tokenizer()))
+    runs = {}
+    for name, steps in (("full", 4), ("part", 2)):
+        out = tmp_path / name
+        online.train(tools_config(paths, out, "train.save_steps=2", f"train.max_steps={steps}", kind="ppo"))
+        runs[name] = out
+    online.train(
+        tools_config(paths, runs["part"], "train.save_steps=2", "train.max_steps=4", kind="ppo"), resume=True
+    )
+    for folder in ("final", "final_critic"):
+        full = load_file(str(runs["full"] / folder / "model.safetensors"))
+        part = load_file(str(runs["part"] / folder / "model.safetensors"))
+        assert full.keys() == part.keys()
+        for key in full:
+            assert torch.equal(full[key], part[key]), (folder, key)
+    drop = ("time/", "tokens_per_second", "wall")
+    clean = [
+        {k: v for k, v in row.items() if not k.startswith(drop)}
+        for row in read_metrics(runs["full"] / "metrics.jsonl")
+    ]
+    resumed = [
+        {k: v for k, v in row.items() if not k.startswith(drop)}
+        for row in read_metrics(runs["part"] / "metrics.jsonl")
+    ]
+    assert clean == resumed
+    turns = [s["turns"] for s in read_samples(runs["full"] / "samples.jsonl")]
+    assert len(turns) >= 4 and any(len(t) > 1 for t in turns)
+    assert turns == [s["turns"] for s in read_samples(runs["part"] / "samples.jsonl")]
