@@ -167,7 +167,9 @@ def test_a_sharded_run_stops_and_resumes_on_a_plain_single_process(tmp_path, mon
     assert sft("stopped", 2, "train.sharding=full_shard", "--resume") == 0, capsys.readouterr().err[-2000:]
     err = capsys.readouterr().err
     assert "sft on 1 process (python" in err and "model sharded (full_shard, FSDP2)" in err
-    assert (tmp_path / "stopped" / "checkpoints" / "step-1" / "COMPLETE").stat().st_mtime_ns == first  # resumed
+    assert (
+        tmp_path / "stopped" / "checkpoints" / "step-1" / "COMPLETE"
+    ).stat().st_mtime_ns == first  # resumed
     assert not torch.distributed.is_initialized()  # the group ended with the command
     state = json.loads((tmp_path / "stopped" / "checkpoints" / "step-2" / "trainer_state.json").read_text())
     assert state["sharded"]["world_size"] == 1
@@ -231,7 +233,9 @@ def test_the_sharding_rules_apply_to_an_accelerate_fsdp_launch(monkeypatch, sett
 
     online = ["output_dir=x", "model.name_or_path=m", "data.train_file=t", "online.reward_model=r"]
     extra = ["online.rollout_correction=tis"] if "vllm" in setting else []
-    assert load_config(None, [*online, setting, *extra], "grpo").train.sharding == "none"  # accepted unsharded
+    assert (
+        load_config(None, [*online, setting, *extra], "grpo").train.sharding == "none"
+    )  # accepted unsharded
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(ConfigError, match=rf"{key}.*sharding=full_shard from the accelerate FSDP launch"):
         load_config(None, [*online, setting, *extra], "grpo")
