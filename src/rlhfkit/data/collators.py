@@ -59,7 +59,8 @@ class SFTCollator(_Collator):
     """``{"prompt_ids", "completion_ids"}`` examples -> a right-padded SFT batch.
 
     Returns a dict with ``input_ids`` (B, L), ``attention_mask`` (B, L) and ``labels`` (B, L): the
-    completion's token ids (EOS included) and -100 on the prompt and the padding. ``labels`` is
+    completion's token ids (EOS included) and -100 on the prompt, on the completion positions of
+    ``completion_skip`` (a multi-turn conversation's tool results and user turns) and on the padding. ``labels`` is
     aligned with ``input_ids`` (transformers convention: the loss shifts by one inside the model, or
     compare ``logits[:, :-1]`` with ``labels[:, 1:]``).
     """
@@ -70,6 +71,8 @@ class SFTCollator(_Collator):
         labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
         for i, ex in enumerate(examples):
             labels[i, : len(ex["prompt_ids"])] = IGNORE_INDEX
+            skip = [len(ex["prompt_ids"]) + j for j in ex.get("completion_skip", ())]  # untrained turns
+            labels[i, skip] = IGNORE_INDEX
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 

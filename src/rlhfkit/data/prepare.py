@@ -31,11 +31,11 @@ from rlhfkit.data.records import FieldError, Kind, Records, load_dataset_records
 from rlhfkit.data.tokenize import TOKENIZERS, TokenLimits
 
 # Raise when the tokens of a record change for the same inputs (a new rule in rlhfkit.data.tokenize).
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 # The columns each kind's tokenised examples have (besides the error columns); "record" is not stored.
 _COLUMNS = {
     "prompts": {"prompt_ids": "ids"},
-    "sft": {"prompt_ids": "ids", "completion_ids": "ids"},
+    "sft": {"prompt_ids": "ids", "completion_ids": "ids", "completion_skip": "ids"},
     "preferences": {"prompt_ids": "ids", "chosen_ids": "ids", "rejected_ids": "ids", "margin": "float"},
     "prm": {"prompt_ids": "ids", "completion_ids": "ids", "step_ends": "ids", "labels": "bools"},
 }
@@ -200,6 +200,8 @@ def tokenize_cached(
         example = dict(zip(names, values, strict=True))
         if records.kind == "preferences" and example["margin"] is None:
             del example["margin"]
+        if records.kind == "sft" and not example["completion_skip"]:  # as tokenize_sft gives it: absent
+            del example["completion_skip"]
         if records.kind == "prompts":
             example["record"] = records[i]
         examples.append(example)

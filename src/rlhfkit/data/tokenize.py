@@ -184,10 +184,19 @@ def tokenize_prompt(record: dict, tokenizer, limits: TokenLimits = TokenLimits()
 
 
 def tokenize_sft(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -> dict:
-    """``{"prompt_ids", "completion_ids"}``; the completion ends with EOS unless cut by ``max_length``.
+    """``{"prompt_ids", "completion_ids"}`` (+ ``"completion_skip"``); the completion ends with EOS unless cut
+    by ``max_length``; ``completion_skip``, only in multi-turn conversations, lists the completion positions
+    that are not trained.
 
     A ``text`` record is trained on whole: its first token (BOS when the tokenizer adds one) is the
     "prompt", as nothing before it could predict it, and the rest, with EOS, the completion.
+
+    A conversation with several assistant messages (a ``messages`` row with tool calls, results and answers,
+    or several exchanges) trains every assistant message: the prompt is the messages before the first one,
+    the completion everything after, and the tokens the template writes for the other messages (tool
+    results, user turns, the next generation prompt) are in ``completion_skip``. Each message's ids are
+    those of its own rendered text (the difference of two renders), as a multi-turn rollout's rows are
+    (:mod:`rlhfkit.rollout.episodes`). With one assistant message nothing changes.
     """
     if "text" in record and "prompt" not in record:
         ids = _ids(tokenizer, record["text"], special=True)
@@ -197,11 +206,86 @@ def tokenize_sft(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -
             raise FieldError("text", "tokenizes to no tokens besides EOS")
         room = None if limits.max_length is None else limits.max_length - 1
         return {"prompt_ids": ids[:1], "completion_ids": ids[1:][:room]}
+    record = _first_assistant_split(record)
     rendered = _rendered(record, tokenizer)
     prompt_ids = _prompt_ids(record, tokenizer, limits, rendered)
     room = _room(prompt_ids, limits.max_length)
-    completion = encode_response(tokenizer, record["prompt"], record["completion"], "completion", rendered)
-    return {"prompt_ids": prompt_ids, "completion_ids": completion[:room]}
+    if len(record["completion"]) > 1 and isinstance(record["prompt"], list):
+        completion, skip = _multi_turn_completion(tokenizer, record["prompt"], record["completion"], rendered)
+    else:
+        completion = encode_response(
+            tokenizer, record["prompt"], record["completion"], "completion", rendered
+        )
+        skip = []
+    completion = completion[:room]
+    out = {"prompt_ids": prompt_ids, "completion_ids": completion}
+    skip = [i for i in skip if i < len(completion)]
+    return {**out, "completion_skip": skip} if skip else out
+
+
+def _first_assistant_split(record: dict) -> dict:
+    """A conversational SFT record whose prompt holds assistant messages, split before the first one that
+    follows another role (so every assistant message is in the completion)."""
+    prompt = record.get("prompt")
+    if not isinstance(prompt, list) or not isinstance(record.get("completion"), list):
+        return record
+    first = next((i for i, m in enumerate(prompt) if i > 0 and m.get("role") == "assistant"), None)
+    if first is None:
+        return record
+    return {**record, "prompt": prompt[:first], "completion": [*prompt[first:], *record["completion"]]}
+
+
+def _multi_turn_completion(
+    tokenizer, prompt: list[dict], rest: list[dict], rendered: str | None
+) -> tuple[list[int], list[int]]:
+    """(ids, untrained positions) of the messages ``rest`` after ``prompt`` (:func:`tokenize_sft`). Each
+    assistant message's ids end with EOS (the template's, or one added); the text the template writes after
+    that EOS and for the following non-assistant messages, up to the next generation prompt, is untrained."""
+    eos, eos_text = tokenizer.eos_token_id, tokenizer.eos_token
+    ids: list[int] = []
+    skip: list[int] = []
+    before = rendered if rendered is not None else render_chat(tokenizer, prompt, add_generation_prompt=True)
+    carry, previous = "", before  # untrained text waiting for the next assistant message; the row's text
+    for k, message in enumerate(rest):
+        messages = [*prompt, *rest[: k + 1]]
+        field = f"completion[{k}]"
+        if message.get("role") != "assistant":
+            continue
+        generation = (
+            before
+            if k == 0
+            else render_chat(tokenizer, messages[:-1], add_generation_prompt=True, field=field)
+        )
+        carry += _extension(generation, previous, field)
+        whole = render_chat(tokenizer, messages, add_generation_prompt=False, field=field)
+        turn = _extension(whole, generation, field)
+        cut = turn.rfind(eos_text) if eos_text else -1
+        trained, after = (
+            (turn[: cut + len(eos_text)], turn[cut + len(eos_text) :]) if cut >= 0 else (turn, "")
+        )
+        if carry:
+            untrained = _ids(tokenizer, carry, special=False)
+            skip += range(len(ids), len(ids) + len(untrained))
+            ids += untrained
+        turn_ids = _ids(tokenizer, trained, special=False)
+        if not turn_ids or turn_ids[-1] != eos:
+            turn_ids.append(eos)
+        if len(turn_ids) == 1:
+            raise FieldError(field, "tokenizes to no tokens besides EOS")
+        ids += turn_ids
+        carry, previous = after, whole
+    return ids, skip
+
+
+def _extension(later: str, earlier: str, field: str) -> str:
+    """``later`` less its prefix ``earlier``; a FieldError when the template does not render prefixes."""
+    if not later.startswith(earlier):
+        raise FieldError(
+            field,
+            "the chat template does not render the conversation before a message as a prefix of the "
+            "conversation with it, so the assistant messages' tokens cannot be told apart",
+        )
+    return later[len(earlier) :]
 
 
 def tokenize_preference(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -> dict:

@@ -93,8 +93,8 @@ def sft_objective(
 
 
 def count_completion_tokens(examples: list[dict]) -> float:
-    """The number of tokens the loss averages over: every completion token (EOS included)."""
-    return float(sum(len(e["completion_ids"]) for e in examples))
+    """The number of tokens the loss averages over: every trained completion token (EOS included)."""
+    return float(sum(len(e["completion_ids"]) - len(e.get("completion_skip", ())) for e in examples))
 
 
 def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
