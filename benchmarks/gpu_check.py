@@ -48,6 +48,7 @@ import platform
 import random
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -99,6 +100,9 @@ SIZES = {
     "full": dict(prompt=64, response=128, batch=32, group=4, micro=8, steps=3, fsdp_steps=2, pairs=16),
     "smoke": dict(prompt=6, response=4, batch=2, group=2, micro=2, steps=2, fsdp_steps=2, pairs=2),
 }
+
+# A part is not started with less of the budget left than this (a 0.5B part takes about a minute on a GPU).
+MIN_PART_SECONDS = {"full": 60.0, "smoke": 5.0}
 
 SPECIALS = ["<unk>", "<pad>", "<bos>", "<eos>"]
 REWARDS_PY = '''
@@ -161,6 +165,8 @@ def build_inputs(work: Path, mode: str) -> dict:
             "matmul_parameters": matmul_parameters(model),
         }
         del model
+    if device == "cuda":  # the parts' processes get the whole device
+        torch.cuda.empty_cache()
     rng = random.Random(0)
 
     def words(n: int) -> str:
@@ -213,6 +219,17 @@ def device_info() -> dict:
     if peak is None:
         info["bf16_peak_note"] = f"no known dense bf16 peak for {name!r}: MFU is null"
     return info
+
+
+def commit() -> str | None:
+    """The checkout's commit (None outside a git checkout)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
 
 
 def peak_tflops(name: str) -> float | None:
@@ -388,6 +405,7 @@ def training_figures(part: str, mode: str, model: dict, metrics: list[dict], pea
 
 
 def run_training(part: str, mode: str, work: Path, paths: dict, model: dict, peak, timeout: float) -> dict:
+    """One training part in its own process (under --smoke, torchrun's part only; the others in this one)."""
     kind, overrides, nproc = part_runs(mode, paths)[part]
     out = work / f"run-{part}"
     result_file = work / f"result-{part}.json"
@@ -398,53 +416,58 @@ def run_training(part: str, mode: str, work: Path, paths: dict, model: dict, pea
         f"--overrides={json.dumps([f'output_dir={out}', *overrides])}",
         f"--result={result_file}",
     ]
-    if nproc:
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        command = [sys.executable, *launcher, *script]
-    else:
-        command = [sys.executable, *script]
-    if mode == "smoke" and not nproc:
-        # in this process: a fresh process per part costs the imports again (seconds each on a CPU)
-        record = finish_training(
-            part, mode, out, result_file, model, peak, in_process(script[1:]), kind, overrides
-        )
-        if "peak_memory_kind" in record:
-            record["peak_memory_kind"] += ", the check's own process (parts run in it under --smoke)"
-        return record
-    env = dict(os.environ)
-    if mode == "smoke":
-        env.setdefault("RLHFKIT_NUM_THREADS", "1")
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=work)
-    except subprocess.TimeoutExpired as e:
-        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
-        return {
-            "status": "failed",
-            "error": f"timed out after {timeout:.0f} s",
-            "stderr_tail": stderr[-2000:],
-        }
-    return finish_training(part, mode, out, result_file, model, peak, done, kind, overrides, nproc)
+        if mode == "smoke" and not nproc:
+            # in this process: a fresh process per part costs the imports again (seconds each on a CPU)
+            record = finish_training(part, mode, out, result_file, model, peak, in_process(script[1:]), kind)
+            if "peak_memory_kind" in record:
+                record["peak_memory_kind"] += ", the check's own process (parts run in it under --smoke)"
+        else:
+            env = dict(os.environ)
+            if mode == "smoke":
+                env.setdefault("RLHFKIT_NUM_THREADS", "1")
+            done = run_command([sys.executable, *launcher, *script], timeout, env=env, cwd=work)
+            record = finish_training(part, mode, out, result_file, model, peak, done, kind, nproc)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # checkpoints of 0.5B models and AdamW: GBs per part
+    record["overrides"] = overrides
+    return record
+
+
+def run_command(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``command`` in a session of its own; past ``timeout`` seconds the whole session is killed (torchrun's
+    workers too, which would otherwise keep the device) and TimeoutError says so with the end of stderr."""
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise TimeoutError(f"timed out after {timeout:.0f} s; stderr ends: {stderr[-500:]!r}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def in_process(child_args: list[str]) -> subprocess.CompletedProcess:
-    """:func:`child` with ``child_args`` in this process, its stderr captured as a subprocess's would be."""
+    """:func:`child` with ``child_args`` in this process, its output captured as a subprocess's would be."""
     import contextlib
     import io
 
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = main(child_args)
-    return subprocess.CompletedProcess(child_args, code, "", stderr.getvalue())
+    return subprocess.CompletedProcess(child_args, code, stdout.getvalue(), stderr.getvalue())
 
 
 def finish_training(
-    part, mode, out: Path, result_file: Path, model: dict, peak, done, kind: str, overrides, nproc: int = 0
+    part, mode, out: Path, result_file: Path, model: dict, peak, done, kind: str, nproc: int = 0
 ) -> dict:
     """The record of a finished training part: its launch line, exit, memory and figures (or its error)."""
     record: dict = {
         "command": f"rlhfkit train {kind}" + (f" under torchrun --nproc_per_node {nproc}" if nproc else "")
     }
-    record["overrides"] = overrides
     record["run"] = run_line(out)
     if done.returncode or not result_file.is_file():
         record.update(
@@ -456,7 +479,6 @@ def finish_training(
     record["status"] = "ok" if record.get("steps_logged") else "failed"
     if record["status"] == "failed":
         record["error"] = f"no step in {out / 'metrics.jsonl'}"
-    shutil.rmtree(out, ignore_errors=True)  # checkpoints of 0.5B models and AdamW: GBs per part
     return record
 
 
@@ -484,10 +506,7 @@ def run_cuda_tests(work: Path, timeout: float) -> dict:
         "no:cacheprovider",
         f"--junitxml={report}",
     ]
-    try:
-        done = subprocess.run([*command, *files], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"status": "failed", "error": f"timed out after {timeout:.0f} s", "files": files}
+    done = run_command([*command, *files], timeout, cwd=ROOT)
     record: dict = {"command": "pytest -m cuda " + " ".join(files), "files": files}
     if not report.is_file():
         record.update(status="failed", error=error_line(done.stdout + done.stderr, done.returncode))
@@ -540,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-s", type=float, default=420.0, help="seconds; later parts are skipped after"
     )
+    parser.add_argument(
+        "--part-timeout-s", type=float, default=240.0, help="seconds one part may take (within the budget)"
+    )
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated, from: " + ", ".join(PARTS))
     parser.add_argument(
         "--work", default=None, help="folder for the models and runs (default: a temporary one)"
@@ -560,7 +582,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
         device = device_info()
-        report: dict = {"mode": mode, "budget_s": args.budget_s, "device": device, "parts": {}}
+        report: dict = {
+            "mode": mode,
+            "budget_s": args.budget_s,
+            "commit": commit(),
+            "device": device,
+            "parts": {},
+        }
         try:
             report["model"] = build_inputs(work, mode)
         except Exception as e:  # noqa: BLE001 - recorded: every part needs the inputs
@@ -578,18 +606,19 @@ def main(argv: list[str] | None = None) -> int:
             reason = skip_reason(part, mode, device["cuda"])
             if reason is None and "error" in report["model"]:
                 reason = f"the inputs could not be built: {report['model']['error']}"
-            if reason is None and left < 5:
+            if reason is None and left < MIN_PART_SECONDS[mode]:
                 reason = f"time budget: {max(left, 0):.0f} s left of --budget-s {args.budget_s:.0f}"
             if reason is not None:
                 report["parts"][part] = {"status": "skipped", "reason": reason}
             else:
                 part_start = time.perf_counter()
                 try:
+                    limit = min(left, args.part_timeout_s)
                     if part == "cuda_tests":
-                        record = run_cuda_tests(work, left)
+                        record = run_cuda_tests(work, limit)
                     else:
                         record = run_training(
-                            part, mode, work, paths, report["model"], device["bf16_peak_tflops"], left
+                            part, mode, work, paths, report["model"], device["bf16_peak_tflops"], limit
                         )
                 except Exception as e:  # noqa: BLE001 - one part's failure must not stop the others
                     record = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
