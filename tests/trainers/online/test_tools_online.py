@@ -361,3 +361,42 @@ def test_a_resumed_tool_run_ends_bit_identical(tmp_path, monkeypatch):
     turns = [s["turns"] for s in read_samples(runs["full"] / "samples.jsonl")]
     assert len(turns) >= 4 and any(len(t) > 1 for t in turns)
     assert turns == [s["turns"] for s in read_samples(runs["part"] / "samples.jsonl")]
+
+
+def test_the_tools_page_examples_run_as_shown(tmp_path):
+    """docs/tools.md's tools list and environment class, written to files as the page names them, load as
+    online.tools / online.environment and play an episode: the environment's tool changes its state, the
+    result reaches the row, and get_reward scores it."""
+    import re
+    from pathlib import Path
+
+    from rlhfkit.models import sampling_for
+    from rlhfkit.rollout.episodes import EpisodeRunner, run_episodes
+    from rlhfkit.rollout.tools import Toolbox
+    from tests.helpers_tools import ScriptedSampler, char_ids, tool_tokenizer
+
+    page = (Path(__file__).parents[3] / "docs" / "tools.md").read_text()
+    for block in re.findall(r"```python\n(.*?)```", page, re.DOTALL):
+        name = block.splitlines()[0].removeprefix("# ").strip()
+        (tmp_path / name).write_text(block)
+    toolbox = Toolbox.load([f"{tmp_path / 'tools.py'}:multiply"], f"{tmp_path / 'env.py'}:Counter")
+    assert toolbox.names == ["add", "multiply"]
+    tok = tool_tokenizer()
+    runner = EpisodeRunner.create(
+        tok,
+        toolbox,
+        max_turns=3,
+        response_length=200,
+        tool_timeout=2.0,
+        max_tool_response_length=None,
+        stop_token_ids=[tok.eos_token_id],
+        pad_token_id=tok.pad_token_id,
+        sampling=sampling_for(tok.pad_token_id, [tok.eos_token_id]),
+    )
+    call = '<tool_call>\n{"name": "add", "arguments": {"amount": 3}}\n</tool_call>'
+    sampler = ScriptedSampler([[char_ids(tok, call)], [char_ids(tok, "done</s>")]])
+    episodes = run_episodes(
+        runner, torch.nn.Linear(1, 1), ["count"], [{"prompt": "count", "target": 3}], generate=sampler
+    )
+    assert episodes.records[0].calls[0]["result"] == "3"
+    assert episodes.environment_scores() == [1.0]
