@@ -147,10 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--seed", type=int, default=0, help="seeds the task, every model and every sample")
     quick.add_argument(
         "--task",
-        choices=("reviews", "arithmetic"),
+        choices=("reviews", "arithmetic", "tools"),
         default="reviews",
         help="built-in task: reviews (SFT, reward model, PPO) or arithmetic (checkable answers: SFT, PRM, "
         "GRPO on the exact-match reward, PPO on it with and without the PRM's step rewards, PPO on an ORM) "
+        "or tools (SFT on demonstrations with calculator calls, then GRPO with the calculator tool) "
         "(default: %(default)s)",
     )
     quick.add_argument("--overwrite", action="store_true", help="delete DIR's previous quickstart first")

@@ -116,6 +116,16 @@ def quickstart_command(args: argparse.Namespace) -> int:
         raise UserError(
             f"--refresh-steps must be 0 (off) or a positive number of rollouts, got {args.refresh_steps}"
         )
+    if args.task == "tools":
+        from rlhfkit.quickstart.tool_use import TOOLS_PRESETS, quickstart_tools
+
+        if args.preset not in TOOLS_PRESETS or args.refresh_steps:
+            raise UserError(
+                f"--task tools runs the presets {sorted(TOOLS_PRESETS)} and no reward-model refresh"
+            )
+        prepare_output_dir(args.out, overwrite=args.overwrite)
+        quickstart_tools(args.out, args.preset, args.overwrite, seed=args.seed)
+        return 0
     if args.task != "reviews":
         from rlhfkit.quickstart.verifiable import VERIFIABLE_PRESETS, quickstart_verifiable
 

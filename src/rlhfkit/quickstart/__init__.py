@@ -5,6 +5,8 @@ code of their own).
   -> PPO, beside DPO on the same pairs -> evaluation -> report (``rlhfkit quickstart``);
 - :mod:`~rlhfkit.quickstart.verifiable`: the arithmetic task, RL from a rule reward, an outcome reward model
   and a process reward model (``rlhfkit quickstart --task arithmetic``);
+- :mod:`~rlhfkit.quickstart.tool_use`: the tools task, SFT on tool-use demonstrations -> GRPO with the
+  calculator tool over multi-turn episodes (``rlhfkit quickstart --task tools``);
 - :mod:`~rlhfkit.quickstart.stages`: the SFT stage both share; :mod:`~rlhfkit.quickstart.dpo_stage`: the DPO
   stage and the policies' comparison table; :mod:`~rlhfkit.quickstart.summary`: the summary table and page.
 """
