@@ -179,12 +179,15 @@ def run_capturing(monkeypatch, cfg):
 def test_tool_episodes_train_the_model_tokens_only_and_are_logged(tmp_path, monkeypatch, kind):
     paths = write_tools_problem(tmp_path)
     out = tmp_path / "run"
-    cfg = tools_config(paths, out, "logging.samples_per_step=4", kind=kind)
+    held_out = (
+        (f"data.eval_file={paths['prompts']}",) if kind == "grpo" else ()
+    )  # evaluation plays episodes too
+    cfg = tools_config(paths, out, "logging.samples_per_step=4", *held_out, kind=kind)
     rollouts, sampler = run_capturing(monkeypatch, cfg)
     tok = sampler.tok
     assert len(rollouts) == 2
     called = sum(check_rollout_rows(tok, r) for r in rollouts)
-    assert called == sampler.calls > 0
+    assert 0 < called <= sampler.calls  # (the held-out episodes call too)
     if kind == "ppo":
         assert rollouts[0].values is not None  # PPO with a critic: values over the model tokens only
     for r in rollouts:
@@ -207,7 +210,11 @@ def test_tool_episodes_train_the_model_tokens_only_and_are_logged(tmp_path, monk
         last = r.mask.long().cumsum(1).argmax(1)
         assert torch.allclose(r.rewards.sum(1), r.scores - cfg.online.kl_coef * r.kl.sum(1), atol=1e-5)
         assert bool(r.mask[torch.arange(r.batch_size), last].all())
-    metrics = read_metrics(out / "metrics.jsonl")
+    logged = read_metrics(out / "metrics.jsonl")
+    metrics = [row for row in logged if "loss/policy" in row]  # (the held-out evaluation before training too)
+    assert len(metrics) == 2
+    if held_out:  # held-out episodes, scored by the gold scorer as the training ones
+        assert 0.0 <= metrics[-1]["eval/score/mean"] <= 1.0 and metrics[-1]["eval/response_length/mean"] > 20
     for row in metrics:
         assert row["tools/calls_per_episode"] > 0 and row["turns/mean"] > 1
         assert row["tools/calls/calculator"] == row["tools/calls_per_episode"]
@@ -215,7 +222,7 @@ def test_tool_episodes_train_the_model_tokens_only_and_are_logged(tmp_path, monk
     total = (
         sum(row["tools/calls_per_episode"] for row in metrics) * cfg.train.batch_size * cfg.online.group_size
     )
-    assert total == pytest.approx(sampler.calls)
+    assert total == pytest.approx(called)
     samples = read_samples(out / "samples.jsonl")
     assert len(samples) == 8
     tool_turns = [t for s in samples for t in s["turns"] if t["role"] == "tool"]
