@@ -407,3 +407,12 @@ def test_the_tools_page_examples_run_as_shown(tmp_path):
     )
     assert episodes.records[0].calls[0]["result"] == "3"
     assert episodes.environment_scores() == [1.0]
+
+
+def test_a_lora_policy_trains_on_tool_episodes(tmp_path, monkeypatch):
+    """LoRA: the reference is the policy with its adapter off; the rows and the mask are the same shape."""
+    paths = write_tools_problem(tmp_path)
+    cfg = tools_config(paths, tmp_path / "run", "model.lora_rank=4", "train.max_steps=1")
+    rollouts, sampler = run_capturing(monkeypatch, cfg)
+    assert check_rollout_rows(sampler.tok, rollouts[0]) > 0
+    assert (tmp_path / "run" / "final").exists()
