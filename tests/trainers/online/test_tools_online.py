@@ -416,3 +416,13 @@ def test_a_lora_policy_trains_on_tool_episodes(tmp_path, monkeypatch):
     rollouts, sampler = run_capturing(monkeypatch, cfg)
     assert check_rollout_rows(sampler.tok, rollouts[0]) > 0
     assert (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.parametrize("kind, extra", [("rloo", ()), ("ppo", ("online.advantage_estimator=reinforce_pp",))])
+def test_rloo_and_reinforce_pp_train_on_tool_episodes(tmp_path, monkeypatch, kind, extra):
+    paths = write_tools_problem(tmp_path)
+    cfg = tools_config(paths, tmp_path / "run", "train.max_steps=1", *extra, kind=kind)
+    rollouts, sampler = run_capturing(monkeypatch, cfg)
+    assert check_rollout_rows(sampler.tok, rollouts[0]) > 0 and rollouts[0].values is None
+    gap = rollouts[0].response_mask & ~rollouts[0].mask
+    assert bool((rollouts[0].advantages[gap] == 0).all())
