@@ -5,7 +5,7 @@
 Stages, each in its own run folder under ``DIR``:
 
 1. ``task/``   the ``tools`` task on disk (:mod:`rlhfkit.tasks.calculator`: tokenizer with its chat template,
-               fresh model, prompt splits) and its demonstrations, of which a share (``tool_rate``, 0.3) call
+               fresh model, prompt splits) and its demonstrations, of which a share (``tool_rate``, 0.5) call
                the calculator and copy its result and the rest answer at once from mental arithmetic that is
                mostly wrong in the last digits; each starts with the system line that the chat template
                writes for the tools, so that SFT sees the prompts as the RL episodes render them;
@@ -54,8 +54,8 @@ class ToolsPreset:
 
 
 TOOLS_PRESETS: dict[str, ToolsPreset] = {
-    "tiny": ToolsPreset("tiny", 300, 32, 2e-3, 30, 8, 8, 3e-4, 64, 3, 128, 4096, 0.3),
-    "smoke": ToolsPreset("tiny", 4, 8, 2e-3, 2, 2, 2, 3e-4, 48, 3, 8, 64, 0.3),
+    "tiny": ToolsPreset("tiny", 300, 32, 2e-3, 30, 8, 8, 3e-4, 64, 3, 128, 4096, 0.5),
+    "smoke": ToolsPreset("tiny", 4, 8, 2e-3, 2, 2, 2, 3e-4, 48, 3, 8, 64, 0.5),
 }
 
 
