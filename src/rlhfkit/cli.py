@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="reviews",
         help="built-in task: reviews (SFT, reward model, PPO) or arithmetic (checkable answers: SFT, PRM, "
         "GRPO on the exact-match reward, PPO on it with and without the PRM's step rewards, PPO on an ORM) "
-        "or tools (SFT on demonstrations with calculator calls, then GRPO with the calculator tool) "
+        "or tools (SFT on demonstrations with calculator calls, then GRPO and PPO with the calculator tool) "
         "(default: %(default)s)",
     )
     quick.add_argument("--overwrite", action="store_true", help="delete DIR's previous quickstart first")

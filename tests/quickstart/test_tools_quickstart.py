@@ -1,5 +1,5 @@
-"""`rlhfkit quickstart --task tools` runs SFT on the tool-use demonstrations and GRPO with the calculator at the
-smoke preset, and reports both policies' held-out correct-answer and tool-use rates."""
+"""`rlhfkit quickstart --task tools` runs SFT on the tool-use demonstrations, then GRPO and PPO with the calculator,
+at the smoke preset, and reports each policy's held-out correct-answer and tool-use rates."""
 
 import json
 
@@ -13,7 +13,8 @@ def test_quickstart_tools_smoke(tmp_path, monkeypatch):
     out = tmp_path / "qs"
     assert main(["quickstart", "--task", "tools", "--preset", "smoke", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["policies"]) == {"sft", "grpo"} and summary["eval_prompts"] == 8
+    assert set(summary["policies"]) == {"sft", "grpo", "ppo"} and summary["eval_prompts"] == 8
+    assert (out / "ppo" / "final_critic").exists() and not (out / "grpo" / "final_critic").exists()
     for figures in summary["policies"].values():
         assert all(0.0 <= figures[k] <= 1.0 for k in ("correct_rate", "tool_use_rate"))
     config = (out / "grpo" / "config.yaml").read_text()

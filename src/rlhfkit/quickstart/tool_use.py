@@ -13,7 +13,9 @@ Stages, each in its own run folder under ``DIR``:
 3. ``grpo/``   GRPO with the calculator as a tool (``online.tools``) on the task's gold scorer
                (``rlhfkit.tasks.calculator:correct_answer_reward``): multi-turn episodes, the model's tokens
                alone trained;
-4. evaluation  greedy episodes on held-out prompts, SFT and GRPO: the correct-answer rate and the tool-use rate
+   ``ppo/``    PPO with a critic (GAE over the model's tokens, the critic from the SFT policy) on the same
+               episodes and score, as many episodes per rollout;
+4. evaluation  greedy episodes on held-out prompts, SFT, GRPO and PPO: the correct-answer rate and the tool-use rate
                (the share of episodes that call the calculator);
 5. report      ``summary.json`` and ``report.md``.
 """
@@ -65,9 +67,12 @@ def demonstrations(task, n: int, split: str = "train") -> list[dict]:
     return [{"messages": [system, *c]} for c in task.sft_conversations(n, split=split)]
 
 
-def grpo_overrides(policy: str | Path, prompts: str | Path, p: ToolsPreset, seed: int) -> dict[str, Any]:
-    """GRPO with the calculator tool on the gold scorer."""
-    return {
+def rl_overrides(
+    policy: str | Path, prompts: str | Path, p: ToolsPreset, seed: int, kind: str
+) -> dict[str, Any]:
+    """GRPO (``kind``) or PPO with a critic, with the calculator tool on the gold scorer; PPO sees as many
+    episodes per rollout as GRPO (one per prompt)."""
+    settings = {
         "seed": seed,
         "model.name_or_path": policy,
         "data.train_file": prompts,
@@ -88,6 +93,9 @@ def grpo_overrides(policy: str | Path, prompts: str | Path, p: ToolsPreset, seed
         "online.ppo_epochs": 2,
         "online.num_minibatches": 2,
     }
+    if kind == "ppo":
+        settings.update({"train.batch_size": p.prompts_per_rollout * p.group_size, "online.group_size": 1})
+    return settings
 
 
 def measure(policy_dir: str | Path, prompts: list[str], p: ToolsPreset, batch: int = 32) -> dict[str, float]:
@@ -178,17 +186,19 @@ def quickstart_tools(
     sft_dir = out / "sft" / "final"
     seconds["sft"] = time.perf_counter() - t
 
-    t = stage("grpo", f"{p.rollouts} rollouts with the calculator tool on the gold scorer")
-    online.train(
-        config_from("grpo", out / "grpo", grpo_overrides(sft_dir, files["prompts_train"], p, seed)),
-        overwrite=overwrite,
-    )
-    seconds["grpo"] = time.perf_counter() - t
+    for kind in ("grpo", "ppo"):
+        t = stage(kind, f"{p.rollouts} rollouts with the calculator tool on the gold scorer")
+        online.train(
+            config_from(kind, out / kind, rl_overrides(sft_dir, files["prompts_train"], p, seed, kind)),
+            overwrite=overwrite,
+        )
+        seconds[kind] = time.perf_counter() - t
 
     t = stage("evaluation", f"greedy episodes, {p.num_eval_prompts} held-out prompts")
     prompts = task.prompts("eval")[: p.num_eval_prompts]
     figures = {
-        name: measure(path, prompts, p) for name, path in (("sft", sft_dir), ("grpo", out / "grpo" / "final"))
+        name: measure(path, prompts, p)
+        for name, path in (("sft", sft_dir), *((k, out / k / "final") for k in ("grpo", "ppo")))
     }
     seconds["evaluation"] = time.perf_counter() - t
     summary = {
