@@ -58,7 +58,7 @@ class CalculatorEnv:
         return str(a * b)
 
     def get_reward(self) -> float:
-        return 0.5 * self.calls
+        return 0.25 + 0.5 * self.calls
 '''
 
 
@@ -306,9 +306,9 @@ def test_environment_reward_and_tools_reach_the_scores(tmp_path, monkeypatch):
     batch = prompt_batch(ctx, examples, 1)
     rollout = sample_rollout(ctx, batch, step=1)
     scores = score_rollout(ctx, rollout, batch["records"], batch["episodes"])
-    # the sampler calls calculator (not the environment's multiply): get_reward() is 0 for every episode
-    assert torch.equal(scores.parts["environment"], torch.zeros(rollout.batch_size))
-    assert torch.equal(scores.raw_scores, scores.parts["seen"])
+    # the sampler calls calculator (not the environment's multiply): get_reward() is 0.25 for every episode
+    assert torch.equal(scores.parts["environment"], torch.full((rollout.batch_size,), 0.25))
+    assert torch.equal(scores.raw_scores, scores.parts["seen"] + 0.25)
 
 
 def test_tools_config_errors_name_the_setting(tmp_path):
