@@ -54,7 +54,11 @@ class OnlineConfig:
         "Initial critic (value model) for gae; none = the reward model, else the policy "
         "(Huang et al. 2024: critic initialised from the reward model).",
     )
-    response_length: int = option(64, "Most tokens generated per response.", gt=0)
+    response_length: int = option(
+        64,
+        "Most tokens generated per response; with tools, of an episode's turns and tool results together.",
+        gt=0,
+    )
     temperature: float = option(
         0.7, "Sampling temperature; log-probs are computed at the same temperature (Huang et al. 2024).", gt=0
     )
