@@ -11,6 +11,9 @@ of them) runs five stages, numbered in :func:`train_online`:
    ``online.stop_token``), the stop token inside the mask and everything after it outside, also when the
    pad token is EOS. The log-probs of the actor and of the frozen reference, and the critic's values, are
    recomputed at the sampling temperature (never taken from ``generate``: OpenRLHF PR #853, trl#2358).
+   With ``online.tools`` / ``online.environment`` each response is a multi-turn episode
+   (:mod:`rlhfkit.rollout.episodes`, docs/tools.md): the model's sampled tokens are the mask, the tool results
+   between its turns are read by the forwards but trained nowhere (losses, KL, entropy, values, statistics).
 2. **score**: the frozen reward model (normalised by the reward trainer) and/or reward functions
    (:mod:`rlhfkit.rollout.scoring`, TRL's keyword convention). A response that nothing scores (every function
    returned None) is left out of every loss and counted (``score/unscored``). A reward function that raises or
