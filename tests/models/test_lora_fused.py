@@ -112,7 +112,8 @@ def test_fused_lora_saves_no_more_and_allocates_fewer_temporaries():
         return sum(saved.values()), counts.get("aten::add", 0) + counts.get("aten::mul", 0)
 
     plain, fused = _pair()
-    for model in (plain, fused):  # the read-out's probe of the head (one forward, once per model) before counting
+    # the read-out's probe of the head (one forward, once per model) runs before counting
+    for model in (plain, fused):
         head_transform(model)
     (saved_plain, ops_plain), (saved_fused, ops_fused) = profile(plain), profile(fused)
     assert saved_fused <= saved_plain
