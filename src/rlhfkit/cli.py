@@ -186,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", metavar="FILE", help="write {prompt, response} JSON Lines here (default: stdout)"
     )
     gen.add_argument(
+        "--reward-model",
+        metavar="DIR",
+        help="add each response's score from this reward model (a `train reward` run's final/)",
+    )
+    gen.add_argument(
         "--reward-function",
         action="append",
         default=[],
@@ -194,11 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="add each response's score from this reward function, named as in online.reward_functions "
         "(path/to/file.py:fn or pkg.module:fn; TRL's convention, called with the prompts file's other "
         'columns); repeat for several, each part\'s own score goes under "parts"',
-    )
-    gen.add_argument(
-        "--reward-model",
-        metavar="DIR",
-        help="add each response's score from this reward model (a `train reward` run's final/)",
     )
     gen.add_argument(
         "--backend",
