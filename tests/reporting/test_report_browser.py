@@ -211,3 +211,46 @@ def test_quickstart_page_shows_every_stage(tmp_path):
         assert browser.evaluate("document.querySelector('#examples-table td').textContent") == "a\\x1b[0m"
         assert browser.errors() == []
         browser.screenshot(shot_path(tmp_path, "report-quickstart-fixture.png"))
+
+
+def test_episodes_of_a_tool_run_show_as_conversations_with_calls_results_and_errors_apart(tmp_path):
+    from test_report_tools import TOOL_SAMPLES, tool_rows
+
+    write_run(tmp_path / "run", tool_rows(), samples=TOOL_SAMPLES, config="kind: grpo\n")
+    page = write_report(tmp_path / "run")
+    with Chromium(BINARY) as browser:
+        browser.open(page.as_uri())
+        check_page_loads(browser)
+        for figure in ("tool_calls", "tool_errors", "episodes_cut"):
+            assert browser.evaluate(f"document.querySelector('#{figure} img').naturalWidth > 0"), figure
+        choose(browser, "sample-sort", "step")
+        boxes = browser.evaluate(
+            "[...document.querySelectorAll('#samples-table tbody tr')].map(r => "
+            "[...r.querySelectorAll('.turn')].map(t => [t.className, t.textContent]))"
+        )
+        assert boxes[0] == [
+            ["turn turn-assistant", 'model<tool_call>{"name": "calculator"}</tool_call>'],
+            ["turn turn-call", 'callcalculator({"expression": "123*456"})'],
+            ["turn turn-result", "result56088"],
+            ["turn turn-call", 'calllookup_word({"w": "x"})'],
+            ["turn turn-error", "error: timeout<b>late</b>\\x07"],
+            ["turn turn-assistant", "modelThe answer is 56088."],
+        ]
+        assert boxes[1] == []  # a row without turns keeps its response text
+        texts = browser.evaluate(
+            "[...document.querySelectorAll('#samples-table td.text')].map(t => t.textContent)"
+        )
+        assert "no tools in this one" in texts
+        assert browser.evaluate("document.querySelectorAll('#samples-table b').length") == 0
+        # model turns, calls, results and errors each look different
+        colours = browser.evaluate(
+            "['turn-assistant', 'turn-call', 'turn-result', 'turn-error'].map(c => "
+            "getComputedStyle(document.querySelector('.' + c)).backgroundColor)"
+        )
+        assert len(set(colours)) == 4 and "rgba(0, 0, 0, 0)" not in colours
+        heads = browser.evaluate(
+            "[...document.querySelectorAll('#samples-table th')].map(t => t.textContent)"
+        )
+        assert heads[-1] == "conversation"
+        assert browser.errors() == []
+        browser.screenshot(shot_path(tmp_path, "report-tools.png"))

@@ -40,6 +40,10 @@ figure img{width:100%;height:auto;display:block}figcaption{font-size:.85em;color
 #samples-controls{display:flex;flex-wrap:wrap;gap:12px;align-items:center;margin:8px 0}
 td.text{white-space:pre-wrap;max-width:520px;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85em}
 #samples-table .parts{font-size:.85em;color:#333}
+.turn{border-left:4px solid;border-radius:3px;padding:2px 6px;margin:3px 0;white-space:pre-wrap}
+.turn .who{font-family:system-ui,sans-serif;font-weight:600;font-size:.9em;margin-right:6px}
+.turn-assistant{border-color:#1f77b4;background:#f1f6fb}.turn-call{border-color:#9467bd;background:#f6f1fb}
+.turn-result{border-color:#2ca02c;background:#f1faf1}.turn-error{border-color:#d62728;background:#fdf0f0}
 """
 
 SCRIPT = r"""
@@ -55,6 +59,22 @@ SCRIPT = r"""
   for (const s of steps) { const o = document.createElement("option"); o.value = String(s); o.textContent = String(s); stepSel.append(o); }
   const num = v => (v === null || v === undefined) ? "n/a" : (Number.isInteger(v) ? String(v) : String(Number(v.toPrecision(4))));
   function cell(tr, text, cls) { const td = document.createElement("td"); td.textContent = text; if (cls) td.className = cls; tr.append(td); }
+  // a multi-turn episode: one box per model turn, tool call, result and error (text only, never markup)
+  function turn(td, cls, who, text) {
+    const div = document.createElement("div"), label = document.createElement("span");
+    div.className = "turn " + cls; label.className = "who"; label.textContent = who;
+    div.append(label, document.createTextNode(text)); td.append(div);
+  }
+  function conversation(tr, turns) {
+    const td = document.createElement("td"); td.className = "text conversation";
+    for (const t of turns) {
+      if (t.role !== "tool") { turn(td, "turn-assistant", t.role === "assistant" ? "model" : t.role, t.text); continue; }
+      turn(td, "turn-call", "call", t.name + "(" + t.arguments + ")");
+      if (t.error === null) turn(td, "turn-result", "result", t.result);
+      else turn(td, "turn-error", "error: " + t.error, t.result);
+    }
+    tr.append(td);
+  }
   function render() {
     const step = stepSel.value, run = runSel ? runSel.value : "all", key = sortSel.value, dir = orderSel.value === "asc" ? 1 : -1;
     let shown = rows.filter(r => (step === "all" || String(r.step) === step) && (run === "all" || r.run === run));
@@ -74,7 +94,8 @@ SCRIPT = r"""
       cell(tr, num(r.kl), "num"); cell(tr, num(r.length), "num");
       cell(tr, r.ended === null ? "n/a" : (r.ended ? "yes" : "no"));
       cell(tr, Object.entries(r.parts).map(([k, v]) => k + ": " + num(v)).join("\n"), "parts text");
-      cell(tr, r.prompt, "text"); cell(tr, r.response, "text");
+      cell(tr, r.prompt, "text");
+      if (r.turns) { tr.dataset.turns = String(r.turns.length); conversation(tr, r.turns); } else cell(tr, r.response, "text");
       body.append(tr);
     }
     count.textContent = "showing " + shown.length + " of " + rows.length + " samples";
@@ -211,7 +232,13 @@ def samples_block(runs: list[Run]) -> str:
     rows = []
     for run in runs:
         rows += [
-            {**s.to_json(), "prompt": printable(s.prompt), "response": printable(s.response), "run": run.name}
+            {
+                **s.to_json(),
+                "prompt": printable(s.prompt),
+                "response": printable(s.response),
+                "turns": _printable_turns(s.turns),
+                "run": run.name,
+            }
             for s in run.samples.samples
         ]
     skipped = sum(r.samples.skipped_lines for r in runs)
@@ -233,6 +260,7 @@ def samples_block(runs: list[Run]) -> str:
     # A gold column (and sort) only where an annotator gave gold scores: a run scored by reward functions or a
     # reward model alone has none, and a column of n/a says nothing.
     gold = any(row.get("gold") is not None for row in rows)
+    episodes = any(row["turns"] for row in rows)  # a run with tools: its episodes' turns in place of the text
     sort_opts = "".join(
         f'<option value="{k}">{t}</option>'
         for k, t in (
@@ -252,7 +280,7 @@ def samples_block(runs: list[Run]) -> str:
         f"<th>{t}</th>"
         for t in (["run"] if many else [])
         + ["step", "score (as trained)", *(["gold"] if gold else []), "KL", "length", "ended"]
-        + ["reward parts (own scores)", "prompt", "response"]
+        + ["reward parts (own scores)", "prompt", "conversation" if episodes else "response"]
     )
     return (
         f'<div id="samples-controls">{run_select}<label>step <select id="sample-step"><option value="all">all'
@@ -263,6 +291,13 @@ def samples_block(runs: list[Run]) -> str:
         f'<table id="samples-table" data-gold="{int(gold)}"><thead><tr>{head}</tr></thead><tbody></tbody></table>'
         f'<script type="application/json" id="samples-data">{data}</script>'
     )
+
+
+def _printable_turns(turns: list[dict] | None) -> list[dict] | None:
+    """An episode's turns with every text field's control characters escaped (:func:`printable`)."""
+    if turns is None:
+        return None
+    return [{k: None if v is None else printable(v) for k, v in t.items()} for t in turns]
 
 
 def examples_block(examples: list[dict[str, Any]]) -> str:

@@ -126,6 +126,29 @@ PANEL: tuple[Spec, ...] = (
         ),
     ),
     Spec("kl_coef", "KL coefficient", "kl_coef", (("kl_coef", "kl_coef", False),)),
+    # multi-turn runs with tools (online.tools / online.environment); run_keys adds one line per tool and per
+    # cause of failure that the run logged
+    Spec(
+        "tool_calls",
+        "Tool calls and model turns per episode",
+        "per episode",
+        (("tools/calls_per_episode", "tool calls, all tools", False), ("turns/mean", "model turns", False)),
+    ),
+    Spec(
+        "tool_errors",
+        "Tool calls that failed, by cause",
+        "share of the calls",
+        (("tools/errors", "all causes", False),),
+    ),
+    Spec(
+        "episodes_cut",
+        "Episodes cut short",
+        "share of the episodes",
+        (
+            ("episodes/truncated", "cut by the length budget (truncated)", False),
+            ("episodes/max_turns", "stopped at online.max_turns with a call unanswered", False),
+        ),
+    ),
     Spec(
         "dpo_logratios",
         "DPO log-ratios log pi / pi_ref",
@@ -159,6 +182,12 @@ def run_keys(spec: Spec, run: Run) -> tuple[tuple[str, str, bool], ...]:
     and adds each score part's own score beside it (each reward function and the reward model, before the
     missing-EOS rule), or, for a single part, the score before the rule when that differs; a gain of the
     trained score that its parts do not share came from the rule (learning to stop), not from the reward."""
+    if spec.name == "tool_calls":  # one line per tool: its calls per episode
+        tools = run.keys_under("tools/calls/")
+        return (*spec.keys, *((key, f"{key[len('tools/calls/') :]} calls", False) for key in tools))
+    if spec.name == "tool_errors":  # one line per cause that ever happened (the run logs every cause, as 0)
+        causes = [key for key in run.keys_under("tools/errors/") if any(run.series(key)[1])]
+        return (*spec.keys, *((key, key[len("tools/errors/") :].replace("_", " "), False) for key in causes))
     if spec.name != "scores":
         return spec.keys
     source = run.reward_source

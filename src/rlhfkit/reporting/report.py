@@ -17,6 +17,9 @@ learning to stop does not pass for a gain in the reward; on a task with a gold s
 to the reference; entropy; response length; then the health of the PPO update (clip fraction, approx-KL,
 ratio, value loss and explained variance, gradient norms, learning rate). With a gold scorer, gold and
 proxy score against sqrt(KL): the axis on which Gao et al. (2022) describe reward-model overoptimization.
+A run with tools (``online.tools`` / ``online.environment``) also gets its tool calls and model turns per
+episode (a line per tool), the share of calls that failed by cause, and the episodes cut short; its sample
+browser shows each episode as a conversation (model turns, calls, results and errors set apart).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from rlhfkit.reporting.panels import (
     run_warnings,
 )
 from rlhfkit.reporting.runs import Run, fmt, load_run
-from rlhfkit.reporting.sample_file import as_text, printable
+from rlhfkit.reporting.sample_file import as_text, printable, read_turns, turns_text
 
 __all__ = ["gold_vs_kl_points", "write_report", "write_reports", "write_quickstart_page"]
 
@@ -265,8 +268,9 @@ def _markdown(run: Run, figs: list[Plot], warnings: list[health.HealthWarning]) 
 
 def samples_section(run: Path, count: int = 3) -> list[str]:
     """Markdown for ``samples.jsonl`` (online runs): the newest rollout's responses, and the best- and
-    worst-scored of the run, each with its score, parts, KL, length and whether it ended with a stop token
-    (every sample, filtered and sorted, is in ``report.html``)."""
+    worst-scored of the run, each with its score, parts, KL, length and whether it ended with a stop token;
+    a multi-turn episode's response as its turns and tool calls (every sample, filtered and sorted, and each
+    episode as a conversation, is in ``report.html``)."""
     from rlhfkit.rollout.samples import SAMPLES_FILE, pick_samples, read_samples
 
     path = run / SAMPLES_FILE
@@ -296,6 +300,8 @@ def samples_section(run: Path, count: int = 3) -> list[str]:
         ]
         for row in picked[key]:
             parts = ", ".join(f"{k} {fmt(v)}" for k, v in (row.get("parts") or {}).items())
+            # a multi-turn episode: its turns and calls, not the row's text
+            turns = read_turns(row.get("turns"))
             cells = [
                 row["step"],
                 fmt(row.get("score")),
@@ -304,7 +310,7 @@ def samples_section(run: Path, count: int = 3) -> list[str]:
                 row.get("length"),
                 row.get("ended"),
                 _cell(row.get("prompt")),
-                _cell(row.get("response")),
+                _cell(row.get("response")) if turns is None else _cell(turns_text(turns), limit=400),
             ]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")

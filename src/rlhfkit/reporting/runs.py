@@ -55,6 +55,11 @@ LABELS: dict[str, str] = {
     "learning_rate": "learning rate",
     "learning_rate/actor": "learning rate, actor",
     "learning_rate/critic": "learning rate, critic",
+    "tools/calls_per_episode": "tool calls per episode",
+    "tools/errors": "tool calls that failed (share of calls)",
+    "turns/mean": "model turns per episode",
+    "episodes/truncated": "episodes cut by the length budget",
+    "episodes/max_turns": "episodes stopped at max_turns",
     "tokens_per_second": "response tokens / s",
     "time/step_seconds": "seconds per step",
     # summary.json keys (flattened with dots)
@@ -80,6 +85,10 @@ def label(key: str) -> str:
     if head.endswith(".eval") or head == "eval":  # {"eval": {"eval/x": ..}} flattened repeats the prefix
         head = head[: -len("eval")].rstrip(".")
     words = LABELS.get(tail) or LABELS.get(tail.replace("_", "/")) or tail.replace("/", " ").replace("_", " ")
+    if tail.startswith("tools/errors/"):
+        words = f"tool calls that failed: {tail[len('tools/errors/') :].replace('_', ' ')} (share of calls)"
+    elif tail.startswith("tools/calls/"):
+        words = f"calls of {tail[len('tools/calls/') :]} per episode"
     if tail.startswith("eval/") and tail not in LABELS:
         words = "held-out " + tail[len("eval/") :].replace("/", " ").replace("_", " ")
     return f"{head.replace('.', ' ').replace('_', ' ')}: {words}" if head else words
@@ -204,6 +213,10 @@ class Run:
                 xs.append(row["step"])
                 ys.append(float(value))
         return xs, ys
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """The metric keys of the run that start with ``prefix``, sorted (e.g. each tool's ``tools/calls/<name>``)."""
+        return sorted({key for row in self.rows for key in row if key.startswith(prefix)})
 
     def flat_summary(self) -> dict[str, Any]:
         return flatten_dict(self.summary)

@@ -7,6 +7,10 @@ JSON object is counted and skipped (a run still writing, or killed mid-line, lea
 
 Reward parts are taken from a mapping under ``parts``, ``reward_parts`` or ``rewards``; any other number in
 the row that is not one of the known fields is shown as a part too.
+
+A multi-turn episode (``online.tools`` / ``online.environment``) also has ``turns``: per model turn
+``{"role": "assistant", "text"}``, per tool call ``{"role": "tool", "name", "arguments", "result", "error"}``
+(``error``: the cause of a failed call, else null); the report shows them as a conversation.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-KNOWN = ("step", "prompt", "response", "score", "gold", "kl", "length", "ended")
+KNOWN = ("step", "prompt", "response", "score", "gold", "kl", "length", "ended", "turns")
 PART_KEYS = ("parts", "reward_parts", "rewards")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -36,6 +40,7 @@ class Sample:
     length: int | None = None
     ended: bool | None = None
     parts: dict[str, float | None] = field(default_factory=dict)
+    turns: list[dict[str, str | None]] | None = None  # an episode's turns (:func:`read_turns`), else None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -48,6 +53,7 @@ class Sample:
             "length": self.length,
             "ended": self.ended,
             "parts": self.parts,
+            "turns": self.turns,
         }
 
 
@@ -101,7 +107,51 @@ def _sample(row: dict[str, Any]) -> Sample:
         length=int(length) if _number(length) is not None else None,
         ended=ended if isinstance(ended, bool) else None,
         parts=parts,
+        turns=read_turns(row.get("turns")),
     )
+
+
+def read_turns(value: Any) -> list[dict[str, str | None]] | None:
+    """An episode's ``turns`` as text fields (None when the row has none): ``role``, ``text`` (a model turn),
+    ``name``, ``arguments`` (JSON text), ``result`` and ``error`` (a tool call); a field that is missing or of
+    another type is written as text or left None, never refused."""
+    if not isinstance(value, list):
+        return None
+    turns = []
+    for turn in value:
+        if not isinstance(turn, dict):
+            continue
+        role = str(turn.get("role") or "?")
+        if role == "tool":
+            arguments = turn.get("arguments")
+            error = turn.get("error")
+            turns.append(
+                {
+                    "role": "tool",
+                    "name": as_text(turn.get("name")) or "?",
+                    "arguments": arguments
+                    if isinstance(arguments, str)
+                    else json.dumps(arguments, ensure_ascii=False),
+                    "result": as_text(turn.get("result")),
+                    "error": None if error is None else as_text(error),
+                }
+            )
+        else:
+            turns.append({"role": role, "text": as_text(turn.get("text", turn.get("content")))})
+    return turns
+
+
+def turns_text(turns: list[dict[str, str | None]]) -> str:
+    """An episode's turns (:func:`read_turns`) as lines: ``assistant: ...``, ``call name(arguments) -> result``
+    or ``call name(arguments) -> error (cause): result``."""
+    lines = []
+    for turn in turns:
+        if turn["role"] != "tool":
+            lines.append(f"{turn['role']}: {turn['text']}")
+            continue
+        outcome = turn["result"] if turn["error"] is None else f"error ({turn['error']}): {turn['result']}"
+        lines.append(f"call {turn['name']}({turn['arguments']}) -> {outcome}")
+    return "\n".join(lines)
 
 
 def _number(value: Any) -> float | None:
