@@ -159,12 +159,6 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 "set online.reward_model and/or online.reward_functions (or an online.environment with "
                 "get_reward): nothing scores the responses",
             )
-        if (online.tools or online.environment) and online.dynamic_sampling:
-            fail(
-                "online.dynamic_sampling",
-                "with online.tools / online.environment is not built yet (the extra rounds' episodes would "
-                "need merging into the rollout's); set it to false",
-            )
         if (online.tools or online.environment) and online.generation_backend == "vllm":
             fail(
                 "online.generation_backend",

@@ -83,8 +83,8 @@ def base_overrides(paths, out) -> list[str]:
     return [s for s in settings if not s.startswith("online.reward_functions")]
 
 
-def tools_config(paths, out, *extra, kind="grpo"):
-    """GRPO (or PPO with a critic) with the calculator tool and the task's gold scorer, 2 rollouts."""
+def tools_overrides(paths, out, *extra) -> list[str]:
+    """dotted.key=value settings of a small run with the calculator tool and the task's gold scorer, 2 rollouts."""
     settings = [
         "online.tools=[rlhfkit.tasks.calculator:calculator]",
         "online.reward_functions=[rlhfkit.tasks.calculator:correct_answer_reward]",
@@ -95,7 +95,12 @@ def tools_config(paths, out, *extra, kind="grpo"):
         "train.max_steps=2",
         *extra,
     ]
-    return load_config(None, [*base_overrides(paths, out), *settings], kind)
+    return [*base_overrides(paths, out), *settings]
+
+
+def tools_config(paths, out, *extra, kind="grpo"):
+    """GRPO (or PPO with a critic) on :func:`tools_overrides`."""
+    return load_config(None, tools_overrides(paths, out, *extra), kind)
 
 
 class ToolSampler:
@@ -110,6 +115,10 @@ class ToolSampler:
     def ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
+    def right(self) -> bool:
+        """Whether the next answer is right: a fair draw."""
+        return float(torch.rand(())) < 0.5
+
     def __call__(self, model, prompt_ids, prompt_mask, *, max_new_tokens, stop_token_ids, pad_token_id, **_):
         rows = []
         for ids, mask in zip(prompt_ids, prompt_mask, strict=True):
@@ -119,7 +128,7 @@ class ToolSampler:
                 self.calls += 1
                 rows.append(self.ids(call_text(problem)))
                 continue
-            answer = problem.answer if float(torch.rand(())) < 0.5 else problem.answer + 1
+            answer = problem.answer if self.right() else problem.answer + 1
             rows.append(self.ids(f"{ANSWER_PREFIX}{answer}") + [self.tok.eos_token_id])
         raw = [(row + [pad_token_id] * max_new_tokens)[:max_new_tokens] for row in rows]
         sample = _hand_built_generation(self.tok, raw)
@@ -158,11 +167,12 @@ def check_rollout_rows(tok, rollout) -> int:
     return called
 
 
-def run_capturing(monkeypatch, cfg):
-    """Train ``cfg`` with the scripted sampler; returns (the rollouts the update trained on, the sampler)."""
+def run_capturing(monkeypatch, cfg, sampler: ToolSampler | None = None):
+    """Train ``cfg`` with the scripted sampler (a :class:`ToolSampler` unless given); returns (the rollouts the
+    update trained on, the sampler)."""
     from rlhfkit.models import load_tokenizer
 
-    sampler = ToolSampler(load_tokenizer(cfg.model.name_or_path))
+    sampler = sampler or ToolSampler(load_tokenizer(cfg.model.name_or_path))
     monkeypatch.setattr(collect, "generate_responses", sampler)
     seen = []
 
@@ -317,8 +327,6 @@ def test_tools_config_errors_name_the_setting(tmp_path):
     gold = "online.reward_functions=[rlhfkit.tasks.calculator:correct_answer_reward]"
     with pytest.raises(ConfigError, match="online.generation_backend"):
         load_config(None, [*base, gold, "online.tools=[a.py:f]", "online.generation_backend=vllm"], "grpo")
-    with pytest.raises(ConfigError, match="online.dynamic_sampling"):
-        load_config(None, [*base, gold, "online.tools=[a.py:f]", "online.dynamic_sampling=true"], "grpo")
     bad = tmp_path / "bad.py"
     bad.write_text("def f(x):\n    return x\n")
     cfg = load_config(None, [*base, gold, f"online.tools=[{bad}:f]"], "grpo")

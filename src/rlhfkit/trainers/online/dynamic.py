@@ -19,16 +19,22 @@ row chunks, not from the update's first-epoch micro-batches (:mod:`rlhfkit.train
 its first ratio is 1 to float rounding rather than to the bit. Every process replaces its own groups (a group never
 leaves its process) and runs the same number of rounds, agreed by one all-reduce a round, because scoring is
 collective when a reward function fails.
+
+With tools (``online.tools`` / ``online.environment``) each round plays whole episodes, and a replacing
+group's episodes (turns, conversations, environments) take their slot with its rows, so that the logged tool
+metrics and samples.jsonl's turns are those of the rows trained.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from rlhfkit.algos.groups import informative_rows
+from rlhfkit.rollout.episodes import Episodes
 from rlhfkit.trainers.online.collect import Scores
 from rlhfkit.trainers.online.context import OnlineContext, StatSums
 from rlhfkit.types import Rollout
@@ -43,27 +49,48 @@ def _pad_columns(
     return torch.cat([pad, x] if left else [x, pad], dim=1)
 
 
+def _join_rows(
+    name: str, x: torch.Tensor | None, y: torch.Tensor | None, pad_token_id: int
+) -> torch.Tensor | None:
+    """The rows of ``x`` then ``y`` (the field ``name`` of two batches): prompts (``query_*``) left padded, other
+    (B, ·) tensors right padded to the wider of the two (padding is outside every mask, so no value read at a
+    valid position changes)."""
+    if x is None or y is None:
+        if (x is None) != (y is None):
+            raise ValueError(f"'{name}' is set in one batch and not in the other")
+        return None
+    width = max(x.shape[-1], y.shape[-1])
+    if name in ("query_ids", "query_mask"):
+        value = pad_token_id if name == "query_ids" else 0
+        x, y = _pad_columns(x, width, value, left=True), _pad_columns(y, width, value, left=True)
+    elif x.dim() == 2:
+        value = pad_token_id if name == "response_ids" else (False if x.dtype == torch.bool else 0)
+        x, y = _pad_columns(x, width, value, left=False), _pad_columns(y, width, value, left=False)
+    return torch.cat([x, y])
+
+
 def concat_rollouts(a: Rollout, b: Rollout, pad_token_id: int) -> Rollout:
     """The rows of ``a`` then ``b`` in one rollout: prompts left padded and responses right padded to the wider
     of the two (padding is outside every mask, so no value read at a valid position changes)."""
-    p = max(a.query_ids.shape[1], b.query_ids.shape[1])
-    t = max(a.response_ids.shape[1], b.response_ids.shape[1])
+    return Rollout(
+        **{name: _join_rows(name, x, getattr(b, name), pad_token_id) for name, x in a._tensors().items()}
+    )
+
+
+def select_episodes(a: Episodes, b: Episodes, index: list[int], pad_token_id: int) -> Episodes:
+    """The episodes at ``index`` of ``a``'s then ``b``'s (as :func:`concat_rollouts` then ``select`` lays out
+    their rollouts): tensors joined as the rollout's are, per-episode lists (records, conversations,
+    environments) picked alike."""
     fields: dict[str, Any] = {}
-    for name, x in a._tensors().items():
-        y = getattr(b, name)
-        if x is None or y is None:
-            if (x is None) != (y is None):
-                raise ValueError(f"Rollout.{name} is set in one rollout and not in the other")
-            fields[name] = None
-            continue
-        if name in ("query_ids", "query_mask"):
-            value = pad_token_id if name == "query_ids" else 0
-            x, y = _pad_columns(x, p, value, left=True), _pad_columns(y, p, value, left=True)
-        elif x.dim() == 2:
-            value = pad_token_id if name == "response_ids" else (False if x.dtype == torch.bool else 0)
-            x, y = _pad_columns(x, t, value, left=False), _pad_columns(y, t, value, left=False)
-        fields[name] = torch.cat([x, y])
-    return Rollout(**fields)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, list):
+            pool = [*x, *y]
+            fields[f.name] = [pool[i] for i in index]
+        else:
+            joined = _join_rows(f.name, x, y, pad_token_id)
+            fields[f.name] = None if joined is None else joined[index]
+    return Episodes(**fields)
 
 
 def _take_scores(scores: Scores, index: torch.Tensor) -> Scores:
@@ -117,7 +144,7 @@ def fill_informative_groups(
         useful = informative_rows(s.scores, r.group_ids, r.mask.any(1) & s.scored)  # (B,)
         return [j for j in range(len(useful) // g) if not bool(useful[j * g])]
 
-    records = list(batch["records"])
+    records, episodes = list(batch["records"]), batch.get("episodes")
     empty = useless_slots(rollout, scores)
     replaced, rounds = 0, 0
     while rounds < rounds_allowed:
@@ -140,6 +167,10 @@ def fill_informative_groups(
         scores = _take_scores(_concat_scores(scores, extra_scores), index)
         pool_records = [*records, *extra_batch["records"]]
         records = [pool_records[i] for i in index.tolist()]
+        if episodes is not None:  # tools: the kept episodes' turns, for the metrics and samples.jsonl
+            episodes = select_episodes(
+                episodes, extra_batch["episodes"], index.tolist(), ctx.tokenizer.pad_token_id
+            )
         replaced += len(pairs)
         empty = empty[len(pairs) :]
     stats = StatSums(ctx.device)
@@ -151,4 +182,6 @@ def fill_informative_groups(
         "query_mask": rollout.query_mask,
         "group_ids": rollout.group_ids,
     }
+    if episodes is not None:
+        fields["episodes"] = episodes
     return {**batch, **fields, "records": records}, rollout, scores, stats

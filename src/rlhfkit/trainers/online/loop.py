@@ -325,7 +325,7 @@ def _draw(
     actor_forward = not old_logprobs_from_update(ctx, step)
     rollout = sample_rollout(ctx, batch, clock, actor_forward=actor_forward, sync_engine=False)
     check_logprob_gap(ctx, rollout, round_)  # vllm: a stop when this round's engine log-probs are off
-    return batch, rollout, score(rollout, batch["records"])
+    return batch, rollout, score(rollout, batch["records"], episodes=batch.get("episodes"))
 
 
 def step_schedulers(ctx: OnlineContext, metrics: dict[str, float]) -> None:
