@@ -7,6 +7,7 @@ test's figures spread over machines-like variation, ``benchmarks/learning_spread
 ``learning_figures`` fixture (written as JSON lines to ``RLHFKIT_TEST_FIGURES`` when that is set).
 """
 
+import io
 import json
 import os
 import tempfile
@@ -82,3 +83,28 @@ def learning_figures(request):
                 f.write(json.dumps(row) + "\n")
 
     return record
+
+
+# The folders whose tests look at the report's figures themselves: there every figure is drawn. Elsewhere a run's
+# report is still built from its metrics, page and all, but each figure's pixels are a constant 1x1 PNG: drawing
+# them with matplotlib costs 0.3-0.5 s a figure, over a second a run, and minutes over the suite's runs.
+DRAWN_FIGURES = ("reporting", "quickstart", "examples")
+
+
+def _one_pixel_png() -> bytes:
+    from PIL import Image  # matplotlib's own dependency
+
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 1), "white").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+ONE_PIXEL_PNG = _one_pixel_png()
+
+
+@pytest.fixture(autouse=True)
+def _figures_drawn_only_where_looked_at(request, monkeypatch):
+    parts = request.node.path.relative_to(request.config.rootpath).parts
+    if len(parts) > 2 and parts[0] == "tests" and parts[1] in DRAWN_FIGURES:
+        return
+    monkeypatch.setattr("rlhfkit.reporting.plots._png", lambda fig: ONE_PIXEL_PNG)
