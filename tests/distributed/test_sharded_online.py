@@ -4,7 +4,9 @@ Three torchrun launches, in float64 (:mod:`tests.distributed.cli_runs`); the fir
 one-process DPO reference (two cores):
 
     1 process    ppo 1->2 (first rollout)
-    2 processes  ppo 1->2 (resumed), ppo 2 rollouts, ppo stopped after 1 and resumed, dpo 2 steps
+    2 processes  ppo 1->2 (resumed), ppo 2 rollouts, ppo stopped after 1 and resumed, dpo 2 steps; grpo with a
+                 tool (tests.distributed.tool_turns): 2 rollouts, stopped after 1 and resumed, and 1 rollout
+                 data parallel (no sharding)
     1 process    ppo 2->1 (resumed): the 2-rollout run as it stood after rollout 1 (its folder with only
                  checkpoint step-1, as a run stopped there leaves it; the runs are deterministic, so this is
                  the checkpoint a 1-rollout run writes: the stopped-and-resumed run above is held equal to the
@@ -23,6 +25,7 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,20 +36,30 @@ from rlhfkit.config import read_run_info
 from rlhfkit.engine.checkpoint import complete_checkpoints
 from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.models import loading
+from rlhfkit.tasks.calculator import ToolsTask
 from rlhfkit.trainers import common
 from tests.distributed import recording
 from tests.distributed.test_data_parallel import torchrun
 from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
+from tests.trainers.online.test_tools_online import check_rollout_rows, tools_overrides, write_tools_problem
 from tests.trainers.test_dpo import dpo_args, write_dpo_problem
 
 SHARD = "train.sharding=full_shard"
 
 
-def _start(tmp: Path, nproc: int, runs: list[list[str]], record: Path | None = None) -> subprocess.Popen:
+def _start(
+    tmp: Path,
+    nproc: int,
+    runs: list[list[str]],
+    record: Path | None = None,
+    tool_sampler: tuple[int, ...] = (),
+) -> subprocess.Popen:
     """A torchrun launch of ``runs`` (:mod:`tests.distributed.cli_runs`), started; :func:`_finish` waits for it.
-    ``record``: the folder of what :mod:`tests.distributed.recording` records."""
+    ``record``: the folder of what :mod:`tests.distributed.recording` records; ``tool_sampler``: the runs whose
+    turns :mod:`tests.distributed.tool_turns` writes."""
     plan = tmp / f"plan-{nproc}-{len(list(tmp.glob('plan-*')))}.json"
-    settings = {"float64": True, "reports": False, "runs": runs}  # no test here reads a report
+    # no test here reads a report
+    settings = {"float64": True, "reports": False, "runs": runs, "tool_sampler": list(tool_sampler)}
     plan.write_text(json.dumps({**settings, "record": str(record)} if record else settings))
     return torchrun("-m", "tests.distributed.cli_runs", str(plan), nproc=nproc, wait=False)
 
@@ -58,8 +71,8 @@ def _finish(proc: subprocess.Popen) -> str:
     return err
 
 
-def _launch(tmp: Path, nproc: int, runs: list[list[str]], record: Path | None = None) -> str:
-    return _finish(_start(tmp, nproc, runs, record))
+def _launch(tmp: Path, nproc: int, runs: list[list[str]], record: Path | None = None, **plan) -> str:
+    return _finish(_start(tmp, nproc, runs, record, **plan))
 
 
 def _stopped_after_one(run: Path, copy: Path) -> None:
@@ -78,6 +91,19 @@ def _weights(folder: Path, name: str = "final") -> dict[str, torch.Tensor]:
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert sorted(a) == sorted(b)
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def _tool_args(tmp: Path, paths: dict[str, Path], name: str, steps: int, *extra: str) -> list[str]:
+    """``rlhfkit train grpo`` with the calculator tool (tests.trainers.online.test_tools_online), ``steps``
+    rollouts, a checkpoint each."""
+    config = tmp / f"{name}.yaml"
+    config.write_text("seed: 0\n")
+    settings = (f"train.max_steps={steps}", "train.save_steps=1", "logging.progress_bar=false", *extra)
+    return ["train", "grpo", "--config", str(config), *tools_overrides(paths, tmp / name, *settings)]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +125,7 @@ def runs(tmp_path_factory):
         return online_cli_args(paths, tmp / name, *settings, f"train.max_steps={steps}", *extra)
 
     dpo = ("train.max_steps=2", "train.save_steps=1")
+    tool_paths = write_tools_problem(tmp / "tools-problem")
     first = _start(tmp, 1, [ppo("one-two", 1)])
     with pytest.MonkeyPatch.context() as patch:  # DPO's one-process, unsharded reference, here, meanwhile
         patch.setenv("RLHFKIT_NUM_THREADS", "1")
@@ -116,8 +143,13 @@ def runs(tmp_path_factory):
                 ppo("two-two", 1),
                 [*ppo("two-two", 2), "--resume"],
                 dpo_args(dpo_paths, tmp / "dpo-two", *dpo, SHARD),
+                _tool_args(tmp, tool_paths, "tools", 2, SHARD),
+                _tool_args(tmp, tool_paths, "tools-part", 1, SHARD),
+                [*_tool_args(tmp, tool_paths, "tools-part", 2, SHARD), "--resume"],
+                _tool_args(tmp, tool_paths, "tools-dp", 1),
             ],
-            record=tmp / "records",  # run-1: "two"
+            record=tmp / "records",  # run-1: "two"; run-5: "tools", run-8: "tools-dp"
+            tool_sampler=(5, 6, 7, 8),
         )
     )
     _stopped_after_one(tmp / "two", tmp / "two-one")
@@ -156,13 +188,10 @@ def test_each_rollout_samples_from_the_actors_weights_as_they_stand_then(runs):
     tmp, _ = runs
     sampled, updated = (recording.read(tmp / "records" / "run-1", name) for name in ("sampled", "updated"))
 
-    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-        return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
-
-    distinct = [w for i, w in enumerate(sampled) if i == 0 or not same(w, sampled[i - 1])]
+    distinct = [w for i, w in enumerate(sampled) if i == 0 or not _same(w, sampled[i - 1])]
     assert len(updated) == 2 and len(distinct) == 2, (len(updated), len(distinct))  # one set per rollout
     start = {k: v.double() for k, v in _weights(tmp / "online" / "policy", ".").items()}
-    assert same(distinct[0], start) and same(distinct[1], updated[0]) and not same(updated[0], start)
+    assert _same(distinct[0], start) and _same(distinct[1], updated[0]) and not _same(updated[0], start)
 
 
 @pytest.mark.slow
@@ -200,3 +229,48 @@ def test_two_sharded_dpo_processes_train_the_model_one_process_trains(runs):
     last_two, last_one = rows_two[-1], rows_one[-1]
     for key in ("loss", "eval/loss", "eval/accuracy"):
         assert last_two[key] == pytest.approx(last_one[key], rel=1e-5), key
+
+
+@pytest.mark.slow
+def test_tool_episodes_on_two_processes_sharded_and_data_parallel(runs):
+    """GRPO with the calculator tool on 2 processes, sharded (full_shard) and data parallel. Process 0's
+    episodes take two turns (a call, then an answer), process 1's one (tests.distributed.tool_turns): the
+    processes make different numbers of generate calls a rollout, each turn from the copy gathered for the
+    rollout, and the runs finish. The tool metrics are sums over both processes; the rows each process trained
+    hold the sampled tokens in the mask and the tool results outside it; a sharded run stopped after rollout 1
+    and resumed ends as the uninterrupted one."""
+    tmp, logs = runs
+    assert (
+        "grpo on 2 processes (torchrun, gloo, cpu), 1 torch thread each, model sharded (full_shard" in logs[1]
+    )
+    tok = ToolsTask(seed=0).build_tokenizer()
+    for name, run, rollouts in (("tools", 5, 2), ("tools-dp", 8, 1)):
+        metrics = read_metrics(tmp / name / "metrics.jsonl")
+        assert [row["step"] for row in metrics] == list(range(1, rollouts + 1))
+        for row in metrics:  # process 0: one call in two turns per episode; process 1: no call, one turn
+            assert row["tools/calls_per_episode"] == 0.5 and row["tools/calls/calculator"] == 0.5, row
+            assert row["turns/mean"] == 1.5 and row["tools/errors"] == 0, row
+        for rank, calls in ((0, 4), (1, 0)):  # 4 episodes a process
+            trained = recording.read(tmp / "records" / f"run-{run}", f"rollout{rank}")
+            assert len(trained) == rollouts
+            for rows in trained:
+                rows = SimpleNamespace(batch_size=rows["mask"].shape[0], **rows)
+                assert check_rollout_rows(tok, rows) == calls, (name, rank)
+    # process 0's generate calls (two a rollout) read the actor's weights of their rollout, gathered
+    folder = tmp / "records" / "run-5"
+    sampled, updated = recording.read(folder, "sampled"), recording.read(folder, "updated")
+    start = {k: v.double() for k, v in _weights(tmp / "tools-problem" / "policy", ".").items()}
+    assert len(sampled) == 4 and len(updated) == 2
+    assert all(_same(w, start) for w in sampled[:2]) and all(_same(w, updated[0]) for w in sampled[2:])
+    assert not _same(updated[0], start)
+    # stopped after rollout 1 and resumed = uninterrupted
+    assert _max_diff(_weights(tmp / "tools-part"), _weights(tmp / "tools")) == 0.0
+    drop = ("time/", "tokens_per_second", "wall")
+    part, whole = (
+        [
+            {k: v for k, v in row.items() if not k.startswith(drop)}
+            for row in read_metrics(tmp / n / "metrics.jsonl")
+        ]
+        for n in ("tools-part", "tools")
+    )
+    assert part == whole

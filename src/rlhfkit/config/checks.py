@@ -216,9 +216,6 @@ def _check_sharding(run: RunConfig, kind: str, fail, sharding: str) -> None:
             "trained and a frozen role, which FSDP2 does not shard apart; use train.sharding=none (data "
             "parallel: a LoRA run keeps the frozen base out of the optimizer) or model.lora_rank=0",
         )
-    if kind in ONLINE_KINDS and (run.online.tools or run.online.environment):
-        key = "online.tools" if run.online.tools else "online.environment"
-        fail(key, f"multi-turn episodes with {sharding} are not tested yet; use train.sharding=none")
     if kind in ONLINE_KINDS and run.refresh.every:
         fail(
             "refresh.every",
