@@ -7,7 +7,9 @@ the unsharded copy that generates, the sharded checkpoints and the whole models 
 - Generation: Hugging Face ``generate`` on a sharded actor would all-gather every layer for every new token,
   and the processes would have to take the same number of decoding steps (their all-gathers pair up) although
   their responses end at different lengths. Instead the actor's whole weights are gathered once per rollout
-  into a plain copy (:func:`generation_model`), which each process samples from alone and then frees; the
+  into a plain copy (:func:`generation_model`), which each process samples from alone and then frees (multi-turn
+  episodes with tools play every turn from it, so a process whose episodes end sooner makes fewer ``generate``
+  calls and no collective waits for it; tests/distributed/test_sharded_online.py); the
   log-prob forwards of the rollout and the update use the sharded actor (every process runs as many of them:
   equal shares of every rollout, cut into the same micro-batches). Measured on 2 CPU processes (gloo, a shared
   machine; ``benchmarks/sharded_generation.py``, docs/performance.md "Sharded training"): ``generate`` on the
