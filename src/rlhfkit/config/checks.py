@@ -159,12 +159,6 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 "set online.reward_model and/or online.reward_functions (or an online.environment with "
                 "get_reward): nothing scores the responses",
             )
-        if (online.tools or online.environment) and online.generation_backend == "vllm":
-            fail(
-                "online.generation_backend",
-                "vllm with online.tools / online.environment is not built yet (multi-turn episodes sample "
-                "each turn with Hugging Face generate); use generation_backend=hf",
-            )
         if online.advantage_estimator in ("grpo", "rloo") and online.group_size < 2:
             fail(
                 "online.group_size",

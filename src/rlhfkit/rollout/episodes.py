@@ -4,7 +4,9 @@ One call of :func:`run_episodes` plays one episode per prompt (repeat prompts fo
 
 1. each turn, ONE generation call over the still-active episodes (left-padded rows of prompt + everything so
    far; the hf backend: :func:`rlhfkit.rollout.generate_responses`, so the sampling is the trainer's, from
-   torch's global generator that the trainer seeds per rollout), stopping at EOS or at the tool-call end
+   torch's global generator that the trainer seeds per rollout; the vllm backend:
+   :func:`rlhfkit.rollout.vllm_engine.engine_generate`, which sends each row's ids as they stand as a
+   token-id prompt, so the engine continues exactly the trained row), stopping at EOS or at the tool-call end
    marker when that is one token;
 2. the turn's calls are parsed (:func:`rlhfkit.rollout.tools.parse_tool_calls`) and run
    (:func:`~rlhfkit.rollout.tools.run_tool_call`: errors, timeouts, unknown names and bad arguments come back
@@ -76,6 +78,8 @@ class Episodes:
         ended: (B,) bool, the episode ended with EOS (False when truncated).
         truncated: (B,) bool, cut by ``response_length``.
         records: one :class:`EpisodeRecord` per episode.
+        sampled_logprobs: (B, T) the sampler's own log-prob of each sampled token (0 elsewhere), when the
+            sampler gives them (the vllm engine: rollout correction and the log-prob gap); else None.
         conversations: each episode's messages, the prompt's and its last model turn included.
         completions: each episode's messages after its prompt (model turns and results): TRL's conversational
             ``completions`` for reward functions.
@@ -93,6 +97,7 @@ class Episodes:
     conversations: list[list[dict]]
     completions: list[list[dict]]
     environments: list[Any]
+    sampled_logprobs: torch.Tensor | None = None
 
     def environment_scores(self) -> list[float | None]:
         """Each environment's ``get_reward()`` (None where it has none): the episode's score."""
@@ -138,6 +143,7 @@ class _Episode:
     prompt_messages: int = 0  # how many of ``messages`` are the prompt's
     ids: list[int] = field(default_factory=list)  # after the prompt
     model: list[bool] = field(default_factory=list)  # True on sampled tokens
+    logprobs: list[float] = field(default_factory=list)  # the sampler's, per token (0 off the model's)
     record: EpisodeRecord = field(default_factory=EpisodeRecord)
     done: bool = False
 
@@ -198,11 +204,15 @@ class EpisodeRunner:
         rendered = self.turns.render(messages, add_generation_prompt=True)
         return _Episode(self.encode(rendered), messages, rendered, tools, prompt_messages=len(messages))
 
-    def play_turn(self, episode: _Episode, sampled: list[int], last_turn: bool) -> None:
-        """Append one model turn (its sampled ids, cut at the budget) and, when it calls tools, their results."""
+    def play_turn(
+        self, episode: _Episode, sampled: list[int], last_turn: bool, logprobs: list[float] | None = None
+    ) -> None:
+        """Append one model turn (its sampled ids, cut at the budget, with the sampler's ``logprobs`` of them
+        when it gives them) and, when it calls tools, their results."""
         record = episode.record
         episode.ids += sampled
         episode.model += [True] * len(sampled)
+        episode.logprobs += logprobs if logprobs is not None else [0.0] * len(sampled)
         record.model_turns += 1
         stop = sampled[-1] if sampled and sampled[-1] in self.turn_stops else None
         eos = stop is not None and stop in self.stop_token_ids
@@ -243,17 +253,20 @@ class EpisodeRunner:
         record.turns += [_call_turn(r) for r in results]
         episode.ids += suffix_ids
         episode.model += [False] * len(suffix_ids)
+        episode.logprobs += [0.0] * len(suffix_ids)
         episode.rendered = after
 
-    def finish(self, episodes: list[_Episode]) -> Episodes:
-        """Pad the rows into an :class:`Episodes` batch."""
+    def finish(self, episodes: list[_Episode], with_logprobs: bool = False) -> Episodes:
+        """Pad the rows into an :class:`Episodes` batch (``sampled_logprobs`` with ``with_logprobs``)."""
         pad = self.pad_token_id
         width = max(max(len(e.ids) for e in episodes), 1)
         query_ids, query_mask = _left_pad([e.prompt_ids for e in episodes], pad)
         response_ids = torch.full((len(episodes), width), pad, dtype=torch.long)
         mask = torch.zeros((len(episodes), width), dtype=torch.bool)
         response_mask = torch.zeros_like(mask)
+        logprobs = torch.zeros((len(episodes), width))
         for i, e in enumerate(episodes):
+            logprobs[i, : len(e.logprobs)] = torch.tensor(e.logprobs, dtype=torch.float32)
             response_ids[i, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
             mask[i, : len(e.ids)] = torch.tensor(e.model, dtype=torch.bool)
             response_mask[i, : len(e.ids)] = True
@@ -270,6 +283,7 @@ class EpisodeRunner:
             conversations=[e.messages for e in episodes],
             completions=[e.messages[e.prompt_messages :] for e in episodes],
             environments=[e.tools.environment for e in episodes],
+            sampled_logprobs=logprobs if with_logprobs else None,
         )
 
 
@@ -312,13 +326,16 @@ def run_episodes(
         prompts: a string or a list of chat messages per episode.
         rows: each episode's prompt-data row (its columns go to the environment's ``reset``).
         greedy: argmax decoding.
-        generate: the sampler, with :func:`rlhfkit.rollout.generate_responses`' signature.
+        generate: the sampler, with :func:`rlhfkit.rollout.generate_responses`' signature (the vllm backend:
+            :func:`rlhfkit.rollout.vllm_engine.engine_generate`); the ``sampled_logprobs`` it returns, if any,
+            are kept per model token.
     """
     rows = list(rows) if rows is not None else [{} for _ in prompts]
     if len(rows) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(rows)} rows")
     device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
     episodes = [runner.start(prompt, row) for prompt, row in zip(prompts, rows, strict=True)]
+    with_logprobs = False
     for turn in range(runner.max_turns):
         active = [e for e in episodes if not e.done]
         if not active:
@@ -335,7 +352,10 @@ def run_episodes(
             sampling=runner.sampling,
             greedy=greedy,
         )
+        given = getattr(out, "sampled_logprobs", None)  # (b, R) or None
+        with_logprobs = with_logprobs or given is not None
         for i, (episode, budget) in enumerate(zip(active, budgets, strict=True)):
             sampled = out.response_ids[i][out.mask[i]].tolist()[:budget]  # (r,) up to the first stop
-            runner.play_turn(episode, sampled, last_turn=turn == runner.max_turns - 1)
-    return runner.finish(episodes)
+            logprobs = None if given is None else given[i][out.mask[i]].tolist()[:budget]
+            runner.play_turn(episode, sampled, last_turn=turn == runner.max_turns - 1, logprobs=logprobs)
+    return runner.finish(episodes, with_logprobs)

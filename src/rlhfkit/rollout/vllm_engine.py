@@ -11,6 +11,11 @@ sampled token (``logprobs_mode=processed_logprobs``: after the suppressed ids, t
 top-p, the processing of :class:`rlhfkit.models.Sampling`) comes back beside the ids, for the stale-weights
 guard and truncated importance sampling. docs/generation_backend.md has the design and what was measured.
 
+Multi-turn episodes with tools (:mod:`rlhfkit.rollout.episodes`) call :meth:`VLLMEngine.generate` once per turn
+(:func:`engine_generate`), each row's ids as they stand (prompt, sampled turns, the template's tool-result ids)
+sent as its token-id prompt: the engine continues exactly the row that is trained, never a re-tokenized text,
+and stops at EOS or the tool-call end marker (the stop ids it is given).
+
 Sampling: each request carries its own seed (``SamplingParams.seed``), so a response depends on its seed and
 the weights, not on the other requests of the batch, as far as the engine's kernels are deterministic.
 
@@ -244,6 +249,7 @@ class VLLMEngine:
             :class:`Responses` with ``sampled_logprobs`` (B, R): the engine's log-prob of each sampled token
             under the processing (0 after the stop token; meaningless under ``greedy``).
         Raises:
+            ConfigError: a prompt that fills the engine's ``max_model_len`` (an episode's row so far can).
             GenerationEngineError: the engine died or ran out of memory.
         """
         from vllm import SamplingParams
@@ -258,6 +264,13 @@ class VLLMEngine:
             {"prompt_token_ids": row[m.bool()].tolist()}
             for row, m in zip(prompt_ids, prompt_mask, strict=True)
         ]
+        longest = max((len(r["prompt_token_ids"]) for r in requests), default=0)
+        if longest >= self.settings.max_model_len:  # vLLM would refuse it, or leave no room for one token
+            raise ConfigError(
+                f"online.vllm_max_model_len: a prompt of {longest} tokens leaves no room to generate in the "
+                f"engine's {self.settings.max_model_len} (with tools: the prompt as rendered with the tools, "
+                "plus the episode's turns so far); raise online.vllm_max_model_len"
+            )
         params = [
             SamplingParams(
                 n=1,

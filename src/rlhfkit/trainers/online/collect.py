@@ -111,7 +111,7 @@ def sample_rollout(
     clock = clock or StageClock()
     pieces = []
     if ctx.episodes is not None:  # tools: multi-turn episodes; the model's tokens only are trained
-        model_mask, response_mask, response_ids, ended = play_episodes(ctx, batch, clock)
+        model_mask, response_mask, response_ids, ended = play_episodes(ctx, batch, clock, sync=sync_engine)
         width = response_mask.shape[1]
     else:
         pieces = generate_pieces(  # hf or vllm (generation_backend)
@@ -171,9 +171,12 @@ def sample_rollout(
         entropy=fill_masked(entropy, mask),
     )
     if ctx.engine is not None:  # the engine's own log-probs of its tokens (rollout correction, the gap)
-        rollout.engine_logprobs = fill_masked(
-            torch.cat([p.sampled_logprobs for p in pieces])[:, :width], mask
+        engine_logprobs = (  # (B, T)
+            batch["episodes"].sampled_logprobs.to(ctx.device)
+            if ctx.episodes is not None
+            else torch.cat([p.sampled_logprobs for p in pieces])[:, :width]
         )
+        rollout.engine_logprobs = fill_masked(engine_logprobs, mask)
     return rollout
 
 
@@ -212,18 +215,28 @@ def check_environment_scores(cfg: RunConfig, toolbox: Toolbox) -> None:
 
 
 def play_episodes(
-    ctx: OnlineContext, batch: dict[str, Any], clock: StageClock, greedy: bool = False
+    ctx: OnlineContext, batch: dict[str, Any], clock: StageClock, greedy: bool = False, sync: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1's generation as multi-turn episodes (:func:`rlhfkit.rollout.episodes.run_episodes`), one per row
     of ``batch``, each prompt rendered by the runner with the tools (the data layer's rendering is replaced:
     ``batch["query_ids"]`` / ``["query_mask"]`` become the episodes', and ``batch["episodes"]`` holds them for
-    scoring and the logs).
+    scoring and the logs). With the vllm backend each turn's rows go to the engine as token-id prompts
+    (:func:`rlhfkit.rollout.vllm_engine.engine_generate`), after the actor's weights are loaded into it (not
+    with ``sync=False``: :func:`sample_rollout`'s ``sync_engine``).
 
     Returns:
         (model_mask (B, T) bool: the sampled tokens only, response_mask (B, T) bool: every token of the row,
         response_ids (B, T), ended (B,) bool), on the run's device.
     """
     records = batch["records"]
+    generate = generate_responses  # looked up here: tests replace it
+    if ctx.engine is not None:
+        from rlhfkit.rollout.vllm_engine import engine_generate
+
+        if sync:
+            with clock("weight_sync"):
+                ctx.engine.load_weights(ctx.roles.actor)
+        generate = engine_generate(ctx.engine)  # one base seed per turn from the rollout's seeded generator
     with clock("generate"), generation_model(ctx) as actor:
         episodes = run_episodes(
             ctx.episodes,
@@ -231,7 +244,7 @@ def play_episodes(
             [r["prompt"] for r in records],
             records,
             greedy=greedy,
-            generate=generate_responses,  # looked up here: tests replace it
+            generate=generate,
         )
     device = ctx.device
     batch["query_ids"], batch["query_mask"] = episodes.query_ids.to(device), episodes.query_mask.to(device)
