@@ -187,18 +187,20 @@ class Toolbox:
         functions: the stateless tools (``online.tools``), shared by every episode.
         environment_factory: makes one environment per episode, or None.
         schemas: the JSON schema of every tool, environment's first (``tools=`` of the chat template).
+        environment_scores: the environment has ``get_reward()`` (read from the one :meth:`load` makes).
     """
 
     functions: dict[str, Callable] = field(default_factory=dict)
     environment_factory: Callable[[], Any] | None = None
     schemas: list[dict] = field(default_factory=list)
+    environment_scores: bool = False
 
     @classmethod
     def load(cls, tools: Sequence[str | Callable] = (), environment: str | Callable | None = None) -> Toolbox:
         """Load and check ``online.tools`` and ``online.environment``. One environment is made to read its
         tools' schemas (TRL does the same); a name given both ways is a ConfigError."""
         functions = load_tools(tools)
-        factory, schemas = None, []
+        factory, schemas, scores = None, [], False
         if environment is not None:
             factory = load_environment_factory(environment)
             try:
@@ -211,8 +213,9 @@ class Toolbox:
                 if name in functions:
                     raise ConfigError(f"online.tools and online.environment both have a tool named '{name}'")
                 schemas.append(tool_schema(method, "online.environment", f"{type(probe).__name__}.{name}"))
+            scores = callable(getattr(probe, "get_reward", None))
         schemas += [tool_schema(fn, "online.tools", name) for name, fn in functions.items()]
-        return cls(functions, factory, schemas)
+        return cls(functions, factory, schemas, scores)
 
     @property
     def names(self) -> list[str]:

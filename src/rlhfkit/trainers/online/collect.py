@@ -207,7 +207,7 @@ def check_environment_scores(cfg: RunConfig, toolbox: Toolbox) -> None:
     online = cfg.online
     if online.reward_model or online.reward_functions or toolbox.environment_factory is None:
         return
-    if not callable(getattr(toolbox.environment_factory(), "get_reward", None)):
+    if not toolbox.environment_scores:
         raise ConfigError(
             f"online.environment: {online.environment!r} has no get_reward() and there is no "
             "online.reward_model or online.reward_functions: nothing scores the episodes"
