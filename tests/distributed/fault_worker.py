@@ -2,9 +2,10 @@
 
     torchrun --standalone --nproc_per_node 2 -m tests.distributed.fault_worker FAULT RANK STEP ARGV...
 
-``FAULT`` is ``exception`` (a Python exception), ``kill`` (SIGKILL, as the out-of-memory killer does) or ``hang``
+``FAULT`` is ``exception`` (a Python exception), ``kill`` (SIGKILL, as the out-of-memory killer does), ``hang``
 (the process stays alive and never reaches its next collective, as a stuck device or a lost node, until the
-launcher's SIGTERM ends it: that spares the test torchrun's 30 s wait before SIGKILL); it hits
+launcher's SIGTERM ends it: that spares the test torchrun's 30 s wait before SIGKILL) or ``engine`` (the
+process's vLLM engine dies under rlhfkit's call to generate, ``online.generation_backend=vllm``); it hits
 process ``RANK`` as rollout ``STEP`` starts (after rollout ``STEP - 1`` and its checkpoint). The other
 processes run the command unchanged. Exits as :func:`rlhfkit.cli.console` does.
 """
@@ -21,11 +22,18 @@ from rlhfkit.engine import signals
 from rlhfkit.trainers.online import loop
 
 
+def _dead_engine(*args, **kwargs):
+    raise RuntimeError("EngineCore died unexpectedly")
+
+
 def plant(fault: str, rank: int, step: int) -> None:
     sample = loop.sample_rollout
 
     def faulty(ctx, batch, clock, at):
         if at == step and ctx.accelerator.process_index == rank:
+            if fault == "engine":  # the engine itself fails; rlhfkit's own code runs on unchanged
+                ctx.engine.llm.generate = _dead_engine
+                return sample(ctx, batch, clock, at)
             if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault == "hang":  # alive, holding its sockets, never at the next collective

@@ -219,7 +219,6 @@ def test_sharding_with_deepspeed_or_lora_online_is_refused_naming_the_alternativ
 @pytest.mark.parametrize(
     ("setting", "key"),
     [
-        ("online.generation_backend=vllm", "online.generation_backend"),
         ("data.eval_file=e", "data.eval_file"),
         ("refresh.every=2", "refresh.every"),
         ("model.lora_rank=8", "model.lora_rank"),
@@ -232,17 +231,35 @@ def test_the_sharding_rules_apply_to_an_accelerate_fsdp_launch(monkeypatch, sett
     from rlhfkit.errors import ConfigError
 
     online = ["output_dir=x", "model.name_or_path=m", "data.train_file=t", "online.reward_model=r"]
-    extra = ["online.rollout_correction=tis"] if "vllm" in setting else []
-    assert (
-        load_config(None, [*online, setting, *extra], "grpo").train.sharding == "none"
-    )  # accepted unsharded
+    assert load_config(None, [*online, setting], "grpo").train.sharding == "none"  # accepted unsharded
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(ConfigError, match=rf"{key}.*sharding=full_shard from the accelerate FSDP launch"):
-        load_config(None, [*online, setting, *extra], "grpo")
+        load_config(None, [*online, setting], "grpo")
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
     with pytest.raises(ConfigError, match=rf"{key}.*sharding=shard_grad_op from the accelerate FSDP launch"):
-        load_config(None, [*online, setting, *extra], "grpo")
+        load_config(None, [*online, setting], "grpo")
     assert load_config(None, online, "grpo").train.sharding == "none"  # the rest is accepted
+
+
+@pytest.mark.parametrize("kind", ["ppo", "grpo", "rloo"])
+@pytest.mark.parametrize("sharding", ["full_shard", "shard_grad_op"])
+def test_vllm_with_sharding_is_accepted_with_rollout_correction(kind, sharding):
+    """vLLM beside a sharded actor (one engine per process, the weights streamed shard by shard:
+    tests/distributed/test_sharded_vllm.py) is a valid run, with truncated importance sampling on the engine's
+    log-probs, set in the config or by an accelerate FSDP launch."""
+    from rlhfkit.config import load_config
+
+    online = ["output_dir=x", "model.name_or_path=m", "data.train_file=t", "online.reward_model=r"]
+    engine = ["online.generation_backend=vllm", "online.rollout_correction=tis"]
+    cfg = load_config(None, [*online, *engine, f"train.sharding={sharding}"], kind)
+    assert (cfg.train.sharding, cfg.online.generation_backend, cfg.online.rollout_correction) == (
+        sharding,
+        "vllm",
+        "tis",
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ACCELERATE_USE_FSDP", "true")
+        assert load_config(None, [*online, *engine], kind).online.generation_backend == "vllm"
 
 
 def test_under_an_accelerate_fsdp_config_every_process_loads_the_weights_and_accelerate_does_not_wrap(

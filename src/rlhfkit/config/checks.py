@@ -172,13 +172,6 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 f"{online.advantage_estimator} does not compare a prompt's responses; use grpo or rloo, or "
                 "set it to false",
             )
-        if online.generation_backend == "vllm" and sharding != "none":
-            fail(
-                "online.generation_backend",
-                f"vllm with {_sharding_source(run, sharding)} is not built yet (the engine would need the "
-                "gathered weights of the sharded actor); use generation_backend=hf, which generates from a "
-                "gathered copy, or no sharding",
-            )
         if online.rollout_correction != "none" and online.generation_backend == "hf":
             fail(
                 "online.rollout_correction",

@@ -87,10 +87,45 @@ def check_engine_can_run(config, where: str, on_cpu: bool) -> None:
 
 def plain_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The actor's weights under Hugging Face names, as the engine loads them (a LoRA model merged, W + s B A,
-    on a copy: the trained model is untouched)."""
+    on a copy: the trained model is untouched; a sharded model: :func:`streamed_weights`)."""
+    if is_sharded(model):
+        yield from streamed_weights(model)
+        return
     plain = merged_copy(model) if is_peft_model(model) else model
     for name, tensor in plain.state_dict().items():
         yield name, tensor.detach()
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded with FSDP2 (``train.sharding``; :mod:`rlhfkit.engine.sharded`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def streamed_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A sharded (FSDP2) model's weights under Hugging Face names, one whole tensor at a time: each parameter's
+    shards are all-gathered (``DTensor.full_tensor``) just before the engine's loader takes it, and the gathered
+    tensor is dropped when the loader has copied it. No process holds a whole copy of the model: the most it
+    holds at once is what vLLM's layer-wise loader keeps until one of its layers is complete (the weights of
+    one attention or MLP block, in the model's own order), docs/distributed.md "vLLM with sharding".
+
+    A collective: every process of the run must iterate it to the end, in the same order (the state dict's
+    order is the model's, the same on every process). A parameter that FSDP holds gathered at the moment (a
+    plain tensor, not a DTensor) is already whole."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach()
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def launched_processes() -> int:
+    """The number of processes a launcher started (``WORLD_SIZE`` beside ``RANK`` and ``LOCAL_RANK``, which
+    vLLM's external-launcher mode reads), 1 for a process that no launcher started."""
+    if not all(key in os.environ for key in ("RANK", "LOCAL_RANK")):
+        return 1
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def row_seeds(base: int, rows: int) -> list[int]:
@@ -128,6 +163,15 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(lines[:2])}".strip()
 
 
+def _destroy_vllm_world() -> None:
+    """Destroy vLLM's world group (the groups it made inside a launcher's), leaving torch's default group."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+    parallel_state._WORLD = None
+
+
 class VLLMEngine:
     """One vLLM engine in this process, serving the actor's current weights.
 
@@ -144,12 +188,19 @@ class VLLMEngine:
     def __init__(self, model: torch.nn.Module, settings: EngineSettings, where: str = "the actor") -> None:
         device = next(model.parameters()).device
         on_cpu = device.type == "cpu"
-        plain = merged_copy(model) if is_peft_model(model) else model
+        sharded = is_sharded(model)
+        plain = model if sharded else merged_copy(model) if is_peft_model(model) else model
         check_engine_can_run(plain.config, where, on_cpu)
         self.vocab_size = int(plain.config.vocab_size)
         self.settings = settings
         self._folder = tempfile.TemporaryDirectory(prefix="rlhfkit-vllm-")
-        plain.save_pretrained(self._folder.name, safe_serialization=True)
+        if (
+            sharded
+        ):  # the config alone: the engine starts on placeholder weights, the actor's are streamed in below
+            plain.config.save_pretrained(self._folder.name)
+        else:
+            plain.save_pretrained(self._folder.name, safe_serialization=True)
+        del plain
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
             "0"  # in this process: reload_weights reaches the model
         )
@@ -172,6 +223,13 @@ class VLLMEngine:
         # vLLM makes a one-process torch.distributed world here unless one exists (a launcher's): it is then
         # vLLM's to destroy in close(), which a later engine of this process needs.
         self._owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        if not self._owns_group and launched_processes() > 1:
+            # Beside a launcher's group of several processes (torchrun, accelerate): vLLM's external-launcher
+            # mode, as verl's hybrid engine uses it. Each process's engine is a whole model (tensor-parallel
+            # size 1) that generates alone; vLLM lays its groups out as "external data parallel x TP", so with
+            # TP 1 no collective runs inside generate, and it places the engine on the process's LOCAL_RANK
+            # device (the default one-process executor would put every engine on device 0 of a GPU machine).
+            extra["distributed_executor_backend"] = "external_launcher"
         try:
             self.llm = LLM(
                 model=self._folder.name,
@@ -182,10 +240,13 @@ class VLLMEngine:
                 seed=settings.seed,
                 logprobs_mode="processed_logprobs",
                 enforce_eager=True,
+                load_format="dummy" if sharded else "auto",
                 **extra,
             )
         except Exception as error:  # vLLM raises many kinds; the run stops with one line naming it
             raise GenerationEngineError(f"the vLLM engine failed to start: {_first_line(error)}") from error
+        if sharded:
+            self.load_weights(model)
 
     def close(self) -> None:
         """Shut the engine down and drop vLLM's process groups (so that another engine can start in this
@@ -196,14 +257,22 @@ class VLLMEngine:
         if llm is not None:
             core = getattr(llm.llm_engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
+                # vLLM's shutdown ends with destroy_distributed_environment, which destroys torch's default
+                # process group too: a launcher's group outlives the engine (the run gathers its final weights
+                # and leaves the group after), so only vLLM's own groups go then.
+                real = parallel_state.destroy_distributed_environment
+                if not self._owns_group:
+                    parallel_state.destroy_distributed_environment = _destroy_vllm_world
+                try:
+                    core.shutdown()
+                finally:
+                    parallel_state.destroy_distributed_environment = real
             del llm
         parallel_state.destroy_model_parallel()
         if self._owns_group:
             parallel_state.destroy_distributed_environment()
-        elif parallel_state._WORLD is not None:
-            parallel_state._WORLD.destroy()
-            parallel_state._WORLD = None
+        else:
+            _destroy_vllm_world()
         gc.collect()
 
     def load_weights(self, model: torch.nn.Module) -> None:

@@ -237,7 +237,7 @@ def play_episodes(
             with clock("weight_sync"):
                 ctx.engine.load_weights(ctx.roles.actor)
         generate = engine_generate(ctx.engine)  # one base seed per turn from the rollout's seeded generator
-    with clock("generate"), generation_model(ctx) as actor:
+    with clock("generate"), generation_model(ctx, engine=ctx.engine is not None) as actor:
         episodes = run_episodes(
             ctx.episodes,
             actor,

@@ -39,11 +39,12 @@ def is_sharded(ctx: OnlineContext) -> bool:
 
 
 @contextlib.contextmanager
-def generation_model(ctx: OnlineContext):
+def generation_model(ctx: OnlineContext, engine: bool = False):
     """The actor to sample from: itself, or a sharded actor's whole weights gathered into a plain copy (one
     all-gather of the model per rollout, a collective) with the actor's precision set-up (bf16 autocast, float32
-    CPU attention: the copy samples from the policy the update trains), freed on exit."""
-    if not is_sharded(ctx):
+    CPU attention: the copy samples from the policy the update trains), freed on exit. With ``engine`` (the
+    vllm backend samples; the model handed on is not read) the actor itself: nothing is gathered."""
+    if engine or not is_sharded(ctx):
         yield ctx.roles.actor
         return
     copy = carry_precision(ctx.roles.actor, sharded.unshard(ctx.roles.actor))
