@@ -192,6 +192,16 @@ class OnlineConfig:
         "process, the actor's weights synced into it before every rollout; only token ids come from it, every "
         "log-prob, value and mask is rlhfkit's own). docs/generation_backend.md.",
     )
+    hf_decode: Literal["dynamic", "static", "compiled"] = option(
+        "dynamic",
+        "hf backend: the key / value cache of every sampling from the actor (rollouts, multi-turn episodes, "
+        "evaluation, the refresh's pairs): "
+        "dynamic (grows with the response), static (allocated once for prompt + response, positions rounded up "
+        "to a multiple of 64) or compiled (static, the one-position forward compiled by torch.compile once per "
+        "run and shape; the first call compiles). The same tokens as dynamic; a model with sliding-window or "
+        "recurrent cache layers decodes dynamic (logged once). Default measured fastest on a CPU "
+        "(docs/performance.md).",
+    )
     vllm_kv_cache_gib: int = option(
         1,
         "vllm: memory of the engine's KV cache, in whole GiB (VLLM_CPU_KVCACHE_SPACE on CPU); on a GPU, this "

@@ -31,6 +31,7 @@ from rlhfkit.models.lora import merged_for_generation
 from rlhfkit.models.precision import autocast_region, frozen_linears_cast
 from rlhfkit.models.prompt_cache import cache_keyword, shared_prompt_cache
 from rlhfkit.models.sampling import Sampling, generation_kwargs, without_checkpoint_defaults
+from rlhfkit.models.static_decode import DECODES, decode_kwargs, decode_of, static_cache
 
 
 @dataclass
@@ -107,6 +108,7 @@ def generate_responses(
     greedy: bool = False,
     return_logprobs: bool = False,
     share_prompts: bool = True,
+    decode: str | None = None,
 ) -> Responses:
     """Sample one response per prompt row (repeat rows for groups) with ``model.generate``.
 
@@ -126,6 +128,10 @@ def generate_responses(
             value cache of every prompt token but the last is computed once per distinct prompt and copied to
             its rows (:func:`shared_prompt_cache`), so a group's prompt is read once, not G times; the rest is
             ``generate``'s own. The same tokens up to the rounding of matrix products of other shapes.
+        decode: ``dynamic`` (a cache that grows), ``static`` (one allocated for the whole call) or ``compiled``
+            (static, the one-position forward compiled once per run): :mod:`rlhfkit.models.static_decode`. A
+            model that cannot take a static cache decodes ``dynamic`` (the reason logged once). None: the
+            model's own (:func:`rlhfkit.models.static_decode.set_decode`, ``online.hf_decode``), else dynamic.
     Returns:
         :class:`Responses` with exactly R response columns.
     """
@@ -133,6 +139,9 @@ def generate_responses(
         raise ValueError("prompt_ids and prompt_mask shapes differ")
     if bool((prompt_mask[:, -1] == 0).any()):
         raise ValueError("prompts must be left padded (the last column of every row is a real token)")
+    decode = decode or decode_of(model)
+    if decode not in DECODES:
+        raise ValueError(f"decode must be one of {', '.join(DECODES)}, got {decode!r}")
     was_training = model.training
     model.eval()
     try:
@@ -151,12 +160,17 @@ def generate_responses(
             frozen_linears_cast(model),
             merged_for_generation(model),
         ):
+            capacity = prompt_ids.shape[1] + max_new_tokens
             cache = shared_prompt_cache(model, prompt_ids, prompt_mask) if share_prompts else None
-            if cache is None:
+            held = static_cache(model, cache, capacity) if decode != "dynamic" else None
+            if held is None and cache is None:
                 cache = fresh_cache(model)
+            if held is None and cache is not None:
+                reserve_positions(cache, capacity)
+            cache = held if held is not None else cache
             if cache is not None:
-                reserve_positions(cache, prompt_ids.shape[1] + max_new_tokens)
                 kwargs[cache_keyword(model)] = cache
+            kwargs.update(decode_kwargs(decode, cache))
             out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
     finally:
         model.train(was_training)

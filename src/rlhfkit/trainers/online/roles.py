@@ -44,6 +44,7 @@ from rlhfkit.models import (
     load_scalar_model,
     prepare_trained,
 )
+from rlhfkit.models.static_decode import set_decode
 from rlhfkit.rollout.process_rewards import step_end_table
 
 
@@ -90,6 +91,7 @@ def build_roles(
     actor = prepare_trained(load_causal_lm(model_cfg.name_or_path, dropout=dropout, **common), model_cfg).to(
         device
     )
+    set_decode(actor, cfg.online.hf_decode)  # every hf sampler of the run (online.hf_decode)
     reference = (
         AdapterDisabled(actor)
         if lora

@@ -1,0 +1,161 @@
+"""Decoding over a static key / value cache, eager and compiled (rlhfkit.models.static_decode): the same tokens as
+the growing cache, greedy and sampled, on several architectures, with LoRA, in fp32 and bf16; the random
+generator left in the same state; a model that cannot take a static cache falls back with one logged line; the
+compiled step compiles once for prompts of other lengths."""
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import rlhfkit.models.static_decode as static_decode
+from rlhfkit.config.sections import ModelConfig
+from rlhfkit.models import sampling_for
+from rlhfkit.models.lora import prepare_trained
+from rlhfkit.models.precision import autocast_forward, float32_attention_on_cpu
+from rlhfkit.models.static_decode import bucketed_capacity, decode_of, set_decode, static_unsupported
+from rlhfkit.rollout import generate_responses
+from tests.models.tiny_architectures import bpe_tokenizer, tiny_config
+
+R = 10
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return bpe_tokenizer()
+
+
+def _model(name, tokenizer, **overrides):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(name, tokenizer, **overrides)).eval()
+
+
+def _prompts(tokenizer, columns=6, seed=1):
+    """Three distinct prompts twice each (GRPO's groups: the shared prompt cache fills the static one), the
+    first two rows left padded."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 300, (3, columns), generator=g).repeat_interleave(2, 0)
+    mask = torch.ones_like(ids)
+    mask[:2, :2] = 0
+    ids[:2, :2] = tokenizer.pad_token_id
+    return ids, mask
+
+
+def _sample(model, tokenizer, decode, greedy, ids=None, mask=None, seed=0, max_new_tokens=R):
+    if ids is None:
+        ids, mask = _prompts(tokenizer)
+    torch.manual_seed(seed)
+    out = generate_responses(
+        model,
+        ids,
+        mask,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        sampling=sampling_for(tokenizer.pad_token_id, [tokenizer.eos_token_id], temperature=1.0),
+        greedy=greedy,
+        return_logprobs=True,
+        decode=decode,
+    )
+    return out, torch.rand(4)  # what the generator draws next: the same only if generate drew the same
+
+
+def _assert_same(a, b, tol=1e-5):
+    (first, after_first), (second, after_second) = a, b
+    assert torch.equal(first.response_ids, second.response_ids)
+    assert torch.equal(first.mask, second.mask)
+    assert torch.equal(after_first, after_second)
+    assert (first.sampled_logprobs - second.sampled_logprobs).abs().max() <= tol
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "gemma", "phi3", "qwen2_moe", "opt"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_static_cache_gives_the_dynamic_cache_tokens(tokenizer, name, greedy):
+    model = _model(name, tokenizer)
+    assert static_unsupported(model) is None
+    _assert_same(_sample(model, tokenizer, "dynamic", greedy), _sample(model, tokenizer, "static", greedy))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_static_cache_with_lora_in_fp32_and_bf16(tokenizer, dtype, greedy):
+    model = _model("llama", tokenizer, attn_implementation="sdpa")
+    if dtype is not None:
+        model = float32_attention_on_cpu(autocast_forward(model, dtype))
+    model = prepare_trained(model, ModelConfig(lora_rank=4, lora_alpha=8))
+    with torch.no_grad():  # lora_B starts at zero: a non-zero update, merged for sampling
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    model.eval()
+    tol = 1e-5 if dtype is None else 1e-2  # bf16: the log-probs of two roundings of the same tokens
+    dynamic = _sample(model, tokenizer, "dynamic", greedy)
+    _assert_same(dynamic, _sample(model, tokenizer, "static", greedy), tol)
+    if not greedy:  # the draws depend on the seed: equal tokens are not the same argmax by chance
+        other = _sample(model, tokenizer, "dynamic", greedy, seed=7)[0]
+        assert not torch.equal(dynamic[0].response_ids, other.response_ids)
+
+
+def test_the_models_decode_is_used_and_carried_through_wrappers(tokenizer, monkeypatch):
+    """``set_decode`` on a LoRA actor (online.hf_decode) reaches every generate call made without ``decode``."""
+    model = prepare_trained(_model("llama", tokenizer), ModelConfig(lora_rank=4, lora_alpha=8))
+    assert decode_of(model) == "dynamic"
+    seen = []
+    real = static_decode.static_cache
+
+    def spy(*args, **kwargs):
+        seen.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("rlhfkit.rollout.generation.static_cache", spy)
+    _sample(model, tokenizer, None, greedy=True)
+    assert seen == []
+    set_decode(model, "static")
+    assert decode_of(model) == "static"
+    _sample(model, tokenizer, None, greedy=True)
+    assert seen == [True]
+    with pytest.raises(ValueError, match="decode must be one of"):
+        set_decode(model, "fast")
+
+
+@pytest.mark.parametrize("name", ["gemma2", "falcon_h1"])
+def test_a_model_without_a_plain_static_cache_falls_back_with_one_logged_line(tokenizer, name, caplog):
+    model = _model(name, tokenizer)
+    reason = static_unsupported(model)
+    assert reason is not None and ("sliding window or recurrent" in reason or "recurrent" in reason)
+    static_decode._log_fallback_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="rlhfkit.models.static_decode"):
+        static = _sample(model, tokenizer, "static", greedy=False)
+        _sample(model, tokenizer, "static", greedy=False)
+    lines = [r.getMessage() for r in caplog.records if "hf_decode" in r.getMessage()]
+    assert len(lines) == 1 and type(model).__name__ in lines[0]
+    _assert_same(_sample(model, tokenizer, "dynamic", greedy=False), static)
+
+
+def test_capacity_is_bucketed():
+    assert [bucketed_capacity(n) for n in (1, 64, 65, 130)] == [64, 64, 128, 192]
+
+
+def test_compiled_step_compiles_once_across_prompt_lengths(tokenizer, monkeypatch):
+    """The compiled decode (dynamo's capture; the eager backend here, to keep the test fast) gives the dynamic
+    tokens, and a later call with a prompt of another length in the same capacity bucket reuses the graph."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=False, dynamic=False, backend="eager", mode=None)
+    config._compile_all_devices = True
+    monkeypatch.setattr(static_decode, "_compile_config", lambda: config)
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model("llama", tokenizer)
+    for columns in (6, 9):
+        ids, mask = _prompts(tokenizer, columns)
+        for greedy in (True, False):
+            _assert_same(
+                _sample(model, tokenizer, "dynamic", greedy, ids, mask),
+                _sample(model, tokenizer, "compiled", greedy, ids, mask),
+            )
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["recompiles"]
+    torch._dynamo.reset()
