@@ -27,18 +27,24 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / ".bench" / "grpo-inputs" / "prompts.jsonl"  # written by grpo_vs_trl.py
 
 
-def build(model_dir: str, dtype: str, prompts: Path, n_prompts: int, group: int):
+def trained_lora(model):
+    """``model`` with a LoRA r16 / alpha 32 adapter on all linear layers, given a non-zero update."""
     from rlhfkit.config.sections import ModelConfig
-    from rlhfkit.models import load_causal_lm, load_tokenizer
     from rlhfkit.models.lora import prepare_trained
 
-    tokenizer = load_tokenizer(model_dir)
-    model = load_causal_lm(model_dir, tokenizer=tokenizer, dtype=dtype)
     model = prepare_trained(model, ModelConfig(lora_rank=16, lora_alpha=32))
     with torch.no_grad():  # lora_B starts at zero; a trained adapter is not
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.02)
+    return model
+
+
+def build(model_dir: str, dtype: str, prompts: Path, n_prompts: int, group: int):
+    from rlhfkit.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    model = trained_lora(load_causal_lm(model_dir, tokenizer=tokenizer, dtype=dtype))
     if prompts.is_file():
         chats = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()][:n_prompts]
     else:

@@ -207,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="what samples: hf (Hugging Face generate) or vllm (a vLLM engine in this process, "
         '`pip install "rlhfkit[vllm]"`; docs/generation_backend.md) (default: %(default)s)',
     )
+    gen.add_argument(
+        "--hf-decode",
+        choices=("dynamic", "static", "compiled"),
+        default="dynamic",
+        help="the hf backend's key / value cache, as online.hf_decode: dynamic, static (allocated once) or "
+        "compiled (static, the decoding step compiled by torch.compile on the first batch) (default: %(default)s)",
+    )
     gen.set_defaults(run=generate_command)
 
     lab = commands.add_parser(

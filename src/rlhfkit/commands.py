@@ -169,6 +169,7 @@ def generate_command(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         reward_model=args.reward_model,
+        hf_decode=getattr(args, "hf_decode", "dynamic"),
         backend=args.backend,
         reward_functions=args.reward_functions,
     )

@@ -33,6 +33,7 @@ from rlhfkit.config import OnlineConfig
 from rlhfkit.data import TokenLimits, prepare_examples
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhfkit.models.static_decode import set_decode
 from rlhfkit.rollout.evaluate import sample_and_score
 from rlhfkit.rollout.scoring import Scorer, combine_parts, data_columns
 from rlhfkit.rollout.vllm_engine import EngineSettings, VLLMEngine, engine_generate
@@ -52,11 +53,12 @@ def generate(
     reward_model: str | None = None,
     backend: str = "hf",
     reward_functions: Sequence[str] = (),
+    hf_decode: str = "dynamic",
 ) -> list[dict]:
     """Load the policy in ``model_dir``, sample for every prompt of ``prompts_file``, write JSON Lines (with each
     response's score when ``reward_model``, a reward-model folder, or ``reward_functions``, names as in
     ``online.reward_functions``, are given). ``backend``: ``"hf"`` (Hugging Face ``generate``) or ``"vllm"``
-    (a vLLM engine on the policy's weights)."""
+    (a vLLM engine on the policy's weights); ``hf_decode``: the hf backend's cache, as ``online.hf_decode``."""
     seed_everything(seed)
     functions = Scorer.load_functions(reward_functions, where=FUNCTIONS_FLAG)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
@@ -79,6 +81,7 @@ def generate(
     model = load_causal_lm(
         model_dir, trust_remote_code=trust_remote_code, tokenizer=tokenizer, frozen=True
     ).to(device)
+    set_decode(model, hf_decode)
     engine = _engine(model, examples, max_new_tokens, seed, model_dir) if backend == "vllm" else None
     try:
         samples = sample_and_score(
