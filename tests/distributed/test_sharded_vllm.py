@@ -166,3 +166,18 @@ def test_each_run_logs_the_gap_and_the_sync(runs, name):
     if name == "tools":  # multi-turn episodes from the engine
         assert all(r["tools/calls_per_episode"] > 0 and r["turns/mean"] > 1 for r in rows)
     assert (tmp / name / "final" / "model.safetensors").is_file()
+
+
+def test_one_sharded_process_without_a_launcher_runs_with_the_engine(tmp_path, monkeypatch):
+    """``rlhfkit train`` on one plain process with ``train.sharding``: the run makes its own process group of one,
+    the engine starts beside it (vLLM's one-process executor: no launcher) on the streamed weights, and the
+    group outlives the engine's close (the final weights are gathered after it)."""
+    from rlhfkit.cli import main
+
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = engine_problem(tmp_path / "problem")
+    out = tmp_path / "run"
+    assert main(online_cli_args(paths, out, *RUN, *GRPO, "train.max_steps=1", kind="grpo")) == 0
+    (row,) = [r for r in read_metrics(out / "metrics.jsonl") if "loss/policy" in r]
+    assert 0 <= row["generation/logprob_gap/mean"] < 1e-4 and row["time/weight_sync"] > 0
+    assert (out / "final" / "model.safetensors").is_file()
