@@ -10,10 +10,12 @@ import yaml
 
 from rlhfkit import cli
 from rlhfkit.config import load_config
+from rlhfkit.tasks.calculator import ToolsTask
 from tests.helpers import tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = {"grpo": "grpo", "dpo": "dpo", "sft": "sft", "reward": "reward", "ppo": "ppo"}  # file -> kind
+# file -> kind
+RECIPES = {"grpo": "grpo", "grpo_tools": "grpo", "dpo": "dpo", "sft": "sft", "reward": "reward", "ppo": "ppo"}
 
 
 def conversation(user: str, assistant: str) -> list[dict]:
@@ -59,11 +61,18 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("recipe-models")
     tokenizer = tiny_tokenizer(chat_template=True)
     ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    folders = {"policy": root / "policy", "reward": root / "reward"}
+    folders = {"policy": root / "policy", "reward": root / "reward", "tools_policy": root / "tools_policy"}
     tiny_llama(seed=0, **ids).save_pretrained(folders["policy"])
     tiny_llama("scalar", seed=1, **ids).save_pretrained(folders["reward"])
-    for folder in folders.values():
+    for folder in (folders["policy"], folders["reward"]):
         tokenizer.save_pretrained(folder)
+    # a recipe with tools needs a template that writes the model's turns verbatim (Qwen2.5's does): the tools
+    # task's tokenizer stands in for it
+    tools_tokenizer = ToolsTask(seed=0, num_train_prompts=8, num_eval_prompts=2).build_tokenizer()
+    tiny_llama(
+        seed=0, vocab_size=len(tools_tokenizer), pad_token_id=tools_tokenizer.pad_token_id
+    ).save_pretrained(folders["tools_policy"])
+    tools_tokenizer.save_pretrained(folders["tools_policy"])
     return folders
 
 
@@ -93,7 +102,7 @@ def test_recipe_parses_and_trains_two_steps_on_stand_ins(name, models, tmp_path,
     out = tmp_path / "run"
     overrides = [
         f"output_dir={out}",
-        f"model.name_or_path={models['policy']}",
+        f"model.name_or_path={models['tools_policy' if recipe.get('online', {}).get('tools') else 'policy']}",
         f"data.train_file={stand_in_dataset(recipe, tmp_path / 'data')}",
         "data.dataset_config=null",
         "data.max_prompt_length=16",
@@ -124,6 +133,8 @@ def test_recipe_parses_and_trains_two_steps_on_stand_ins(name, models, tmp_path,
         "reward_functions",
         "ppo_epochs",
         "advantage_estimator",
+        "tools",
+        "max_turns",
     ):
         assert getattr(saved.online, key) == getattr(as_written.online, key), key
 
