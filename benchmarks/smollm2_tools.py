@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ppo_vs_trl as common  # noqa: E402  (nested: dotted keys to a configuration)
 import smollm2  # noqa: E402
 
 ASK = "{question} Use the calculator tool, then reply with answer=<the number>."
@@ -82,15 +83,8 @@ def write_config(a, work: Path) -> Path:
         "logging.samples_per_step": 4,
         "logging.progress_bar": False,
     }
-    nested: dict = {}
-    for key, value in settings.items():
-        *parents, leaf = key.split(".")
-        node = nested
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = str(value) if isinstance(value, Path) else value
     path = work / "grpo_tools.yaml"
-    path.write_text(yaml.safe_dump(nested))
+    path.write_text(yaml.safe_dump(common.nested(settings)))
     return path
 
 
