@@ -217,7 +217,8 @@ class OnlineConfig:
         None,
         "vllm: the longest prompt + response the engine serves (its max_model_len); none = "
         "data.max_prompt_length + online.response_length (or refresh.max_new_tokens when a refresh samples "
-        "longer), at most the model's max_position_embeddings. A value below that sum is refused (the engine "
+        "longer) + with online.tools or online.environment, the tokens the tools add to a rendered prompt; at "
+        "most the model's max_position_embeddings. A value below that sum is refused (the engine "
         "would cut responses at it).",
         gt=0,
     )

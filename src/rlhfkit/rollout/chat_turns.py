@@ -121,6 +121,14 @@ class ChatTurns:
                 messages.insert(0, {"role": "system", "content": system})
         return messages
 
+    def prompt_overhead(self) -> int:
+        """How many tokens the tools add to a prompt as rendered (their schemas, or the default format's system
+        message): the rendered generation prompt of a one-word question with the tools, less without them."""
+        probe = [{"role": "user", "content": "probe"}]
+        with_tools = self.render(self.prompt_messages("probe"), add_generation_prompt=True)
+        without = _render(self.tokenizer, probe, True, None)
+        return max(len(self._encode(with_tools)) - len(self._encode(without)), 0)
+
     def tool_messages(self, results: list[ToolResult]) -> list[dict]:
         """The messages that carry a turn's results: ``tool`` messages, or (default format) one user message."""
         if self.shows_tools:

@@ -432,3 +432,23 @@ def test_rloo_and_reinforce_pp_train_on_tool_episodes(tmp_path, monkeypatch, kin
     assert check_rollout_rows(sampler.tok, rollouts[0]) > 0 and rollouts[0].values is None
     gap = rollouts[0].response_mask & ~rollouts[0].mask
     assert bool((rollouts[0].advantages[gap] == 0).all())
+
+
+def test_the_engines_default_length_holds_the_tools_prompt(tmp_path, monkeypatch):
+    """vllm without online.vllm_max_model_len: the engine's longest sequence is the data's prompt, plus the tokens
+    the tools add to a rendered prompt (this template's system line), plus the response."""
+    import rlhfkit.rollout.vllm_engine as vllm_engine
+    from rlhfkit.models import load_tokenizer
+    from rlhfkit.trainers.online.engine_rollout import start_engine
+
+    seen = {}
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda model, settings, where: seen.update(s=settings))
+    paths = write_tools_problem(tmp_path / "p")
+    cfg = tools_config(paths, tmp_path / "a", "online.generation_backend=vllm")
+    tokenizer = load_tokenizer(str(paths["policy"]))
+    start_engine(cfg, None, collect.episode_runner(cfg, tokenizer))
+    system_line = len(tokenizer("<|system|>tools: calculator\n", add_special_tokens=False)["input_ids"])
+    assert system_line > 0
+    assert seen["s"].max_model_len == 32 + system_line + 48
+    start_engine(cfg, None)  # no tools: the data's prompt and the response
+    assert seen["s"].max_model_len == 32 + 48

@@ -33,13 +33,17 @@ from rlhfkit.trainers.online.sharding import generation_model
 
 if TYPE_CHECKING:
     from rlhfkit.config import RunConfig
+    from rlhfkit.rollout.episodes import EpisodeRunner
     from rlhfkit.rollout.vllm_engine import VLLMEngine
     from rlhfkit.trainers.online.context import OnlineContext
     from rlhfkit.types import Rollout
 
 
-def start_engine(cfg: RunConfig, actor: torch.nn.Module) -> VLLMEngine | None:
-    """The run's vLLM engine on the actor's initial weights, or None under ``generation_backend=hf``."""
+def start_engine(
+    cfg: RunConfig, actor: torch.nn.Module, episodes: EpisodeRunner | None = None
+) -> VLLMEngine | None:
+    """The run's vLLM engine on the actor's initial weights, or None under ``generation_backend=hf``;
+    ``episodes``: the run's tools (their prompt overhead counts in the default ``max_model_len``)."""
     online = cfg.online
     if online.generation_backend != "vllm":
         return None
@@ -50,18 +54,19 @@ def start_engine(cfg: RunConfig, actor: torch.nn.Module) -> VLLMEngine | None:
         dtype=names[resolve_dtype(cfg.model.dtype)],
         kv_cache_gib=online.vllm_kv_cache_gib,
         kv_cache_dtype=online.vllm_kv_cache_dtype,
-        max_model_len=online.vllm_max_model_len or _longest(cfg, actor),
+        max_model_len=online.vllm_max_model_len or _longest(cfg, actor, episodes),
         seed=cfg.seed,
     )
     return VLLMEngine(actor, settings, where=f"model.name_or_path={cfg.model.name_or_path}")
 
 
-def _longest(cfg: RunConfig, actor: torch.nn.Module) -> int:
+def _longest(cfg: RunConfig, actor: torch.nn.Module, episodes: EpisodeRunner | None = None) -> int:
     """``data.max_prompt_length`` + the longest response the engine serves (``online.response_length``, or the
-    refresh's ``refresh.max_new_tokens`` when a refresh samples and asks for more), at most the model's own
-    position limit."""
+    refresh's ``refresh.max_new_tokens`` when a refresh samples and asks for more) + with tools, the tokens
+    their rendering adds to a prompt; at most the model's own position limit."""
     refresh = cfg.refresh.max_new_tokens if cfg.refresh.every else 0
-    wanted = cfg.data.max_prompt_length + max(cfg.online.response_length, refresh)
+    tools = episodes.turns.prompt_overhead() if episodes is not None else 0
+    wanted = cfg.data.max_prompt_length + tools + max(cfg.online.response_length, refresh)
     limit = getattr(getattr(actor, "config", None), "max_position_embeddings", None)
     return min(wanted, int(limit)) if limit else wanted
 

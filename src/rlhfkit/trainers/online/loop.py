@@ -103,7 +103,7 @@ def train(
     if hooks.refresh_reward_model is not None and ctx.roles.reward_model is None:
         raise ConfigError("a reward-model refresh needs online.reward_model")
     # vllm: the engine, once; tools: the episode runner
-    ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor), episodes=runner)
+    ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor, runner), episodes=runner)
 
     try:
         result = train_online(ctx, run, examples, hooks, eval_examples)
