@@ -279,3 +279,58 @@ def test_old_logprobs_come_from_the_update_only_where_nothing_reads_them_first(
     kind = "ppo" if any("warmup" in e for e in extra) else "grpo"
     ctx = make_context(online_config(paths, tmp_path / "run", *one_epoch, *extra, kind=kind))
     assert old_logprobs_from_update(ctx, step) is expected
+
+
+def _smollm2_like(max_prompt_length: int, response_length: int, micro_batch_size=None):
+    """A context whose actor has SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, vocabulary 49152)."""
+    from types import SimpleNamespace
+
+    actor = torch.nn.Module()
+    actor.config = SimpleNamespace(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, vocab_size=49152
+    )
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(max_prompt_length=max_prompt_length),
+        online=SimpleNamespace(response_length=response_length),
+        train=SimpleNamespace(micro_batch_size=micro_batch_size),
+    )
+    return SimpleNamespace(cfg=cfg, roles=SimpleNamespace(actor=actor))
+
+
+def test_default_micro_batch_is_a_token_budget_by_hand():
+    """Per token 30 (34 * 576 + 5 * 9 * s) + 12 * 49152 bytes; rows = 2 GiB // (s * that)."""
+    from rlhfkit.trainers.online.layout import activation_bytes_per_token, default_micro_batch
+
+    config = _smollm2_like(128, 48).roles.actor.config
+    assert activation_bytes_per_token(config, 176) == 30 * (34 * 576 + 5 * 9 * 176) + 12 * 49152 == 1414944
+    assert default_micro_batch(_smollm2_like(128, 48), 32) == 2 * 2**30 // (176 * 1414944) == 8
+    assert default_micro_batch(_smollm2_like(128, 512), 32) == 1  # 1.3 GB of estimated activations per row
+    assert default_micro_batch(_smollm2_like(128, 48), 4) == 4  # never more than the minibatch
+
+
+def test_default_micro_batches_follow_the_budget_and_an_explicit_size_wins(tmp_path, monkeypatch):
+    import rlhfkit.trainers.online.layout as layout
+
+    paths = write_online_problem(tmp_path, reward_model=False)
+    ctx = make_context(
+        online_config(
+            paths,
+            tmp_path / "run",
+            "train.batch_size=8",
+            "online.group_size=1",
+            "online.num_minibatches=1",
+            "train.micro_batch_size=null",
+            kind="ppo",
+        )
+    )
+    lengths = torch.arange(8)
+    (micros,) = micro_batches(ctx, 1, 0, lengths)
+    assert [len(m) for m in micros] == [8]  # a tiny model: the whole minibatch in one forward
+    sequence = ctx.cfg.data.max_prompt_length + ctx.cfg.online.response_length
+    per_row = sequence * layout.activation_bytes_per_token(ctx.roles.actor.config, sequence)
+    monkeypatch.setattr(layout, "ACTIVATION_BUDGET_BYTES", 3 * per_row)
+    (micros,) = micro_batches(ctx, 1, 0, lengths)
+    assert [len(m) for m in micros] == [3, 3, 2]
+    explicit = dataclasses.replace(ctx.cfg, train=dataclasses.replace(ctx.cfg.train, micro_batch_size=4))
+    (micros,) = micro_batches(dataclasses.replace(ctx, cfg=explicit), 1, 0, lengths)
+    assert [len(m) for m in micros] == [4, 4]
