@@ -166,6 +166,7 @@ def measure(args) -> list[dict]:
                 start = time.perf_counter()
                 sample(ids, mask, length)  # warm-up (the compiled decode compiles here)
                 first = time.perf_counter() - start
+                sample(ids, mask, 1)  # and for the one-token call's capacity, which may be another shape
                 full = timed(sample, ids, mask, length, args.repeats)
                 one = timed(sample, ids, mask, 1, args.repeats)
                 step = (full - one) / max(1, length - 1)

@@ -159,3 +159,35 @@ def test_compiled_step_compiles_once_across_prompt_lengths(tokenizer, monkeypatc
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["recompiles"]
     torch._dynamo.reset()
+
+
+def test_a_grpo_run_with_a_static_cache_logs_the_dynamic_runs_figures(tmp_path, monkeypatch):
+    """online.hf_decode reaches the trainer's sampler (the actor's decode) and leaves the run unchanged: the same
+    responses, so the same scores, KL, log-prob statistics and losses, rollout after rollout (the first rollout's
+    update changes the weights the second samples from)."""
+    from rlhfkit.cli import main
+    from rlhfkit.engine.metrics_writer import read_metrics
+    from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
+
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = write_online_problem(tmp_path, reward_model=False)
+    used = []
+    real = static_decode.static_cache
+
+    def spy(*args, **kwargs):
+        used.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("rlhfkit.rollout.generation.static_cache", spy)
+    figures = {}
+    for decode in ("dynamic", "static"):
+        out = tmp_path / decode
+        args = online_cli_args(paths, out, "train.max_steps=2", f"online.hf_decode={decode}", kind="grpo")
+        assert main(args) == 0
+        rows = read_metrics(out / "metrics.jsonl")
+        figures[decode] = [
+            {k: v for k, v in row.items() if not k.startswith("time/") and "per_second" not in k}
+            for row in rows
+        ]
+        assert bool(used) == (decode == "static")
+    assert len(figures["static"]) == 2 and figures["static"] == figures["dynamic"]
