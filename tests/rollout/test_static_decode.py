@@ -61,6 +61,19 @@ def _sample(model, tokenizer, decode, greedy, ids=None, mask=None, seed=0, max_n
     return out, torch.rand(4)  # what the generator draws next: the same only if generate drew the same
 
 
+def _spy_static_cache(monkeypatch) -> list:
+    """A list that gets an entry at every call of generate's ``static_cache``."""
+    calls = []
+    real = static_decode.static_cache
+
+    def spy(*args, **kwargs):
+        calls.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("rlhfkit.rollout.generation.static_cache", spy)
+    return calls
+
+
 def _assert_same(a, b, tol=1e-5):
     (first, after_first), (second, after_second) = a, b
     assert torch.equal(first.response_ids, second.response_ids)
@@ -101,14 +114,7 @@ def test_the_models_decode_is_used_and_carried_through_wrappers(tokenizer, monke
     """``set_decode`` on a LoRA actor (online.hf_decode) reaches every generate call made without ``decode``."""
     model = prepare_trained(_model("llama", tokenizer), ModelConfig(lora_rank=4, lora_alpha=8))
     assert decode_of(model) == "dynamic"
-    seen = []
-    real = static_decode.static_cache
-
-    def spy(*args, **kwargs):
-        seen.append(True)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr("rlhfkit.rollout.generation.static_cache", spy)
+    seen = _spy_static_cache(monkeypatch)
     _sample(model, tokenizer, None, greedy=True)
     assert seen == []
     set_decode(model, "static")
@@ -171,14 +177,7 @@ def test_a_grpo_run_with_a_static_cache_logs_the_dynamic_runs_figures(tmp_path, 
 
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     paths = write_online_problem(tmp_path, reward_model=False)
-    used = []
-    real = static_decode.static_cache
-
-    def spy(*args, **kwargs):
-        used.append(True)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr("rlhfkit.rollout.generation.static_cache", spy)
+    used = _spy_static_cache(monkeypatch)
     figures = {}
     for decode in ("dynamic", "static"):
         out = tmp_path / decode
