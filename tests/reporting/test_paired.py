@@ -7,7 +7,17 @@ import math
 
 import pytest
 
-from rlhfkit.reporting.paired import describe, paired, sign_test_p, t_cdf_two_sided, t_quantile, verdict
+from rlhfkit.reporting.paired import (
+    Claim,
+    decide,
+    describe,
+    paired,
+    paired_summary,
+    sign_test_p,
+    t_cdf_two_sided,
+    t_quantile,
+    verdict,
+)
 
 
 def test_t_cdf_closed_forms():
@@ -88,3 +98,89 @@ def test_paired_refuses_bad_input():
         paired([1.0, float("nan")], [1.0, 2.0])
     with pytest.raises(ValueError, match="claimed"):
         verdict(paired([1.0, 2.0], [2.0, 3.0]), 0)
+
+
+# The decision rule (docs/experiments.md, "How a verdict is decided"), fed the per-seed differences that the page
+# prints for the comparisons issue 51 names; each gives the interval the page quotes, then the rule's word.
+def _check(differences, interval, claim):
+    p = paired([0.0] * len(differences), differences)
+    # the page rounds its per-seed figures to two decimals, its intervals from the unrounded ones
+    assert (p.low, p.high) == (pytest.approx(interval[0], abs=0.011), pytest.approx(interval[1], abs=0.011))
+    return decide(p, claim)
+
+
+def test_decide_every_seed_on_one_side_is_open_when_the_interval_reaches_zero():
+    # GAE lambda 0.5 against 0.95, end gold: 0+ 5-, once worded "lower in every seed"
+    assert _check([-0.19, -0.45, -0.30, -2.58, -0.14], (-2.02, 0.56), Claim(-1)) == "open"
+    # DPO alone against PPO: 0+ 5-
+    assert _check([-0.21, -1.32, -0.29, -1.72, -0.14], (-1.64, 0.17), Claim(-1)) == "open"
+    # the over-fitted reward model against the usual one at kl_coef 0: 0+ 5-
+    assert _check([-2.72, -0.29, -0.37, -0.81, -0.94], (-2.25, 0.19), Claim(-1)) == "open"
+    # the critic's explained variance over the last 5 rollouts, reward model - policy: 5+ 0-
+    assert _check([0.08, 0.03, 0.04, 0.01, 0.19], (-0.01, 0.15), Claim(+1)) == "open"
+    # a sign test at its floor does not decide either: p = 0.0625 > 0.05
+    assert paired([0.0] * 5, [-0.19, -0.45, -0.30, -2.58, -0.14]).sign_p == pytest.approx(0.0625)
+
+
+def test_decide_explained_variance_interval_of_the_issue():
+    # first 5 rollouts, reward model - policy: +0.23 / +0.10 / +0.22 / +1.15 / +0.46 -> [-0.09, +0.96]
+    assert _check([0.23, 0.10, 0.22, 1.15, 0.46], (-0.09, 0.96), Claim(+1)) == "open"
+
+
+def test_decide_no_difference_needs_the_interval_inside_the_margin():
+    margin = Claim(0, margin=0.1)
+    # lambda 1 against 0.95 [-0.31, +0.30]; beta 0.02 against 0.05 [-0.20, +0.18]; gamma 0.99 against 1
+    # [-0.19, +0.15]; two processes against one (PPO) [-0.15, +0.43]: all once "no difference"
+    assert _check([0.29, 0.23, -0.20, -0.14, -0.21], (-0.31, 0.30), margin) == "open"
+    assert _check([0.21, -0.15, -0.03, -0.14, 0.08], (-0.20, 0.18), margin) == "open"
+    assert _check([0.21, -0.15, -0.02, -0.06, -0.06], (-0.19, 0.15), margin) == "open"
+    assert _check([0.30, -0.13, 0.32, -0.10, 0.30], (-0.15, 0.43), margin) == "open"
+    # the same interval is equivalent under a margin wide enough for its 90% interval: [-0.12, +0.11] at 90%
+    assert _check([0.21, -0.15, -0.02, -0.06, -0.06], (-0.19, 0.15), Claim(0, margin=0.15)) == (
+        "no difference (within ±0.15)"
+    )
+    # sharded against data-parallel: equal in every seed, an interval of one point
+    assert _check([0.0] * 5, (0.0, 0.0), margin) == "no difference (within ±0.1)"
+    # a difference shown to exceed the margin fails the claim of none; one inside it but not shown stays open
+    assert _check([0.30, 0.35, 0.40, 0.32, 0.38], (0.30, 0.40), margin) == "fails"
+    assert _check([0.05, 0.15, 0.10, 0.12, 0.08], (0.05, 0.15), margin) == "open"
+
+
+def test_decide_holds_fails_and_a_direction_with_a_margin():
+    # PPO - DPO in the quickstart, gold: [+0.50, +0.97]
+    ppo_dpo = [0.90, 0.66, 0.65, 0.96, 0.51]
+    assert _check(ppo_dpo, (0.50, 0.97), Claim(+1)) == "holds"
+    assert _check(ppo_dpo, (0.50, 0.97), Claim(-1)) == "fails"
+    # a direction that neither holds nor fails, with a margin, can end "no difference": 90% [-0.17, +0.17]
+    critic_warmup = [0.23, -0.03, -0.03, -0.13, -0.02]
+    assert _check(critic_warmup, (-0.16, 0.17), Claim(+1, margin=0.2)) == "no difference (within ±0.2)"
+    assert _check(critic_warmup, (-0.16, 0.17), Claim(+1, margin=0.1)) == "open"
+    assert _check(critic_warmup, (-0.16, 0.17), Claim(+1)) == "open"
+    # one seed has no interval: open whatever the claim
+    assert decide(paired([0.0], [5.0]), Claim(+1)) == "open"
+    assert decide(paired([0.0], [0.0]), Claim(0, margin=1.0)) == "open"
+
+
+def test_decide_from_a_mean_and_its_standard_error():
+    # the KL estimators' per-token check: k3 - exact KL, +0.0058 +- 0.0182 (s.e.) over 5,290 tokens
+    k3 = paired_summary(0.0058, 0.0182, 5290)
+    half = 1.9604 * 0.0182  # t_{0.975, 5289}
+    assert k3.interval(0.95) == (
+        pytest.approx(0.0058 - half, abs=1e-5),
+        pytest.approx(0.0058 + half, abs=1e-5),
+    )
+    assert decide(k3, Claim(0, margin=0.05)) == "no difference (within ±0.05)"
+    assert decide(k3, Claim(0, margin=0.03)) == "open"
+    with pytest.raises(ValueError):
+        paired_summary(0.0, 1.0, 1)
+
+
+def test_claim_is_checked():
+    for bad in (
+        dict(direction=2),
+        dict(direction=0),
+        dict(direction=1, margin=0.0),
+        dict(direction=0, margin=-1),
+    ):
+        with pytest.raises(ValueError):
+            Claim(**bad)

@@ -1,4 +1,5 @@
-"""Paired comparisons over seeds: per-seed differences, a t-interval on them and a sign test.
+"""Paired comparisons over seeds: per-seed differences, a t-interval on them, a sign test, and the one
+decision rule that turns them into a verdict.
 
 In the experiments of ``docs/experiments.md`` every seed's runs share that seed's SFT policy, reward model and
 prompts, so two settings are compared seed by seed: d_i = b_i - a_i. Beside the mean difference this gives
@@ -10,9 +11,9 @@ prompts, so two settings are compared seed by seed: d_i = b_i - a_i. Beside the 
   binomial tests): no assumption on their shape, but with 3 seeds its p cannot go below 0.25, with 5 not
   below 0.0625.
 
-:func:`verdict` reads a claimed direction against the interval: ``holds`` when the whole interval lies on the
-claimed side of 0, ``fails`` when it lies on the other side, ``open here`` otherwise. Plain Python (``math``
-only), so that the experiment scripts and the tests need nothing beyond the library.
+:func:`decide` is the page's one decision rule (its docstring states it); :func:`verdict` is that rule for a
+claimed direction, worded as the experiment scripts print it. Plain Python (``math`` only), so that the
+experiment scripts and the tests need nothing beyond the library.
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ class Paired:
     negative: int
     ties: int
     sign_p: float
+    n: int  # how many values the mean is over: the seeds (or, from :func:`paired_summary`, its n)
+
+    def interval(self, level: float) -> tuple[float, float] | None:
+        """The two-sided t-interval on the mean at ``level``; None below two values."""
+        if self.sd is None or self.n < 2:
+            return None
+        half = t_quantile(level, self.n - 1) * self.sd / math.sqrt(self.n)
+        return self.mean - half, self.mean + half
 
 
 def paired(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Paired:
@@ -123,21 +132,85 @@ def paired(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Paire
         negative,
         n - positive - negative,
         sign_test_p(positive, negative),
+        n,
     )
 
 
+def paired_summary(mean: float, se: float, n: int, level: float = 0.95) -> Paired:
+    """A :class:`Paired` from a mean over ``n`` values and its standard error, where the values themselves are not
+    kept (the KL estimators' per-token check: a mean over thousands of tokens, not seeds). No sign test.
+
+    Raises:
+        ValueError: n < 2, a negative standard error, or a value that is not finite.
+    """
+    if n < 2 or not (math.isfinite(mean) and math.isfinite(se)) or se < 0:
+        raise ValueError(
+            f"paired_summary needs a finite mean, a standard error >= 0 and n >= 2: {mean}, {se}, {n}"
+        )
+    sd = se * math.sqrt(n)
+    half = t_quantile(level, n - 1) * se
+    return Paired((), float(mean), sd, mean - half, mean + half, level, 0, 0, 0, 1.0, n)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a comparison b - a claims: ``direction`` +1 (b above a), -1 (b below a) or 0 (no difference), and
+    ``margin`` (> 0, in the compared figure's units), the difference small enough to count as none. A margin is
+    required for ``direction`` 0 and optional otherwise; it is fixed before the comparison is read."""
+
+    direction: int
+    margin: float | None = None
+
+    def __post_init__(self):
+        if self.direction not in (1, 0, -1):
+            raise ValueError(f"a claim's direction is +1, -1 or 0 (no difference), got {self.direction}")
+        if self.margin is not None and not (math.isfinite(self.margin) and self.margin > 0):
+            raise ValueError(f"a claim's margin must be a finite number > 0, got {self.margin}")
+        if self.direction == 0 and self.margin is None:
+            raise ValueError("a 'no difference' claim needs its margin, stated before the comparison")
+
+
+def decide(p: Paired, claim: Claim) -> str:
+    """The decision rule of docs/experiments.md: one verdict for a claim about the paired differences d = b - a.
+
+    With the two-sided t-intervals on the mean of d (:meth:`Paired.interval`):
+
+    - ``holds``: a direction claim whose 95% interval lies wholly on the claimed side of 0;
+    - ``fails``: a direction claim whose 95% interval lies wholly on the other side of 0, or a no-difference
+      claim whose 95% interval lies wholly outside [-margin, +margin];
+    - ``no difference (within ±margin)``: the 90% interval lies inside (-margin, +margin) — the two one-sided
+      tests of equivalence at 5% each (TOST; Schuirmann 1987) — for a no-difference claim, or for a direction
+      claim that neither holds nor fails and states a margin;
+    - ``open``: anything else, whatever the per-seed signs (5 of 5 seeds on one side is p = 0.0625 by the sign
+      test), and always for a single seed (no interval).
+
+    The margin is stated with the claim, before the comparison is read.
+    """
+    ci95, ci90 = p.interval(0.95), p.interval(0.90)
+    if ci95 is None or ci90 is None:
+        return "open"
+    low, high = ci95
+    if claim.direction != 0:
+        if (low > 0 and claim.direction > 0) or (high < 0 and claim.direction < 0):
+            return "holds"
+        if (low > 0 and claim.direction < 0) or (high < 0 and claim.direction > 0):
+            return "fails"
+    m = claim.margin
+    if m is not None:
+        if -m < ci90[0] and ci90[1] < m:
+            return f"no difference (within ±{m:g})"
+        if claim.direction == 0 and (low > m or high < -m):
+            return "fails"
+    return "open"
+
+
 def verdict(p: Paired, claimed: int) -> str:
-    """``holds`` / ``fails`` / ``open here`` for the claim that b - a has the sign of ``claimed`` (+1 or -1),
-    read from the t-interval (one seed: always ``open here``)."""
+    """``holds`` / ``fails`` / ``open here``: :func:`decide` for the claim that b - a has the sign of ``claimed``
+    (+1 or -1), with no margin (one seed: always ``open here``)."""
     if claimed not in (1, -1):
         raise ValueError(f"claimed must be +1 or -1, got {claimed}")
-    if p.low is None or p.high is None:
-        return "open here"
-    if (p.low > 0 and claimed > 0) or (p.high < 0 and claimed < 0):
-        return "holds"
-    if (p.low > 0 and claimed < 0) or (p.high < 0 and claimed > 0):
-        return "fails"
-    return "open here"
+    word = decide(p, Claim(claimed))
+    return "open here" if word == "open" else word
 
 
 def describe(p: Paired, digits: int = 2) -> str:
