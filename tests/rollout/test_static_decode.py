@@ -74,6 +74,16 @@ def _spy_static_cache(monkeypatch) -> list:
     return calls
 
 
+def _eager_compile(monkeypatch) -> None:
+    """The compiled decode with dynamo's capture and no code generation (inductor takes tens of seconds)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=False, dynamic=False, backend="eager", mode=None)
+    config._compile_all_devices = True
+    monkeypatch.setattr(static_decode, "_compile_config", lambda: config)
+    torch._dynamo.reset()
+
+
 def _assert_same(a, b, tol=1e-5):
     (first, after_first), (second, after_second) = a, b
     assert torch.equal(first.response_ids, second.response_ids)
@@ -147,12 +157,8 @@ def test_compiled_step_compiles_once_across_prompt_lengths(tokenizer, monkeypatc
     """The compiled decode (dynamo's capture; the eager backend here, to keep the test fast) gives the dynamic
     tokens, and a later call with a prompt of another length in the same capacity bucket reuses the graph."""
     from torch._dynamo.utils import counters
-    from transformers import CompileConfig
 
-    config = CompileConfig(fullgraph=False, dynamic=False, backend="eager", mode=None)
-    config._compile_all_devices = True
-    monkeypatch.setattr(static_decode, "_compile_config", lambda: config)
-    torch._dynamo.reset()
+    _eager_compile(monkeypatch)
     counters.clear()
     model = _model("llama", tokenizer)
     for columns in (6, 9):
@@ -170,7 +176,7 @@ def test_compiled_step_compiles_once_across_prompt_lengths(tokenizer, monkeypatc
 def test_a_grpo_run_with_a_static_cache_logs_the_dynamic_runs_figures(tmp_path, monkeypatch):
     """online.hf_decode reaches the trainer's sampler (the actor's decode) and leaves the run unchanged: the same
     responses, so the same scores, KL, log-prob statistics and losses, rollout after rollout (the first rollout's
-    update changes the weights the second samples from)."""
+    update changes the weights the second samples from: the compiled step must read the new ones)."""
     from rlhfkit.cli import main
     from rlhfkit.engine.metrics_writer import read_metrics
     from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
@@ -179,7 +185,9 @@ def test_a_grpo_run_with_a_static_cache_logs_the_dynamic_runs_figures(tmp_path, 
     paths = write_online_problem(tmp_path, reward_model=False)
     used = _spy_static_cache(monkeypatch)
     figures = {}
-    for decode in ("dynamic", "static"):
+    _eager_compile(monkeypatch)
+    for decode in ("dynamic", "static", "compiled"):
+        used.clear()
         out = tmp_path / decode
         args = online_cli_args(paths, out, "train.max_steps=2", f"online.hf_decode={decode}", kind="grpo")
         assert main(args) == 0
@@ -188,5 +196,7 @@ def test_a_grpo_run_with_a_static_cache_logs_the_dynamic_runs_figures(tmp_path, 
             {k: v for k, v in row.items() if not k.startswith("time/") and "per_second" not in k}
             for row in rows
         ]
-        assert bool(used) == (decode == "static")
-    assert len(figures["static"]) == 2 and figures["static"] == figures["dynamic"]
+        assert bool(used) == (decode != "dynamic")
+    assert len(figures["dynamic"]) == 2
+    assert figures["static"] == figures["dynamic"] and figures["compiled"] == figures["dynamic"]
+    torch._dynamo.reset()
