@@ -188,12 +188,15 @@ def test_quickstart_generate_report(tmp_path, fake, capsys):
             "max_new_tokens": 64,
             "seed": 0,
             "reward_model": None,
+            "hf_decode": "dynamic",
             "backend": "hf",
             "reward_functions": [],
         },
     )
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--backend", "vllm"]) == 0
     assert fake[-1][3]["backend"] == "vllm"
+    assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--hf-decode", "static"]) == 0
+    assert fake[-1][3]["hf_decode"] == "static"
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--backend", "sglang"]) == 2
     assert "invalid choice: 'sglang'" in capsys.readouterr().err
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--out", "o.jsonl"]) == 0
