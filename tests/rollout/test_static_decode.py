@@ -100,6 +100,23 @@ def test_static_cache_gives_the_dynamic_cache_tokens(tokenizer, name, greedy):
     _assert_same(_sample(model, tokenizer, "dynamic", greedy), _sample(model, tokenizer, "static", greedy))
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_distinct_prompts_fill_the_static_cache_in_generates_own_prefill(tokenizer, name):
+    """No prompt repeats (evaluation, ``rlhfkit generate``): no shared prompt cache, the static cache starts
+    empty and ``generate``'s prefill writes every prompt column."""
+    model = _model(name, tokenizer)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, 300, (4, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ids[0, :3] = tokenizer.pad_token_id
+    for greedy in (True, False):
+        _assert_same(
+            _sample(model, tokenizer, "dynamic", greedy, ids, mask),
+            _sample(model, tokenizer, "static", greedy, ids, mask),
+        )
+
+
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("greedy", [True, False])
 def test_static_cache_with_lora_in_fp32_and_bf16(tokenizer, dtype, greedy):
