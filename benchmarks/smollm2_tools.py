@@ -4,7 +4,10 @@ The prompts are the built-in ``tools`` task's (products of two 3-digit numbers),
 model to use its tool and end with ``answer=<number>``; the tool is ``rlhfkit.tasks.calculator:calculator``
 and the score the task's gold scorer (``correct_answer_reward``). SmolLM2's chat template does not show tools,
 so the episodes use rlhfkit's default call format: the tools' schemas in a system message, calls read in the
-Hermes form (docs/tools.md). Settings: LoRA r16 / alpha 32, ``model.dtype=bfloat16`` (bf16 autocast over
+Hermes form (docs/tools.md). The model does not write that format on its own, so a short LoRA SFT on the task's
+demonstrations comes first (``--sft-steps``, 8 conversations a step, rendered as the episodes render them: half
+call the calculator and copy its result, half answer at once), as a user would teach a model its tools before
+RL. Settings: LoRA r16 / alpha 32, ``model.dtype=bfloat16`` (bf16 autocast over
 float32 weights), P prompts x G responses per rollout, at most ``--turns`` model turns and R tokens per
 episode, temperature 1.
 
@@ -25,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,6 +36,7 @@ import ppo_vs_trl as common  # noqa: E402  (nested: dotted keys to a configurati
 import smollm2  # noqa: E402
 
 ASK = "{question} Use the calculator tool, then reply with answer=<the number>."
+TOOL = "rlhfkit.tasks.calculator:calculator"
 COLUMNS = {
     "seconds": "time/step_seconds",
     "generate_seconds": "time/generate",
@@ -53,6 +58,57 @@ def write_prompts(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
+def write_demonstrations(path: Path, model: str, n: int, seed: int = 0) -> Path:
+    """``n`` SFT conversations of the tools task rendered as the episodes render them for ``model``'s template:
+    the default format's system message with the calculator's schema, the call, the result as the format's
+    tool response, the answer (half of them answer at once, as the task's demonstrations do)."""
+    from rlhfkit.models import load_tokenizer
+    from rlhfkit.rollout.chat_turns import ChatTurns
+    from rlhfkit.rollout.tools import Toolbox, ToolResult
+    from rlhfkit.tasks import get_task
+
+    turns = ChatTurns.for_tokenizer(load_tokenizer(model), Toolbox.load([TOOL]).schemas)
+    task = get_task("tools", seed=seed, num_train_prompts=4096, num_eval_prompts=8)
+    with open(path, "w") as f:
+        for conversation in task.sft_conversations(n):
+            messages = turns.prompt_messages(ASK.format(question=conversation[0]["content"]))
+            for m in conversation[1:]:
+                if m["role"] == "tool":
+                    messages += turns.tool_messages([ToolResult(m["name"], None, m["content"])])
+                else:
+                    messages.append(m)
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def sft_config(a, work: Path) -> Path:
+    """LoRA SFT of the model on the demonstrations, so that it writes calls in the format the episodes read."""
+    import yaml
+
+    settings = {
+        "output_dir": work / "sft",
+        "seed": 0,
+        "model.name_or_path": a.model,
+        "model.dtype": a.dtype,
+        "model.lora_rank": 16,
+        "model.lora_alpha": 32,
+        "data.train_file": write_demonstrations(work / "sft.jsonl", a.model, a.sft_steps * 8),
+        "data.max_prompt_length": 448,
+        "data.max_length": 512,
+        "train.max_steps": a.sft_steps,
+        "train.batch_size": 8,
+        "train.learning_rate": 5e-4,
+        "train.warmup_steps": 2,
+        "train.lr_schedule": "cosine",
+        "train.save_steps": 10**6,
+        "train.log_steps": 5,
+        "logging.progress_bar": False,
+    }
+    path = work / "sft.yaml"
+    path.write_text(yaml.safe_dump(common.nested(settings)))
+    return path
+
+
 def write_config(a, work: Path) -> Path:
     """The run's configuration as ``rlhfkit train grpo --config`` reads it."""
     import yaml
@@ -60,7 +116,7 @@ def write_config(a, work: Path) -> Path:
     settings = {
         "output_dir": work / "run",
         "seed": 0,
-        "model.name_or_path": a.model,
+        "model.name_or_path": a.policy,
         "model.dtype": a.dtype,
         "model.lora_rank": 16,
         "model.lora_alpha": 32,
@@ -73,7 +129,7 @@ def write_config(a, work: Path) -> Path:
         "train.lr_schedule": "constant",
         "train.save_steps": 10**6,
         "train.log_steps": 1,
-        "online.tools": ["rlhfkit.tasks.calculator:calculator"],
+        "online.tools": [TOOL],
         "online.max_turns": a.turns,
         "online.reward_functions": ["rlhfkit.tasks.calculator:correct_answer_reward"],
         "online.group_size": a.group,
@@ -94,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--model", help="a causal LM folder (default: SmolLM2-135M-Instruct from benchmarks/smollm2.py)"
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--sft-steps", type=int, default=40, help="LoRA SFT steps of 8 demonstrations first (0: none)"
+    )
     p.add_argument("--rollouts", type=int, default=4)
     p.add_argument("--prompts", type=int, default=4, help="prompts per rollout")
     p.add_argument("--group", type=int, default=4, help="responses per prompt")
@@ -113,6 +172,13 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
+        a.policy = a.model
+        sft_seconds = 0.0
+        if a.sft_steps:
+            start = time.perf_counter()
+            if rlhfkit_main(["train", "sft", "--config", str(sft_config(a, work))]):
+                raise SystemExit("rlhfkit train sft failed")
+            sft_seconds, a.policy = time.perf_counter() - start, str(work / "sft" / "final")
         code = rlhfkit_main(["train", "grpo", "--config", str(write_config(a, work))])
         if code:
             raise SystemExit(f"rlhfkit train grpo exited with {code}")
@@ -123,6 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
         "model": a.model,
         "dtype": a.dtype,
         "threads": a.threads,
+        "sft_steps": a.sft_steps,
+        "sft_seconds": sft_seconds,
         "episodes_per_rollout": a.prompts * a.group,
         "max_turns": a.turns,
         "response_length": a.response_length,
