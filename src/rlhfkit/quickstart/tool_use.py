@@ -56,7 +56,7 @@ class ToolsPreset:
 
 
 TOOLS_PRESETS: dict[str, ToolsPreset] = {
-    "tiny": ToolsPreset("tiny", 300, 32, 2e-3, 30, 8, 8, 3e-4, 64, 3, 128, 4096, 0.5),
+    "tiny": ToolsPreset("tiny", 600, 32, 2e-3, 30, 8, 8, 3e-4, 64, 3, 128, 4096, 0.5),
     "smoke": ToolsPreset("tiny", 4, 8, 2e-3, 2, 2, 2, 3e-4, 48, 3, 8, 64, 0.5),
 }
 
