@@ -12,7 +12,8 @@ actor's weights reach it once per rollout streamed one gathered tensor at a time
   process 1 in rollout 2: both processes stop with one line each (the engine's; the survivor's lost process),
   checkpoint step-1 intact; resumed on 2 processes, it ends on the final weights of the uninterrupted run; PPO
   under shard_grad_op; GRPO with a tool (multi-turn episodes from the engine, processes taking different numbers
-  of turns). Each logs ``generation/logprob_gap`` (a float32 engine: below 1e-4) and ``time/weight_sync``.
+  of turns); and GRPO data parallel (no sharding: the same external-launcher engines). Each logs
+  ``generation/logprob_gap`` (a float32 engine: below 1e-4) and ``time/weight_sync``.
 
 Run in CI's vLLM environment (.ci/run); skipped where vLLM is not installed.
 """
@@ -80,7 +81,7 @@ GRPO = ("train.sharding=full_shard", "online.rollout_correction=tis")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The engine of process 1 dies in rollout 2 of a sharded GRPO run (a launch of its own); then one launch of
-    its resume, the uninterrupted run, PPO under shard_grad_op and GRPO with a tool."""
+    its resume, the uninterrupted run, PPO under shard_grad_op, GRPO with a tool and GRPO data parallel."""
     tmp = tmp_path_factory.mktemp("sharded-vllm-runs")
     paths = engine_problem(tmp / "problem", reward_model=True)
     tools = write_tools_problem(tmp / "tools-problem")
@@ -115,7 +116,8 @@ def runs(tmp_path_factory):
         "complete": [p.name for p in complete_checkpoints(checkpoints)],
         "steps": [r["step"] for r in read_metrics(tmp / "broken" / "metrics.jsonl")],
     }
-    _launch(tmp / "plan.json", [[*grpo("broken"), "--resume"], grpo("whole"), ppo, tool_run])
+    data_parallel = online_cli_args(paths, tmp / "data-parallel", *RUN, kind="grpo")  # no sharding
+    _launch(tmp / "plan.json", [[*grpo("broken"), "--resume"], grpo("whole"), ppo, tool_run, data_parallel])
     return tmp, fault, snapshot
 
 
@@ -155,7 +157,7 @@ def test_the_resumed_run_ends_where_the_uninterrupted_one_does(runs):
         assert torch.equal(resumed[name], whole[name]), name
 
 
-@pytest.mark.parametrize("name", ["whole", "ppo", "tools"])
+@pytest.mark.parametrize("name", ["whole", "ppo", "tools", "data-parallel"])
 def test_each_run_logs_the_gap_and_the_sync(runs, name):
     tmp, _, _ = runs
     rows = [r for r in read_metrics(tmp / name / "metrics.jsonl") if "loss/policy" in r]

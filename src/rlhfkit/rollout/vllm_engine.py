@@ -1,8 +1,9 @@
 """vLLM as the generation engine of the online trainers (``online.generation_backend=vllm``).
 
 The engine runs in the trainer's own process (colocated, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; each process of
-a data-parallel run has its own engine) on a copy of the actor written once at start-up, and the actor's
-current weights are loaded into it in place before every generation (:meth:`VLLMEngine.load_weights`, the
+a data-parallel or sharded run has its own engine) on a copy of the actor written once at start-up (sharded, or
+under a launcher of several processes: the config alone, on placeholder weights, ``load_format="dummy"``, the
+actor's loaded at once), and the actor's current weights are loaded into it in place before every generation (:meth:`VLLMEngine.load_weights`, the
 model runner's ``reload_weights``; LoRA: the merged weights). Only token ids are taken from it: the responses
 are cut at the stop token by :func:`rlhfkit.rollout.generation.truncate_at_stop`, as with ``hf`` (and masked
 by the tokens the engine produced: :func:`engine_responses`), and every
@@ -15,6 +16,11 @@ Multi-turn episodes with tools (:mod:`rlhfkit.rollout.episodes`) call :meth:`VLL
 (:func:`engine_generate`), each row's ids as they stand (prompt, sampled turns, the template's tool-result ids)
 sent as its token-id prompt: the engine continues exactly the row that is trained, never a re-tokenized text,
 and stops at EOS or the tool-call end marker (the stop ids it is given).
+
+Beside a sharded actor (``train.sharding``, FSDP2) the engine gets the actor's weights by
+:func:`streamed_weights`: one parameter all-gathered at a time as vLLM's loader takes it, never a whole copy.
+Under a launcher of several processes (torchrun) each process's engine runs in vLLM's external-launcher mode
+beside the launcher's process group, which outlives the engine (docs/distributed.md, "vLLM with sharding").
 
 Sampling: each request carries its own seed (``SamplingParams.seed``), so a response depends on its seed and
 the weights, not on the other requests of the batch, as far as the engine's kernels are deterministic.
@@ -94,6 +100,22 @@ def plain_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     plain = merged_copy(model) if is_peft_model(model) else model
     for name, tensor in plain.state_dict().items():
         yield name, tensor.detach()
+
+
+def engine_config(model: torch.nn.Module):
+    """A copy of the actor's Hugging Face config that names its model class in ``architectures`` (what vLLM
+    picks its implementation by): the class under a peft model's adapters or FSDP2's wrapper class."""
+    import copy
+
+    from torch.distributed.fsdp import FSDPModule
+
+    base = model.get_base_model() if is_peft_model(model) else model
+    cls = type(base)
+    if issubclass(cls, FSDPModule):  # fully_shard made the class FSDP<Name>(FSDPModule, <Name>)
+        cls = next(b for b in cls.__bases__ if not issubclass(b, FSDPModule))
+    config = copy.deepcopy(base.config)
+    config.architectures = [cls.__name__]
+    return config
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -176,8 +198,9 @@ class VLLMEngine:
     """One vLLM engine in this process, serving the actor's current weights.
 
     Args:
-        model: the actor (unwrapped; a peft model is merged); written once to a temporary folder, which is
-            what vLLM starts from.
+        model: the actor (unwrapped; a peft model is merged; a sharded one streamed); written to a temporary
+            folder, which is what vLLM starts from (sharded or launched: its config alone, the weights loaded
+            at once).
         settings: :class:`EngineSettings`.
         where: how a message names the model (e.g. ``model.name_or_path=...``).
     Raises:
@@ -188,19 +211,22 @@ class VLLMEngine:
     def __init__(self, model: torch.nn.Module, settings: EngineSettings, where: str = "the actor") -> None:
         device = next(model.parameters()).device
         on_cpu = device.type == "cpu"
-        sharded = is_sharded(model)
-        plain = model if sharded else merged_copy(model) if is_peft_model(model) else model
-        check_engine_can_run(plain.config, where, on_cpu)
-        self.vocab_size = int(plain.config.vocab_size)
+        config = engine_config(model)
+        check_engine_can_run(config, where, on_cpu)
+        self.vocab_size = int(config.vocab_size)
         self.settings = settings
         self._folder = tempfile.TemporaryDirectory(prefix="rlhfkit-vllm-")
-        if (
-            sharded
-        ):  # the config alone: the engine starts on placeholder weights, the actor's are streamed in below
-            plain.config.save_pretrained(self._folder.name)
-        else:
+        # A sharded actor, or any actor under a launcher of several processes: the config alone, the engine
+        # starts on placeholder weights (load_format="dummy") and the actor's are loaded right after, as every
+        # sync loads them. A whole copy is never gathered, and transformers' save_pretrained writes on rank 0
+        # only once torch.distributed is initialized (the other processes' folders would stay empty).
+        from_config = is_sharded(model) or launched_processes() > 1
+        if from_config:
+            config.save_pretrained(self._folder.name)
+        else:  # one process: the actor as it is (LoRA: merged, on a copy)
+            plain = merged_copy(model) if is_peft_model(model) else model
             plain.save_pretrained(self._folder.name, safe_serialization=True)
-        del plain
+            del plain
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
             "0"  # in this process: reload_weights reaches the model
         )
@@ -240,12 +266,12 @@ class VLLMEngine:
                 seed=settings.seed,
                 logprobs_mode="processed_logprobs",
                 enforce_eager=True,
-                load_format="dummy" if sharded else "auto",
+                load_format="dummy" if from_config else "auto",
                 **extra,
             )
         except Exception as error:  # vLLM raises many kinds; the run stops with one line naming it
             raise GenerationEngineError(f"the vLLM engine failed to start: {_first_line(error)}") from error
-        if sharded:
+        if from_config:
             self.load_weights(model)
 
     def close(self) -> None:
