@@ -4,8 +4,10 @@
 
 ``FAULT`` is ``exception`` (a Python exception), ``kill`` (SIGKILL, as the out-of-memory killer does), ``hang``
 (the process stays alive and never reaches its next collective, as a stuck device or a lost node, until the
-launcher's SIGTERM ends it: that spares the test torchrun's 30 s wait before SIGKILL) or ``engine`` (the
-process's vLLM engine dies under rlhfkit's call to generate, ``online.generation_backend=vllm``); it hits
+launcher's SIGTERM ends it: that spares the test torchrun's 30 s wait before SIGKILL), ``engine`` (the
+process's vLLM engine dies under rlhfkit's call to generate, ``online.generation_backend=vllm``) or ``stale``
+(that engine is given other weights than the actor's: the sync's tensors tripled, the sync itself, a collective
+under sharding, still made); it hits
 process ``RANK`` as rollout ``STEP`` starts (after rollout ``STEP - 1`` and its checkpoint). The other
 processes run the command unchanged. Exits as :func:`rlhfkit.cli.console` does.
 """
@@ -26,6 +28,19 @@ def _dead_engine(*args, **kwargs):
     raise RuntimeError("EngineCore died unexpectedly")
 
 
+def _tripled_sync() -> None:
+    """From now on this process's engine loads each of the actor's weights tripled."""
+    from rlhfkit.rollout import vllm_engine
+
+    real = vllm_engine.plain_weights
+
+    def tripled(model):
+        for name, tensor in real(model):
+            yield name, tensor * 3 if tensor.is_floating_point() else tensor
+
+    vllm_engine.plain_weights = tripled
+
+
 def plant(fault: str, rank: int, step: int) -> None:
     sample = loop.sample_rollout
 
@@ -33,6 +48,9 @@ def plant(fault: str, rank: int, step: int) -> None:
         if at == step and ctx.accelerator.process_index == rank:
             if fault == "engine":  # the engine itself fails; rlhfkit's own code runs on unchanged
                 ctx.engine.llm.generate = _dead_engine
+                return sample(ctx, batch, clock, at)
+            if fault == "stale":
+                _tripled_sync()
                 return sample(ctx, batch, clock, at)
             if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)

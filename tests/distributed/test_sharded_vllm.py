@@ -13,7 +13,8 @@ actor's weights reach it once per rollout streamed one gathered tensor at a time
   checkpoint step-1 intact; resumed on 2 processes, it ends on the final weights of the uninterrupted run; PPO
   under shard_grad_op; GRPO with a tool (multi-turn episodes from the engine, processes taking different numbers
   of turns); and GRPO data parallel (no sharding: the same external-launcher engines). Each logs
-  ``generation/logprob_gap`` (a float32 engine: below 1e-4) and ``time/weight_sync``.
+  ``generation/logprob_gap`` (a float32 engine: below 1e-4) and ``time/weight_sync``; an engine given other
+  weights on one process only stops both processes at the gap guard.
 
 Run in CI's vLLM environment (.ci/run); skipped where vLLM is not installed.
 """
@@ -110,6 +111,7 @@ def runs(tmp_path_factory):
         ),
     ]
     fault = faulty_launch("engine", 1, grpo("broken"))
+    stale = faulty_launch("stale", 1, grpo("stale"))
     checkpoints = tmp / "broken" / "checkpoints"
     snapshot = {
         "folders": sorted(p.name for p in checkpoints.iterdir()),
@@ -118,7 +120,7 @@ def runs(tmp_path_factory):
     }
     data_parallel = online_cli_args(paths, tmp / "data-parallel", *RUN, kind="grpo")  # no sharding
     _launch(tmp / "plan.json", [[*grpo("broken"), "--resume"], grpo("whole"), ppo, tool_run, data_parallel])
-    return tmp, fault, snapshot
+    return tmp, fault, snapshot, stale
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
@@ -126,7 +128,7 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 def test_an_engine_death_on_one_process_stops_both_with_one_line_each(runs):
-    tmp, (code, err, _), snapshot = runs
+    tmp, (code, err, _), snapshot, _ = runs
     assert code != 0
     lines = [line for line in err.splitlines() if line.startswith("rlhfkit: stopped:")]
     assert len(lines) == 2, err[-4000:]
@@ -147,8 +149,23 @@ def test_an_engine_death_on_one_process_stops_both_with_one_line_each(runs):
     assert snapshot == {"folders": ["step-1", "step-1.sharded"], "complete": ["step-1"], "steps": [1]}
 
 
+def test_other_weights_in_one_process_engine_stop_every_process_at_the_gap_guard(runs):
+    """Process 1's engine gets the actor's weights tripled in rollout 2 (the sync, a collective, still made):
+    the gap is summed over the processes, so both stop on it with the same line, before anything of that
+    rollout is saved."""
+    tmp, _, _, (code, err, _) = runs
+    assert code != 0
+    lines = [line for line in err.splitlines() if line.startswith("rlhfkit: stopped:")]
+    assert len(lines) == 2 and lines[0] == lines[1], err[-4000:]
+    assert lines[0].startswith("rlhfkit: stopped: generation/logprob_gap/mean = ")
+    assert "> online.vllm_max_logprob_gap = 0.1: the vLLM engine samples from other weights" in lines[0]
+    assert "[rank0]: Traceback" not in err and "[rank1]: Traceback" not in err
+    assert [p.name for p in complete_checkpoints(tmp / "stale" / "checkpoints")] == ["step-1"]
+    assert [r["step"] for r in read_metrics(tmp / "stale" / "metrics.jsonl")] == [1]
+
+
 def test_the_resumed_run_ends_where_the_uninterrupted_one_does(runs):
-    tmp, _, _ = runs
+    tmp, *_ = runs
     assert [p.name for p in complete_checkpoints(tmp / "broken" / "checkpoints")] == ["step-1", "step-2"]
     assert [r["step"] for r in read_metrics(tmp / "broken" / "metrics.jsonl")] == [1, 2]
     resumed, whole = _weights(tmp / "broken"), _weights(tmp / "whole")
@@ -159,7 +176,7 @@ def test_the_resumed_run_ends_where_the_uninterrupted_one_does(runs):
 
 @pytest.mark.parametrize("name", ["whole", "ppo", "tools", "data-parallel"])
 def test_each_run_logs_the_gap_and_the_sync(runs, name):
-    tmp, _, _ = runs
+    tmp, *_ = runs
     rows = [r for r in read_metrics(tmp / name / "metrics.jsonl") if "loss/policy" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # a float32 engine on the actor's weights: its log-probs are the trainer's
