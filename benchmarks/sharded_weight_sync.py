@@ -8,7 +8,7 @@ freed tensors leave the resident set):
 
 - ``streamed``: :meth:`rlhfkit.rollout.vllm_engine.VLLMEngine.load_weights` on the sharded actor, what a run
   does every rollout: each parameter all-gathered on its own (``DTensor.full_tensor``) as the engine's loader
-  takes it (:func:`rlhfkit.rollout.vllm_engine.streamed_weights`);
+  takes it (:func:`rlhfkit.rollout.engine_weights.streamed_weights`);
 - ``gathered_copy``: the whole weights gathered into a plain copy of the model
   (:func:`rlhfkit.engine.sharded.unshard`), what a sharded run samples from with ``generation_backend=hf``
   (:func:`rlhfkit.trainers.online.sharding.generation_model`);
@@ -17,10 +17,16 @@ freed tensors leave the resident set):
 The three alternate ``--repeats`` times (streamed first, so that any memory the allocator kept would favour
 the others); the largest of each over the repeats and the processes is printed, with the model's own size.
 
+``--lora R``: one process instead, no sharding, the same model with LoRA adapters of rank R on every linear
+layer (a non-zero update), comparing the sync that merges on the fly
+(:func:`rlhfkit.models.lora.merged_weights`: each layer's W + s B A when its weight is taken) with one that
+loads a merged copy of the model (:func:`rlhfkit.models.lora.merged_copy`, what the sync loaded before).
+
 Run (with the vLLM environment; figures depend on the machine: say so when you quote them)::
 
     .venv-vllm/bin/python benchmarks/sharded_weight_sync.py
     .venv-vllm/bin/python benchmarks/sharded_weight_sync.py --hidden 768 --layers 12 --vocab 49152
+    .venv-vllm/bin/python benchmarks/sharded_weight_sync.py --lora 16
 """
 
 from __future__ import annotations
@@ -57,14 +63,10 @@ def peak_of(fn) -> int:
     return _status("VmHWM") - before
 
 
-def child(args) -> int:
+def random_llama(args):
+    """A random float32 Llama of the benchmark's shape (head size 64, untied embeddings)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.distributed.init_process_group("gloo")
-    torch.set_num_threads(1)
-    from rlhfkit.engine import sharded
-    from rlhfkit.rollout.vllm_engine import EngineSettings, VLLMEngine
 
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -77,7 +79,57 @@ def child(args) -> int:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float()
+    return LlamaForCausalLM(config).float()
+
+
+def lora_child(args) -> int:
+    """One process, no sharding: the LoRA sync merged on the fly against a merged copy loaded."""
+    import torch
+
+    torch.set_num_threads(1)
+    from rlhfkit.config.sections import ModelConfig
+    from rlhfkit.models.lora import merged_copy, prepare_trained
+    from rlhfkit.rollout.vllm_engine import EngineSettings, VLLMEngine
+
+    model = prepare_trained(random_llama(args), ModelConfig(lora_rank=args.lora, lora_alpha=2 * args.lora))
+    with torch.no_grad():  # lora_B starts at zero: a non-zero update, as after training
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.01)
+    whole_bytes = sum(p.numel() * p.element_size() for p in model.get_base_model().parameters())
+    engine = VLLMEngine(model, EngineSettings("float32", 1, "auto", 128, seed=0))
+
+    def merged_copy_sync():
+        copy = merged_copy(model)
+        weights = ((n, t.detach()) for n, t in copy.state_dict().items())
+        engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        del copy, weights
+
+    ways = {"merged_on_the_fly": lambda: engine.load_weights(model), "merged_copy": merged_copy_sync}
+    peaks: dict[str, list[int]] = {name: [] for name in ways}
+    for _ in range(args.repeats):
+        for name, fn in ways.items():
+            peaks[name].append(peak_of(fn))
+    engine.close()
+    result = {
+        "model_parameters_mib": round(whole_bytes / MIB, 1),
+        "lora_rank": args.lora,
+        "processes": 1,
+        **{f"{name}_peak_mib": round(max(values) / MIB, 1) for name, values in peaks.items()},
+    }
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+def child(args) -> int:
+    import torch
+
+    torch.distributed.init_process_group("gloo")
+    torch.set_num_threads(1)
+    from rlhfkit.engine import sharded
+    from rlhfkit.rollout.vllm_engine import EngineSettings, VLLMEngine
+
+    model = random_llama(args)
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     actor = sharded.shard_model(model, "full_shard")
     engine = VLLMEngine(actor, EngineSettings("float32", 1, "auto", 128, seed=0))
@@ -120,16 +172,19 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank: one unsharded process (0: sharded)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args)
+        return lora_child(args) if args.lora else child(args)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        if args.lora:
+            command = [sys.executable]
         settings = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab)]
-        settings += ["--repeats", str(args.repeats), "--child", "--out", str(out)]
+        settings += ["--repeats", str(args.repeats), "--lora", str(args.lora), "--child", "--out", str(out)]
         env = {**child_env(), "RLHFKIT_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         done = subprocess.run([*command, __file__, *settings], env=env, capture_output=True, text=True)
         if done.returncode != 0:

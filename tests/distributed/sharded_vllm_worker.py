@@ -24,7 +24,8 @@ from rlhfkit.engine import sharded
 from rlhfkit.engine.threads import set_num_threads
 from rlhfkit.models import response_logits, sampled_logprobs
 from rlhfkit.rollout import generate_responses
-from rlhfkit.rollout.vllm_engine import EngineSettings, VLLMEngine, streamed_weights
+from rlhfkit.rollout.engine_weights import streamed_weights
+from rlhfkit.rollout.vllm_engine import EngineSettings, VLLMEngine
 from tests.rollout.test_vllm_engine import engine_model, generation, prompts, update
 
 

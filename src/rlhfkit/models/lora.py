@@ -240,6 +240,47 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
         return restore_frozen_linears(copy.deepcopy(model)).merge_and_unload()  # into float32 weights
 
 
+def merged_weights(model: torch.nn.Module):
+    """The weights of a LoRA model with every adapter merged (W + alpha / r * B A), under the plain model's
+    names (``merged_copy(model).state_dict()``'s, tensor for tensor), one tensor at a time: each merged weight
+    is computed when it is taken and a held model's float32 originals are read back one by one, so no second
+    copy of the model is made (:func:`merged_copy` makes one). What the vLLM engine's weight sync loads.
+
+    A model with a layer that is not a plain LoRA linear layer with one active adapter (DoRA, several adapters,
+    ``modules_to_save``) gives :func:`merged_copy`'s state dict instead."""
+    from rlhfkit.models.precision import HELD
+
+    layers = _mergeable_lora_layers(model)
+    base = model.get_base_model() if layers is not None else None
+    state = base.state_dict() if base is not None else {}
+    if layers is None or any("modules_to_save." in k or "original_module." in k for k in state):
+        for name, tensor in merged_copy(model).state_dict().items():
+            yield name, tensor.detach()
+        return
+    names = {id(m): n for n, m in base.named_modules()}
+    deltas = {f"{names[id(m)]}.base_layer.weight": (m, adapter) for m, adapter in layers}
+    file, prefix = getattr(model, HELD, None), "base_model.model."
+    with contextlib.ExitStack() as stack:
+        held = None
+        if file:
+            from safetensors import safe_open
+
+            held = stack.enter_context(safe_open(file, framework="pt"))
+        held_names = set(held.keys()) if held is not None else set()
+        for key, tensor in state.items():
+            if ".lora_" in key:
+                continue
+            tensor = tensor.detach()
+            if prefix + key in held_names:  # the float32 original of a weight held in bf16
+                tensor = held.get_tensor(prefix + key).to(tensor.device)
+            if key in deltas:  # W + s B A, as peft's merge adds it into the weight
+                module, adapter = deltas[key]
+                with torch.no_grad():
+                    delta = module.get_delta_weight(adapter)  # (d_out, d_in)
+                tensor = tensor + delta.to(tensor.dtype)
+            yield key.replace(".base_layer.", "."), tensor
+
+
 def _mergeable_lora_layers(model: torch.nn.Module) -> list | None:
     """The LoRA linear layers of a peft model, each with one plain adapter active (no DoRA or other variant)
     and a plain (not sharded) base weight, or None when any LoRA layer is not such (or there is none). Only a

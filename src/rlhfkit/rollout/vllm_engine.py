@@ -3,8 +3,9 @@
 The engine runs in the trainer's own process (colocated, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; each process of
 a data-parallel or sharded run has its own engine) on a copy of the actor written once at start-up (sharded, or
 under a launcher of several processes: the config alone, on placeholder weights, ``load_format="dummy"``, the
-actor's loaded at once), and the actor's current weights are loaded into it in place before every generation (:meth:`VLLMEngine.load_weights`, the
-model runner's ``reload_weights``; LoRA: the merged weights). Only token ids are taken from it: the responses
+actor's loaded at once), and the actor's current weights are loaded into it in place before every generation
+(:meth:`VLLMEngine.load_weights`, the model runner's ``reload_weights``; LoRA: merged layer by layer as they are
+taken, :mod:`rlhfkit.rollout.engine_weights`). Only token ids are taken from it: the responses
 are cut at the stop token by :func:`rlhfkit.rollout.generation.truncate_at_stop`, as with ``hf`` (and masked
 by the tokens the engine produced: :func:`engine_responses`), and every
 log-prob, value and mask the update reads is recomputed by rlhfkit's own models. The engine's log-prob of each
@@ -18,9 +19,10 @@ sent as its token-id prompt: the engine continues exactly the row that is traine
 and stops at EOS or the tool-call end marker (the stop ids it is given).
 
 Beside a sharded actor (``train.sharding``, FSDP2) the engine gets the actor's weights by
-:func:`streamed_weights`: one parameter all-gathered at a time as vLLM's loader takes it, never a whole copy.
-Under a launcher of several processes (torchrun) each process's engine runs in vLLM's external-launcher mode
-beside the launcher's process group, which outlives the engine (docs/distributed.md, "vLLM with sharding").
+:func:`rlhfkit.rollout.engine_weights.streamed_weights`: one parameter all-gathered at a time as vLLM's loader
+takes it, never a whole copy. Under a launcher of several processes (torchrun) each process's engine runs in
+vLLM's external-launcher mode beside the launcher's process group, which outlives the engine
+(docs/distributed.md, "vLLM with sharding").
 
 Sampling: each request carries its own seed (``SamplingParams.seed``), so a response depends on its seed and
 the weights, not on the other requests of the batch, as far as the engine's kernels are deterministic.
@@ -35,7 +37,7 @@ import hashlib
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,7 @@ import torch
 from rlhfkit.errors import ConfigError, GenerationEngineError
 from rlhfkit.models.lora import is_peft_model, merged_copy
 from rlhfkit.models.sampling import Sampling
+from rlhfkit.rollout.engine_weights import engine_config, is_sharded, launched_processes, plain_weights
 from rlhfkit.rollout.generation import Responses, truncate_at_stop
 
 # The head sizes vLLM 0.32's CPU attention runs (measured: head_dim=16 fails at engine start with
@@ -89,65 +92,6 @@ def check_engine_can_run(config, where: str, on_cpu: bool) -> None:
             f"attention does not run (it runs {', '.join(map(str, CPU_HEAD_SIZES))}); use "
             "online.generation_backend=hf for this model"
         )
-
-
-def plain_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The actor's weights under Hugging Face names, as the engine loads them (a LoRA model merged, W + s B A,
-    on a copy: the trained model is untouched; a sharded model: :func:`streamed_weights`)."""
-    if is_sharded(model):
-        yield from streamed_weights(model)
-        return
-    plain = merged_copy(model) if is_peft_model(model) else model
-    for name, tensor in plain.state_dict().items():
-        yield name, tensor.detach()
-
-
-def engine_config(model: torch.nn.Module):
-    """A copy of the actor's Hugging Face config that names its model class in ``architectures`` (what vLLM
-    picks its implementation by): the class under a peft model's adapters or FSDP2's wrapper class."""
-    import copy
-
-    from torch.distributed.fsdp import FSDPModule
-
-    base = model.get_base_model() if is_peft_model(model) else model
-    cls = type(base)
-    if issubclass(cls, FSDPModule):  # fully_shard made the class FSDP<Name>(FSDPModule, <Name>)
-        cls = next(b for b in cls.__bases__ if not issubclass(b, FSDPModule))
-    config = copy.deepcopy(base.config)
-    config.architectures = [cls.__name__]
-    return config
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is sharded with FSDP2 (``train.sharding``; :mod:`rlhfkit.engine.sharded`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def streamed_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """A sharded (FSDP2) model's weights under Hugging Face names, one whole tensor at a time: each parameter's
-    shards are all-gathered (``DTensor.full_tensor``) just before the engine's loader takes it, and the gathered
-    tensor is dropped when the loader has copied it. No process holds a whole copy of the model: the most it
-    holds at once is what vLLM's layer-wise loader keeps until one of its layers is complete (the weights of
-    one attention or MLP block, in the model's own order), docs/distributed.md "vLLM with sharding".
-
-    A collective: every process of the run must iterate it to the end, in the same order (the state dict's
-    order is the model's, the same on every process). A parameter that FSDP holds gathered at the moment (a
-    plain tensor, not a DTensor) is already whole."""
-    from torch.distributed.tensor import DTensor
-
-    for name, tensor in model.state_dict().items():
-        tensor = tensor.detach()
-        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def launched_processes() -> int:
-    """The number of processes a launcher started (``WORLD_SIZE`` beside ``RANK`` and ``LOCAL_RANK``, which
-    vLLM's external-launcher mode reads), 1 for a process that no launcher started."""
-    if not all(key in os.environ for key in ("RANK", "LOCAL_RANK")):
-        return 1
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def row_seeds(base: int, rows: int) -> list[int]:

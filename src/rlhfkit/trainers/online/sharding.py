@@ -16,7 +16,7 @@ the unsharded copy that generates, the sharded checkpoints and the whole models 
   sharded actor (``synced_gpus``) took 3.2x the gathered copy's time per rollout at the tiny preset and 7.1x
   at the small one, gather included. With ``online.generation_backend=vllm`` nothing is gathered into a copy:
   each process's engine gets the actor's weights streamed one gathered parameter at a time
-  (:func:`rlhfkit.rollout.vllm_engine.streamed_weights`; docs/distributed.md "vLLM with sharding").
+  (:func:`rlhfkit.rollout.engine_weights.streamed_weights`; docs/distributed.md "vLLM with sharding").
 - The update is the data-parallel one: FSDP's reduce-scatter averages gradients as DDP's all-reduce does, so
   :func:`rlhfkit.engine.accel.dp_scale` and the whole-minibatch normaliser apply unchanged.
 """
