@@ -215,7 +215,7 @@ def _dynamic_run(tmp_path, monkeypatch, engine, name):
     from rlhfkit.trainers.online import OnlineHooks, train
 
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
-    monkeypatch.setattr(loop, "start_engine", lambda cfg, actor: engine)
+    monkeypatch.setattr(loop, "start_engine", lambda cfg, actor, episodes=None: engine)
     paths = write_online_problem(tmp_path / "problem", reward_model=False)
     rewards = tmp_path / "half.py"
     rewards.write_text(HALF_CONSTANT)
