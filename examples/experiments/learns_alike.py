@@ -12,7 +12,9 @@ them, each launched in several ways (arms) with the same settings and global bat
 - ``2-sharded``: the same with ``train.sharding=full_shard`` (actor and critic sharded with their AdamW state,
   the reference and reward model sharded forward-only);
 - ``vllm``: one process with ``online.generation_backend=vllm`` (needs the environment of ``./setup.sh vllm``;
-  not among the default arms).
+  not among the default arms);
+- ``2-sharded-vllm``: ``2-sharded`` with one vLLM engine per process (the same environment), paired against
+  ``2-sharded``.
 
 The other arms draw other samples than ``1`` (two processes each sample their half of the prompts with their
 own generators; the engine has its own sampler), so they are not the same trajectory; the question is whether
@@ -27,6 +29,8 @@ finished run is reused (``--overwrite`` reruns it)::
 
     python examples/experiments/learns_alike.py --out runs/learns-alike                 # seeds 0-4, ~30 min
     .venv-vllm/bin/python examples/experiments/learns_alike.py --out runs/learns-alike-vllm --arms 1 vllm
+    .venv-vllm/bin/python examples/experiments/learns_alike.py --out runs/learns-alike-sharded-vllm \
+        --arms 2-sharded 2-sharded-vllm
     python examples/experiments/learns_alike.py --out runs/learns-alike --report-only
 """
 
@@ -56,7 +60,13 @@ ARMS = {  # name: (processes, extra dotted keys, label)
     "2-dp": (2, {}, "2 processes, data parallel"),
     "2-sharded": (2, {"train.sharding": "full_shard"}, "2 processes, FSDP2 full_shard"),
     "vllm": (1, {"online.generation_backend": "vllm"}, "1 process, vLLM engine"),
+    "2-sharded-vllm": (
+        2,
+        {"train.sharding": "full_shard", "online.generation_backend": "vllm"},
+        "2 processes, FSDP2 full_shard, vLLM engine",
+    ),
 }
+BASE_OF = {"2-sharded-vllm": "2-sharded"}  # the arm each is paired against; the others against "1"
 DEFAULT_ARMS = ("1", "2-dp", "2-sharded")
 GROUP_SIZE = 4  # GRPO's responses per prompt: batch_size / 4 prompts, the same number of responses as PPO
 FIGURES = (("gold", 2), ("proxy", 2), ("kl", 2), ("length", 1))
@@ -250,15 +260,15 @@ def markdown(records: list[dict], kinds, arms) -> str:
                 lines.append(row(f"{kind.upper()}, {ARMS[arm][2]}", by))
     lines.append("")
     for kind in kinds:
-        base = _by(records, kind, "1")
         for arm in arms:
-            by = _by(records, kind, arm)
+            base_arm = BASE_OF.get(arm, "1")
+            base, by = _by(records, kind, base_arm), _by(records, kind, arm)
             common = [s for s in seeds if s in base and s in by]
             if arm == "1" or not common:
                 continue
             p = paired([base[s]["gold"] for s in common], [by[s]["gold"] for s in common])
-            lines.append(f"- {kind.upper()} gold, {ARMS[arm][2]} minus 1 process: {describe(p)}")
-            lines.append(f"  - learns as 1 process does: {verdict(base, by, sft)}")
+            lines.append(f"- {kind.upper()} gold, {ARMS[arm][2]} minus {ARMS[base_arm][2]}: {describe(p)}")
+            lines.append(f"  - learns as {ARMS[base_arm][2]} does: {verdict(base, by, sft)}")
     return "\n".join(lines) + "\n"
 
 
@@ -267,6 +277,7 @@ LINES = {
     "2-dp": ("C1", "-", 3.0),
     "2-sharded": ("C2", "--", 1.5),
     "vllm": ("C3", "-", 1.5),
+    "2-sharded-vllm": ("C4", "--", 1.5),
 }
 
 
