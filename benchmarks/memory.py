@@ -29,6 +29,8 @@ Run (figures depend on the machine; say so when you quote them)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -48,6 +50,46 @@ def peak_rss_bytes() -> int:
     """This process's peak resident set size (Linux reports kilobytes, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (Linux ``VmRSS``; 0 where ``/proc`` has no status)."""
+    return _status_bytes("VmRSS")
+
+
+class PhasePeaks:
+    """The peak resident set of each phase of a run (``with peaks.phase(name):``), from Linux's ``VmHWM``
+    restarted at the phase's start (``/proc/self/clear_refs``). That restart also lowers what ``getrusage``
+    reports afterwards, so ``highest`` keeps the largest peak seen, before and within the phases."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, int] = {}
+        self.highest = 0
+        self._linux = Path("/proc/self/clear_refs").exists()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if not self._linux:
+            yield
+            return
+        self.highest = max(self.highest, _status_bytes("VmHWM"))
+        Path("/proc/self/clear_refs").write_text("5")
+        try:
+            yield
+        finally:
+            self.peaks[name] = _status_bytes("VmHWM")
+            self.highest = max(self.highest, self.peaks[name])
+
+
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` figure (``VmRSS``, ``VmHWM``) in bytes, 0 where there is none."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return 0
+    for line in status.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def local(p):
@@ -90,6 +132,12 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int, rollouts:
 
     The first rollout generates before AdamW's state exists (it is allocated at the first step); from the second
     on, generation (and under sharding the actor's gathered copy) comes on top of it, as in every later rollout.
+    With ``online.generation_backend=vllm`` the run's engine is started as ``rlhfkit train ppo`` starts it (vLLM
+    imported before the first figure, so that its code does not count as the engine's memory).
+
+    On a CPU, ``stages_bytes`` is the resident set after each part is in memory: ``start`` (interpreter,
+    torch, transformers), ``roles`` (the four roles' weights), ``engine`` (vllm: the engine's weights and KV
+    cache), ``update_1`` (the first rollout + update: AdamW's moments, and what the allocator kept), ``end``.
     """
     import torch
 
@@ -103,7 +151,12 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int, rollouts:
     from rlhfkit.trainers.online.ppo_update import ppo_update
     from rlhfkit.trainers.online.shaping import estimate_advantages, shape_rollout
 
+    if any(o == "online.generation_backend=vllm" for o in overrides):
+        import vllm  # noqa: F401  (its code in the start figure, not in the engine's)
+    from rlhfkit.trainers.online.engine_rollout import start_engine
+
     before = peak_rss_bytes()
+    stages = {"start": rss_bytes()}
     cfg = load_config(
         None,
         [
@@ -120,6 +173,9 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int, rollouts:
         cfg.data.train_file, "prompts", tokenizer, TokenLimits(cfg.data.max_prompt_length, None, "left")
     )
     ctx = build_context(cfg, accelerator, tokenizer)
+    stages["roles"] = rss_bytes()
+    ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor))  # None unless vllm
+    stages["engine"] = rss_bytes()
     roles = [ctx.roles.actor, ctx.roles.reference, ctx.roles.critic, ctx.roles.reward_model]
     # A sharded parameter counts its own shard (its local tensor): a DTensor's data_ptr is not its storage's.
     held = {local(p).data_ptr(): local(p).numel() for role in roles for p in role.parameters()}
@@ -133,24 +189,38 @@ def measure(paths: dict[str, str], overrides: list[str], threads: int, rollouts:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     # One iteration of rlhfkit.trainers.online.train_online: generate, score, shape, advantages, PPO epochs.
+    # The last rollout's phases each get their own peak (Linux: VmHWM restarted from the current size).
+    phases = PhasePeaks()
     for step in range(1, rollouts + 1):
+        phase = phases.phase if step == rollouts else contextlib.nullcontext
         batch = prompt_batch(ctx, examples, step)
-        rollout = sample_rollout(ctx, batch)
-        take_scores(rollout, score_rollout(ctx, rollout, batch["records"]))
-        shape_rollout(ctx, rollout, ctx.kl_ctl.value)
-        rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
-        ppo_update(ctx, rollout, step)
+        with phase("generate"):
+            rollout = sample_rollout(ctx, batch)
+        with phase("score"):
+            take_scores(rollout, score_rollout(ctx, rollout, batch["records"]))
+            shape_rollout(ctx, rollout, ctx.kl_ctl.value)
+            rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
+        with phase("update"):
+            ppo_update(ctx, rollout, step)
+        if step == 1:
+            stages["update_1"] = rss_bytes()
+    stages["end"] = rss_bytes()
+    if ctx.engine is not None:
+        ctx.engine.close()
     out = {
         "parameters_held": sum(held.values()),
         "parameters_trained": trained,
         "response_tokens": int(rollout.mask.sum()),
         "device": accelerator.device.type,
+        "world_size": accelerator.num_processes,
     }
     if cuda:
         out["peak_bytes"] = torch.cuda.max_memory_allocated()
     else:
         out["baseline_bytes"] = before
-        out["peak_bytes"] = peak_rss_bytes()
+        out["peak_bytes"] = max(peak_rss_bytes(), phases.highest)
+        out["stages_bytes"] = stages
+        out["phase_peak_bytes"] = phases.peaks
     return out
 
 

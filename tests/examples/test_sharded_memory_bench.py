@@ -36,3 +36,16 @@ def test_sharded_processes_hold_half_the_parameters_each(capsys):
         sharded["parameters_trained_per_process"],
     )
     assert 0.45 * trained_one <= trained_sharded <= 0.6 * trained_one, (trained_one, trained_sharded)
+    # The parts: each process's resident set after each is in memory, and the last rollout's phase peaks.
+    for line in (one, sharded):
+        assert line["world_size"] == line["processes"]
+        for stages, phases, peak in zip(
+            line["stages_mib_per_process"],
+            line["last_rollout_phase_peak_mib_per_process"],
+            line["peak_mib_per_process"],
+            strict=True,
+        ):
+            assert list(stages) == ["start", "roles", "engine", "update_1", "end"]
+            assert stages["start"] < stages["roles"] <= stages["engine"]  # no engine under hf: equal
+            assert list(phases) == ["generate", "score", "update"]
+            assert all(stages["start"] < value <= peak for value in phases.values()), (phases, peak)
