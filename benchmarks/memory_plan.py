@@ -11,13 +11,15 @@ The parts, for ``train.sharding=full_shard`` + ``online.generation_backend=vllm`
 - engine weights: the actor's, whole on every GPU (one engine per process, tensor-parallel size 1), in the
   engine's dtype (the actor's: 2 B in bfloat16);
 - KV cache: 2 (key and value) x layers x key-value heads x head size x dtype bytes per token of the cache;
-- activations of the update: micro-batch rows x sequence x bytes per token
-  (:func:`rlhfkit.trainers.online.layout.activation_bytes_per_token`, the estimate that sizes the default
-  micro-batch; it errs high);
-- gathered units (FSDP2, during a trained model's forward and backward): its root (embeddings, final norm,
-  output head, kept gathered from forward to backward, :func:`rlhfkit.engine.sharded.shard_model`) and two
+- activations of the update: micro-batch rows x sequence x bytes per token of the actor and of the critic
+  together (one loss, one backward: ``rlhfkit.trainers.online.ppo_update``), each from
+  :func:`rlhfkit.trainers.online.layout.activation_bytes_per_token`, the estimate that sizes the default
+  micro-batch (the critic without its logits term: a scalar head); with ``attention_scores=False`` less the
+  estimate's attention scores (5 x heads x sequence a layer), which a fused attention kernel does not store;
+- gathered units (FSDP2, during the update): the roots of actor and critic (embeddings, final norm, head; a
+  trained root stays gathered from forward to backward, :func:`rlhfkit.engine.sharded.shard_model`) and two
   decoder layers (the one computing and the one prefetched), float32, each with its unsharded gradient until
-  the reduce-scatter; the actor's, the larger of the two trained models.
+  the reduce-scatter.
 
 Parameter counts come from the model's config (a Llama shape). Nothing here is measured;
 the bytes per parameter are the ones that benchmarks/sharded_memory.py's figures imply on SmolLM2-135M.
@@ -59,6 +61,8 @@ class Plan:
             at once).
         micro_batch_rows: rows of one forward / backward of the update (``train.micro_batch_size``).
         sequence: tokens of a row (``data.max_prompt_length`` + ``online.response_length``).
+        attention_scores: the update's attention stores its scores (eager attention, as the estimate
+            counts); False for a fused kernel that does not.
         capacity_gib: memory of one GPU.
     """
 
@@ -68,6 +72,7 @@ class Plan:
     kv_cache_tokens: int = 65536
     micro_batch_rows: int = 1
     sequence: int = 1024
+    attention_scores: bool = True
     capacity_gib: float = 80.0
 
 
@@ -114,15 +119,18 @@ def per_gpu_gib(plan: Plan, config, counts: dict[str, int] | None = None) -> dic
     weight = DTYPE_BYTES[plan.dtype]
     trained = counts["causal"] + counts["scalar"]  # actor + critic
     frozen = counts["causal"] + counts["scalar"]  # reference + reward model
-    gathered_params = counts["root"] + 2 * counts["layer"]
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    critic_root = counts["scalar"] - layers * counts["layer"]
+    gathered_params = counts["root"] + critic_root + 2 * counts["layer"]
+    actor_token = activation_bytes_per_token(config, plan.sequence)
+    critic_token = actor_token - 12 * config.vocab_size  # a scalar head: no logits, log-softmax or its grad
+    scores = 0 if plan.attention_scores else layers * 5 * heads * plan.sequence  # per model, per token
     parts = {
         "trained": trained * TRAINED_BYTES / plan.gpus,
         "frozen": frozen * weight / (plan.gpus if plan.frozen_sharded else 1),
         "engine_weights": counts["causal"] * weight,
         "kv_cache": plan.kv_cache_tokens * kv_bytes_per_token(config, plan.dtype),
-        "activations": plan.micro_batch_rows
-        * plan.sequence
-        * activation_bytes_per_token(config, plan.sequence),
+        "activations": plan.micro_batch_rows * plan.sequence * (actor_token + critic_token - 2 * scores),
         "gathered": gathered_params * (4 + 4),  # float32 weights + their unsharded gradients
     }
     out = {name: value / GIB for name, value in parts.items()}

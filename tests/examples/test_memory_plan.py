@@ -96,13 +96,14 @@ def test_the_8b_plans_are_the_formulas():
     names.update({"total": "total", "margin": "margin"})
     config = plan_module.llama_config()
     assert len(settings) >= 3
-    for column, (label, gpus, frozen, kv_tokens, rows, sequence) in enumerate(settings, start=1):
+    for column, (label, gpus, frozen, kv_tokens, rows, sequence, scores) in enumerate(settings, start=1):
         plan = plan_module.Plan(
             gpus=int(number(gpus)),
             frozen_sharded={"shard": True, "replicate": False}[frozen.strip("`")],
             kv_cache_tokens=int(number(kv_tokens)),
             micro_batch_rows=int(number(rows)),
             sequence=int(number(sequence)),
+            attention_scores={"yes": True, "no": False}[scores],
         )
         expected = plan_module.per_gpu_gib(plan, config)
         seen = set()
