@@ -5,7 +5,9 @@ The whole pipeline takes minutes, so this test is marked ``long`` (CI runs it in
 ``RLHFKIT_LONG_TESTS=1``). The thresholds come from the spread over seeds 0-4 in docs/experiments.md ("Tool
 use: RL over SFT with the calculator"): every seed's GRPO and PPO policies answered at least
 ``MIN_CORRECT_SEEN`` of the held-out prompts right and called the tool on at least ``MIN_TOOL_USE_SEEN`` of
-them; the assertions leave a margin below those figures.
+them; the assertions leave a margin below those figures. It runs seed 2 (plus ``RLHFKIT_TEST_SEED``): with a
+shorter SFT stage (300 steps) that seed's policy had not learned to copy the tool's result, and both learners
+stopped calling the tool (GRPO and PPO 0.000 correct, 0.000 tool use).
 """
 
 import pytest
@@ -23,7 +25,7 @@ def test_rl_with_the_calculator_raises_the_correct_answer_and_tool_use_rates(
     tmp_path, learning_seed, learning_figures, monkeypatch
 ):
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
-    summary = quickstart_tools(tmp_path / "qs", preset="tiny", seed=learning_seed)
+    summary = quickstart_tools(tmp_path / "qs", preset="tiny", seed=2 + learning_seed)
     policies = summary["policies"]
     sft = policies["sft"]
     learning_figures(**{f"{name}_{k}": v for name, f in policies.items() for k, v in f.items()})
