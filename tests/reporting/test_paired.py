@@ -101,7 +101,7 @@ def test_paired_refuses_bad_input():
 
 
 # The decision rule (docs/experiments.md, "How a verdict is decided"), fed the per-seed differences that the page
-# prints for the comparisons issue 51 names; each gives the interval the page quotes, then the rule's word.
+# prints for the comparisons the evidence review named; each gives the interval the page quotes, then the rule's word.
 def _check(differences, interval, claim):
     p = paired([0.0] * len(differences), differences)
     # the page rounds its per-seed figures to two decimals, its intervals from the unrounded ones
