@@ -144,7 +144,8 @@ class TrainConfig:
         "is the number of gradient-accumulation steps. None = batch_size / processes; online (ppo / grpo / "
         "rloo): the rows of the longest sequence (data.max_prompt_length + online.response_length) whose "
         "estimated activations fit 2 GiB (Korthikanti et al. 2022: per token and layer 34 h + 5 a s bytes, "
-        "plus 12 bytes per vocabulary entry for the logits), at least 1, at most the minibatch.",
+        "plus 12 bytes per vocabulary entry for the logits; with a critic, its activations too, as both "
+        "models' forwards make one backward), at least 1, at most the minibatch.",
         gt=0,
     )
     learning_rate: float = option(

@@ -281,20 +281,24 @@ def test_old_logprobs_come_from_the_update_only_where_nothing_reads_them_first(
     assert old_logprobs_from_update(ctx, step) is expected
 
 
-def _smollm2_like(max_prompt_length: int, response_length: int, micro_batch_size=None):
-    """A context whose actor has SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, vocabulary 49152)."""
+def _smollm2_like(max_prompt_length: int, response_length: int, micro_batch_size=None, critic=False):
+    """A context whose actor (and, with ``critic``, critic) has SmolLM2-135M's shape (hidden 576, 30 layers,
+    9 heads, vocabulary 49152)."""
     from types import SimpleNamespace
 
-    actor = torch.nn.Module()
-    actor.config = SimpleNamespace(
-        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, vocab_size=49152
-    )
+    def model():
+        m = torch.nn.Module()
+        m.config = SimpleNamespace(
+            hidden_size=576, num_hidden_layers=30, num_attention_heads=9, vocab_size=49152
+        )
+        return m
+
     cfg = SimpleNamespace(
         data=SimpleNamespace(max_prompt_length=max_prompt_length),
         online=SimpleNamespace(response_length=response_length),
         train=SimpleNamespace(micro_batch_size=micro_batch_size),
     )
-    return SimpleNamespace(cfg=cfg, roles=SimpleNamespace(actor=actor))
+    return SimpleNamespace(cfg=cfg, roles=SimpleNamespace(actor=model(), critic=model() if critic else None))
 
 
 def test_default_micro_batch_is_a_token_budget_by_hand():
@@ -306,6 +310,19 @@ def test_default_micro_batch_is_a_token_budget_by_hand():
     assert default_micro_batch(_smollm2_like(128, 48), 32) == 2 * 2**30 // (176 * 1414944) == 8
     assert default_micro_batch(_smollm2_like(128, 512), 32) == 1  # 1.3 GB of estimated activations per row
     assert default_micro_batch(_smollm2_like(128, 48), 4) == 4  # never more than the minibatch
+
+
+def test_the_default_micro_batch_counts_the_critics_activations_too():
+    """PPO's actor and critic forwards make one loss and one backward: a row holds both models' activations,
+    the critic's without the vocabulary read-out (a scalar head)."""
+    from rlhfkit.trainers.online.layout import activation_bytes_per_token, default_micro_batch
+
+    config = _smollm2_like(128, 48).roles.actor.config
+    critic = activation_bytes_per_token(config, 176, logits=False)
+    assert critic == 30 * (34 * 576 + 5 * 9 * 176) == 825120
+    both = 2 * 2**30 // (176 * (1414944 + critic))
+    assert default_micro_batch(_smollm2_like(128, 48, critic=True), 32) == both == 5
+    assert default_micro_batch(_smollm2_like(128, 48), 32) == 8  # GRPO: the actor alone
 
 
 def test_default_micro_batches_follow_the_budget_and_an_explicit_size_wins(tmp_path, monkeypatch):
@@ -327,7 +344,10 @@ def test_default_micro_batches_follow_the_budget_and_an_explicit_size_wins(tmp_p
     (micros,) = micro_batches(ctx, 1, 0, lengths)
     assert [len(m) for m in micros] == [8]  # a tiny model: the whole minibatch in one forward
     sequence = ctx.cfg.data.max_prompt_length + ctx.cfg.online.response_length
-    per_row = sequence * layout.activation_bytes_per_token(ctx.roles.actor.config, sequence)
+    per_row = sequence * (  # the actor's and the critic's activations (one backward)
+        layout.activation_bytes_per_token(ctx.roles.actor.config, sequence)
+        + layout.activation_bytes_per_token(ctx.roles.critic.config, sequence, logits=False)
+    )
     monkeypatch.setattr(layout, "ACTIVATION_BUDGET_BYTES", 3 * per_row)
     (micros,) = micro_batches(ctx, 1, 0, lengths)
     assert [len(m) for m in micros] == [3, 3, 2]

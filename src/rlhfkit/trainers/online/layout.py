@@ -76,30 +76,38 @@ ACTIVATION_BUDGET_BYTES = (
 )  # estimated activations of one micro-batch under the default micro_batch_size
 
 
-def activation_bytes_per_token(config, sequence: int) -> int:
+def activation_bytes_per_token(config, sequence: int, logits: bool = True) -> int:
     """Estimated bytes one token of a training forward holds for its backward: per layer 34 h + 5 a s (16-bit
     activations, no recomputation: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-    Transformer Models", eq. 1, divided by s b), plus the float32 logits, their log-softmax and its gradient
-    (12 V). It errs high: fused kernels and bf16 autocast hold less.
+    Transformer Models", eq. 1, divided by s b), plus, with ``logits``, the float32 logits, their log-softmax
+    and its gradient (12 V). It errs high: fused kernels and bf16 autocast hold less.
 
     Args:
-        config: the actor's transformers config (``hidden_size``, ``num_hidden_layers``,
+        config: the model's transformers config (``hidden_size``, ``num_hidden_layers``,
             ``num_attention_heads``, ``vocab_size``).
         sequence: s, the tokens of a row (prompt + response).
+        logits: the model reads out the vocabulary (the actor); a critic's scalar head does not.
     """
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
     heads = int(getattr(config, "num_attention_heads", 1) or 1)
-    return layers * (34 * hidden + 5 * heads * sequence) + 12 * int(config.vocab_size)
+    read_out = 12 * int(config.vocab_size) if logits else 0
+    return layers * (34 * hidden + 5 * heads * sequence) + read_out
 
 
 def default_micro_batch(ctx: OnlineContext, minibatch_rows: int) -> int:
     """Rows per forward / backward when ``train.micro_batch_size`` is unset: as many rows of the longest
     possible sequence (``data.max_prompt_length`` + ``online.response_length``, the same on every process) as
     fit :data:`ACTIVATION_BUDGET_BYTES` of :func:`activation_bytes_per_token`, at least 1 and at most the
-    minibatch (a small model takes its whole minibatch in one forward, as before)."""
+    minibatch (a small model takes its whole minibatch in one forward, as before). With a critic (PPO's
+    ``gae``), the actor's and the critic's forwards make one loss and one backward, so a row holds both
+    models' activations."""
     sequence = ctx.cfg.data.max_prompt_length + ctx.cfg.online.response_length
-    per_row = sequence * activation_bytes_per_token(hf_model(ctx.roles.actor).config, sequence)
+    per_token = activation_bytes_per_token(hf_model(ctx.roles.actor).config, sequence)
+    critic = getattr(ctx.roles, "critic", None)
+    if critic is not None:
+        per_token += activation_bytes_per_token(hf_model(critic).config, sequence, logits=False)
+    per_row = sequence * per_token
     return max(1, min(minibatch_rows, ACTIVATION_BUDGET_BYTES // per_row))
 
 
