@@ -81,17 +81,36 @@ def write_demonstrations(path: Path, model: str, n: int, seed: int = 0) -> Path:
     return path
 
 
-def sft_config(a, work: Path) -> Path:
-    """LoRA SFT of the model on the demonstrations, so that it writes calls in the format the episodes read."""
+def train(kind: str, a, work: Path, model: str, settings: dict) -> Path:
+    """``rlhfkit train KIND`` on ``model`` in ``work/KIND``, with LoRA r16 / alpha 32 in ``a.dtype`` and
+    ``settings`` (dotted keys), from a configuration file as a user runs it; returns the run folder."""
     import yaml
 
+    from rlhfkit.cli import main as rlhfkit_main
+
+    folder = work / kind
     settings = {
-        "output_dir": work / "sft",
+        "output_dir": folder,
         "seed": 0,
-        "model.name_or_path": a.model,
+        "model.name_or_path": model,
         "model.dtype": a.dtype,
         "model.lora_rank": 16,
         "model.lora_alpha": 32,
+        "train.save_steps": 10**6,
+        "logging.progress_bar": False,
+        **settings,
+    }
+    config = work / f"{kind}.yaml"
+    config.write_text(yaml.safe_dump(common.nested(settings)))
+    code = rlhfkit_main(["train", kind, "--config", str(config)])
+    if code:
+        raise SystemExit(f"rlhfkit train {kind} exited with {code}")
+    return folder
+
+
+def sft_settings(a, work: Path) -> dict:
+    """LoRA SFT of the model on the demonstrations, so that it writes calls in the format the episodes read."""
+    return {
         "data.train_file": write_demonstrations(work / "sft.jsonl", a.model, a.sft_steps * 8),
         "data.max_prompt_length": 448,
         "data.max_length": 512,
@@ -100,26 +119,13 @@ def sft_config(a, work: Path) -> Path:
         "train.learning_rate": 5e-4,
         "train.warmup_steps": 2,
         "train.lr_schedule": "cosine",
-        "train.save_steps": 10**6,
         "train.log_steps": 5,
-        "logging.progress_bar": False,
     }
-    path = work / "sft.yaml"
-    path.write_text(yaml.safe_dump(common.nested(settings)))
-    return path
 
 
-def write_config(a, work: Path) -> Path:
-    """The run's configuration as ``rlhfkit train grpo --config`` reads it."""
-    import yaml
-
-    settings = {
-        "output_dir": work / "run",
-        "seed": 0,
-        "model.name_or_path": a.policy,
-        "model.dtype": a.dtype,
-        "model.lora_rank": 16,
-        "model.lora_alpha": 32,
+def grpo_settings(a, work: Path) -> dict:
+    """GRPO with the calculator on the task's gold scorer."""
+    return {
         "data.train_file": write_prompts(work / "prompts.jsonl", a.prompts * a.rollouts),
         "data.max_prompt_length": 512,  # the default system message with the calculator's schema
         "train.max_steps": a.rollouts,
@@ -127,7 +133,6 @@ def write_config(a, work: Path) -> Path:
         "train.micro_batch_size": a.micro_batch,
         "train.learning_rate": 1e-5,
         "train.lr_schedule": "constant",
-        "train.save_steps": 10**6,
         "train.log_steps": 1,
         "online.tools": [TOOL],
         "online.max_turns": a.turns,
@@ -137,11 +142,7 @@ def write_config(a, work: Path) -> Path:
         "online.temperature": 1.0,
         "online.missing_eos": "none",
         "logging.samples_per_step": 4,
-        "logging.progress_bar": False,
     }
-    path = work / "grpo_tools.yaml"
-    path.write_text(yaml.safe_dump(common.nested(settings)))
-    return path
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -166,23 +167,18 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ["RLHFKIT_NUM_THREADS"] = str(a.threads)
     a.model = str(a.model or smollm2.materialise())
 
-    from rlhfkit.cli import main as rlhfkit_main
     from rlhfkit.engine.metrics_writer import read_metrics
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        a.policy = a.model
-        sft_seconds = 0.0
+        policy, sft_seconds = a.model, 0.0
         if a.sft_steps:
             start = time.perf_counter()
-            if rlhfkit_main(["train", "sft", "--config", str(sft_config(a, work))]):
-                raise SystemExit("rlhfkit train sft failed")
-            sft_seconds, a.policy = time.perf_counter() - start, str(work / "sft" / "final")
-        code = rlhfkit_main(["train", "grpo", "--config", str(write_config(a, work))])
-        if code:
-            raise SystemExit(f"rlhfkit train grpo exited with {code}")
-        rows = [r for r in read_metrics(work / "run" / "metrics.jsonl") if COLUMNS["calls_per_episode"] in r]
+            policy = str(train("sft", a, work, a.model, sft_settings(a, work)) / "final")
+            sft_seconds = time.perf_counter() - start
+        run = train("grpo", a, work, policy, grpo_settings(a, work))
+        rows = [r for r in read_metrics(run / "metrics.jsonl") if COLUMNS["calls_per_episode"] in r]
     per_rollout = [{name: r.get(key) for name, key in COLUMNS.items()} for r in rows]
     later = per_rollout[1:] or per_rollout  # the first rollout carries the start-up
     result = {
