@@ -123,7 +123,7 @@ def per_gpu_gib(plan: Plan, config, counts: dict[str, int] | None = None) -> dic
     critic_root = counts["scalar"] - layers * counts["layer"]
     gathered_params = counts["root"] + critic_root + 2 * counts["layer"]
     actor_token = activation_bytes_per_token(config, plan.sequence)
-    critic_token = actor_token - 12 * config.vocab_size  # a scalar head: no logits, log-softmax or its grad
+    critic_token = activation_bytes_per_token(config, plan.sequence, logits=False)  # a scalar head
     scores = 0 if plan.attention_scores else layers * 5 * heads * plan.sequence  # per model, per token
     parts = {
         "trained": trained * TRAINED_BYTES / plan.gpus,

@@ -104,9 +104,8 @@ def default_micro_batch(ctx: OnlineContext, minibatch_rows: int) -> int:
     models' activations."""
     sequence = ctx.cfg.data.max_prompt_length + ctx.cfg.online.response_length
     per_token = activation_bytes_per_token(hf_model(ctx.roles.actor).config, sequence)
-    critic = getattr(ctx.roles, "critic", None)
-    if critic is not None:
-        per_token += activation_bytes_per_token(hf_model(critic).config, sequence, logits=False)
+    if ctx.roles.critic is not None:
+        per_token += activation_bytes_per_token(hf_model(ctx.roles.critic).config, sequence, logits=False)
     per_row = sequence * per_token
     return max(1, min(minibatch_rows, ACTIVATION_BUDGET_BYTES // per_row))
 
