@@ -18,10 +18,12 @@ them, each launched in several ways (arms) with the same settings and global bat
 
 The other arms draw other samples than ``1`` (two processes each sample their half of the prompts with their
 own generators; the engine has its own sampler), so they are not the same trajectory; the question is whether
-their result lies within the spread that seeds give. Each final policy is measured as ``ppo_sweep.py`` measures
-(one response at T = 0.7 to each held-out prompt, the same sampling seed for every policy): gold (the task's
-annotators), proxy (the seed's reward model), KL to the SFT policy, length. The verdict of an arm: its mean gold
-lies within one seed-sd of arm ``1``'s mean, and each of its runs ends above its SFT policy in gold.
+their results agree seed by seed. Each final policy is measured as ``ppo_sweep.py`` measures a final policy
+(4 responses at T = 0.7 to every held-out prompt, the same sampling seed for every policy, the evaluation's
+standard error beside each mean): gold (the task's
+annotators), proxy (the seed's reward model), KL to the SFT policy, length. The verdicts of an arm, by the page's
+rule (:func:`rlhfkit.reporting.paired.decide`): gold against its base arm "no difference within ±0.1", and gold
+above the SFT policy's.
 
 Writes ``OUT/learns_alike.md`` (per seed and arm; paired differences against ``1``), ``OUT/learns_alike.csv`` and
 ``OUT/learns_alike.png`` (the training proxy score per rollout, mean over seeds, and the final gold per seed). A
@@ -134,7 +136,14 @@ def one_run(kind: str, arm: str, root: Path, seed: int, stage: dict, s: Sizes, m
     folder = root / f"{kind}-{arm}"
     cache = folder.with_name(folder.name + ".json")
     if cache.is_file() and not args.overwrite:
-        return json.loads(cache.read_text())
+        record = json.loads(cache.read_text())
+        if "eval_samples" in record or not (folder / "final").is_dir():
+            return record
+        # measured by the earlier one-sample read: measure its final policy again, keep its training figures
+        policy = load_causal_lm(str(folder / "final"), tokenizer=meter_of().tokenizer, frozen=True).eval()
+        record.update(meter_of().measure(policy, final=True))
+        cache.write_text(json.dumps(record, indent=1))
+        return record
     if folder.exists():
         shutil.rmtree(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +164,7 @@ def one_run(kind: str, arm: str, root: Path, seed: int, stage: dict, s: Sizes, m
     seconds = time.perf_counter() - start
     meter = meter_of()
     policy = load_causal_lm(str(folder / "final"), tokenizer=meter.tokenizer, frozen=True).eval()
-    record = {"kind": kind, "arm": arm, "seed": seed, "seconds": seconds, **meter.measure(policy)}
+    record = {"kind": kind, "arm": arm, "seed": seed, "seconds": seconds, **meter.measure(policy, final=True)}
     record["train"] = train_rows(folder)
     cache.write_text(json.dumps(record, indent=1))
     return record
@@ -175,8 +184,8 @@ def run_seed(seed: int, s: Sizes, args) -> list[dict]:
         return meters[0]
 
     sft_cache = root / "sft_meter.json"
-    if not sft_cache.is_file() or args.overwrite:
-        sft_cache.write_text(json.dumps(meter_of().measure(meter_of().reference), indent=1))
+    if not sft_cache.is_file() or args.overwrite or "eval_samples" not in json.loads(sft_cache.read_text()):
+        sft_cache.write_text(json.dumps(meter_of().measure(meter_of().reference, final=True), indent=1))
     sft = {"kind": "sft", "arm": "sft", "seed": seed, **json.loads(sft_cache.read_text())}
     records = [sft]
     for kind in args.kinds:
@@ -211,22 +220,22 @@ def _by(records, kind, arm) -> dict[int, dict]:
     return {r["seed"]: r for r in records if r["kind"] == kind and r["arm"] == arm}
 
 
+MARGIN = 0.1  # gold: "no difference" when the 90% interval of arm minus base lies inside ±MARGIN (the page's)
+
+
 def verdict(base: dict[int, dict], other: dict[int, dict], sft: dict[int, dict]) -> str:
-    """holds / fails / open here for "this arm learns as one process does" (see the module's docstring)."""
+    """The page's rule (:func:`rlhfkit.reporting.paired.decide`) on the two claims of "this arm learns as its base
+    arm does": gold, arm minus base, is no different within ±``MARGIN``; and the arm ends above the SFT policy
+    (arm minus SFT, a direction)."""
+    from rlhfkit.reporting.paired import Claim, decide
+
     seeds = sorted(set(base) & set(other) & set(sft))
-    if len(seeds) < 2:
-        return "open here (fewer than 2 seeds)"
-    gold = np.array([base[s]["gold"] for s in seeds])
-    mean, sd = float(np.mean([other[s]["gold"] for s in seeds])), float(np.std(gold, ddof=1))
-    learns = all(other[s]["gold"] > sft[s]["gold"] for s in seeds)
-    within = abs(mean - float(gold.mean())) <= sd
-    if within and learns:
-        return (
-            f"holds (mean gold {mean:.2f}; 1 process {gold.mean():.2f} ± {sd:.2f}; above SFT in every seed)"
-        )
-    why = [] if within else [f"mean gold {mean:.2f} outside 1 process's {gold.mean():.2f} ± {sd:.2f}"]
-    why += [] if learns else ["a run ends at or below its SFT policy"]
-    return "fails (" + "; ".join(why) + ")"
+    if not seeds:
+        return "alike: open; above SFT: open (no seed has both runs)"
+    gold = lambda by: [by[s]["gold"] for s in seeds]  # noqa: E731
+    alike = decide(paired(gold(base), gold(other)), Claim(0, MARGIN))
+    above = decide(paired(gold(sft), gold(other)), Claim(+1))
+    return f"alike (within ±{MARGIN:g} gold): {alike}; above SFT: {above}"
 
 
 def markdown(records: list[dict], kinds, arms) -> str:
@@ -268,7 +277,7 @@ def markdown(records: list[dict], kinds, arms) -> str:
                 continue
             p = paired([base[s]["gold"] for s in common], [by[s]["gold"] for s in common])
             lines.append(f"- {kind.upper()} gold, {ARMS[arm][2]} minus {ARMS[base_arm][2]}: {describe(p)}")
-            lines.append(f"  - learns as {ARMS[base_arm][2]} does: {verdict(base, by, sft)}")
+            lines.append(f"  - verdicts (the page's rule): {verdict(base, by, sft)}")
     return "\n".join(lines) + "\n"
 
 

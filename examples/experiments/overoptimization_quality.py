@@ -165,7 +165,7 @@ def run_job(seed: int, quality: int, shared: dict, s: Sizes, args) -> None:
         evals: list[dict] = []
 
         def hook(policy, step, evals=evals, meter=meter):
-            figures = meter.measure(policy)
+            figures = meter.measure(policy, final=step == s.rollouts)
             evals.append({"rollout": step, **figures})
             return {
                 "eval/gold/mean": figures["gold"],

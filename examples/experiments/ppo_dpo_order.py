@@ -87,7 +87,7 @@ def dpo_run(folder: Path, start: Path, stage: dict, meter, seed: int, s: Sizes, 
     meter = meter or Meter(stage, s, seed)
     policy = load_causal_lm(str(folder / "final"), tokenizer=meter.tokenizer, frozen=True).eval()
     figures = {
-        **meter.measure(policy),
+        **meter.measure(policy, final=True),
         "dpo_accuracy": summary.get("heldout_accuracy"),
         "dpo_gold_accuracy": summary.get("heldout_gold_accuracy"),
     }

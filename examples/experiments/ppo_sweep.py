@@ -77,7 +77,15 @@ def run_name(run: dict) -> str:
 
 
 class Meter:
-    """Gold, proxy and KL of a policy on the held-out prompts at T = 0.7 (one row per measurement)."""
+    """Gold, proxy and KL of a policy on the held-out prompts at T = 0.7 (one row per measurement).
+
+    Two reads. Along a run (``final=False``): one response to each of the first ``s.eval_prompts`` held-out
+    prompts, for the curves. A final policy (``final=True``; the SFT policy too, as every paired comparison
+    reads finals against it): ``s.final_samples`` responses to each of the first ``s.final_prompts`` held-out
+    prompts (all of them by default), with the evaluation's standard error beside each mean: the sd of the
+    per-prompt means over sqrt(prompts), the prompt being the unit that repeats (``gold_se``, ``proxy_se``).
+    Every read of a seed uses the same sampling seed, so two policies are compared on the same random stream.
+    """
 
     def __init__(self, stage: dict, s: Sizes, seed: int):
         from rlhfkit.data import TokenLimits, prepare_examples
@@ -93,25 +101,29 @@ class Meter:
             str(stage["files"]["prompts_eval"]), "prompts", self.tokenizer, TokenLimits(32, None, "left")
         )
         self.examples = examples[: s.eval_prompts]
+        self.final_examples = examples[: s.final_prompts] if s.final_prompts else examples
 
-    def measure(self, policy) -> dict[str, float]:
+    def measure(self, policy, final: bool = False) -> dict[str, float]:
         import torch
 
         from rlhfkit.rollout.evaluate import sample_and_score
 
+        prompts = self.final_examples if final else self.examples
+        repeats = self.sizes.final_samples if final else 1
         torch.manual_seed(1000 * self.seed + 7)  # the same sampling seed for every checkpoint
-        s = sample_and_score(
+        samples = sample_and_score(
             policy,
             self.tokenizer,
-            self.examples,
+            [ex for ex in prompts for _ in range(repeats)],  # each prompt's samples side by side
             temperature=EVAL_TEMPERATURE,
             max_new_tokens=self.sizes.response_length,
             reward_model=self.reward_model,
             reference=self.reference,
             gold_score=self.stage["task"].gold_score,
             is_valid=self.stage["task"].is_valid,
-        ).summary()
-        return {
+        )
+        s = samples.summary()
+        figures = {
             "gold": s["gold_mean"],
             "proxy": s["proxy_mean"],
             "kl": s["kl_mean"],
@@ -119,6 +131,28 @@ class Meter:
             "ended": s["ended_rate"],
             "valid_rate": s.get("valid_rate"),
         }
+        if final:
+            figures.update(
+                gold_se=prompt_standard_error(samples.gold, repeats),
+                proxy_se=prompt_standard_error(samples.proxy, repeats),
+                eval_prompts=len(prompts),
+                eval_samples=repeats,
+            )
+        return figures
+
+
+def prompt_standard_error(values, repeats: int) -> float:
+    """The standard error of the mean of ``values`` (``repeats`` consecutive values per prompt): the sample sd of
+    the per-prompt means over sqrt(prompts). The samples of one prompt are not independent of each other (they
+    share the prompt), so the prompt is the unit; 0.0 for a single prompt."""
+    if repeats < 1 or len(values) % repeats:
+        raise ValueError(f"{len(values)} values are not {repeats} per prompt")
+    means = [sum(values[i : i + repeats]) / repeats for i in range(0, len(values), repeats)]
+    n = len(means)
+    if n < 2:
+        return 0.0
+    mean = sum(means) / n
+    return (sum((m - mean) ** 2 for m in means) / (n - 1)) ** 0.5 / n**0.5
 
 
 def train_rows(folder: Path) -> list[dict]:
@@ -148,7 +182,7 @@ def sft_figures(root: Path, stage: dict, seed: int, s: Sizes, args) -> tuple:
     if cache.is_file() and not args.overwrite:
         return None, json.loads(cache.read_text())
     meter = Meter(stage, s, seed)
-    sft = meter.measure(meter.reference)
+    sft = meter.measure(meter.reference, final=True)
     cache.write_text(json.dumps(sft, indent=1))
     return meter, sft
 
@@ -170,7 +204,7 @@ def ppo_run(folder: Path, stage: dict, meter, seed: int, s: Sizes, run: dict, ar
     evals: list[dict] = []
 
     def hook(policy, step):
-        figures = meter.measure(policy)
+        figures = meter.measure(policy, final=step == s.rollouts)
         evals.append({"rollout": step, **figures})
         return {"eval/gold/mean": figures["gold"], "eval/score/mean": figures["proxy"]}
 

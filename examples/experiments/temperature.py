@@ -62,6 +62,8 @@ class Sizes:
     rollouts: int = 40
     eval_every: int = 10
     eval_prompts: int = 128
+    final_prompts: int = 0  # a final policy's evaluation: this many held-out prompts (0: every one) ...
+    final_samples: int = 4  # ... with this many samples each
 
 
 SIZES = {
@@ -77,6 +79,8 @@ SIZES = {
         rollouts=2,
         eval_every=2,
         eval_prompts=6,
+        final_prompts=6,
+        final_samples=2,
     ),
 }
 

@@ -58,20 +58,27 @@ def test_grpo_gets_as_many_responses_a_rollout_as_ppo():
     }
 
 
-def test_the_verdict_reads_the_seed_spread_and_the_gain_over_sft():
+def test_the_verdicts_are_the_pages_rule_on_the_paired_gold():
     by = lambda records, arm: ex._by(records, "ppo", arm)  # noqa: E731
-    within = _records([1.0, 2.0, 3.0], [2.5, 1.5, 2.9])  # 1 process: 2.0 ± 1.0; sharded mean 2.3
-    assert ex.verdict(by(within, "1"), by(within, "2-sharded"), ex._by(within, "sft", "sft")).startswith(
-        "holds"
+    sft = lambda records: ex._by(records, "sft", "sft")  # noqa: E731
+    # differences +0.02, -0.01, +0.03, 0.00, +0.01: mean +0.01, 90% interval about [-0.006, +0.026] inside ±0.1
+    base = [1.0, 2.0, 3.0, 1.5, 2.5]
+    alike = _records(base, [1.02, 1.99, 3.03, 1.5, 2.51])
+    assert ex.verdict(by(alike, "1"), by(alike, "2-sharded"), sft(alike)) == (
+        "alike (within ±0.1 gold): no difference (within ±0.1); above SFT: holds"
     )
-    outside = _records([1.0, 2.0, 3.0], [3.5, 3.1, 3.3])  # sharded mean 3.3 > 2.0 + 1.0
-    assert "outside" in ex.verdict(by(outside, "1"), by(outside, "2-sharded"), ex._by(outside, "sft", "sft"))
-    flat = _records([1.0, 2.0, 3.0], [2.5, 1.5, 2.9], sft_gold=2.0)  # seed 1's sharded run ends below SFT
-    assert "at or below its SFT" in ex.verdict(
-        by(flat, "1"), by(flat, "2-sharded"), ex._by(flat, "sft", "sft")
+    # one seed-sd of the base arm (0.79) would call +0.3 on every seed alike; the rule says it is a difference
+    apart = _records(base, [b + 0.3 + 0.01 * i for i, b in enumerate(base)])
+    assert ex.verdict(by(apart, "1"), by(apart, "2-sharded"), sft(apart)).startswith(
+        "alike (within ±0.1 gold): fails;"
     )
-    one = _records([1.0], [1.1])
-    assert ex.verdict(by(one, "1"), by(one, "2-sharded"), ex._by(one, "sft", "sft")).startswith("open here")
+    # differences of ±0.5: neither inside the margin nor outside it; and a seed below its SFT policy
+    wide = _records(base, [1.5, 1.5, 3.5, 1.0, 2.5], sft_gold=1.2)
+    assert ex.verdict(by(wide, "1"), by(wide, "2-sharded"), sft(wide)) == (
+        "alike (within ±0.1 gold): open; above SFT: open"
+    )
+    one = _records([1.0], [1.0])
+    assert ex.verdict(by(one, "1"), by(one, "2-sharded"), sft(one)).endswith("open; above SFT: open")
 
 
 def test_the_table_has_every_seed_and_the_paired_difference():

@@ -51,6 +51,18 @@ def test_aggregate_means_and_sds_over_seeds_with_the_sft_policy_at_rollout_0_of_
     assert "| 1.00 / 1.00 | 12.0 |" in text  # gold per seed; training length over the last rollouts
 
 
+def test_the_evaluations_standard_error_takes_the_prompt_as_the_unit():
+    # two samples each of three prompts: per-prompt means 1, 2, 6; their sd is sqrt(7), over sqrt(3)
+    assert ex.prompt_standard_error([0.0, 2.0, 2.0, 2.0, 5.0, 7.0], 2) == pytest.approx(math.sqrt(7 / 3))
+    # the same six values as six prompts of one sample: a smaller spread of means, another error
+    assert ex.prompt_standard_error([0.0, 2.0, 2.0, 2.0, 5.0, 7.0], 1) == pytest.approx(
+        math.sqrt(sum((x - 3.0) ** 2 for x in (0, 2, 2, 2, 5, 7)) / 5 / 6)
+    )
+    assert ex.prompt_standard_error([4.0, 6.0], 2) == 0.0  # one prompt: no spread to read
+    with pytest.raises(ValueError, match="not 2 per prompt"):
+        ex.prompt_standard_error([1.0, 2.0, 3.0], 2)
+
+
 def test_the_runs_of_each_sweep_and_the_run_they_share():
     kl = [ex.run_name(r) for r in ex.runs_of("kl_coef", ex.SWEEPS["kl_coef"])]
     gamma = [ex.run_name(r) for r in ex.runs_of("gamma", ex.SWEEPS["gamma"])]
@@ -116,6 +128,9 @@ def test_both_sweeps_end_to_end_at_the_smoke_size_sharing_one_folder(tmp_path, c
         e = record["eval"][0]
         assert e["kl"] == pytest.approx(e["kl"]) and -3.0 <= e["gold"] <= 6.0 and 0.0 <= e["ended"] <= 1.0
         assert 1.0 <= e["length"] <= ex.SIZES["smoke"].response_length
+        assert (e["eval_prompts"], e["eval_samples"]) == (6, 2) and e["gold_se"] >= 0.0  # the final read
+    sft = json.loads((out / "seed-0" / "sft_meter.json").read_text())
+    assert (sft["eval_prompts"], sft["eval_samples"]) == (6, 2)  # read as the finals are, for the pairing
     with (out / "gamma_rows.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert {(float(r["setting"]), int(r["rollout"])) for r in rows} == {
