@@ -16,14 +16,26 @@ x 4 for GRPO, 32 prompts for PPO)::
     .venv-vllm/bin/python benchmarks/generation_backend.py --model .bench/smollm2-135m-instruct \\
         --lengths 48,512 --dtypes bfloat16,float32 --forced-length --repeats 3 --out runs/bench_gen
 
+Sharded runs (``train.sharding``) are timed the same way: ``--processes N`` launches every run with
+``torchrun`` (``python -m torch.distributed.run --standalone --nproc_per_node N``), ``--sharding`` sets the
+mode, and each process generates its share of the rollout with its own backend (one engine a process for
+vllm, ``generate`` on the gathered policy for hf). E.g. 2 processes, fully sharded, on the tiny preset::
+
+    .venv-vllm/bin/python benchmarks/generation_backend.py --preset tiny --processes 2 --sharding full_shard \\
+        --lengths 48,512 --dtypes float32 --forced-length --repeats 3 --out runs/bench_gen_sharded
+
+Each process then runs ``RLHFKIT_NUM_THREADS`` torch threads (unless set: usable cores // processes, 1 each on
+two cores). Only the first process writes ``metrics.jsonl`` and prints the run's result.
+
 ``--forced-length`` makes every response exactly its length (the EOS / pad token suppressed in both backends'
 samplers, as ``grpo_vs_trl.py`` forces it): the same work for both backends, and a 512-token row that really
 generates 512 tokens. ``--stop-token TEXT`` only adds a stop token (EOS still ends a response: SmolLM2's chat
 answers then end after ~35 of 48 tokens); the printed ``response_length`` says how long they were. Output: one
 JSON line per run (``"run"``), then one per (algorithm, dtype, length, backend) with the medians over its runs
-(``"median"``): ``rollout_seconds`` (``time/step_seconds``: the whole iteration, update included),
-``time/generate``, ``time/weight_sync`` and ``rest`` (rollout_seconds minus the two), and for vllm the ratios to
-hf of ``time/generate`` and of the rollout.
+(``"median"``), each naming its ``processes`` and ``sharding`` (and, read from the run, its ``world_size``):
+``rollout_seconds`` (``time/step_seconds``: the whole iteration, update included), ``time/generate``,
+``time/weight_sync`` and ``rest`` (rollout_seconds minus the two), and for vllm the ratios to hf of
+``time/generate`` and of the rollout.
 """
 
 from __future__ import annotations
@@ -84,6 +96,8 @@ def run_settings(args, paths: dict[str, str], algo: str, dtype: str, length: int
         settings.append(f"online.ppo_epochs={args.epochs}")
     if args.micro_batch is not None:
         settings.append(f"train.micro_batch_size={args.micro_batch}")
+    if args.sharding != "none":
+        settings.append(f"train.sharding={args.sharding}")
     return settings
 
 
@@ -103,10 +117,25 @@ def child(args) -> None:
     with forced_length() if args.forced_length else contextlib.nullcontext():
         online.train(cfg, overwrite=True)
     wall = time.perf_counter() - start
-    rows = [json.loads(line) for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size > 1:  # a torchrun process: only the first wrote metrics.jsonl and prints the result
+        from rlhfkit.engine.accel import end_processes, launch_rank
+
+        end_processes()  # as the command line ends a launch (rlhfkit.cli.console): the group left, then os._exit
+        if launch_rank() == 0:
+            print("RESULT " + json.dumps(run_result(cfg.output_dir, wall, world_size)), flush=True)
+        sys.stderr.flush()
+        os._exit(0)
+    print("RESULT " + json.dumps(run_result(cfg.output_dir, wall, world_size)), flush=True)
+
+
+def run_result(output_dir: str, wall: float, world_size: int) -> dict:
+    """The medians of one run over its timed rollouts, read from its ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("step", 0) > 0 and "time/step_seconds" in r]
     timed = rows[1:] or rows  # the first rollout warms up (kept only when it is the only one: a smoke run)
     result = {
+        "world_size": world_size,
         "rollouts_timed": len(timed),
         "outside_rollouts_seconds": wall - sum(r["time/step_seconds"] for r in rows),
     }
@@ -116,22 +145,42 @@ def child(args) -> None:
     result["rest"] = result["rollout_seconds"] - result["time/generate"] - result["time/weight_sync"]
     result["response_length"] = statistics.median(r["response_length/mean"] for r in timed)
     result["score_first"], result["score_last"] = rows[0]["score/mean"], rows[-1]["score/mean"]
-    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+def launch_command(args, settings: list[str], algo: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one run: this script's child, in one process or under torchrun
+    (as ``examples/experiments/learns_alike.py`` launches its 2-process arms)."""
+    script = str(Path(__file__).resolve())
+    child_args = ["--child", json.dumps(settings), "--algo", algo]
+    child_args += ["--forced-length"] if args.forced_length else []  # every process samples forced lengths
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if args.processes == 1:
+        return [sys.executable, script, *child_args], env
+    from rlhfkit.engine.threads import default_num_threads
+
+    # torchrun sets OMP_NUM_THREADS=1, which rlhfkit does not read under a launcher: the count is given here,
+    # the user's RLHFKIT_NUM_THREADS kept (2 processes of 2 threads on 2 cores run many times slower)
+    env.setdefault("RLHFKIT_NUM_THREADS", str(default_num_threads(args.processes)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    return [*torchrun, str(args.processes), script, *child_args], env
 
 
 def launch(args, settings: list[str], algo: str) -> dict:
-    """Run one configuration in a fresh subprocess and return its RESULT line."""
-    command = [sys.executable, __file__, "--child", json.dumps(settings), "--algo", algo]
-    command += ["--forced-length"] if args.forced_length else []
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    """Run one configuration in fresh subprocesses and return its RESULT line (the first process's)."""
+    command, env = launch_command(args, settings, algo)
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise SystemExit(f"run failed (exit {done.returncode}): {' '.join(settings)}\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    if done.returncode != 0 or len(lines) != 1:
+        raise SystemExit(
+            f"run failed (exit {done.returncode}, {len(lines)} RESULT lines): {' '.join(settings)}\n"
+            f"{done.stderr[-3000:]}"
+        )
+    return json.loads(lines[0][len("RESULT ") :])
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's options (a parser error for a combination no run accepts)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", default=None, help="a causal LM folder (default: the preset's fresh model)"
@@ -164,13 +213,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=None,
         help="train.micro_batch_size (default: the trainer's, the whole rollout); 8 keeps 32 x 512 tokens in memory",
     )
+    parser.add_argument(
+        "--processes", type=int, default=1, help="processes of every run (more: launched with torchrun)"
+    )
+    parser.add_argument(
+        "--sharding",
+        choices=("none", "full_shard", "shard_grad_op"),
+        default="none",
+        help="train.sharding of every run (FSDP2)",
+    )
     parser.add_argument("--out", default="runs/bench_generation_backend")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--algo", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.processes < 1:
+        parser.error(f"--processes {args.processes}: at least 1")
+    if args.sharding != "none" and args.lora_rank:
+        parser.error(
+            f"--lora-rank {args.lora_rank} with --sharding {args.sharding}: rlhfkit shards no LoRA run"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
     if args.child:
         child(args)
         return []
+    launched = {"processes": args.processes, "sharding": args.sharding}
+    prefix = "" if launched == {"processes": 1, "sharding": "none"} else f"{args.processes}-{args.sharding}-"
     out = Path(args.out)
     paths = prepare(out, args.model, args.preset)
     backends = args.backends.split(",")
@@ -181,18 +252,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 runs: dict[str, list[dict]] = {b: [] for b in backends}
                 for repeat in range(args.repeats):
                     for backend in backends:  # alternating
-                        folder = out / "runs" / f"{algo}-{dtype}-{length}-{backend}-{repeat}"
+                        folder = out / "runs" / f"{prefix}{algo}-{dtype}-{length}-{backend}-{repeat}"
                         settings = run_settings(args, paths, algo, dtype, length, backend, folder)
                         result = launch(args, settings, algo)
                         runs[backend].append(result)
-                        key = {"algo": algo, "dtype": dtype, "length": length, "backend": backend}
+                        key = {"algo": algo, "dtype": dtype, "length": length, "backend": backend, **launched}
                         print(json.dumps({"run": repeat, **key, **result}), flush=True)
                 medians = {
                     b: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for b, rs in runs.items()
                 }
                 for backend, m in medians.items():
                     line = {"median": len(runs[backend]), "algo": algo, "dtype": dtype, "length": length}
-                    line.update(backend=backend, **m)
+                    line.update(backend=backend, **launched, **m)
                     if backend != "hf" and "hf" in medians:
                         hf = medians["hf"]
                         line["generate_vs_hf"] = m["time/generate"] / max(hf["time/generate"], 1e-9)
