@@ -9,6 +9,11 @@ them, so one ``--out`` serves both): PPO at ``online.ppo_epochs`` 1, 2, 4 (the l
 ``online.epoch_stats`` on, so that every rollout logs clipfrac and approx_kl of each epoch on its own. Held-out
 gold, proxy, KL to SFT, length and validity every ``--eval-every`` rollouts as ``ppo_sweep.py`` measures them.
 
+Each epoch here is one minibatch, so n epochs are also n optimizer steps a rollout. The control arms take the
+same steps in one pass (``--equal-steps``): 1 epoch of n minibatches (n = 4 and 8), each step on a different
+n-th of the rollout. n epochs minus 1 epoch of n minibatches is then the effect of the passes alone; the claims
+(``EQUAL_STEP_CLAIMS``), fixed before these arms ran: no difference within ±0.1 gold at 4, lower gold at 8.
+
 Writes ``OUT/ppo_epochs.md`` (the final policies, the per-epoch drift, each arm paired per seed against 4
 epochs), ``ppo_epochs_rows.csv``, ``ppo_epochs_train.csv`` and ``ppo_epochs.png``::
 
@@ -29,17 +34,30 @@ import ppo_arms  # noqa: E402
 from temperature import sizes_of  # noqa: E402
 
 EPOCHS = (1, 2, 4, 8)
+EQUAL_STEPS = (4, 8)  # the control arms: 1 epoch of n minibatches, as many optimizer steps as n epochs of 1
 BASE = "epochs4"
+# Claimed before the control arms ran, for n epochs of one minibatch minus 1 epoch of n minibatches (equal
+# optimizer steps, so the difference is the passes over the same samples): at 4 epochs no difference within
+# ±0.1 gold (the library's default reuses its samples at no cost); at 8, lower gold (past a few epochs they hurt).
+EQUAL_STEP_CLAIMS = {4: (0, 0.1), 8: (-1, None)}
 
 
-def arms_of(epochs=EPOCHS) -> list[ppo_arms.Arm]:
-    return [
+def arms_of(epochs=EPOCHS, equal_steps=EQUAL_STEPS) -> list[ppo_arms.Arm]:
+    arms = [
         ppo_arms.Arm(
             f"epochs{n}",
             f"{n} epoch{'s' if n > 1 else ''}",
             settings={"online.ppo_epochs": n, "online.epoch_stats": True},
         )
         for n in epochs
+    ]
+    return arms + [
+        ppo_arms.Arm(
+            f"epochs1-mb{n}",
+            f"1 epoch of {n} minibatches",
+            settings={"online.ppo_epochs": 1, "online.num_minibatches": n, "online.epoch_stats": True},
+        )
+        for n in equal_steps
     ]
 
 
@@ -48,7 +66,8 @@ def train_keys(epochs=EPOCHS) -> list[str]:
 
 
 def run_stage(root: Path, stage: dict, seed: int, s, args) -> dict:
-    return ppo_arms.run_arms(root, stage, seed, s, arms_of(args.epochs), args, train_keys(args.epochs))
+    arms = arms_of(args.epochs, args.equal_steps)
+    return ppo_arms.run_arms(root, stage, seed, s, arms, args, train_keys(args.epochs))
 
 
 def run_seed(seed: int, args) -> dict:
@@ -102,9 +121,39 @@ def markdown(results: list[dict], arms, drift: list[dict]) -> str:
         cells = [describe(t, 4) for t in tests.values()] + [verdict(tests["approx_kl"], +1)]
         lines.append(f"| {arm.label} | " + " | ".join(cells) + " |")
     # the end figures against the default 4 epochs (no direction claimed for them)
-    base = BASE if BASE in {a.name for a in arms} else arms[0].name
-    lines += ["", ppo_arms.paired_table(results, arms, base)]
+    plain = [a for a in arms if "online.num_minibatches" not in a.settings]
+    base = BASE if BASE in {a.name for a in plain} else plain[0].name
+    lines += ["", ppo_arms.paired_table(results, plain, base)]
+    lines += equal_step_lines(results, arms)
     return "\n".join(lines)
+
+
+def equal_step_lines(results: list[dict], arms) -> list[str]:
+    """n epochs of one minibatch against 1 epoch of n minibatches (the same optimizer steps), paired per seed,
+    each with its claim (``EQUAL_STEP_CLAIMS``) decided by the page's rule."""
+    from rlhfkit.reporting.paired import Claim, decide, describe, paired
+
+    names = {a.name for a in arms}
+    lines = []
+    for n in sorted(
+        {a.settings["online.num_minibatches"] for a in arms if "online.num_minibatches" in a.settings}
+    ):
+        if f"epochs{n}" not in names or not results:
+            continue
+        a = [ppo_arms.last_eval(r["arms"][f"epochs1-mb{n}"])["gold"] for r in results]
+        b = [ppo_arms.last_eval(r["arms"][f"epochs{n}"])["gold"] for r in results]
+        direction, margin = EQUAL_STEP_CLAIMS.get(n, (0, 0.1))
+        claim = Claim(direction, margin)
+        said = {1: "higher", -1: "lower"}.get(direction) or f"no difference within ±{margin:g}"
+        if not lines:
+            lines = [
+                "",
+                "Equal optimizer steps: n epochs of one minibatch − 1 epoch of n minibatches, gold, per seed:",
+                "",
+            ]
+            lines += ["| n | gold, b − a | claim | verdict (the page's rule) |", "|---|---|---|---|"]
+        lines.append(f"| {n} | {describe(paired(a, b))} | {said} | {decide(paired(a, b), claim)} |")
+    return lines
 
 
 def plot(path: Path, rows: list[dict], arms, drift: list[dict]) -> None:
@@ -137,8 +186,8 @@ def plot(path: Path, rows: list[dict], arms, drift: list[dict]) -> None:
     plt.close(fig)
 
 
-def report(out: Path, results: list[dict], epochs=EPOCHS) -> str:
-    arms = arms_of(epochs)
+def report(out: Path, results: list[dict], epochs=EPOCHS, equal_steps=EQUAL_STEPS) -> str:
+    arms = arms_of(epochs, equal_steps)
     drift = epoch_drift(results, arms)
     text = markdown(results, arms, drift)
     rows, _ = ppo_arms.write_report(out, "ppo_epochs", results, arms, text)
@@ -152,9 +201,16 @@ def parse_args(argv):
     p.add_argument(
         "--epochs", type=int, nargs="+", default=list(EPOCHS), help="online.ppo_epochs of each arm"
     )
+    p.add_argument(
+        "--equal-steps",
+        type=int,
+        nargs="*",
+        default=list(EQUAL_STEPS),
+        help="the control arms: 1 epoch of n minibatches each (none: only the epoch arms)",
+    )
     args = p.parse_args(argv)
-    if any(e < 1 for e in args.epochs):
-        p.error("--epochs must be positive")
+    if any(e < 1 for e in args.epochs) or any(n < 2 for n in args.equal_steps):
+        p.error("--epochs must be positive and --equal-steps at least 2")
     return args
 
 
@@ -166,7 +222,7 @@ def main(argv=None) -> int:
     if results is None:
         return 1
     if not args.no_report:
-        report(args.out, results, tuple(args.epochs))
+        report(args.out, results, tuple(args.epochs), tuple(args.equal_steps))
     return 0
 
 

@@ -202,14 +202,14 @@ def ppo_run(folder: Path, stage: dict, meter, seed: int, s: Sizes, run: dict, ar
     meter = meter or Meter(stage, s, seed)
     print(f"seed {seed}: PPO {run} {extra or ''}, {s.rollouts} rollouts", flush=True)
     evals: list[dict] = []
+    settings = {"online.gamma": run["gamma"], "online.lam": run.get("lam", BASE["lam"]), **extra}
+    cfg = ppo_config(folder, seed, stage, s, s.rollouts, EVAL_TEMPERATURE, run["kl_coef"], **settings)
 
-    def hook(policy, step):
-        figures = meter.measure(policy, final=step == s.rollouts)
+    def hook(policy, step):  # the last rollout is the final read (``extra`` may set train.max_steps)
+        figures = meter.measure(policy, final=step == cfg.train.max_steps)
         evals.append({"rollout": step, **figures})
         return {"eval/gold/mean": figures["gold"], "eval/score/mean": figures["proxy"]}
 
-    settings = {"online.gamma": run["gamma"], "online.lam": run.get("lam", BASE["lam"]), **extra}
-    cfg = ppo_config(folder, seed, stage, s, s.rollouts, EVAL_TEMPERATURE, run["kl_coef"], **settings)
     hooks = online.OnlineHooks(evaluate=hook, evaluate_at_start=False)
     if refresh is not None:
         hooks.refresh_reward_model = refresh(meter)
