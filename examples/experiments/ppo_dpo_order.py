@@ -14,26 +14,52 @@ them, so one ``--out`` serves both):
 
 - ``ppo``: PPO from SFT, the quickstart's tiny PPO (``ppo_sweep.py``'s ``kl0.05-gamma1`` run, trained once);
 - ``dpo``: DPO from SFT on the reward model's training pairs (the quickstart's tiny DPO stage: 40 steps of 32
-  pairs, beta 0.1, at lr 3e-4 pinned by ``DPO_LR``: the preset's rate when the table was measured; it is 2e-4
-  now), reference SFT;
+  pairs, beta 0.1), reference SFT, at the seed's tuned learning rate (below);
 - ``ppo→dpo``: that DPO from the PPO policy, reference the PPO policy (the library's default: the starting
   policy), and ``ppo→dpo (ref SFT)``: the same with the SFT policy as DPO's reference (``dpo.reference_model``);
 - ``dpo→ppo``: that PPO from the DPO policy (its critic from the reward model, its KL penalty against the DPO
   policy: PPO's reference is always its starting policy).
 
-Every final policy, and the PPO runs every ``--eval-every`` rollouts, measured as ``ppo_sweep.py`` measures:
-one response at T = 0.7 to each of ``--eval-prompts`` held-out prompts (the same sampling seed for every
-policy): gold, proxy, KL to the SFT policy (k1, nats per response), length, validity. Writes
-``OUT/order.md`` (means ± sd over seeds), ``OUT/order_rows.csv`` and ``OUT/order.png``; every policy's figures
-are cached in its folder (``--overwrite`` reruns)::
+DPO's learning rate, chosen per seed on DPO's own validation pairs. For each seed, DPO from the SFT policy is
+trained at every rate of a grid (default size: 1e-4, 3e-4, 1e-3, 3e-3, half a decade apart around the rates
+the tiny preset was tuned at, 2e-4 to 3e-4; smoke size: 1e-4, 1e-3; ``--dpo-lrs`` replaces it), and the rate
+whose final DPO loss on the seed's held-out labelled pairs (``pairs/pairs_eval.jsonl``, DPO's ``eval_file``)
+is lowest is the rate of every DPO run of that seed (``dpo``, ``ppo→dpo``, ``ppo→dpo (ref SFT)``, and the DPO
+policy ``dpo→ppo`` starts from); an exact tie goes to the smaller rate, and a run whose loss is not finite is
+never chosen. The loss is the one DPO minimises, read against the annotators' labels, as a user without the
+gold scorer would; the gold scorer takes no part in the choice. The loss rather than the accuracy: on 256
+pairs the accuracy moves in steps of 0.004 with a standard error near 0.03, and it does not see a policy
+growing over-confident on the pairs it gets wrong. The grid's run at the chosen rate is the ``dpo`` arm
+itself, so the grid costs one DPO stage per extra rate and seed. Its figures per seed are in
+``OUT/seed-N/dpo_lr.json`` and in the report; a rate at the edge of the grid is flagged there (the grid did
+not bracket the best). ``--dpo-lr 3e-4`` pins a rate instead (no grid): the set-up of the table measured
+before the rate was tuned. Every DPO folder names its rate (``dpo-lr0.0003``, ``ppo-then-dpo-lr0.0003``,
+``dpo-lr0.0003-then-ppo``, ...), so figures cached at one rate are never read as another's.
 
-    python examples/experiments/ppo_dpo_order.py --out runs/ppo_sweep   # 3 seeds, two at a time
-    python examples/experiments/ppo_dpo_order.py --out runs/ppo_sweep --report-only
+What the choice may see. The validation pairs are responses of the SFT policy to held-out prompts, labelled by
+the noisy annotators; the gold evaluation below reads fresh responses of each trained policy scored by the gold
+scorer. They are not separate prompt sets: ``label_pairs`` draws the validation pairs' prompts from the task's
+held-out split, the very split the evaluation reads (at the default size, the 255 validation pairs of seed 0
+sit on 255 of its 384 held-out prompts). The responses and the judge differ, and the choice picks one rate of
+four from the labels alone, so what it can learn of the evaluation is small, but it is not nil.
+
+Every final policy is read as ``ppo_sweep.py`` reads it: ``--final-samples`` responses at T = 0.7 to each
+held-out prompt (the same sampling seed for every policy), with the evaluation's standard error; the PPO runs
+every ``--eval-every`` rollouts on one response to each of ``--eval-prompts`` held-out prompts. Figures: gold,
+proxy, KL to the SFT policy (k1, nats per response), length, validity. Writes ``OUT/order.md`` (means ± sd over
+seeds, the paired differences, the learning-rate grid per seed), ``OUT/order_rows.csv`` and ``OUT/order.png``;
+every policy's figures are cached in its folder (``--overwrite`` reruns)::
+
+    RLHFKIT_NUM_THREADS=1 python examples/experiments/ppo_dpo_order.py --out runs/ppo_sweep   # 3 seeds, two at a time
+    RLHFKIT_NUM_THREADS=1 python examples/experiments/ppo_dpo_order.py --out runs/ppo_sweep --report-only
+    RLHFKIT_NUM_THREADS=1 python examples/experiments/ppo_dpo_order.py --out runs/ppo_sweep --dpo-lr 3e-4  # pinned
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -63,31 +89,77 @@ DPO_PRESET = {
     "default": "tiny",
     "smoke": "smoke",
 }  # rlhfkit.quickstart.dpo_stage.DPO_PRESETS by experiment size
-# The DPO learning rate the documented table was measured at (docs/experiments.md, "PPO then DPO"): the tiny
-# preset's rate was 3e-4 then and is 2e-4 now, so the table's rate is pinned here (None: the preset's).
-DPO_LR = {"default": 3e-4, "smoke": None}
+# The learning rates DPO from SFT is tried at, per seed, by experiment size (the module docstring says why these).
+DPO_LRS = {"default": (1e-4, 3e-4, 1e-3, 3e-3), "smoke": (1e-4, 1e-3)}
+SELECTION_METRIC = "heldout_loss"  # DPO's loss on the held-out labelled pairs (its summary.json key)
 
 
-def dpo_run(folder: Path, start: Path, stage: dict, meter, seed: int, s: Sizes, args, **extra):
-    """DPO from ``start`` on the seed's labelled pairs (``extra``: other dotted keys); ``(meter, figures)``, the
-    figures of the final policy (and DPO's held-out implicit-reward accuracy) cached in ``folder``."""
-    from rlhfkit.models import load_causal_lm
+def lr_name(lr: float) -> str:
+    """``lr0.0003``: the rate in a DPO run's folder name."""
+    return f"lr{lr:g}"
+
+
+def choose_lr(grid: list[dict]) -> float:
+    """The rate of ``grid`` (``[{"lr", "heldout_loss", ...}]``) whose held-out DPO loss is lowest; an exact tie
+    goes to the smaller rate; a run whose loss is missing or not finite (diverged) is never chosen."""
+    finite = [g for g in grid if g[SELECTION_METRIC] is not None and math.isfinite(g[SELECTION_METRIC])]
+    if not finite:
+        raise ValueError(f"no rate of the grid {[g['lr'] for g in grid]} has a finite held-out DPO loss")
+    return min(finite, key=lambda g: (g[SELECTION_METRIC], g["lr"]))["lr"]
+
+
+def dpo_train(
+    folder: Path, start: Path, stage: dict, seed: int, s: Sizes, args, lr: float, retrain: bool, **extra
+):
+    """DPO at ``lr`` from ``start`` on the seed's labelled pairs, held out on its validation pairs (``extra``: other
+    dotted keys); its summary, cached in ``folder`` (rerun when ``retrain``)."""
     from rlhfkit.quickstart.dpo_stage import dpo_stage
 
-    cache = folder / "order_rows.json"
-    if cache.is_file() and not args.overwrite:
-        return meter, json.loads(cache.read_text())
+    summary = folder / "summary.json"
+    if summary.is_file() and (folder / "final").is_dir() and not retrain:
+        return json.loads(summary.read_text())
     if folder.exists():
         shutil.rmtree(folder)  # an unfinished run of this script's own
-    print(f"seed {seed}: DPO from {start} {extra or ''}", flush=True)
+    print(f"seed {seed}: DPO from {start} at lr {lr:g} {extra or ''}", flush=True)
     pairs = {k: stage["root"] / "pairs" / f"pairs_{k}.jsonl" for k in ("train", "eval")}
-    if DPO_LR[args.size] is not None:
-        extra = {"train.learning_rate": DPO_LR[args.size], **extra}
-    summary = dpo_stage(folder, DPO_PRESET[args.size], seed, start, pairs, s.response_length, **extra)
+    extra = {"train.learning_rate": lr, **extra}
+    return dpo_stage(folder, DPO_PRESET[args.size], seed, start, pairs, s.response_length, **extra)
+
+
+def select_dpo_lr(root: Path, stage: dict, seed: int, s: Sizes, args) -> dict:
+    """The seed's DPO learning rate: ``{"metric", "grid": [{"lr", "heldout_loss", "heldout_accuracy"}],
+    "chosen", "pinned"}``, written to ``root/dpo_lr.json``. With ``args.dpo_lr`` that rate, no grid; else DPO from
+    SFT at each of ``args.dpo_lrs`` (each run cached in ``root/dpo-lr<rate>``, the ``dpo`` arm at its rate) and
+    :func:`choose_lr` of their held-out figures."""
+    if args.dpo_lr is not None:
+        record = {"metric": SELECTION_METRIC, "grid": [], "chosen": args.dpo_lr, "pinned": True}
+    else:
+        grid = []
+        for lr in args.dpo_lrs:
+            summary = dpo_train(
+                root / f"dpo-{lr_name(lr)}", stage["sft"], stage, seed, s, args, lr, args.overwrite
+            )
+            grid.append({"lr": lr, **{k: summary.get(k) for k in ("heldout_loss", "heldout_accuracy")}})
+        record = {"metric": SELECTION_METRIC, "grid": grid, "chosen": choose_lr(grid), "pinned": False}
+    (root / "dpo_lr.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def dpo_run(folder: Path, start: Path, stage: dict, meter, seed: int, s: Sizes, args, lr: float, retrain: bool,
+            **extra):  # fmt: skip
+    """DPO at ``lr`` from ``start`` (:func:`dpo_train`); ``(meter, figures)``, the figures of the final policy (and
+    DPO's held-out implicit-reward accuracy) cached in ``folder`` (both rerun when ``retrain``)."""
+    from rlhfkit.models import load_causal_lm
+
+    cache = folder / "order_rows.json"
+    if cache.is_file() and not retrain:
+        return meter, json.loads(cache.read_text())
+    summary = dpo_train(folder, start, stage, seed, s, args, lr, retrain, **extra)
     meter = meter or Meter(stage, s, seed)
     policy = load_causal_lm(str(folder / "final"), tokenizer=meter.tokenizer, frozen=True).eval()
     figures = {
         **meter.measure(policy, final=True),
+        "dpo_lr": lr,
         "dpo_accuracy": summary.get("heldout_accuracy"),
         "dpo_gold_accuracy": summary.get("heldout_gold_accuracy"),
     }
@@ -95,39 +167,59 @@ def dpo_run(folder: Path, start: Path, stage: dict, meter, seed: int, s: Sizes, 
     return meter, figures
 
 
+def dpo_folders(lr: float) -> dict[str, str]:
+    """The folder of each DPO arm (and of PPO from the DPO policy) at rate ``lr``."""
+    name = lr_name(lr)
+    return {
+        "dpo": f"dpo-{name}",
+        "ppo-dpo": f"ppo-then-dpo-{name}",
+        "ppo-dpo-ref-sft": f"ppo-then-dpo-ref-sft-{name}",
+        "dpo-ppo": f"dpo-{name}-then-ppo",
+    }
+
+
 def run_seed(seed: int, s: Sizes, args) -> dict:
-    """Every policy of one seed: ``{"seed", "rm_accuracy", "arms": {name: figures}, "curves": {...}}``."""
+    """Every policy of one seed: ``{"seed", "rm_accuracy", "dpo_lr", "arms": {name: figures}, "curves": {...}}``."""
     root = args.out / f"seed-{seed}"
     stage = {**train_sft_and_reward(root, seed, s, args), "root": root}
     meter, sft = sft_figures(root, stage, seed, s, args)
     base = dict(BASE)
     meter, ppo = ppo_run(root / run_name(base), stage, meter, seed, s, base, args)
     ppo_final = root / run_name(base) / "final"
-    meter, dpo = dpo_run(root / "dpo", stage["sft"], stage, meter, seed, s, args)
-    meter, ppo_dpo = dpo_run(root / "ppo-then-dpo", ppo_final, stage, meter, seed, s, args)
+    selection = select_dpo_lr(root, stage, seed, s, args)
+    lr, folders = selection["chosen"], dpo_folders(selection["chosen"])
+    # DPO from SFT at the chosen rate is the grid's run at that rate: trained (or retrained) by the grid already
+    retrain_dpo = args.overwrite and selection["pinned"]
+    meter, dpo = dpo_run(root / folders["dpo"], stage["sft"], stage, meter, seed, s, args, lr, retrain_dpo)
+    meter, ppo_dpo = dpo_run(
+        root / folders["ppo-dpo"], ppo_final, stage, meter, seed, s, args, lr, args.overwrite
+    )
     meter, ppo_dpo_sft = dpo_run(
-        root / "ppo-then-dpo-ref-sft",
+        root / folders["ppo-dpo-ref-sft"],
         ppo_final,
         stage,
         meter,
         seed,
         s,
         args,
+        lr,
+        args.overwrite,
         **{"dpo.reference_model": stage["sft"]},
     )
     meter, dpo_ppo = ppo_run(
-        root / "dpo-then-ppo",
+        root / folders["dpo-ppo"],
         stage,
         meter,
         seed,
         s,
         base,
         args,
-        **{"model.name_or_path": root / "dpo" / "final"},
+        **{"model.name_or_path": root / folders["dpo"] / "final"},
     )
     return {
         "seed": seed,
         "rm_accuracy": stage["rm_accuracy"],
+        "dpo_lr": selection,
         "arms": {
             "sft": sft,
             "ppo": ppo["eval"][-1],
@@ -192,7 +284,33 @@ def markdown(table: list[dict], results: list[dict]) -> str:
                 " / ".join(f"{a:.3f}" if a is not None and a == a else "–" for a in x) for x in (acc, gold)
             ]
             lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *lr_table(results)])
+
+
+def lr_table(results: list[dict]) -> list[str]:
+    """DPO's learning rate per seed: each rate of the grid with its held-out loss and accuracy (against the
+    labels), the chosen one marked (and flagged when it is the grid's smallest or largest); or the pinned rate."""
+    lines = [
+        "DPO's learning rate per seed, chosen by the lowest held-out DPO loss on the seed's validation pairs "
+        "(labels, not gold):",
+        "",
+        "| seed | lr | held-out loss | held-out accuracy | chosen |",
+        "|---|---|---|---|---|",
+    ]
+    for res in results:
+        selection = res["dpo_lr"]
+        if selection["pinned"]:
+            lines.append(f"| {res['seed']} | {selection['chosen']:g} | – | – | pinned (--dpo-lr) |")
+            continue
+        rates = [g["lr"] for g in selection["grid"]]
+        for g in selection["grid"]:
+            chosen = ""
+            if g["lr"] == selection["chosen"]:
+                edge = len(rates) > 1 and g["lr"] in (min(rates), max(rates))
+                chosen = "yes, at the grid's edge" if edge else "yes"
+            cells = [f"{g[k]:.4f}" if g[k] is not None else "–" for k in ("heldout_loss", "heldout_accuracy")]
+            lines.append(f"| {res['seed']} | {g['lr']:g} | {cells[0]} | {cells[1]} | {chosen} |")
+    return lines
 
 
 def plot(path: Path, table: list[dict], results: list[dict]) -> None:
@@ -258,18 +376,61 @@ def report(out: Path, results: list[dict]) -> list[dict]:
     return table
 
 
-def finished(root: Path) -> bool:
-    """Whether every policy of a seed has its figures cached."""
-    caches = ["sft_meter.json", f"{run_name(BASE)}/sweep_rows.json", "dpo-then-ppo/sweep_rows.json"]
-    caches += [f"{folder}/order_rows.json" for folder in ("dpo", "ppo-then-dpo", "ppo-then-dpo-ref-sft")]
+def finished(root: Path, args) -> bool:
+    """Whether every policy of a seed has its figures cached, at the rate this invocation would use (the pinned
+    one, or the one chosen on this grid)."""
+    if args.dpo_lr is not None:
+        lr = args.dpo_lr
+    else:
+        record = root / "dpo_lr.json"
+        if not record.is_file():
+            return False
+        selection = json.loads(record.read_text())
+        if selection["pinned"] or [g["lr"] for g in selection["grid"]] != list(args.dpo_lrs):
+            return False
+        lr = selection["chosen"]
+    folders = dpo_folders(lr)
+    caches = ["sft_meter.json", f"{run_name(BASE)}/sweep_rows.json", f"{folders['dpo-ppo']}/sweep_rows.json"]
+    caches += [f"{folders[arm]}/order_rows.json" for arm in ("dpo", "ppo-dpo", "ppo-dpo-ref-sft")]
     return all((root / c).is_file() for c in caches)
+
+
+def positive_rate(text: str) -> float:
+    """A learning rate from the command line: a finite number above 0."""
+    rate = float(text)
+    if not (math.isfinite(rate) and rate > 0):
+        raise argparse.ArgumentTypeError(f"a learning rate must be a finite number above 0, got {text}")
+    return rate
+
+
+def dpo_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This script's own options (``--dpo-lr``, ``--dpo-lrs``) and the rest (``ppo_sweep.py``'s)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--dpo-lr", type=positive_rate, help="pin DPO's learning rate (no grid); default: tuned")
+    p.add_argument("--dpo-lrs", type=positive_rate, nargs="+", help="the grid (default: DPO_LRS of the size)")
+    own, rest = p.parse_known_args(argv)
+    if own.dpo_lr is not None and own.dpo_lrs is not None:
+        p.error("--dpo-lr pins the rate and --dpo-lrs is the grid it is chosen from: give one of them")
+    if own.dpo_lrs is not None and len(set(own.dpo_lrs)) != len(own.dpo_lrs):
+        p.error(f"--dpo-lrs has a rate twice: {own.dpo_lrs}")
+    return own, rest
+
+
+def order_args(argv: list[str]) -> argparse.Namespace:
+    """``ppo_sweep.py``'s options (its sweep is not used) with ``dpo_lr`` (None: tuned) and ``dpo_lrs`` (the
+    grid, ascending)."""
+    own, rest = dpo_options(argv)
+    args = parse_args(["--sweep", "kl_coef", *rest])
+    args.dpo_lr = own.dpo_lr
+    args.dpo_lrs = tuple(sorted(own.dpo_lrs or DPO_LRS[args.size]))
+    return args
 
 
 def main(argv=None) -> int:
     from rlhfkit.engine.threads import set_num_threads
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(["--sweep", "kl_coef", *argv])  # ppo_sweep's options (the sweep itself is not used)
+    args = order_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     s = sizes_of(args)
     set_num_threads()
@@ -287,7 +448,7 @@ def main(argv=None) -> int:
                 return 1
             running.pop(0)
         args.overwrite = False  # the children trained; from here on every figure comes from the caches
-        seeds = [seed for seed in args.seeds if finished(args.out / f"seed-{seed}")]
+        seeds = [seed for seed in args.seeds if finished(args.out / f"seed-{seed}", args)]
     results = [run_seed(seed, s, args) for seed in seeds]
     if not args.no_report:
         report(args.out, results)
