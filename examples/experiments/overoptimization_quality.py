@@ -16,6 +16,10 @@ the peak. They fit, for best-of-n and for RL,
 3. per seed and reward model, PPO runs long enough (constant learning rate) to go far from the SFT policy:
    kl_coef 0 and 0.05, and kl_coef 0 with the online reward-model refresh of :mod:`rlhfkit.trainers.online.refresh`
    every ``--refresh-steps`` rollouts (the quickstart's ``--refresh-steps``);
+   the refresh labels N more pairs (``refresh/pairs`` of its last refresh), so for the reward models of
+   ``--matched-qualities`` (256) a control follows it in the same job: the same PPO run without a refresh,
+   against an offline reward model trained as the others on the first 256 + N pairs of the pool (an equal
+   label budget, all sampled from the SFT policy);
 4. every ``--eval-every`` rollouts (and before the first): one T = 0.7 response to each of ``--eval-prompts``
    held-out prompts, the same sampling seed for every checkpoint: gold, proxy (the reward model PPO
    optimises, refreshed or not), KL to the SFT policy (k1, nats per response), length, validity.
@@ -60,6 +64,8 @@ QUALITIES = (256, 1024, 4000)  # training pairs per reward model (the pool keeps
 KL_COEFS = (0.0, 0.05)
 REFRESH_KL_COEFS = (0.0,)  # the refresh runs: at these KL coefficients, for these reward models
 REFRESH_QUALITIES = (256, 4000)
+# the refreshed reward models that get the offline control at the refresh's label budget
+MATCHED_QUALITIES = (256,)
 EVAL_TEMPERATURE = 0.7
 SIZES = {
     "default": replace(
@@ -78,8 +84,29 @@ SIZES = {
 EVAL_PAIRS = {"default": 512, "smoke": 8}
 
 
-def run_name(kl_coef: float, refresh_steps: int) -> str:
+def run_name(kl_coef: float, refresh_steps: int, matched: int = 0) -> str:
+    """``kl0``, ``kl0-refresh5``, and ``kl0-matched-refresh5`` for the offline control of ``kl0-refresh5``."""
+    if matched:
+        return f"kl{kl_coef:g}-matched-refresh{matched}"
     return f"kl{kl_coef:g}" + (f"-refresh{refresh_steps}" if refresh_steps else "")
+
+
+def refresh_labels(records: list[dict], where: str = "the refresh run") -> int:
+    """N, the pairs a refresh run labelled: ``refresh/pairs`` (the pairs collected so far, the reward model's own
+    training pairs not counted) at the run's last refresh, from its metrics records (``metrics.jsonl``)."""
+    counts = [(r["step"], r["refresh/pairs"]) for r in records if "refresh/pairs" in r]
+    if not counts:
+        raise ValueError(f"{where}: no record holds refresh/pairs (did the run refresh its reward model?)")
+    return int(max(counts)[1])  # the latest step (a resumed run logs some steps twice, with the same count)
+
+
+def refresh_label_bound(args, rollouts: int) -> int:
+    """The most pairs one refresh run can label: ``refresh.pairs`` per refresh, one refresh every
+    ``--refresh-steps`` rollouts (identical or empty pairs are dropped, so N is at most this)."""
+    from rlhfkit.config import RefreshConfig
+
+    pairs = json.loads(args.refresh_settings).get("pairs", RefreshConfig.pairs)
+    return int(pairs) * (rollouts // args.refresh_steps) if args.refresh_steps else 0
 
 
 def runs_of(args, quality: int) -> list[dict]:
@@ -88,6 +115,17 @@ def runs_of(args, quality: int) -> list[dict]:
     if args.refresh_steps and quality in args.refresh_qualities:
         runs += [{"kl_coef": float(k), "refresh_steps": args.refresh_steps} for k in args.refresh_kl_coefs]
     return runs
+
+
+def matched_runs_of(args, quality: int) -> list[dict]:
+    """The offline controls of one reward model: one per refresh run, after it (its label budget is read from it)."""
+    if quality not in args.matched_qualities:
+        return []
+    return [
+        {**r, "refresh_steps": 0, "matched_refresh": r["refresh_steps"]}
+        for r in runs_of(args, quality)
+        if r["refresh_steps"]
+    ]
 
 
 def rm_steps(quality: int, s: Sizes, epochs: float) -> int:
@@ -135,71 +173,95 @@ def _fail(message: str):
 
 
 def run_job(seed: int, quality: int, shared: dict, s: Sizes, args) -> None:
-    """One seed and reward model: train the reward model, then its PPO runs (each cached in ``run.json``)."""
+    """One seed and reward model: train the reward model, then its PPO runs (each cached in ``run.json``), then
+    the offline control of each refresh run at that run's label budget."""
+    from rlhfkit.engine.metrics_writer import read_metrics
+
+    root = args.out / f"seed-{seed}" / f"rm{quality}"
+    stage, rm = reward_stage(root, "reward", shared, shared["subsets"][quality], quality, seed, s, args)
+    for run in runs_of(args, quality):
+        ppo_run(root / run_name(run["kl_coef"], run["refresh_steps"]), stage, rm, run, quality, seed, s, args)
+    for run in matched_runs_of(args, quality):
+        refreshed = root / run_name(run["kl_coef"], run["matched_refresh"])
+        extra = refresh_labels(read_metrics(refreshed / "metrics.jsonl"), str(refreshed / "metrics.jsonl"))
+        pool = (shared["pool"] / "pairs_train.jsonl").read_text().splitlines()
+        if quality + extra > len(pool):  # main() checks the bound before any job; this is what it bounds
+            _fail(
+                f"{refreshed} labelled {extra} pairs: {quality} + {extra} is more than the pool's {len(pool)}"
+            )
+        name = run_name(run["kl_coef"], 0, run["matched_refresh"])
+        # the first quality + N pairs of the pool: the reward model's own, then N more
+        pairs, control_args = root / f"pairs_{name}.jsonl", args
+        if not pairs.is_file() or len(pairs.read_text().splitlines()) != quality + extra:
+            pairs.write_text("\n".join(pool[: quality + extra]) + "\n")
+            # a rerun refresh run labelled a different N: the control's reward model and run are stale
+            control_args = argparse.Namespace(**{**vars(args), "overwrite": True})
+        control, crm = reward_stage(
+            root, f"reward-{name}", shared, pairs, quality + extra, seed, s, control_args
+        )
+        ppo_run(root / name, control, crm, run, quality, seed, s, control_args)
+
+
+def reward_stage(root: Path, name: str, shared: dict, pairs: Path, count: int, seed: int, s: Sizes, args):
+    """The reward model ``root/name`` on the ``count`` pairs of ``pairs`` (1.5 epochs, at least ``s.rm_steps``
+    steps: :func:`rm_steps`), unless it is there; the stage PPO runs from and the figures a run records of it."""
+    folder = root / name
+    sized = replace(s, rm_steps=rm_steps(count, s, args.rm_epochs))
+    clock, trained = time.process_time(), args.overwrite or not (folder / "summary.json").is_file()
+    train_reward_model(folder, shared["sft"], pairs, shared["pool"] / "pairs_eval.jsonl", seed, sized, args)
+    summary = json.loads((folder / "summary.json").read_text())
+    if trained:  # its CPU time counts (not when read back)
+        cpu = root / ("rm_cpu.json" if name == "reward" else f"rm_cpu-{name}.json")
+        cpu.write_text(json.dumps({"cpu_seconds": time.process_time() - clock}))
+    rm = {"rm_accuracy": summary.get("heldout_gold_accuracy"), "rm_steps": sized.rm_steps, "labels": count}
+    return {**shared, "reward": folder / "final"}, rm
+
+
+def ppo_run(folder: Path, stage: dict, rm: dict, run: dict, quality: int, seed: int, s: Sizes, args) -> None:
+    """One PPO run against ``stage``'s reward model, measured every ``s.eval_every`` rollouts, unless it is there;
+    its ``run.json`` holds the run, the reward model's figures ``rm`` and every evaluation."""
+    from rlhfkit.engine.metrics_writer import read_metrics
     from rlhfkit.quickstart.pipeline import task_refresh
     from rlhfkit.trainers import online
 
-    root = args.out / f"seed-{seed}" / f"rm{quality}"
-    sized = replace(s, rm_steps=rm_steps(quality, s, args.rm_epochs))
-    clock, trained = time.process_time(), args.overwrite or not (root / "reward" / "summary.json").is_file()
-    train_reward_model(
-        root / "reward",
-        shared["sft"],
-        shared["subsets"][quality],
-        shared["pool"] / "pairs_eval.jsonl",
-        seed,
-        sized,
-        args,
-    )
-    rm_summary = json.loads((root / "reward" / "summary.json").read_text())
-    stage = {**shared, "reward": root / "reward" / "final"}
-    if trained:  # its CPU time counts (not when read back)
-        (root / "rm_cpu.json").write_text(json.dumps({"cpu_seconds": time.process_time() - clock}))
-    for run in runs_of(args, quality):
-        folder = root / run_name(run["kl_coef"], run["refresh_steps"])
-        if (folder / "run.json").is_file() and not args.overwrite:
-            continue
-        clock = time.process_time()
-        # A meter per run: a refresh trains the trainer's copy of the reward model and hands it to this meter.
-        meter = Meter(stage, s, seed)
-        evals: list[dict] = []
+    if (folder / "run.json").is_file() and not args.overwrite:
+        return
+    clock = time.process_time()
+    # A meter per run: a refresh trains the trainer's copy of the reward model and hands it to this meter.
+    meter = Meter(stage, s, seed)
+    evals: list[dict] = []
 
-        def hook(policy, step, evals=evals, meter=meter):
-            figures = meter.measure(policy, final=step == s.rollouts)
-            evals.append({"rollout": step, **figures})
-            return {
-                "eval/gold/mean": figures["gold"],
-                "eval/score/mean": figures["proxy"],
-                "eval/kl/mean": figures["kl"],
-            }
-
-        hooks = online.OnlineHooks(evaluate=hook)
-        if run["refresh_steps"]:
-            hooks.refresh_reward_model = task_refresh(
-                stage["task"], meter, shared["subsets"][quality], s, seed, **json.loads(args.refresh_settings)
-            )
-        print(f"seed {seed}, reward model on {quality} pairs: PPO {run}, {s.rollouts} rollouts", flush=True)
-        cfg = ppo_config(
-            folder,
-            seed,
-            stage,
-            s,
-            s.rollouts,
-            EVAL_TEMPERATURE,
-            run["kl_coef"],
-            **{"train.lr_schedule": "constant", "refresh.every": run["refresh_steps"]},
-        )
-        online.train(cfg, overwrite=True, hooks=hooks)
-        record = {
-            "seed": seed,
-            "quality": quality,
-            **run,
-            "rm_accuracy": rm_summary.get("heldout_gold_accuracy"),
-            "rm_steps": sized.rm_steps,
-            "eval": evals,
-            "cpu_seconds": time.process_time() - clock,
+    def hook(policy, step):
+        figures = meter.measure(policy, final=step == s.rollouts)
+        evals.append({"rollout": step, **figures})
+        return {
+            "eval/gold/mean": figures["gold"],
+            "eval/score/mean": figures["proxy"],
+            "eval/kl/mean": figures["kl"],
         }
-        (folder / "run.json").write_text(json.dumps(record, indent=1))
+
+    hooks = online.OnlineHooks(evaluate=hook)
+    if run["refresh_steps"]:
+        hooks.refresh_reward_model = task_refresh(
+            stage["task"], meter, stage["subsets"][quality], s, seed, **json.loads(args.refresh_settings)
+        )
+    print(f"seed {seed}, reward model on {rm['labels']} pairs: PPO {run}, {s.rollouts} rollouts", flush=True)
+    cfg = ppo_config(
+        folder,
+        seed,
+        stage,
+        s,
+        s.rollouts,
+        EVAL_TEMPERATURE,
+        run["kl_coef"],
+        **{"train.lr_schedule": "constant", "refresh.every": run["refresh_steps"]},
+    )
+    online.train(cfg, overwrite=True, hooks=hooks)
+    record = {"seed": seed, "quality": quality, **run, **rm, "eval": evals}
+    if run["refresh_steps"]:  # the pairs it labelled, beside the reward model's own
+        record["refresh_labels"] = refresh_labels(read_metrics(folder / "metrics.jsonl"), str(folder))
+    record["cpu_seconds"] = time.process_time() - clock
+    (folder / "run.json").write_text(json.dumps(record, indent=1))
 
 
 def parse_args(argv=None):
@@ -227,6 +289,14 @@ def parse_args(argv=None):
         metavar="JSON",
         help="RefreshConfig fields, e.g. '{\"pairs\": 64}'",
     )
+    p.add_argument(
+        "--matched-qualities",
+        type=int,
+        nargs="*",
+        default=None,
+        help="refreshed reward models whose refresh runs get the offline control at their label budget "
+        f"(default: {', '.join(map(str, MATCHED_QUALITIES))}, where refreshed)",
+    )
     p.add_argument("--rm-epochs", type=float, default=1.5, help="passes over each reward model's pairs")
     add_size_arguments(p, SIZES)
     p.add_argument(
@@ -239,6 +309,16 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if any(n < 2 for n in args.qualities) or any(k < 0 for k in args.kl_coefs + args.refresh_kl_coefs):
         p.error("--qualities must be >= 2 pairs and every KL coefficient >= 0")
+    refreshed = set(args.qualities) & set(args.refresh_qualities) if args.refresh_steps else set()
+    if args.matched_qualities is None:
+        args.matched_qualities = [q for q in MATCHED_QUALITIES if q in refreshed]
+    elif not set(args.matched_qualities) <= refreshed or (
+        args.matched_qualities and not args.refresh_kl_coefs
+    ):
+        p.error(
+            f"--matched-qualities {args.matched_qualities}: the offline control needs a refresh run of each "
+            "(a quality of --qualities and of --refresh-qualities, --refresh-steps > 0, a --refresh-kl-coefs)"
+        )
     return args
 
 
@@ -251,9 +331,23 @@ def child_argv(args, seed: int, quality: int) -> list[str]:
     argv += ["--kl-coefs", *map(str, args.kl_coefs), "--refresh-kl-coefs", *map(str, args.refresh_kl_coefs)]
     argv += ["--refresh-qualities", *map(str, args.refresh_qualities)]
     argv += ["--refresh-steps", str(args.refresh_steps), "--refresh-settings", args.refresh_settings]
+    argv += ["--matched-qualities", *(str(q) for q in args.matched_qualities if q == quality)]
     argv += ["--rm-epochs", str(args.rm_epochs), "--task-seed", str(args.task_seed), "--no-report", "--child"]
     argv += ["--quickstart", str(args.quickstart)] if args.quickstart is not None else []
     return argv + sizes_argv(args, SIZES)
+
+
+def check_matched_budget(args, s: Sizes, shared: dict) -> None:
+    """Refuse, before any reward model or PPO run, a control that could need more pairs than the pool holds."""
+    pool = len((shared["pool"] / "pairs_train.jsonl").read_text().splitlines())
+    for quality in args.matched_qualities:
+        most = quality + refresh_label_bound(args, s.rollouts)
+        if most > pool:
+            _fail(
+                f"--matched-qualities {quality}: its offline control may need up to {most} pairs ({quality} + a "
+                f"refresh's {most - quality} labels), more than the pool's {pool} (raise --pairs, or lower "
+                "the refresh's pairs or the rollouts)"
+            )
 
 
 def main(argv=None) -> int:
@@ -269,6 +363,7 @@ def main(argv=None) -> int:
         shared = shared_stage(args, s)
         if fresh:  # the stage ran here (not read back): its CPU time counts
             cpu.write_text(json.dumps({"cpu_seconds": time.process_time() - clock}))
+        check_matched_budget(args, s, shared)
         # A seed at a time (its longest job first): an interrupted run leaves whole seeds.
         jobs = [(seed, n) for seed in args.seeds for n in sorted(args.qualities, reverse=True)]
         if args.jobs > 1 and len(jobs) > 1:

@@ -1,7 +1,8 @@
 """The fits, tables and figure of ``overoptimization_quality.py``, from the ``run.json`` of every PPO run.
 
-Per arm (reward model, KL coefficient, refresh or not), with every seed's points pooled (d = sqrt(KL) > 0,
-Δgold = gold − that seed's SFT gold): least squares of Gao et al.'s best-of-n form Δgold = d(α − β d)
+Per arm (reward model, KL coefficient, refresh or not, or a refresh's offline control: PPO without a refresh
+against a reward model trained offline on as many labelled pairs as the refresh run had), with every seed's
+points pooled (d = sqrt(KL) > 0, Δgold = gold − that seed's SFT gold): least squares of Gao et al.'s best-of-n form Δgold = d(α − β d)
 (:func:`fit_quadratic`), of their RL form Δgold = d(α − β log d) and of a line a·d (``fit_gao`` of
 ``examples/overoptimization.py``), each with R², and where each fitted curve peaks and whether that peak lies
 inside the measured range of KL; beside them the measured curve (means over seeds at every evaluation): its
@@ -62,11 +63,15 @@ def load_runs(out: Path) -> list[dict]:
 
 
 def arm_of(run: dict) -> tuple:
-    return (run["quality"], run["kl_coef"], run["refresh_steps"])
+    """(reward model's pairs, kl_coef, refresh every, matched): ``matched`` is the refresh interval of the refresh
+    run whose label budget an offline control matches (0 for every other run)."""
+    return (run["quality"], run["kl_coef"], run["refresh_steps"], run.get("matched_refresh", 0))
 
 
 def arm_name(arm: tuple) -> str:
-    quality, kl_coef, refresh = arm
+    quality, kl_coef, refresh, matched = arm
+    if matched:
+        return f"kl_coef {kl_coef:g}, offline RM on {quality} + the labels of refresh every {matched}"
     return f"kl_coef {kl_coef:g}" + (f", refresh every {refresh}" if refresh else "")
 
 
@@ -95,6 +100,8 @@ def summarise(runs: list[dict]) -> dict:
         "quality": seeds[0]["quality"],
         "kl_coef": seeds[0]["kl_coef"],
         "refresh_steps": seeds[0]["refresh_steps"],
+        "matched_refresh": seeds[0].get("matched_refresh", 0),
+        "labels": [r.get("labels", r["quality"]) for r in seeds],
         "seeds": len(seeds),
         "seed_ids": [r["seed"] for r in seeds],
         "rm_accuracy": _mean_sd([r["rm_accuracy"] for r in seeds]),
@@ -145,6 +152,13 @@ def _peak(fit: dict | None, max_kl: float) -> str:
     return f"KL {kl:.3g} ({where})" if kl < 1e4 else f"KL {kl:.1e} ({where})"
 
 
+def _rm_pairs(s: dict) -> str:
+    """The reward model's training pairs: its quality, or for an offline control each seed's 256 + N."""
+    if not s["matched_refresh"]:
+        return str(s["quality"])
+    return f"{s['quality']} + N = {' / '.join(str(n) for n in s['labels'])}"
+
+
 def markdown(table: list[dict]) -> str:
     lines = [
         "| reward model (pairs, held-out gold acc.) | run | SFT gold | measured peak: Δgold (rollout, KL) | end: Δgold |"
@@ -154,7 +168,7 @@ def markdown(table: list[dict]) -> str:
     for s in table:
         p = s["peak"]
         lines.append(
-            f"| {s['quality']} ({_pm(s['rm_accuracy'])}) | {arm_name((s['quality'], s['kl_coef'], s['refresh_steps']))}"
+            f"| {_rm_pairs(s)} ({_pm(s['rm_accuracy'])}) | {arm_name(arm_of(s))}"
             f" | {s['sft_gold']:.2f} | {p['delta']:+.2f} ({p['rollout']}, {p['kl']:.1f}) | {_pm(s['end_delta'])}"
             f" | {_pm(s['end_proxy_delta'])} | {_pm(s['end_kl'], 1)} | {s['end_valid']:.2f}"
             f" | {' / '.join(f'{x:+.2f}' for x in s['end_delta_per_seed'])} | {s['drop']:.2f} |"
@@ -170,7 +184,7 @@ def markdown(table: list[dict]) -> str:
         if q is None:
             continue
         lines.append(
-            f"| {s['quality']} | {arm_name((s['quality'], s['kl_coef'], s['refresh_steps']))} | {q['points']}"
+            f"| {s['quality']} | {arm_name(arm_of(s))} | {q['points']}"
             f" | {s['max_kl']:.1f} | {q['alpha']:.3f}, {q['beta']:.3f}, {q['r2']:.2f} | {_peak(q, s['max_kl'])}"
             f" | {g['alpha']:.3f}, {g['beta']:.3f}, {g['r2']:.2f} | {_peak(g, s['max_kl'])} | {g['linear_r2']:.2f} |"
         )
@@ -184,19 +198,12 @@ def markdown(table: list[dict]) -> str:
             "|---|---|---|---|---|---|",
         ]
         for r in refreshed:
-            plain = next(
-                (
-                    s
-                    for s in table
-                    if (s["quality"], s["kl_coef"], s["refresh_steps"]) == (r["quality"], r["kl_coef"], 0)
-                ),
-                None,
-            )
-            if plain is None:
-                continue
-            n = min(len(plain["end_delta_per_seed"]), len(r["end_delta_per_seed"]))
+            plain = next((s for s in table if arm_of(s) == (r["quality"], r["kl_coef"], 0, 0)), None)
             # paired per seed: the refresh run and the plain run of a seed share its SFT policy and reward model
-            test = describe(paired(plain["end_delta_per_seed"][:n], r["end_delta_per_seed"][:n]))
+            test = paired_by_seed(plain, r) if plain is not None else None
+            if test is None:
+                continue
+            test = describe(test)
             lines.append(
                 f"| {r['quality']} | {r['kl_coef']:g} | {_pm(plain['end_delta'])} → {_pm(r['end_delta'])}"
                 f" | {test} | {plain['peak']['delta']:+.2f} → {r['peak']['delta']:+.2f}"
@@ -218,40 +225,59 @@ def verdict_rows(table: list[dict]) -> list[str]:
     penalty against none for every reward model, the refresh against none, and the largest reward model against
     the smallest at each KL coefficient (a seed's runs share its SFT policy and pool; its reward models are
     nested subsets of that pool)."""
-    arms = {(s["quality"], s["kl_coef"], s["refresh_steps"]): s for s in table}
+    arms = {arm_of(s): s for s in table}
     qualities = sorted({s["quality"] for s in table})
     coefs = sorted({s["kl_coef"] for s in table})
-    claims = []  # (label, arm a, arm b, the claimed sign, the claim)
+    claims = []  # (label, arm a, arm b, the claim); every claim here says b − a > 0
     for q in qualities:
         for k in coefs[1:]:
-            claims.append((f"{q} pairs: kl_coef {k:g} − 0", (q, 0.0, 0), (q, k, 0), "the penalty helps"))
+            claims.append(
+                (f"{q} pairs: kl_coef {k:g} − 0", (q, 0.0, 0, 0), (q, k, 0, 0), "the penalty helps")
+            )
         for s in table:
             if s["quality"] == q and s["refresh_steps"]:
+                k, every = s["kl_coef"], s["refresh_steps"]
                 claims.append(
                     (
-                        f"{q} pairs: refresh − plain (kl_coef {s['kl_coef']:g})",
-                        (q, s["kl_coef"], 0),
-                        (q, s["kl_coef"], s["refresh_steps"]),
+                        f"{q} pairs: refresh − plain (kl_coef {k:g})",
+                        (q, k, 0, 0),
+                        (q, k, every, 0),
                         "the refresh helps",
+                    )
+                )
+                # the control for the refresh's extra labels: the same labels, offline, without a refresh
+                claims.append(
+                    (
+                        f"{q} pairs: refresh − offline at equal labels (kl_coef {k:g})",
+                        (q, k, 0, every),
+                        (q, k, every, 0),
+                        "refreshing beats the same labels offline",
                     )
                 )
     if len(qualities) > 1:
         for k in coefs:
             low, high = qualities[0], qualities[-1]
             claims.append(
-                (f"kl_coef {k:g}: {high} − {low} pairs", (low, k, 0), (high, k, 0), "a better RM ends higher")
+                (
+                    f"kl_coef {k:g}: {high} − {low} pairs",
+                    (low, k, 0, 0),
+                    (high, k, 0, 0),
+                    "a better RM ends higher",
+                )
             )
     rows = []
     for label, a, b, claim in claims:
-        if a not in arms or b not in arms:
-            continue
-        x, y = (dict(zip(arms[c]["seed_ids"], arms[c]["end_delta_per_seed"], strict=True)) for c in (a, b))
-        common = sorted(set(x) & set(y))
-        if not common:
-            continue
-        test = paired([x[i] for i in common], [y[i] for i in common])
-        rows.append(f"| {label} | {describe(test)} | {claim} | {verdict(test, 1)} |")
+        test = paired_by_seed(arms[a], arms[b]) if a in arms and b in arms else None
+        if test is not None:
+            rows.append(f"| {label} | {describe(test)} | {claim} | {verdict(test, 1)} |")
     return rows
+
+
+def paired_by_seed(a: dict, b: dict):
+    """End Δgold of arm ``b`` − arm ``a`` paired by seed id over the seeds both have (None if they share none)."""
+    x, y = (dict(zip(s["seed_ids"], s["end_delta_per_seed"], strict=True)) for s in (a, b))
+    common = sorted(set(x) & set(y))
+    return paired([x[i] for i in common], [y[i] for i in common]) if common else None
 
 
 def plot(path: Path, table: list[dict]) -> None:
@@ -264,12 +290,12 @@ def plot(path: Path, table: list[dict]) -> None:
 
     qualities = sorted({s["quality"] for s in table})
     fig, axes = plt.subplots(2, len(qualities), figsize=(4.6 * len(qualities), 7.2), dpi=110, squeeze=False)
-    arms = sorted({(s["kl_coef"], s["refresh_steps"]) for s in table})
+    arms = sorted({arm_of(s)[1:] for s in table})
     for col, quality in enumerate(qualities):
         top, bottom = axes[0][col], axes[1][col]
         for s in (s for s in table if s["quality"] == quality):
-            color = f"C{arms.index((s['kl_coef'], s['refresh_steps']))}"
-            label = arm_name((quality, s["kl_coef"], s["refresh_steps"]))
+            color = f"C{arms.index(arm_of(s)[1:])}"
+            label = arm_name(arm_of(s))
             top.plot(s["d"], s["delta"], "o", color=color, markersize=3, alpha=0.5)
             curve = s["curve"]
             d = np.sqrt(np.clip([c["kl"] for c in curve], 0, None))
@@ -343,7 +369,9 @@ def report(out: Path) -> str:
     text = markdown(table)
     (out / "table.md").write_text(text, encoding="utf-8")
     rows = [
-        {k: r[k] for k in ("seed", "quality", "kl_coef", "refresh_steps", "rm_accuracy")} | e
+        {k: r[k] for k in ("seed", "quality", "kl_coef", "refresh_steps", "rm_accuracy")}
+        | {"matched_refresh": r.get("matched_refresh", 0), "labels": r.get("labels", r["quality"])}
+        | e
         for r in runs
         for e in r["eval"]
     ]
@@ -351,8 +379,19 @@ def report(out: Path) -> str:
     flat = []
     for s in table:
         row = {
-            k: s[k] for k in ("quality", "kl_coef", "refresh_steps", "seeds", "sft_gold", "max_kl", "drop")
+            k: s[k]
+            for k in (
+                "quality",
+                "kl_coef",
+                "refresh_steps",
+                "matched_refresh",
+                "seeds",
+                "sft_gold",
+                "max_kl",
+                "drop",
+            )
         }
+        row["labels"] = float(np.mean(s["labels"]))
         row.update(
             {"rm_accuracy": s["rm_accuracy"][0], "end_delta": s["end_delta"][0], "end_kl": s["end_kl"][0]}
         )
@@ -363,7 +402,7 @@ def report(out: Path) -> str:
         flat.append(row)
     write_csv(out / "fits.csv", flat)
     plot(out / "overoptimization.png", table)
-    cpu = [json.loads(p.read_text())["cpu_seconds"] for p in out.glob("**/rm_cpu.json")]
+    cpu = [json.loads(p.read_text())["cpu_seconds"] for p in out.glob("**/rm_cpu*.json")]
     cpu += [r["cpu_seconds"] for r in runs]
     shared = out / "shared" / "cpu.json"
     shared = f"{json.loads(shared.read_text())['cpu_seconds']:.0f} s" if shared.is_file() else "not recorded"

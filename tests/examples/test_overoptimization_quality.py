@@ -41,7 +41,7 @@ def test_the_best_of_n_form_is_recovered_exactly_with_its_peak_and_matches_the_n
     assert rep.fit_quadratic(d, 0.5 * d + 0.1 * d**2)["d_peak"] is None  # β < 0: no maximum
 
 
-def _run(seed, golds, kls, proxies=None, quality=256, kl_coef=0.0, refresh=0):
+def _run(seed, golds, kls, proxies=None, quality=256, kl_coef=0.0, refresh=0, matched=0):
     proxies = proxies or [0.1 * i for i in range(len(golds))]
     evals = [
         {"rollout": 5 * i, "gold": g, "kl": k, "proxy": p, "valid_rate": 1.0, "length": 10.0, "ended": 1.0}
@@ -52,6 +52,7 @@ def _run(seed, golds, kls, proxies=None, quality=256, kl_coef=0.0, refresh=0):
         "quality": quality,
         "kl_coef": kl_coef,
         "refresh_steps": refresh,
+        **({"matched_refresh": matched, "labels": quality + 1000 + seed} if matched else {}),
         "rm_accuracy": 0.7 + 0.1 * seed,
         "eval": evals,
         "cpu_seconds": 1.0,
@@ -132,6 +133,76 @@ def test_the_verdict_table_pairs_end_gold_by_seed_id_and_reads_the_interval():
     assert row.endswith("| holds |")  # +1.00, +1.01, +1.02: a tight interval above 0
 
 
+def test_the_label_budget_of_a_refresh_run_is_its_last_refresh_count():
+    records = [
+        {"step": 1, "loss/policy": 0.1},
+        {"step": 5, "refresh/new_pairs": 120, "refresh/pairs": 120},
+        {"step": 10, "refresh/new_pairs": 118, "refresh/pairs": 238},
+        {"step": 11, "loss/policy": 0.2},
+        {"step": 5, "refresh/new_pairs": 120, "refresh/pairs": 120},  # a resumed run logs step 5 again
+        {"step": 15, "refresh/new_pairs": 121, "refresh/pairs": 359},
+        {"step": 16, "loss/policy": 0.3},
+    ]
+    assert ex.refresh_labels(records) == 359  # the refresh-collected pairs only, not the reward model's own
+    assert ex.refresh_labels(records[:3]) == 238
+    with pytest.raises(ValueError, match="kl0/metrics.jsonl: no record holds refresh/pairs"):
+        ex.refresh_labels([{"step": 1, "loss/policy": 0.1}], "kl0/metrics.jsonl")
+
+
+def test_the_verdict_rows_set_the_refresh_against_its_offline_control_at_equal_labels():
+    # end Δgold per seed: plain 0.5 / 0.0 / 1.0; refresh 1.5 / 1.0 / 2.1; offline control 1.0 / 0.5 / 1.6
+    runs = []
+    for seed, (plain, refresh, control) in enumerate(((0.5, 1.5, 1.0), (0.0, 1.0, 0.5), (1.0, 2.1, 1.6))):
+        runs.append(_run(seed, [0.0, plain], [0.0, 1.0]))
+        runs.append(_run(seed, [0.0, refresh], [0.0, 1.0], refresh=5))
+        runs.append(_run(seed, [0.0, control], [0.0, 1.0], matched=5))
+    table = rep.summaries(runs)
+    assert [(s["refresh_steps"], s["matched_refresh"]) for s in table] == [(0, 0), (0, 5), (5, 0)]
+    rows = rep.verdict_rows(table)
+    (plain,) = [r for r in rows if r.startswith("| 256 pairs: refresh − plain (kl_coef 0) |")]
+    assert "+1.03 (+1.00 / +1.00 / +1.10)" in plain  # against the plain run, not the control
+    (matched,) = [
+        r for r in rows if r.startswith("| 256 pairs: refresh − offline at equal labels (kl_coef 0) |")
+    ]
+    assert "+0.50 (+0.50 / +0.50 / +0.50)" in matched and "sign test 3+ 0-" in matched
+    assert matched.endswith("| refreshing beats the same labels offline | holds |")  # sd 0: a point interval
+    runs[-1] = _run(2, [0.0, 2.6], [0.0, 1.0], matched=5)  # seed 2's control ends above its refresh run
+    (matched,) = [r for r in rep.verdict_rows(rep.summaries(runs)) if "equal labels" in r]
+    assert "(+0.50 / +0.50 / -0.50)" in matched and matched.endswith("| open here |")
+    text = rep.markdown(table)
+    assert (
+        "| 256 + N = 1256 / 1257 / 1258 (0.80 ± 0.10) | kl_coef 0, offline RM on 256 + the labels of refresh every 5 |"
+        in text
+    )
+    assert (
+        "| 256 | 0 | 0.50 ± 0.50 → 1.53 ± 0.55 |" in text
+    )  # the refresh table still pairs with the plain run
+
+
+def test_the_offline_control_runs_after_each_refresh_run_and_is_refused_without_one():
+    args = ex.parse_args(["--out", "x", "--qualities", "256", "1024", "4000"])
+    assert args.matched_qualities == [256]
+    assert ex.matched_runs_of(args, 256) == [{"kl_coef": 0.0, "refresh_steps": 0, "matched_refresh": 5}]
+    assert ex.matched_runs_of(args, 4000) == [] and ex.run_name(0.0, 0, 5) == "kl0-matched-refresh5"
+    assert ex.refresh_label_bound(args, 40) == 128 * 8  # RefreshConfig's 128 prompts, 8 refreshes
+    assert ex.parse_args(ex.child_argv(args, 1, 256)).matched_qualities == [256]
+    assert ex.parse_args(ex.child_argv(args, 1, 4000)).matched_qualities == []
+    assert ex.parse_args(["--out", "x", "--qualities", "1024"]).matched_qualities == []
+    for bad in (["--matched-qualities", "1024"], ["--refresh-steps", "0", "--matched-qualities", "256"]):
+        with pytest.raises(SystemExit):
+            ex.parse_args(["--out", "x", *bad])
+
+
+def test_a_pool_too_small_for_the_control_is_refused_before_any_run(tmp_path, capsys):
+    (tmp_path / "pairs_train.jsonl").write_text("{}\n" * 1279)
+    args = ex.parse_args(["--out", str(tmp_path)])  # 256 + up to 128 pairs x 8 refreshes = 1,280 pairs
+    with pytest.raises(SystemExit) as stop:
+        ex.check_matched_budget(args, ex.SIZES["default"], {"pool": tmp_path})
+    assert stop.value.code == 2 and "up to 1280 pairs" in capsys.readouterr().err
+    (tmp_path / "pairs_train.jsonl").write_text("{}\n" * 1280)
+    ex.check_matched_budget(args, ex.SIZES["default"], {"pool": tmp_path})
+
+
 def test_the_runs_and_reward_model_steps_of_each_quality_and_the_child_command():
     args = ex.parse_args(
         ["--out", "x", "--size", "smoke", "--qualities", "4", "16", "--refresh-qualities", "16"]
@@ -159,8 +230,9 @@ def test_the_runs_and_reward_model_steps_of_each_quality_and_the_child_command()
 def test_the_experiment_end_to_end_at_the_smoke_size(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--out", str(out), "--size", "smoke", "--seeds", "0", "--qualities", "4", "12", "--jobs", "1"]
-    argv += ["--refresh-qualities", "12", "--refresh-steps", "1", "--rollouts", "3"]
-    argv += ["--refresh-settings", '{"pairs": 4, "steps": 2, "batch_size": 4, "normalize_max_pairs": 8}']
+    argv += ["--refresh-qualities", "4", "--refresh-steps", "1", "--rollouts", "3"]
+    argv += ["--matched-qualities", "4"]  # the offline control at the refresh run's label budget
+    argv += ["--refresh-settings", '{"pairs": 2, "steps": 2, "batch_size": 4, "normalize_max_pairs": 8}']
     assert ex.main(argv) == 0
     printed = capsys.readouterr().out
     pool = out / "shared" / "pairs"
@@ -177,11 +249,44 @@ def test_the_experiment_end_to_end_at_the_smoke_size(tmp_path, capsys):
             assert yaml.safe_load((folder / "config.yaml").read_text())["online"]["kl_coef"] == kl_coef
             record = json.loads((folder / "run.json").read_text())
             assert [e["rollout"] for e in record["eval"]] == [0, 1, 2, 3] and record["eval"][0]["kl"] == 0.0
-    refreshed = out / "seed-0" / "rm12" / "kl0-refresh1"
+    refreshed = out / "seed-0" / "rm4" / "kl0-refresh1"
     metrics = [json.loads(line) for line in (refreshed / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "refresh/pairs" in m] == [1, 2, 3]
-    assert not (out / "seed-0" / "rm4" / "kl0-refresh1").exists()
-    assert "| 12 | 0 |" in printed and "d(α − β d)" in printed and "CPU time" in printed
+    labelled = metrics[-1]["refresh/pairs"]
+    assert (
+        1 <= labelled <= 6 and json.loads((refreshed / "run.json").read_text())["refresh_labels"] == labelled
+    )
+    assert not (out / "seed-0" / "rm12" / "kl0-refresh1").exists()
+    # The offline control of the refresh run: its reward model on the pool's first 4 + N pairs (the same
+    # 1.5-epoch rule), PPO against it at the same kl_coef without a refresh.
+    control, pool = out / "seed-0" / "rm4" / "kl0-matched-refresh1", out / "shared" / "pairs"
+    pairs = out / "seed-0" / "rm4" / "pairs_kl0-matched-refresh1.jsonl"
+    assert (
+        pairs.read_text().splitlines()
+        == (pool / "pairs_train.jsonl").read_text().splitlines()[: 4 + labelled]
+    )
+    cfg = yaml.safe_load((out / "seed-0" / "rm4" / "reward-kl0-matched-refresh1" / "config.yaml").read_text())
+    assert cfg["data"]["train_file"] == str(pairs) and cfg["train"]["max_steps"] == ex.rm_steps(
+        4 + labelled, ex.SIZES["smoke"], 1.5
+    )
+    cfg = yaml.safe_load((control / "config.yaml").read_text())
+    assert (
+        cfg["online"]["reward_model"].endswith("reward-kl0-matched-refresh1/final")
+        and cfg["online"]["kl_coef"] == 0.0
+    )
+    assert cfg["refresh"]["every"] == 0 and not any(
+        "refresh/pairs" in line for line in (control / "metrics.jsonl").read_text().splitlines()
+    )
+    record = json.loads((control / "run.json").read_text())
+    assert (record["quality"], record["labels"], record["matched_refresh"], record["refresh_steps"]) == (
+        4,
+        4 + labelled,
+        1,
+        0,
+    )
+    assert "| 4 | 0 |" in printed and "d(α − β d)" in printed and "CPU time" in printed
+    assert "| 4 pairs: refresh − offline at equal labels (kl_coef 0) |" in printed
+    assert f"| 4 + N = {4 + labelled} (" in printed
     assert (out / "overoptimization.png").stat().st_size > 20_000 and (out / "fits.csv").is_file()
     table = (out / "table.md").read_text()
     assert ex.main(["--out", str(out), "--report-only"]) == 0
