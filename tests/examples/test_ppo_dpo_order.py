@@ -112,17 +112,16 @@ def test_the_grid_trains_dpo_from_sft_at_each_rate_and_keeps_the_lowest_heldout_
     assert "gold" not in json.dumps(record["grid"])  # the choice never sees the gold scorer
     assert json.loads((tmp_path / "dpo_lr.json").read_text()) == record
     assert ex.select_dpo_lr(tmp_path, stage, 0, s, args) == record and len(calls) == 4  # cached
-    assert (
-        ex.dpo_folders(record["chosen"])["dpo"] == "dpo-lr0.001"
-    )  # the dpo arm: the grid's run at that rate
+    # the dpo arm: the grid's run at that rate
+    assert ex.dpo_folders(record["chosen"])["dpo"] == "dpo-lr0.001"
     pinned = ex.select_dpo_lr(tmp_path, stage, 0, s, _grid_args(tmp_path, "--dpo-lr", "3e-4"))
-    assert (
-        pinned == {"metric": "heldout_loss", "grid": [], "chosen": 3e-4, "pinned": True} and len(calls) == 4
-    )
+    assert pinned == {"metric": "heldout_loss", "grid": [], "chosen": 3e-4, "pinned": True}
+    assert len(calls) == 4  # a pinned rate trains nothing here
+    assert json.loads((tmp_path / "dpo_lr.json").read_text()) == record  # the grid's record left alone
 
 
 def test_the_grid_by_default_and_the_options():
-    assert ex.DPO_LRS["default"] == (1e-4, 3e-4, 1e-3, 3e-3) and len(ex.DPO_LRS["smoke"]) == 2
+    assert ex.DPO_LRS["default"] == (3e-4, 1e-3, 3e-3, 1e-2) and len(ex.DPO_LRS["smoke"]) == 2
     own, rest = ex.dpo_options(["--out", "x", "--dpo-lr", "3e-4", "--seeds", "0"])
     assert own.dpo_lr == 3e-4 and own.dpo_lrs is None and rest == ["--out", "x", "--seeds", "0"]
     for bad in (["--dpo-lr", "0"], ["--dpo-lr", "nan"], ["--dpo-lr", "1e-4", "--dpo-lrs", "1e-4", "1e-3"]):
