@@ -9,8 +9,16 @@ usual. On the built-in task, per seed (``ppo_sweep.py``'s SFT policy, pairs and 
 serves both):
 
 1. the over-fitted reward model: from the SFT policy on the first ``--overfit-pairs`` training pairs, for
-   ``--overfit-steps`` steps without weight decay; for it and the usual one, the accuracy on its own training
-   pairs (against the labels), on the held-out pairs, and against gold on the held-out pairs;
+   ``--overfit-steps`` steps of batch 32 at peak learning rate ``--overfit-lr`` (linear decay), without weight
+   decay and without keeping the best checkpoint; for it and the usual one, the accuracy on its own training pairs
+   (against the labels), on the held-out pairs, and against gold on the held-out pairs, and per seed whether it
+   is over-fitted by this definition (computed, :func:`overfit_failures`): training accuracy >= 0.97
+   (near-perfect), held-out gold accuracy more than two binomial standard errors above chance (0.5) and below
+   the usual reward model's (the gap between memorising the pairs and learning the preference). The defaults
+   come from a few settings tried on the reward-model stage alone (no PPO) of seeds 0-4, the same seeds the
+   experiment then runs; the report's check line says whether they meet the definition in every seed run. A
+   reward model with no held-out signal at all (the first 128 pairs for 600 steps: held-out gold 0.49-0.61)
+   would test "no signal", not over-fitting;
 2. PPO arms: ``rm-kl0`` (the usual reward model, no KL penalty: the base), ``overfit-kl0``, and both at
    kl_coef 0.05 (``rm-kl0.05``, ``overfit-kl0.05``); held-out gold, proxy (each arm's own reward model), KL to
    SFT, length and validity every ``--eval-every`` rollouts.
@@ -37,6 +45,7 @@ ARMS = ("rm-kl0", "overfit-kl0", "rm-kl0.05", "overfit-kl0.05")
 BASE = "rm-kl0"
 # Against the usual reward model without a penalty: lower gold at the end, and a larger proxy − gold gap.
 CLAIMS = {"overfit-kl0": ("gold", -1)}
+TRAIN_ACCURACY_MIN = 0.97  # "near-perfect on its training pairs"
 
 
 def arms_of(names=ARMS) -> list[ppo_arms.Arm]:
@@ -64,17 +73,15 @@ def run_stage(root: Path, stage: dict, seed: int, s, args) -> dict:
         subset.parent.mkdir(parents=True, exist_ok=True)
         lines = stage["pairs"]["train"].read_text().splitlines()[: args.overfit_pairs]
         subset.write_text("\n".join(lines) + "\n")
-    overfit = ppo_arms.train_reward_variant(
-        root / "reward-overfit", stage, subset, seed, s, args,
-        **{"train.max_steps": args.overfit_steps, "train.weight_decay": 0.0, "train.batch_size": min(32, args.overfit_pairs),
-           "reward.keep_best": False},
-    )  # fmt: skip
+    settings = overfit_settings(args)
+    folder = root / "reward-overfit"
+    _same_settings(folder, settings, subset, args)
+    overfit = ppo_arms.train_reward_variant(folder, stage, subset, seed, s, args, **settings)
     stage = {**stage, "rewards": {**stage["rewards"], "overfit": overfit}}
     fit_file = root / "reward_fit.json"
-    if fit_file.is_file() and not args.overwrite:
-        fit = json.loads(fit_file.read_text())
-    else:
-        fit = {}
+    fit = json.loads(fit_file.read_text()) if fit_file.is_file() and not args.overwrite else {}
+    if fit.get("settings") != {**settings, "pairs": args.overfit_pairs}:
+        fit = {"settings": {**settings, "pairs": args.overfit_pairs}}
         for key, folder, pairs in (
             ("reward", stage["rewards"]["reward"], stage["pairs"]["train"]),
             ("overfit", overfit, subset),
@@ -84,11 +91,43 @@ def run_stage(root: Path, stage: dict, seed: int, s, args) -> dict:
             fit[key] = {
                 "train_pairs": len(pairs.read_text().splitlines()),
                 "train_accuracy": ppo_arms.pair_accuracy(Path(folder), pairs, s),
-                "heldout_accuracy": summary.get("heldout_accuracy"),
-                "heldout_gold_accuracy": summary.get("heldout_gold_accuracy"),
+                **{
+                    k: summary.get(k)
+                    for k in ("heldout_accuracy", "heldout_gold_accuracy", "heldout_gold_pairs")
+                },
             }
         fit_file.write_text(json.dumps(fit, indent=1))
     return {**ppo_arms.run_arms(root, stage, seed, s, arms_of(args.arms), args), "fit": fit}
+
+
+def overfit_settings(args) -> dict:
+    """The over-fitted reward model's dotted keys (over ``ppo_arms.train_reward_variant``'s usual ones)."""
+    return {
+        "train.max_steps": args.overfit_steps,
+        "train.learning_rate": args.overfit_lr,
+        "train.weight_decay": 0.0,
+        "train.batch_size": min(32, args.overfit_pairs),
+        "reward.keep_best": False,
+    }
+
+
+def _same_settings(folder: Path, settings: dict, subset: Path, args) -> None:
+    """A trained ``reward-overfit`` (reused unless ``--overwrite``) must be the one asked for: one trained with other
+    settings would be read, and PPO's arms run against it, as if it were."""
+    config = folder / "config.yaml"
+    if args.overwrite or not (folder / "summary.json").is_file() or not config.is_file():
+        return
+    import yaml
+
+    cfg = yaml.safe_load(config.read_text())
+    had = {"train.max_steps": cfg["train"]["max_steps"], "train.learning_rate": cfg["train"]["learning_rate"],
+           "training pairs": Path(cfg["data"]["train_file"]).name}  # fmt: skip
+    want = {"train.max_steps": settings["train.max_steps"], "train.learning_rate": settings["train.learning_rate"],
+            "training pairs": subset.name}  # fmt: skip
+    if had != want:
+        raise SystemExit(
+            f"{folder} was trained with {had}, not the asked {want}: rerun with --overwrite or another --out"
+        )
 
 
 def run_seed(seed: int, args) -> dict:
@@ -106,15 +145,64 @@ def peak_minus_end(record: dict) -> float:
     return max(gold) - gold[-1]
 
 
+def heldout_floor(accuracy: float, pairs: int) -> float:
+    """Two standard errors (binomial) below a held-out accuracy on ``pairs`` pairs: "clearly above chance" is this
+    floor above 0.5 (0.58 on the ~230 gold-labelled held-out pairs has a floor of 0.515)."""
+    return accuracy - 2.0 * (accuracy * (1.0 - accuracy) / pairs) ** 0.5
+
+
+def overfit_failures(fit: dict) -> list[str]:
+    """Why one seed's over-fitted reward model is not over-fitted by this script's definition (empty: it is):
+    accuracy on its own training pairs >= ``TRAIN_ACCURACY_MIN``; held-out gold accuracy clearly above chance
+    (:func:`heldout_floor` above 0.5) and below the usual reward model's. ``fit``: ``run_stage``'s ``"fit"``."""
+    mine, usual = fit["overfit"], fit["reward"]
+    why = []
+    if not mine["train_accuracy"] >= TRAIN_ACCURACY_MIN:
+        why.append(f"training accuracy {_num(mine['train_accuracy'])} < {TRAIN_ACCURACY_MIN}")
+    gold, pairs = mine.get("heldout_gold_accuracy"), mine.get("heldout_gold_pairs")
+    if gold is None or not pairs:
+        why.append("no held-out gold accuracy")
+        return why
+    if not heldout_floor(gold, pairs) > 0.5:
+        why.append(f"held-out gold accuracy {gold:.3f} is within 2 standard errors of chance ({pairs} pairs)")
+    if usual.get("heldout_gold_accuracy") is None or not gold < usual["heldout_gold_accuracy"]:
+        why.append(f"held-out gold accuracy {gold:.3f} is not below the usual model's "
+                   f"{_num(usual.get('heldout_gold_accuracy'))}")  # fmt: skip
+    return why
+
+
+def fit_table(results: list[dict]) -> str:
+    """Per seed, both reward models' accuracy on their own training pairs, on the held-out pairs and against gold
+    on them, whether the over-fitted one meets the definition (:func:`overfit_failures`), and a line for all."""
+    figures = ("train_accuracy", "heldout_accuracy", "heldout_gold_accuracy")
+    first = results[0]["fit"]
+    lines = [f"| seed | over-fitted ({first['overfit']['train_pairs']} pairs): training / held-out / held-out gold "
+             f"accuracy | usual ({first['reward']['train_pairs']} pairs): training / held-out / held-out gold "
+             "accuracy | over-fitted? |", "|---|---|---|---|"]  # fmt: skip
+    failed = {}
+    for r in results:
+        cells = [" / ".join(_num(r["fit"][key].get(f)) for f in figures) for key in ("overfit", "reward")]
+        why = overfit_failures(r["fit"])
+        if why:
+            failed[r["seed"]] = why
+        lines.append(
+            f"| {r['seed']} | " + " | ".join(cells) + f" | {'no: ' + '; '.join(why) if why else 'yes'} |"
+        )
+    rule = (f"training accuracy >= {TRAIN_ACCURACY_MIN}; held-out gold accuracy more than 2 standard errors above "
+            "0.5 and below the usual model's")  # fmt: skip
+    if failed:
+        check = (
+            f"Over-fitted ({rule}): NOT in every seed; fails in seed(s) " + ", ".join(map(str, failed)) + "."
+        )
+    else:
+        check = f"Over-fitted ({rule}): yes, in every seed ({len(results)} of {len(results)})."
+    return "\n".join([*lines, "", check])
+
+
 def markdown(results: list[dict], arms) -> str:
     from rlhfkit.reporting.paired import describe, paired
 
-    lines = ["| reward model | training pairs | accuracy on them, per seed | held-out accuracy | held-out gold accuracy |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    for key, label in (("reward", "usual"), ("overfit", "over-fitted")):
-        cells = [" / ".join(_num(r["fit"][key][f]) for r in results) for f in
-                 ("train_accuracy", "heldout_accuracy", "heldout_gold_accuracy")]  # fmt: skip
-        lines.append(f"| {label} | {results[0]['fit'][key]['train_pairs']} | " + " | ".join(cells) + " |")
+    lines = [fit_table(results)]
     lines += ["", ppo_arms.end_table(results, arms), ""]
     lines += [
         "| arm | measured peak − end of gold, per seed | proxy − gold at the end, paired against the base |"
@@ -178,12 +266,13 @@ def report(out: Path, results: list[dict], names=ARMS) -> str:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ppo_arms.add_arguments(p)
-    p.add_argument("--overfit-pairs", type=int, default=128, help="training pairs of the over-fitted RM")
-    p.add_argument("--overfit-steps", type=int, default=600, help="its steps (batch 32, no weight decay)")
+    p.add_argument("--overfit-pairs", type=int, default=512, help="training pairs of the over-fitted RM")
+    p.add_argument("--overfit-steps", type=int, default=400, help="its steps (batch 32, no weight decay)")
+    p.add_argument("--overfit-lr", type=float, default=5e-4, help="its peak learning rate (linear decay)")
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the arms to run")
     args = p.parse_args(argv)
-    if args.overfit_pairs < 2 or args.overfit_steps < 1:
-        p.error("--overfit-pairs must be >= 2 and --overfit-steps >= 1")
+    if args.overfit_pairs < 2 or args.overfit_steps < 1 or not args.overfit_lr > 0:
+        p.error("--overfit-pairs must be >= 2, --overfit-steps >= 1 and --overfit-lr > 0")
     return args
 
 
