@@ -15,10 +15,23 @@ serves both):
    is over-fitted by this definition (computed, :func:`overfit_failures`): training accuracy >= 0.97
    (near-perfect), held-out gold accuracy more than two binomial standard errors above chance (0.5) and below
    the usual reward model's (the gap between memorising the pairs and learning the preference). The defaults
-   come from a few settings tried on the reward-model stage alone (no PPO) of seeds 0-4, the same seeds the
-   experiment then runs; the report's check line says whether they meet the definition in every seed run. A
-   reward model with no held-out signal at all (the first 128 pairs for 600 steps: held-out gold 0.49-0.61)
-   would test "no signal", not over-fitting;
+   were chosen by that rule from a few settings tried on the reward-model stage alone (no PPO) of seeds 0-4 (the
+   default-size stages of ``temperature.train_sft_and_reward``), the same seeds the experiment then runs, at peak
+   learning rate 5e-4 — held-out gold accuracy per seed 0 / 1 / 2 / 3 / 4 (about 230 gold pairs each, one
+   standard error about 0.03), training accuracy 1.000 in every seed of every setting:
+
+   - usual (~1,020 pairs, 150 steps of 64, weight decay 0.1): 0.654 / 0.746 / 0.636 / 0.607 / 0.762
+   - 256 pairs, 300 steps: 0.545 / 0.616 / – / – / – (seeds 2-4 not run: near chance in seed 0)
+   - 512 pairs, 400 steps: 0.619 / 0.683 / 0.537 / 0.611 / 0.665 (meets it in seeds 0, 1, 4)
+   - 768 pairs, 450 steps (the defaults): 0.623 / 0.768 / 0.602 / 0.624 / 0.643 (meets it in seeds 0, 2, 4)
+
+   No setting met it in every seed: held out, a memorising reward model reads about what a usual one on as many
+   pairs reads, and the usual one is within a standard error or two of it in some seeds. Of the two that meet it
+   in 3 of 5, 768 pairs is clearly above chance in every seed (512 pairs is at chance in seed 2, which would
+   test "no signal" again); in seeds 1 and 3 it is not below the usual model (+0.022, +0.017), so there it tests
+   memorisation at the usual model's held-out accuracy. The report's check line says, from the figures, in which
+   seeds the run at hand meets the definition. The former setting (the first 128 pairs for 600 steps) was at
+   chance held out (gold 0.49-0.61): it tested "no signal", not over-fitting;
 2. PPO arms: ``rm-kl0`` (the usual reward model, no KL penalty: the base), ``overfit-kl0``, and both at
    kl_coef 0.05 (``rm-kl0.05``, ``overfit-kl0.05``); held-out gold, proxy (each arm's own reward model), KL to
    SFT, length and validity every ``--eval-every`` rollouts.
@@ -266,8 +279,8 @@ def report(out: Path, results: list[dict], names=ARMS) -> str:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ppo_arms.add_arguments(p)
-    p.add_argument("--overfit-pairs", type=int, default=512, help="training pairs of the over-fitted RM")
-    p.add_argument("--overfit-steps", type=int, default=400, help="its steps (batch 32, no weight decay)")
+    p.add_argument("--overfit-pairs", type=int, default=768, help="training pairs of the over-fitted RM")
+    p.add_argument("--overfit-steps", type=int, default=450, help="its steps (batch 32, no weight decay)")
     p.add_argument("--overfit-lr", type=float, default=5e-4, help="its peak learning rate (linear decay)")
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the arms to run")
     args = p.parse_args(argv)

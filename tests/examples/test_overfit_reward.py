@@ -23,9 +23,9 @@ def _fit(train=1.0, gold=0.62, usual_gold=0.70, pairs=231):
 
 def test_defaults_are_the_calibrated_over_fitted_reward_model(tmp_path):
     args = ex.parse_args(["--out", str(tmp_path)])
-    assert (args.overfit_pairs, args.overfit_steps, args.overfit_lr) == (512, 400, 5e-4)
+    assert (args.overfit_pairs, args.overfit_steps, args.overfit_lr) == (768, 450, 5e-4)
     assert ex.overfit_settings(args) == {
-        "train.max_steps": 400,
+        "train.max_steps": 450,
         "train.learning_rate": 5e-4,
         "train.weight_decay": 0.0,
         "train.batch_size": 32,
