@@ -131,8 +131,6 @@ def one_run(kind: str, arm: str, root: Path, seed: int, stage: dict, s: Sizes, m
     """Train (unless cached) and measure one run; its record is cached in ``root/KIND-ARM/record.json``."""
     import yaml
 
-    from rlhfkit.models import load_causal_lm
-
     folder = root / f"{kind}-{arm}"
     cache = folder.with_name(folder.name + ".json")
     if cache.is_file() and not args.overwrite:
@@ -140,8 +138,7 @@ def one_run(kind: str, arm: str, root: Path, seed: int, stage: dict, s: Sizes, m
         if "eval_samples" in record or not (folder / "final").is_dir():
             return record
         # measured by the earlier one-sample read: measure its final policy again, keep its training figures
-        policy = load_causal_lm(str(folder / "final"), tokenizer=meter_of().tokenizer, frozen=True).eval()
-        record.update(meter_of().measure(policy, final=True))
+        record.update(meter_of().measure_saved(folder / "final"))
         cache.write_text(json.dumps(record, indent=1))
         return record
     if folder.exists():
@@ -162,9 +159,13 @@ def one_run(kind: str, arm: str, root: Path, seed: int, stage: dict, s: Sizes, m
     start = time.perf_counter()
     subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL)
     seconds = time.perf_counter() - start
-    meter = meter_of()
-    policy = load_causal_lm(str(folder / "final"), tokenizer=meter.tokenizer, frozen=True).eval()
-    record = {"kind": kind, "arm": arm, "seed": seed, "seconds": seconds, **meter.measure(policy, final=True)}
+    record = {
+        "kind": kind,
+        "arm": arm,
+        "seed": seed,
+        "seconds": seconds,
+        **meter_of().measure_saved(folder / "final"),
+    }
     record["train"] = train_rows(folder)
     cache.write_text(json.dumps(record, indent=1))
     return record
@@ -184,9 +185,11 @@ def run_seed(seed: int, s: Sizes, args) -> list[dict]:
         return meters[0]
 
     sft_cache = root / "sft_meter.json"
-    if not sft_cache.is_file() or args.overwrite or "eval_samples" not in json.loads(sft_cache.read_text()):
-        sft_cache.write_text(json.dumps(meter_of().measure(meter_of().reference, final=True), indent=1))
-    sft = {"kind": "sft", "arm": "sft", "seed": seed, **json.loads(sft_cache.read_text())}
+    figures = json.loads(sft_cache.read_text()) if sft_cache.is_file() and not args.overwrite else {}
+    if "eval_samples" not in figures:  # none yet, or the earlier one-sample read
+        figures = meter_of().measure(meter_of().reference, final=True)
+        sft_cache.write_text(json.dumps(figures, indent=1))
+    sft = {"kind": "sft", "arm": "sft", "seed": seed, **figures}
     records = [sft]
     for kind in args.kinds:
         for arm in args.arms:

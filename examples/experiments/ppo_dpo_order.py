@@ -157,16 +157,13 @@ def dpo_run(folder: Path, start: Path, stage: dict, meter, seed: int, s: Sizes, 
             **extra):  # fmt: skip
     """DPO at ``lr`` from ``start`` (:func:`dpo_train`); ``(meter, figures)``, the figures of the final policy (and
     DPO's held-out implicit-reward accuracy) cached in ``folder`` (both rerun when ``retrain``)."""
-    from rlhfkit.models import load_causal_lm
-
     cache = folder / "order_rows.json"
     if cache.is_file() and not retrain:
         return meter, json.loads(cache.read_text())
     summary = dpo_train(folder, start, stage, seed, s, args, lr, retrain, **extra)
     meter = meter or Meter(stage, s, seed)
-    policy = load_causal_lm(str(folder / "final"), tokenizer=meter.tokenizer, frozen=True).eval()
     figures = {
-        **meter.measure(policy, final=True),
+        **meter.measure_saved(folder / "final"),
         "dpo_lr": lr,
         "dpo_accuracy": summary.get("heldout_accuracy"),
         "dpo_gold_accuracy": summary.get("heldout_gold_accuracy"),

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -140,6 +141,13 @@ class Meter:
             )
         return figures
 
+    def measure_saved(self, folder: Path) -> dict[str, float]:
+        """The final read (``measure(..., final=True)``) of the policy saved in ``folder``."""
+        from rlhfkit.models import load_causal_lm
+
+        policy = load_causal_lm(str(folder), tokenizer=self.tokenizer, frozen=True).eval()
+        return self.measure(policy, final=True)
+
 
 def prompt_standard_error(values, repeats: int) -> float:
     """The standard error of the mean of ``values`` (``repeats`` consecutive values per prompt): the sample sd of
@@ -147,12 +155,8 @@ def prompt_standard_error(values, repeats: int) -> float:
     share the prompt), so the prompt is the unit; 0.0 for a single prompt."""
     if repeats < 1 or len(values) % repeats:
         raise ValueError(f"{len(values)} values are not {repeats} per prompt")
-    means = [sum(values[i : i + repeats]) / repeats for i in range(0, len(values), repeats)]
-    n = len(means)
-    if n < 2:
-        return 0.0
-    mean = sum(means) / n
-    return (sum((m - mean) ** 2 for m in means) / (n - 1)) ** 0.5 / n**0.5
+    means = [statistics.fmean(values[i : i + repeats]) for i in range(0, len(values), repeats)]
+    return statistics.stdev(means) / len(means) ** 0.5 if len(means) > 1 else 0.0
 
 
 def train_rows(folder: Path) -> list[dict]:
