@@ -37,10 +37,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from rlhfkit.rollout.evaluate import prompt_standard_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stages and report beside this script
 from ppo_sweep_report import report  # noqa: E402
@@ -147,16 +148,6 @@ class Meter:
 
         policy = load_causal_lm(str(folder), tokenizer=self.tokenizer, frozen=True).eval()
         return self.measure(policy, final=True)
-
-
-def prompt_standard_error(values, repeats: int) -> float:
-    """The standard error of the mean of ``values`` (``repeats`` consecutive values per prompt): the sample sd of
-    the per-prompt means over sqrt(prompts). The samples of one prompt are not independent of each other (they
-    share the prompt), so the prompt is the unit; 0.0 for a single prompt."""
-    if repeats < 1 or len(values) % repeats:
-        raise ValueError(f"{len(values)} values are not {repeats} per prompt")
-    means = [statistics.fmean(values[i : i + repeats]) for i in range(0, len(values), repeats)]
-    return statistics.stdev(means) / len(means) ** 0.5 if len(means) > 1 else 0.0
 
 
 def train_rows(folder: Path) -> list[dict]:

@@ -8,9 +8,11 @@ best sampled at about T = 0.7. On the built-in ``reviews`` task, for each seed:
 2. three PPO runs from that SFT policy against that reward model (the quickstart's PPO otherwise):
    ``ppo`` (trained at T = 0.7, KL coefficient 0.1), ``ppo-T1`` (trained at T = 1.0) and ``ppo-kl/4``
    (KL coefficient 0.025, twice as many rollouts: the run that goes furthest from the SFT policy);
-3. every ``--eval-every`` rollouts (PPO's evaluation hook: its own seeded RNG, nothing of training changes)
-   and for the SFT policy: one response to each of ``--eval-prompts`` held-out prompts at each temperature
-   (0 = greedy; every cell with the same sampling seed), measured with
+3. every ``--eval-every`` rollouts (PPO's evaluation hook: its own seeded RNG, nothing of training changes):
+   one response to each of ``--eval-prompts`` held-out prompts at each temperature (0 = greedy; every cell with
+   the same sampling seed); at a run's last rollout and for the SFT policy, the final read instead:
+   ``--final-samples`` responses to each of the ``--final-prompts`` held-out prompts (one when greedy), with
+   the standard errors ``gold_se`` and ``proxy_se`` (the prompt as the unit); measured with
    :func:`rlhfkit.rollout.sharpness.measure_policy`: gold (the task's annotators' criterion), proxy (the
    reward model PPO optimised), validity, length, distinct responses, KL to the SFT policy (k1, nats per
    response, at the sampling temperature), and on the tokens of those responses the per-token entropy and
@@ -225,8 +227,12 @@ class Evaluator:
             str(stage["files"]["prompts_eval"]), "prompts", self.tokenizer, TokenLimits(32, None, "left")
         )
         self.examples = examples[: s.eval_prompts]
+        self.final_examples = examples[: s.final_prompts] if s.final_prompts else examples
 
-    def measure(self, policy, run: str, rollout: int) -> list[dict]:
+    def measure(self, policy, run: str, rollout: int, final: bool = False) -> list[dict]:
+        """Rows of one checkpoint. ``final``: the read of a final policy (and of the SFT policy): ``final_samples``
+        responses to each of the ``final_prompts`` held-out prompts (one when greedy: it repeats itself), with the
+        standard errors ``gold_se`` and ``proxy_se``; otherwise one response to each of ``eval_prompts``."""
         import torch
 
         from rlhfkit.rollout.sharpness import measure_policy
@@ -234,10 +240,12 @@ class Evaluator:
         rows = []
         for i, temperature in enumerate(self.temperatures):
             torch.manual_seed(1000 * self.seed + i)  # the same sampling seed for every checkpoint
+            samples = self.sizes.final_samples if final and temperature > 0 else 1
             figures = measure_policy(
                 policy,
                 self.tokenizer,
-                self.examples,
+                self.final_examples if final else self.examples,
+                samples_per_prompt=samples,
                 temperature=temperature,
                 max_new_tokens=self.sizes.response_length,
                 reference=self.reference,
@@ -248,6 +256,8 @@ class Evaluator:
             rows.append(
                 {"seed": self.seed, "run": run, "rollout": rollout, "temperature": temperature, **figures}
             )
+            if final:
+                rows[-1].update(eval_prompts=len(self.final_examples), eval_samples=samples)
         return rows
 
 
@@ -291,13 +301,13 @@ def run_seed(seed: int, s: Sizes, args) -> list[dict]:
     stage = train_sft_and_reward(root, seed, s, args)
     ev = Evaluator(stage, s, seed, args.temperatures)
     print(f"seed {seed}: the SFT policy at T = {args.temperatures}", flush=True)
-    rows = ev.measure(ev.reference, "sft", 0)
+    rows = ev.measure(ev.reference, "sft", 0, final=True)
     for name, run in runs_of(s).items():
         folder = root / name.replace("/", "-")
         print(f"seed {seed}: {name} ({run}), measured every {s.eval_every} rollouts", flush=True)
 
         def hook(policy, step, name=name, run=run):
-            measured = ev.measure(policy, name, step)
+            measured = ev.measure(policy, name, step, final=step == run["rollouts"])
             rows.extend(measured)
             at_train = next(r for r in measured if r["temperature"] == run["temperature"])
             return {"eval/gold/mean": at_train["gold"], "eval/score/mean": at_train["proxy"]}
@@ -314,7 +324,8 @@ def run_seed(seed: int, s: Sizes, args) -> list[dict]:
 def gold_terms_of_finals(out: Path, s: Sizes, temperatures) -> list[dict]:
     """The gold score term by term (the task's five terms, means over valid responses), the valid rate and the
     sentences per response of the SFT policy and each run's final policy at every temperature, sampled as
-    :class:`Evaluator` samples; one row per seed, policy and temperature (cached in ``seed-N/terms.json``)."""
+    :class:`Evaluator`'s final read samples; one row per seed, policy and temperature (cached in
+    ``seed-N/terms.json``)."""
     import torch
 
     from rlhfkit.data import TokenLimits, prepare_examples
@@ -332,7 +343,8 @@ def gold_terms_of_finals(out: Path, s: Sizes, temperatures) -> list[dict]:
         tokenizer = load_tokenizer(str(root / "sft" / "final"))
         examples = prepare_examples(
             str(root / "task" / "prompts_eval.jsonl"), "prompts", tokenizer, TokenLimits(32, None, "left")
-        )[: s.eval_prompts]
+        )
+        examples = examples[: s.final_prompts] if s.final_prompts else examples
         policies = {"sft": (root / "sft" / "final", 0)}
         policies.update(
             {n: (root / n.replace("/", "-") / "final", r["rollouts"]) for n, r in runs_of(s).items()}
@@ -343,10 +355,11 @@ def gold_terms_of_finals(out: Path, s: Sizes, temperatures) -> list[dict]:
             policy = load_causal_lm(str(folder), tokenizer=tokenizer, frozen=True).eval()
             for i, t in enumerate(temperatures):
                 torch.manual_seed(1000 * seed + i)
+                repeats = s.final_samples if t > 0 else 1
                 samples = sample_and_score(
                     policy,
                     tokenizer,
-                    examples,
+                    [ex for ex in examples for _ in range(repeats)],
                     temperature=t or 1.0,
                     greedy=t == 0,
                     max_new_tokens=s.response_length,

@@ -92,6 +92,11 @@ def test_the_script_runs_end_to_end_at_the_smoke_size(tmp_path, capsys):
             assert 0.0 <= float(r[f]) <= 1.0 + 1e-6
         assert 0.0 <= float(r["entropy"]) <= math.log(1000)  # the task's vocabulary is 702 tokens
         assert (r["kl"] == "") == (float(r["temperature"]) == 0.0)  # greedy responses have no KL
+        # The last checkpoint of each run, and the SFT policy, are read from 2 samples of 6 prompts (1 greedy).
+        final = (r["run"], int(r["rollout"])) in {("sft", 0), ("ppo", 2), ("ppo-T1", 2), ("ppo-kl/4", 4)}
+        samples = 2 if float(r["temperature"]) > 0 else 1
+        assert (r["eval_prompts"], r["eval_samples"]) == (("6", str(samples)) if final else ("", ""))
+        assert float(r["gold_se"]) >= 0.0 and float(r["proxy_se"]) >= 0.0
         if r["run"] == "sft":
             assert float(r["kl"] or 0.0) == pytest.approx(0.0, abs=1e-5) and float(r["top_agree"]) == 1.0
     table = (out / "table.md").read_text()

@@ -2,6 +2,7 @@
 nothing; measure_policy against a plain per-token loop, KL 0 to itself, greedy has no KL."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -147,3 +148,34 @@ def test_kl_is_k1_summed_over_each_response_at_the_sampling_temperature():
     ]
     assert m["kl"] == pytest.approx(sum(per_response) / 3, abs=1e-5)
     assert m["kl"] != pytest.approx(0.0, abs=1e-3)
+
+
+@torch.no_grad()
+def test_several_samples_per_prompt_are_the_prompts_repeated_and_their_error_takes_the_prompt_as_the_unit():
+    from rlhfkit.rollout.evaluate import prompt_standard_error
+
+    tok, policy, reference, rm = _models()
+    prompts = ["hello", "one", "the cat sat on"]
+    scorers = dict(reference=reference, reward_model=rm, gold_score=lambda p, r: float(len(p)))  # per prompt
+    torch.manual_seed(11)
+    m = measure_policy(
+        policy, tok, _examples(tok, prompts), temperature=0.9, max_new_tokens=6, samples_per_prompt=3,
+        batch_size=4, **scorers,
+    )  # fmt: skip
+    # The same stream with each prompt written out three times side by side: the same figures.
+    torch.manual_seed(11)
+    repeated = measure_policy(
+        policy, tok, _examples(tok, [p for p in prompts for _ in range(3)]), temperature=0.9,
+        max_new_tokens=6, batch_size=4, **scorers,
+    )  # fmt: skip
+    for key in ("gold", "proxy", "kl", "length", "entropy", "distinct_rate"):
+        assert m[key] == pytest.approx(repeated[key], abs=1e-6), key
+    # Gold is 5, 3 or 14 by prompt: read as 3 prompts of 3 samples, the error is that of 3 means, not of 9
+    # independent values.
+    assert m["gold_se"] == pytest.approx(statistics.stdev([5.0, 3.0, 14.0]) / 3**0.5)
+    assert repeated["gold_se"] == pytest.approx(statistics.stdev([5.0] * 3 + [3.0] * 3 + [14.0] * 3) / 3)
+    assert prompt_standard_error([1.0, 3.0, 5.0, 5.0], 2) == pytest.approx(1.5)  # means 2 and 5: sd 2.12 / √2
+    with pytest.raises(ValueError, match="samples_per_prompt"):
+        measure_policy(
+            policy, tok, [], temperature=0.7, max_new_tokens=2, reference=policy, samples_per_prompt=0
+        )

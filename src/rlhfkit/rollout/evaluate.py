@@ -11,6 +11,7 @@ Shapes: ``B`` prompts, ``R`` response length.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -162,6 +163,16 @@ def _prompt_text(example: dict, tokenizer) -> str:
     )
 
 
+def prompt_standard_error(values, repeats: int) -> float:
+    """The standard error of the mean of ``values`` (``repeats`` consecutive values per prompt): the sample sd of
+    the per-prompt means over sqrt(prompts). The samples of one prompt are not independent of each other (they
+    share the prompt), so the prompt is the unit; 0.0 for a single prompt."""
+    if repeats < 1 or len(values) % repeats:
+        raise ValueError(f"{len(values)} values are not {repeats} per prompt")
+    means = [statistics.fmean(values[i : i + repeats]) for i in range(0, len(values), repeats)]
+    return statistics.stdev(means) / len(means) ** 0.5 if len(means) > 1 else 0.0
+
+
 def win_rate(gold_a: list[float], gold_b: list[float]) -> float:
     """Fraction of prompts where A's gold score beats B's, ties counting half."""
     if len(gold_a) != len(gold_b) or not gold_a:
@@ -170,4 +181,4 @@ def win_rate(gold_a: list[float], gold_b: list[float]) -> float:
     return wins / len(gold_a)
 
 
-__all__ = ["PolicySamples", "sample_and_score", "win_rate"]
+__all__ = ["PolicySamples", "prompt_standard_error", "sample_and_score", "win_rate"]

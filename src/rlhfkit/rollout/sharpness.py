@@ -77,17 +77,27 @@ def measure_policy(
     gold_score: Callable[[str, str], float] | None = None,
     is_valid: Callable[[str], bool] | None = None,
     batch_size: int = 64,
+    samples_per_prompt: int = 1,
 ) -> dict[str, float]:
-    """One response per prompt example at ``temperature`` (0 = greedy); the means of the module docstring.
+    """``samples_per_prompt`` responses per prompt example at ``temperature`` (0 = greedy); the means of the module
+    docstring over all responses.
 
     Returns:
         ``gold``, ``gold_std``, ``proxy``, ``valid_rate``, ``length`` (tokens, the stop token included),
         ``ended_rate``, ``distinct_rate`` (distinct response texts / responses), ``kl`` (None when greedy), and
-        :data:`SHARPNESS_KEYS`; a figure whose scorer was not given is absent.
+        :data:`SHARPNESS_KEYS`; ``gold_se`` and ``proxy_se``, the standard errors of ``gold`` and ``proxy`` with
+        the prompt as the unit (:func:`rlhfkit.rollout.evaluate.prompt_standard_error`); a figure whose scorer
+        was not given is absent.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    from rlhfkit.rollout.evaluate import _prompt_text, response_batches
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    from rlhfkit.rollout.evaluate import _prompt_text, prompt_standard_error, response_batches
+
+    examples = [
+        ex for ex in examples for _ in range(samples_per_prompt)
+    ]  # each prompt's samples side by side
 
     greedy = temperature == 0
     stops = [tokenizer.eos_token_id]
@@ -138,8 +148,10 @@ def measure_policy(
     if gold:
         out["gold"] = mean(gold)
         out["gold_std"] = float(torch.tensor(gold).std()) if len(gold) > 1 else 0.0
+        out["gold_se"] = prompt_standard_error(gold, samples_per_prompt)
     if proxy:
         out["proxy"] = mean(proxy)
+        out["proxy_se"] = prompt_standard_error(proxy, samples_per_prompt)
     if valid:
         out["valid_rate"] = mean(valid)
     return out
