@@ -214,6 +214,15 @@ def report(out: Path, temperatures) -> list[dict]:
     text = markdown_tables(table, rows, temperatures)
     if 0.0 in temperatures and len(temperatures) > 1:
         text += "\n\n" + paired_markdown(rows, temperatures)
+    finals = [r for r in rows if r.get("eval_samples")]
+    if finals:  # the final reads' own error, beside the spread over seeds
+        se = [r["gold_se"] for r in finals]
+        reads = sorted({(r["eval_samples"], r["eval_prompts"]) for r in finals})
+        text += (
+            "\n\nFinal reads (each run's last checkpoint and the SFT policy): "
+            + ", ".join(f"{n} sample(s) of {p} prompts" for n, p in reads)
+            + f"; the evaluation's standard error of gold {min(se):.3f}-{max(se):.3f} per policy and temperature."
+        )
     seeds = sorted({r["seed"] for r in rows})
     accuracy = ", ".join(
         "n/a" if r["rm_accuracy"] is None else f"{r['rm_accuracy']:.3f}"

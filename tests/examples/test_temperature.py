@@ -103,6 +103,10 @@ def test_the_script_runs_end_to_end_at_the_smoke_size(tmp_path, capsys):
     # The first table: every checkpoint; the second: each run's last checkpoint at every temperature.
     assert table.count("\n| ppo-kl/4 | 2 |") == 1 and table.count("\n| ppo-kl/4 | 4 |") == 1 + 4
     assert "gold T=0.3" in table and "top-1 agrees" in table
+    assert (
+        "Final reads (each run's last checkpoint and the SFT policy): 1 sample(s) of 6 prompts, 2 sample(s)"
+        in table
+    )
     assert (out / "temperature.png").stat().st_size > 20_000
     # The gold terms of the final policies: the same samples as the rows (same seeds), so the same valid rates.
     with (out / "terms.csv").open() as fh:
