@@ -20,9 +20,12 @@ the peak. They fit, for best-of-n and for RL,
    ``--matched-qualities`` (256) a control follows it in the same job: the same PPO run without a refresh,
    against an offline reward model trained as the others on the first 256 + N pairs of the pool (an equal
    label budget, all sampled from the SFT policy);
-4. every ``--eval-every`` rollouts (and before the first): one T = 0.7 response to each of ``--eval-prompts``
-   held-out prompts, the same sampling seed for every checkpoint: gold, proxy (the reward model PPO
-   optimises, refreshed or not), KL to the SFT policy (k1, nats per response), length, validity.
+4. every ``--eval-every`` rollouts: one T = 0.7 response to each of ``--eval-prompts`` held-out prompts, the
+   same sampling seed for every checkpoint: gold, proxy (the reward model PPO optimises, refreshed or not), KL
+   to the SFT policy (k1, nats per response), length, validity; before the first rollout (the SFT policy) and
+   after the last, the final read (``ppo_sweep.Meter``: ``--final-samples`` responses to each of the
+   ``--final-prompts`` held-out prompts, with standard errors), so the end is measured against the start with
+   the same read.
 
 The seeds vary the reward models' training and PPO; the SFT policy and the pool of labelled pairs are shared
 (as a user's quickstart has one of each). ``overoptimization_quality_report.py`` beside this script fits both of
@@ -180,7 +183,9 @@ def run_job(seed: int, quality: int, shared: dict, s: Sizes, args) -> None:
     root = args.out / f"seed-{seed}" / f"rm{quality}"
     stage, rm = reward_stage(root, "reward", shared, shared["subsets"][quality], quality, seed, s, args)
     for run in runs_of(args, quality):
-        ppo_run(root / run_name(run["kl_coef"], run["refresh_steps"]), stage, rm, run, quality, seed, s, args)
+        folder = root / run_name(run["kl_coef"], run["refresh_steps"])
+        ppo_run(folder, stage, rm, run, quality, seed, s, args)
+        read_start_finally(folder, stage, seed, s)
     for run in matched_runs_of(args, quality):
         refreshed = root / run_name(run["kl_coef"], run["matched_refresh"])
         extra = refresh_labels(read_metrics(refreshed / "metrics.jsonl"), str(refreshed / "metrics.jsonl"))
@@ -200,6 +205,7 @@ def run_job(seed: int, quality: int, shared: dict, s: Sizes, args) -> None:
             root, f"reward-{name}", shared, pairs, quality + extra, seed, s, control_args
         )
         ppo_run(root / name, control, crm, run, quality, seed, s, control_args)
+        read_start_finally(root / name, control, seed, s)
 
 
 def reward_stage(root: Path, name: str, shared: dict, pairs: Path, count: int, seed: int, s: Sizes, args):
@@ -232,7 +238,7 @@ def ppo_run(folder: Path, stage: dict, rm: dict, run: dict, quality: int, seed: 
     evals: list[dict] = []
 
     def hook(policy, step):
-        figures = meter.measure(policy, final=step == s.rollouts)
+        figures = meter.measure(policy, final=step in (0, s.rollouts))  # the SFT policy and the final one
         evals.append({"rollout": step, **figures})
         return {
             "eval/gold/mean": figures["gold"],
@@ -261,6 +267,24 @@ def ppo_run(folder: Path, stage: dict, rm: dict, run: dict, quality: int, seed: 
     if run["refresh_steps"]:  # the pairs it labelled, beside the reward model's own
         record["refresh_labels"] = refresh_labels(read_metrics(folder / "metrics.jsonl"), str(folder))
     record["cpu_seconds"] = time.process_time() - clock
+    (folder / "run.json").write_text(json.dumps(record, indent=1))
+
+
+def read_start_finally(folder: Path, stage: dict, seed: int, s: Sizes) -> None:
+    """Give a finished run's start (rollout 0, the SFT policy) the final read, as :func:`ppo_run` now takes it,
+    when the run was measured before it did: the read is seeded, so it is the figures the hook records (the
+    evaluation hook runs under its own RNG, so training does not depend on it)."""
+    record = json.loads((folder / "run.json").read_text())
+    start = record["eval"][0]
+    if start["rollout"] != 0 or "eval_samples" in start:
+        return
+    # The read depends on the seed, the sizes and the reward model the run starts against (a refresh replaces
+    # it later), so the runs of one reward model share it.
+    cache = Path(stage["reward"]).parent / f"start_read_seed{seed}_{s.final_samples}x{s.final_prompts}.json"
+    if not cache.is_file():
+        meter = Meter(stage, s, seed)
+        cache.write_text(json.dumps(meter.measure(meter.reference, final=True), indent=1))
+    record["eval"][0] = {"rollout": 0, **json.loads(cache.read_text())}
     (folder / "run.json").write_text(json.dumps(record, indent=1))
 
 

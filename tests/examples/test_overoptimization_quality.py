@@ -249,6 +249,9 @@ def test_the_experiment_end_to_end_at_the_smoke_size(tmp_path, capsys):
             assert yaml.safe_load((folder / "config.yaml").read_text())["online"]["kl_coef"] == kl_coef
             record = json.loads((folder / "run.json").read_text())
             assert [e["rollout"] for e in record["eval"]] == [0, 1, 2, 3] and record["eval"][0]["kl"] == 0.0
+            # the start (the SFT policy) and the end take the final read; the curve between, the cheap one
+            reads = [(e.get("eval_prompts"), e.get("eval_samples")) for e in record["eval"]]
+            assert reads == [(6, 2), (None, None), (None, None), (6, 2)]
     refreshed = out / "seed-0" / "rm4" / "kl0-refresh1"
     metrics = [json.loads(line) for line in (refreshed / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "refresh/pairs" in m] == [1, 2, 3]
@@ -291,6 +294,17 @@ def test_the_experiment_end_to_end_at_the_smoke_size(tmp_path, capsys):
     table = (out / "table.md").read_text()
     assert ex.main(["--out", str(out), "--report-only"]) == 0
     assert (out / "table.md").read_text() == table
+    # A run measured before the start took the final read gets it on the next run of the script: the same
+    # figures the hook records (a seeded read), nothing retrained.
+    folder = out / "seed-0" / "rm12" / "kl0"
+    record = json.loads((folder / "run.json").read_text())
+    fresh = record["eval"][0]
+    record["eval"][0] = {"rollout": 0, "gold": 9.0, "proxy": 9.0, "kl": 0.0}  # a one-sample read, as it was
+    (folder / "run.json").write_text(json.dumps(record))
+    trained = (folder / "metrics.jsonl").stat().st_mtime_ns
+    assert ex.main(argv) == 0
+    again = json.loads((folder / "run.json").read_text())["eval"][0]
+    assert again == pytest.approx(fresh) and (folder / "metrics.jsonl").stat().st_mtime_ns == trained
 
 
 def test_a_quickstart_folder_without_its_sft_policy_is_refused_with_exit_code_2(tmp_path, capsys):
