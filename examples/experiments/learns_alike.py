@@ -330,7 +330,7 @@ def plot(records: list[dict], kinds, arms, path: Path) -> None:
         top.set_ylabel("reward-model score (proxy units)")
         top.legend(fontsize=8)
         bottom.set_title(f"{kind.upper()}: held-out gold of the final policy, one line per seed", fontsize=10)
-        bottom.set_xticks(range(len(shown)), [ARMS[a][2] for a in shown], fontsize=8)
+        bottom.set_xticks(range(len(shown)), [ARMS[a][2].replace(", ", ",\n") for a in shown], fontsize=8)
         bottom.set_xlim(-0.3, len(shown) - 0.4)
         bottom.set_ylabel("gold score (task annotators)")
         bottom.legend(fontsize=8)
