@@ -106,6 +106,13 @@ def test_render_by_hand(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="claim 'x', comparison 'up'"):
         load(path)
+    # an interval without its seeds is not a form: every verdict on seeds is computed from the seeds
+    data["claims"]["x"]["comparisons"][0] = {
+        "id": "up", "label": "up", "figure": "f", "direction": 1, "mean": 1.0, "low95": 0.5, "high95": 1.5, "n": 5,
+    }  # fmt: skip
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="exactly one form"):
+        load(path)
 
 
 def test_the_summary_rows_read_by_the_readme_check(page_and_claims):

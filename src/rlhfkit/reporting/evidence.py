@@ -6,9 +6,7 @@ difference") and margin, and its values in one of these forms, all transcribed f
 
 - ``differences``: the per-seed differences b - a as the page prints them;
 - ``a`` and ``b``: the two arms' per-seed values (``a`` may be one number: a threshold every seed is read against);
-- ``mean``, ``se``, ``n``: a mean over n values and its standard error (a per-token check, not seeds);
-- ``mean``, ``low95``, ``high95``, ``n``: a mean and its 95% t-interval over n seeds, where the page keeps the
-  interval but not the seeds.
+- ``mean``, ``se``, ``n``: a mean over n values and its standard error (a per-token check, not seeds).
 
 Every verdict is :func:`rlhfkit.reporting.paired.decide` of its comparison. :func:`render` writes the page's
 summary table (between ``<!-- verdicts:begin -->`` and ``<!-- verdicts:end -->``) and every verdict cell in the
@@ -24,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rlhfkit.reporting.paired import Claim, Paired, decide, paired, paired_summary, t_quantile
+from rlhfkit.reporting.paired import Claim, Paired, decide, paired, paired_summary
 
 BEGIN, END = "<!-- verdicts:begin -->", "<!-- verdicts:end -->"
 CELL = re.compile(r"<!-- verdict:([\w.-]+) -->(.*?)<!-- /verdict -->")
@@ -64,24 +62,16 @@ def claim_of(comp: dict[str, Any]) -> Claim:
 
 def paired_of(comp: dict[str, Any]) -> Paired:
     """The comparison's :class:`Paired`, from whichever form its values take."""
-    forms = [k for k in ("differences", "a", "se", "low95") if k in comp]
+    forms = [k for k in ("differences", "a", "se") if k in comp]
     if len(forms) != 1 or ("a" in comp) != ("b" in comp):
-        raise ValueError(
-            f"values in exactly one form (differences; a and b; mean, se, n; mean, low95, high95, n), got {forms}"
-        )
+        raise ValueError(f"values in exactly one form (differences; a and b; mean, se, n), got {forms}")
     if "differences" in comp:
         d = comp["differences"]
         return paired([0.0] * len(d), d)
     if "b" in comp:
         b, a = comp["b"], comp["a"]
         return paired([a] * len(b) if isinstance(a, int | float) else a, b)
-    if "se" in comp:
-        return paired_summary(comp["mean"], comp["se"], comp["n"])
-    # a 95% t-interval over n seeds: its half-width is t_{0.975, n-1} * se
-    n, low, high = comp["n"], comp["low95"], comp["high95"]
-    if not low <= comp["mean"] <= high:
-        raise ValueError(f"mean {comp['mean']} outside its interval [{low}, {high}]")
-    return paired_summary(comp["mean"], (high - low) / (2 * t_quantile(0.95, n - 1)), n)
+    return paired_summary(comp["mean"], comp["se"], comp["n"])
 
 
 def verdicts(claims: dict[str, dict[str, Any]]) -> dict[str, str]:
