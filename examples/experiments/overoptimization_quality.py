@@ -238,7 +238,12 @@ def ppo_run(folder: Path, stage: dict, rm: dict, run: dict, quality: int, seed: 
     evals: list[dict] = []
 
     def hook(policy, step):
-        figures = meter.measure(policy, final=step in (0, s.rollouts))  # the SFT policy and the final one
+        # the start (the SFT policy, shared by the runs of one reward model) and the end take the final read
+        figures = (
+            start_read(stage, seed, s, meter)
+            if step == 0
+            else meter.measure(policy, final=step == s.rollouts)
+        )
         evals.append({"rollout": step, **figures})
         return {
             "eval/gold/mean": figures["gold"],
@@ -270,21 +275,26 @@ def ppo_run(folder: Path, stage: dict, rm: dict, run: dict, quality: int, seed: 
     (folder / "run.json").write_text(json.dumps(record, indent=1))
 
 
+def start_read(stage: dict, seed: int, s: Sizes, meter: Meter | None = None) -> dict:
+    """The final read of the SFT policy, a run's start. It depends on the seed, the sizes and the reward model the
+    run starts against (a refresh replaces it later), so the runs of one reward model share it: cached beside that
+    reward model (an --overwrite that retrains the reward model empties its folder, and the cache with it)."""
+    cache = Path(stage["reward"]).parent / f"start_read_seed{seed}_{s.final_samples}x{s.final_prompts}.json"
+    if not cache.is_file():
+        meter = meter or Meter(stage, s, seed)
+        cache.write_text(json.dumps(meter.measure(meter.reference, final=True), indent=1))
+    return json.loads(cache.read_text())
+
+
 def read_start_finally(folder: Path, stage: dict, seed: int, s: Sizes) -> None:
-    """Give a finished run's start (rollout 0, the SFT policy) the final read, as :func:`ppo_run` now takes it,
-    when the run was measured before it did: the read is seeded, so it is the figures the hook records (the
-    evaluation hook runs under its own RNG, so training does not depend on it)."""
+    """Give a finished run's start (rollout 0) the final read, as :func:`ppo_run` now takes it, when the run was
+    measured before it did: the read is seeded, so it is the figures the hook records (the evaluation hook runs
+    under its own RNG, so training does not depend on it)."""
     record = json.loads((folder / "run.json").read_text())
     start = record["eval"][0]
     if start["rollout"] != 0 or "eval_samples" in start:
         return
-    # The read depends on the seed, the sizes and the reward model the run starts against (a refresh replaces
-    # it later), so the runs of one reward model share it.
-    cache = Path(stage["reward"]).parent / f"start_read_seed{seed}_{s.final_samples}x{s.final_prompts}.json"
-    if not cache.is_file():
-        meter = Meter(stage, s, seed)
-        cache.write_text(json.dumps(meter.measure(meter.reference, final=True), indent=1))
-    record["eval"][0] = {"rollout": 0, **json.loads(cache.read_text())}
+    record["eval"][0] = {"rollout": 0, **start_read(stage, seed, s)}
     (folder / "run.json").write_text(json.dumps(record, indent=1))
 
 

@@ -210,6 +210,11 @@ def train_reward_model(
     )
 
 
+def final_repeats(s: Sizes, temperature: float) -> int:
+    """Samples of each prompt in a final read: ``s.final_samples``, one when greedy (it repeats itself)."""
+    return s.final_samples if temperature > 0 else 1
+
+
 class Evaluator:
     """Measures a policy at every temperature on the held-out prompts; collects one row per temperature."""
 
@@ -240,7 +245,7 @@ class Evaluator:
         rows = []
         for i, temperature in enumerate(self.temperatures):
             torch.manual_seed(1000 * self.seed + i)  # the same sampling seed for every checkpoint
-            samples = self.sizes.final_samples if final and temperature > 0 else 1
+            samples = final_repeats(self.sizes, temperature) if final else 1
             figures = measure_policy(
                 policy,
                 self.tokenizer,
@@ -355,7 +360,7 @@ def gold_terms_of_finals(out: Path, s: Sizes, temperatures) -> list[dict]:
             policy = load_causal_lm(str(folder), tokenizer=tokenizer, frozen=True).eval()
             for i, t in enumerate(temperatures):
                 torch.manual_seed(1000 * seed + i)
-                repeats = s.final_samples if t > 0 else 1
+                repeats = final_repeats(s, t)
                 samples = sample_and_score(
                     policy,
                     tokenizer,

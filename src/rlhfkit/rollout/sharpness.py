@@ -95,9 +95,8 @@ def measure_policy(
         raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
     from rlhfkit.rollout.evaluate import _prompt_text, prompt_standard_error, response_batches
 
-    examples = [
-        ex for ex in examples for _ in range(samples_per_prompt)
-    ]  # each prompt's samples side by side
+    # each prompt's samples side by side
+    examples = [ex for ex in examples for _ in range(samples_per_prompt)]
 
     greedy = temperature == 0
     stops = [tokenizer.eos_token_id]
