@@ -150,23 +150,22 @@ def test_mask_covers_exactly_the_model_tokens_and_rows_are_padded():
 
 
 def test_tool_errors_are_counted_and_seen_by_the_model():
-    calls = "".join(
-        [
-            '<tool_call>\n{"name": "boom", "arguments": {"x": 1}}\n</tool_call>',
-            '<tool_call>\n{"name": "slow", "arguments": {"seconds": 3}}\n</tool_call>',
-            '<tool_call>\n{"name": "nosuch", "arguments": {}}\n</tool_call>',
-            '<tool_call>\n{"name": "calculator", "arguments": {"expression": \n</tool_call>',
-            '<tool_call>\n{"name": "calculator", "arguments": {"wrong": "1*2"}}\n</tool_call>',
-        ]
-    )
-    # Five calls in one turn: the end marker must not stop the turn, so it is plain text here and EOS ends it.
+    calls = [
+        '<tool_call>\n{"name": "boom", "arguments": {"x": 1}}\n</tool_call>',
+        '<tool_call>\n{"name": "slow", "arguments": {"seconds": 3}}\n</tool_call>',
+        '<tool_call>\n{"name": "nosuch", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": \n</tool_call>',
+        '<tool_call>\n{"name": "calculator", "arguments": {"wrong": "1*2"}}\n</tool_call>',
+    ]
+    # One call a turn (a turn ends at its call's end marker), five turns; the marker is plain text here.
     tok = tool_tokenizer(marker_tokens=False)
-    sampler = ScriptedSampler([[char_ids(tok, calls + "</s>")], [char_ids(tok, "answer=1</s>")]])
-    runner = runner_for(tok, tools=(calculator, boom, slow), tool_timeout=0.2, response_length=2000)
+    turns = [[char_ids(tok, call + "</s>")] for call in calls] + [[char_ids(tok, "answer=1</s>")]]
+    sampler = ScriptedSampler(turns)
+    runner = runner_for(tok, tools=(calculator, boom, slow), tool_timeout=0.2, response_length=2000, max_turns=6)
     out = run_episodes(runner, MODEL, ["What is 12*34?"], generate=sampler)
     errors = [t["error"] for t in out.records[0].turns if t["role"] == "tool"]
     assert errors == ["exception", "timeout", "unknown_tool", "malformed_arguments", "malformed_arguments"]
-    seen = tok.decode(sampler.seen[1][0], skip_special_tokens=False)
+    seen = tok.decode(sampler.seen[5][0], skip_special_tokens=False)
     assert "RuntimeError: kaput" in seen
     assert "no result within 0.2 s (timeout)" in seen
     assert "unknown tool; the tools are boom, calculator, slow" in seen
@@ -176,6 +175,7 @@ def test_tool_errors_are_counted_and_seen_by_the_model():
     assert metrics["tools/errors"] == 1.0 and metrics["tools/calls_per_episode"] == 5
     assert metrics["tools/errors/exception"] == metrics["tools/errors/timeout"] == 0.2
     assert metrics["tools/errors/malformed_arguments"] == 0.4
+    assert metrics["tools/timeouts"] == 1.0 and metrics["episodes/stopped_by_tool"] == 0.0
     assert bool(out.ended[0])
 
 

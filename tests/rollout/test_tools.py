@@ -84,7 +84,7 @@ def test_trl_style_tools_load_from_files_with_their_schemas(in_tmp):
     assert schema["function"]["name"] == "search"
     assert schema["function"]["parameters"]["required"] == ["query"]
     assert schema["function"]["parameters"]["properties"]["limit"]["description"] == "How many hits at most"
-    assert toolbox.episode({"prompt": "x"}).functions["search"](query="a") == "3 hits for a"
+    assert toolbox.episode({"prompt": "x"}).call("search", query="a").text == "3 hits for a"
 
 
 @pytest.mark.parametrize("name, why", [("undocumented", "no docstring"), ("untyped", "type hint")])
@@ -104,8 +104,8 @@ def test_trl_style_environment_class_loads_unchanged(in_tmp):
     first, second = toolbox.episode({"prompt": "p", "answer": 3}), toolbox.episode({"prompt": "q"})
     assert first.environment is not second.environment  # one environment per episode
     assert first.reset_text is None
-    assert first.functions["increment"](a=2) == 2 and first.functions["increment"](a=2) == 4
-    assert second.functions["increment"](a=1) == 1
+    assert first.call("increment", a=2).text == "2" and first.call("increment", a=2).text == "4"
+    assert second.call("increment", a=1).text == "1"
 
 
 def test_get_reward_is_not_a_tool_and_names_may_not_clash(in_tmp):

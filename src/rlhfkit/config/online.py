@@ -36,7 +36,22 @@ class OnlineConfig:
         4, "Model turns per episode with tools or an environment (a turn that calls no tool ends it).", gt=0
     )
     tool_timeout: float = option(
-        10.0, "Seconds a tool call may take; a slower one is handed back to the model as an error.", gt=0
+        10.0,
+        "Seconds a tool call may take (also an environment's reset and get_reward); a slower call's process is "
+        "killed and the model reads a timeout error; with an environment the episode ends there (docs/tools.md).",
+        gt=0,
+    )
+    tool_memory_mb: int = option(
+        1024,
+        "Memory (address space, MiB) an episode's tool process may add to what it had when it started, and "
+        "the memory limit of each sandboxed run of model-written code (rlhfkit:python).",
+        gt=0,
+    )
+    sandbox: Literal["bwrap", "none"] = option(
+        "bwrap",
+        "Where model-written code runs (the rlhfkit:python tool, rlhfkit:code_tests reward): bwrap = "
+        "bubblewrap (no network, read-only root, fresh temp folder, own process namespace) with limits; none = "
+        "a child process with limits only, warned in the log and the report (docs/tools.md).",
     )
     max_tool_response_length: int | None = option(
         256,

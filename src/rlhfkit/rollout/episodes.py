@@ -2,15 +2,17 @@
 
 One call of :func:`run_episodes` plays one episode per prompt (repeat prompts for groups), all together:
 
-1. each turn, ONE generation call over the still-active episodes (left-padded rows of prompt + everything so
+1. each turn, one generation call per ``rollout_batch_size`` of the still-active episodes (left-padded rows of prompt + everything so
    far; the hf backend: :func:`rlhfkit.rollout.generate_responses`, so the sampling is the trainer's, from
    torch's global generator that the trainer seeds per rollout; the vllm backend:
    :func:`rlhfkit.rollout.vllm_engine.engine_generate`, which sends each row's ids as they stand as a
    token-id prompt, so the engine continues exactly the trained row), stopping at EOS or at the tool-call end
-   marker when that is one token;
-2. the turn's calls are parsed (:func:`rlhfkit.rollout.tools.parse_tool_calls`) and run
-   (:func:`~rlhfkit.rollout.tools.run_tool_call`: errors, timeouts, unknown names and bad arguments come back
-   to the model as error messages, counted by cause);
+   marker when that is one token; a turn is cut after the end of its first tool call in any case
+   (:meth:`EpisodeRunner.call_end`), so what a model writes after its call is never in the row;
+2. the turn's calls are parsed (:func:`rlhfkit.rollout.tools.parse_tool_calls`) and run, every episode's at
+   once, each episode's in its own process (:func:`~rlhfkit.rollout.tools.run_turn_calls`: errors, timeouts,
+   unknown names and bad arguments come back to the model as error messages, counted by cause; a timeout or
+   a dead process with an environment ends that episode);
 3. the results are appended as the chat template renders them (:mod:`rlhfkit.rollout.chat_turns`), and the
    loop goes on until a turn makes no call, ``max_turns`` model turns were played, or the budget is spent.
 
@@ -41,7 +43,17 @@ import torch
 from rlhfkit.models.sampling import Sampling
 from rlhfkit.rollout.chat_turns import ChatTurns
 from rlhfkit.rollout.generation import generate_responses
-from rlhfkit.rollout.tools import CAUSES, EpisodeTools, Toolbox, ToolResult, parse_tool_calls, run_tool_call
+from rlhfkit.rollout.scoring import RewardFunctionError
+from rlhfkit.rollout.tool_worker import WorkerDied
+from rlhfkit.rollout.tools import (
+    CAUSES,
+    EpisodeTools,
+    Toolbox,
+    ToolCall,
+    ToolResult,
+    parse_tool_calls,
+    run_turn_calls,
+)
 
 
 @dataclass
@@ -54,12 +66,14 @@ class EpisodeRecord:
         model_turns: model turns played.
         truncated: cut by the budget.
         ended: the last model turn ended with EOS (and the episode was not truncated).
+        stopped: why a tool's process ended the episode (``"timeout"`` or ``"died"``), else None.
     """
 
     turns: list[dict] = field(default_factory=list)
     model_turns: int = 0
     truncated: bool = False
     ended: bool = False
+    stopped: str | None = None
 
     @property
     def calls(self) -> list[dict]:
@@ -83,7 +97,9 @@ class Episodes:
         conversations: each episode's messages, the prompt's and its last model turn included.
         completions: each episode's messages after its prompt (model turns and results): TRL's conversational
             ``completions`` for reward functions.
-        environments: each episode's environment (None without ``online.environment``).
+        environments: each episode's environment (None without ``online.environment``), as a handle to it in
+            the episode's process (:class:`rlhfkit.rollout.tools.EnvironmentHandle`).
+        tools: each episode's tools (their processes: :meth:`close` them once the rollout is scored).
     """
 
     query_ids: torch.Tensor
@@ -98,14 +114,36 @@ class Episodes:
     completions: list[list[dict]]
     environments: list[Any]
     sampled_logprobs: torch.Tensor | None = None
+    tools: list[EpisodeTools] = field(default_factory=list)
 
-    def environment_scores(self) -> list[float | None]:
-        """Each environment's ``get_reward()`` (None where it has none): the episode's score."""
+    def environment_scores(self, timeout: float = 10.0) -> list[Any]:
+        """Each environment's ``get_reward()``, run in its episode's process within ``timeout`` seconds, as it
+        returned it (check it with :func:`rlhfkit.rollout.scoring.check_function_scores`): None where there is
+        no environment, it has no ``get_reward`` or its process was stopped by a tool (no opinion; the cause is
+        counted). One that raises or hangs is a :class:`~rlhfkit.errors.RewardFunctionError`."""
         out = []
-        for env in self.environments:
-            get = getattr(env, "get_reward", None)
-            out.append(None if env is None or not callable(get) else float(get()))
+        for i, env in enumerate(self.environments):
+            worker = None if env is None else env._worker
+            if worker is None or not worker.alive:
+                out.append(None)
+                continue
+            try:
+                reply = worker.run("get_reward", timeout=timeout)
+            except (TimeoutError, WorkerDied) as e:
+                raise RewardFunctionError(
+                    f"online.environment: get_reward() of episode {i} did not finish: {e}"
+                ) from None
+            if not reply.ok:
+                raise RewardFunctionError(
+                    f"online.environment: get_reward() of episode {i} raised {reply.error}"
+                )
+            out.append(reply.value)
         return out
+
+    def close(self) -> None:
+        """Stop every episode's tool process (after the rollout is scored)."""
+        for tools in self.tools:
+            tools.close()
 
     def metrics(self) -> dict[str, float]:
         return episode_metrics(self.records)
@@ -113,8 +151,9 @@ class Episodes:
 
 def episode_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
     """``tools/calls_per_episode``, ``tools/errors`` (share of calls without a clean result) and
-    ``tools/errors/<cause>`` (share of calls, every cause of ``CAUSES``), ``tools/calls/<name>`` (calls per
-    episode), ``turns/mean``, ``episodes/truncated`` and ``episodes/max_turns`` (shares of episodes)."""
+    ``tools/errors/<cause>`` (share of calls, every cause of ``CAUSES``), ``tools/calls/<name>`` and
+    ``tools/timeouts`` (calls per episode), ``turns/mean``, ``episodes/truncated``, ``episodes/max_turns`` and
+    ``episodes/stopped_by_tool`` (shares of episodes: a tool's timeout or dead process ended them)."""
     n = max(len(records), 1)
     calls = [c for r in records for c in r.calls]
     causes = Counter(c["error"] for c in calls if c["error"] is not None)
@@ -124,6 +163,8 @@ def episode_metrics(records: Sequence[EpisodeRecord]) -> dict[str, float]:
         "turns/mean": sum(r.model_turns for r in records) / n,
         "episodes/truncated": sum(r.truncated for r in records) / n,
         "episodes/max_turns": sum(any(c["error"] == "max_turns" for c in r.calls) for r in records) / n,
+        "tools/timeouts": causes["timeout"] / n,
+        "episodes/stopped_by_tool": sum(r.stopped is not None for r in records) / n,
     }
     for cause in CAUSES:
         out[f"tools/errors/{cause}"] = causes[cause] / max(len(calls), 1)
@@ -146,6 +187,7 @@ class _Episode:
     logprobs: list[float] = field(default_factory=list)  # the sampler's, per token (0 off the model's)
     record: EpisodeRecord = field(default_factory=EpisodeRecord)
     done: bool = False
+    pending: tuple[str, int | None] = ("", None)  # the last turn's text and the EOS id it ended with, if any
 
 
 @dataclass
@@ -204,42 +246,92 @@ class EpisodeRunner:
         rendered = self.turns.render(messages, add_generation_prompt=True)
         return _Episode(self.encode(rendered), messages, rendered, tools, prompt_messages=len(messages))
 
-    def play_turn(
+    def call_end(self, sampled: list[int]) -> int | None:
+        """How many of a turn's ``sampled`` ids reach the end of its first tool call (the call format's end
+        marker, however many tokens it takes), or None when the turn holds no finished call. The turn ends
+        there on every backend (with the EOS that directly follows, when the model wrote one): what a model
+        writes after its call (an invented ``<tool_response>``) is never part of the row."""
+        end = self.turns.fmt.end
+        if end not in self.text(sampled):
+            return None
+        lo, hi = 1, len(sampled)  # the shortest prefix whose text holds the marker (monotone in its length)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if end in self.text(sampled[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def take_turn(
         self, episode: _Episode, sampled: list[int], last_turn: bool, logprobs: list[float] | None = None
-    ) -> None:
-        """Append one model turn (its sampled ids, cut at the budget, with the sampler's ``logprobs`` of them
-        when it gives them) and, when it calls tools, their results."""
+    ) -> list[ToolCall]:
+        """Append one model turn (its sampled ids, cut at the end of its first tool call and at the budget,
+        with the sampler's ``logprobs`` of them when it gives them); the calls to answer (:meth:`answer`), or
+        [] when the episode ends with this turn."""
         record = episode.record
+        cut = self.call_end(sampled)
+        if cut is not None and cut < len(sampled) and sampled[cut] in self.stop_token_ids:
+            cut += 1  # the EOS right after the call is the model's end of turn: kept, as the template expects
+        if cut is not None and cut < len(sampled):
+            sampled = sampled[:cut]
+            logprobs = None if logprobs is None else logprobs[:cut]
         episode.ids += sampled
         episode.model += [True] * len(sampled)
         episode.logprobs += logprobs if logprobs is not None else [0.0] * len(sampled)
         record.model_turns += 1
-        stop = sampled[-1] if sampled and sampled[-1] in self.turn_stops else None
-        eos = stop is not None and stop in self.stop_token_ids
+        eos = bool(sampled) and sampled[-1] in self.stop_token_ids
+        stopped = eos or cut is not None or (bool(sampled) and sampled[-1] in self.turn_stops)
         content = self.text(sampled[:-1] if eos else sampled)
         record.turns.append({"role": "assistant", "text": content})
         calls = parse_tool_calls(content, self.turns.fmt)
-        if stop is None or not calls or last_turn:  # cut by the budget, no call, or no turn left
-            cause = "budget" if stop is None else "max_turns"
+        episode.pending = (content, sampled[-1] if eos else None)
+        if not stopped or not calls or last_turn:  # cut by the budget, no call, or no turn left
+            cause = "budget" if not stopped else "max_turns"
             for call in calls:
                 record.turns.append(
                     _call_turn(ToolResult(call.name, call.arguments, "", call.error or cause))
                 )
-            episode.done, record.truncated, record.ended = True, stop is None, eos
+            episode.done, record.truncated, record.ended = True, not stopped, eos
+            episode.messages = [*episode.messages, {"role": "assistant", "content": content}]
+            return []
+        return calls
+
+    def answer(self, turns: list[tuple[_Episode, list[ToolCall]]]) -> None:
+        """Run the calls of one turn of several episodes (all at once: :func:`rlhfkit.rollout.tools.run_turn_calls`)
+        and append each episode's results as the template renders them. An episode with an environment whose
+        call timed out or whose process died ends there (its environment died with the process)."""
+        results = run_turn_calls(
+            [(e.tools, calls) for e, calls in turns],
+            timeout=self.tool_timeout,
+            max_length=self.max_tool_response_length,
+            tokenizer=self.tokenizer,
+        )
+        for (episode, _), answered in zip(turns, results, strict=True):
+            self._append_results(episode, answered)
+
+    def play_turn(
+        self, episode: _Episode, sampled: list[int], last_turn: bool, logprobs: list[float] | None = None
+    ) -> None:
+        """One model turn of one episode and, when it calls tools, their results."""
+        calls = self.take_turn(episode, sampled, last_turn, logprobs)
+        if calls:
+            self.answer([(episode, calls)])
+
+    def _append_results(self, episode: _Episode, results: list[ToolResult]) -> None:
+        record = episode.record
+        content, eos_id = episode.pending
+        lost = [r for r in results if r.error in ("timeout", "died")]
+        if lost and episode.tools.environment is not None:  # the environment died with its process
+            record.turns += [_call_turn(r) for r in results]
+            episode.done, record.stopped = True, lost[0].error
             episode.messages = [*episode.messages, {"role": "assistant", "content": content}]
             return
-        results = [
-            run_tool_call(
-                call,
-                episode.tools.functions,
-                timeout=self.tool_timeout,
-                max_length=self.max_tool_response_length,
-                tokenizer=self.tokenizer,
-            )
-            for call in calls
-        ]
+        if lost:  # stateless tools: a fresh process for the next turn
+            episode.tools.close()
+            episode.tools = self.toolbox.episode()
         tool_messages = self.turns.tool_messages(results)
-        eos_text = self.text([stop]) if eos else None
+        eos_text = self.text([eos_id]) if eos_id is not None else None
         suffix, after = self.turns.suffix(
             episode.messages, episode.rendered, content, eos_text, tool_messages
         )
@@ -284,6 +376,7 @@ class EpisodeRunner:
             completions=[e.messages[e.prompt_messages :] for e in episodes],
             environments=[e.tools.environment for e in episodes],
             sampled_logprobs=logprobs if with_logprobs else None,
+            tools=[e.tools for e in episodes],
         )
 
 
@@ -317,6 +410,7 @@ def run_episodes(
     *,
     greedy: bool = False,
     generate: Callable[..., Any] = generate_responses,
+    rollout_batch_size: int | None = None,
 ) -> Episodes:
     """Play one episode per prompt (module docstring) and return the batch of rows.
 
@@ -329,6 +423,8 @@ def run_episodes(
         generate: the sampler, with :func:`rlhfkit.rollout.generate_responses`' signature (the vllm backend:
             :func:`rlhfkit.rollout.vllm_engine.engine_generate`); the ``sampled_logprobs`` it returns, if any,
             are kept per model token.
+        rollout_batch_size: the most rows of one generation call (``online.rollout_batch_size``; None = all
+            of a turn's active episodes in one call).
     """
     rows = list(rows) if rows is not None else [{} for _ in prompts]
     if len(rows) != len(prompts):
@@ -336,26 +432,34 @@ def run_episodes(
     device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
     episodes = [runner.start(prompt, row) for prompt, row in zip(prompts, rows, strict=True)]
     with_logprobs = False
+    size = rollout_batch_size or len(episodes)
     for turn in range(runner.max_turns):
         active = [e for e in episodes if not e.done]
         if not active:
             break
-        budgets = [runner.response_length - len(e.ids) for e in active]
-        ids, attn = _left_pad([e.prompt_ids + e.ids for e in active], runner.pad_token_id)
-        out = generate(
-            model,
-            ids.to(device),
-            attn.to(device),
-            max_new_tokens=max(budgets),
-            stop_token_ids=runner.turn_stops,
-            pad_token_id=runner.pad_token_id,
-            sampling=runner.sampling,
-            greedy=greedy,
-        )
-        given = getattr(out, "sampled_logprobs", None)  # (b, R) or None
-        with_logprobs = with_logprobs or given is not None
-        for i, (episode, budget) in enumerate(zip(active, budgets, strict=True)):
-            sampled = out.response_ids[i][out.mask[i]].tolist()[:budget]  # (r,) up to the first stop
-            logprobs = None if given is None else given[i][out.mask[i]].tolist()[:budget]
-            runner.play_turn(episode, sampled, last_turn=turn == runner.max_turns - 1, logprobs=logprobs)
+        to_answer = []
+        for first in range(0, len(active), size):  # online.rollout_batch_size rows per generate call
+            chunk = active[first : first + size]
+            budgets = [runner.response_length - len(e.ids) for e in chunk]
+            ids, attn = _left_pad([e.prompt_ids + e.ids for e in chunk], runner.pad_token_id)
+            out = generate(
+                model,
+                ids.to(device),
+                attn.to(device),
+                max_new_tokens=max(budgets),
+                stop_token_ids=runner.turn_stops,
+                pad_token_id=runner.pad_token_id,
+                sampling=runner.sampling,
+                greedy=greedy,
+            )
+            given = getattr(out, "sampled_logprobs", None)  # (b, R) or None
+            with_logprobs = with_logprobs or given is not None
+            for i, (episode, budget) in enumerate(zip(chunk, budgets, strict=True)):
+                sampled = out.response_ids[i][out.mask[i]].tolist()[:budget]  # (r,) up to the first stop
+                logprobs = None if given is None else given[i][out.mask[i]].tolist()[:budget]
+                calls = runner.take_turn(episode, sampled, turn == runner.max_turns - 1, logprobs)
+                if calls:
+                    to_answer.append((episode, calls))
+        if to_answer:  # every episode's calls of this turn at once: a hanging tool costs one timeout
+            runner.answer(to_answer)
     return runner.finish(episodes, with_logprobs)

@@ -22,12 +22,25 @@ default for a template that shows no tools (``DEFAULT_FORMAT``)::
     {"name": "calculator", "arguments": {"expression": "123*456"}}
     </tool_call>
 
-Any number of such blocks in one model turn. **Running a call never crashes the run**: an exception in the
-tool, a call that takes longer than ``tool_timeout`` seconds, an unknown tool name and arguments that are not a
-JSON object or do not fit the function's signature each become an error message that the model reads as the
-tool's result, with the cause counted (``CAUSES``). A result longer than ``max_tool_response_length`` tokens
-is cut to that length and says so. A timed-out call keeps running in its (daemon) thread until it returns,
-because Python cannot stop a thread; its result is thrown away.
+**Running a call never crashes the run**, and never outlives its timeout. Each episode's tools run in a
+process of their own (:mod:`rlhfkit.rollout.tool_worker`, forked when the episode starts; its environment is
+made and reset there). What the model reads back:
+
+- the tool's return value: a string as it is, anything else as JSON (``str()`` when JSON cannot hold it);
+  longer than ``max_tool_response_length`` tokens, cut to that length with a line that says so (``too_long``);
+- an exception: ``Error calling tool 'name': TypeName: message`` (``exception``); an unknown name
+  (``unknown_tool``) or arguments that are not a JSON object or do not fit the signature
+  (``malformed_arguments``), each with what was wrong;
+- a call that takes longer than ``tool_timeout`` seconds: its process group is killed (``SIGKILL``) and the
+  model reads ``no result within N s (timeout)`` (``timeout``, also counted as ``tools/timeouts``). With an
+  environment the episode ends there, without EOS: the environment died with the process, and an episode
+  never goes on from a state the model was told had failed (the environment's score is then no opinion). The
+  stateless ``online.tools`` get a fresh process and the episode goes on. Later calls of the same turn are
+  not run (``not_run``);
+- a process that ends without answering (``os._exit``, a crash, the ``online.tool_memory_mb`` limit):
+  ``the tool's process ended without a result`` (``died``), then as for a timeout.
+
+The calls of one turn run in every episode's process at once, so a hanging tool costs one timeout per turn.
 """
 
 from __future__ import annotations
@@ -35,18 +48,28 @@ from __future__ import annotations
 import inspect
 import json
 import re
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlhfkit.errors import ConfigError
 from rlhfkit.rollout.scoring import accepted_keywords, load_reward_function
+from rlhfkit.rollout.tool_worker import MAX_RESULT_CHARS, Reply, ToolWorker, WorkerDied, serve_turn
 
 # Why a call gave no clean result. The first five are seen by the model as the tool's result; "max_turns"
 # and "budget" are calls made in a turn after which the episode stopped (no turn left, or no room left in
 # online.response_length), so their results are never shown.
-CAUSES = ("exception", "timeout", "unknown_tool", "malformed_arguments", "too_long", "max_turns", "budget")
+CAUSES = (
+    "exception",
+    "timeout",
+    "died",
+    "not_run",
+    "unknown_tool",
+    "malformed_arguments",
+    "too_long",
+    "max_turns",
+    "budget",
+)
 NOT_TOOLS = ("reset", "get_reward")  # an environment's public methods that are not tools
 
 
@@ -169,14 +192,52 @@ def environment_tools(environment: Any, where: str = "online.environment") -> di
     }
 
 
+class EnvironmentHandle:
+    """An episode's environment as reward functions see it (``environments=``): it lives in the episode's
+    worker process; reading an attribute reads it there, calling a method calls it there (within the tool
+    timeout). After the worker is gone (killed at a timeout, or closed once the rollout is scored), any use
+    raises ``RuntimeError``."""
+
+    def __init__(self, worker: ToolWorker, timeout: float):
+        object.__setattr__(self, "_worker", worker)
+        object.__setattr__(self, "_timeout", timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        kind, value = self._ask("attribute", name)
+        if kind == "method":
+            return lambda *args, **kwargs: self._ask("method", name, args, kwargs)[1]
+        return value
+
+    def _ask(self, *args: Any) -> tuple[str, Any]:
+        worker = self._worker
+        if not worker.alive:
+            raise RuntimeError(f"the episode's environment is gone ({worker.death})")
+        reply = worker.run("environment", *args, timeout=self._timeout)
+        if not reply.ok:
+            raise RuntimeError(f"the environment raised {reply.error}")
+        return reply.value
+
+
 @dataclass
 class EpisodeTools:
-    """The tools of one episode: ``functions`` (name -> callable), its ``environment`` (or None) and the text
-    ``reset`` returned (None when there is no environment or it returned None)."""
+    """The tools of one episode: their ``names``, the ``worker`` process that runs them (and holds the
+    environment), the ``environment`` as reward functions see it (None without one) and the text ``reset``
+    returned (None when there is no environment or it returned None)."""
 
-    functions: dict[str, Callable]
-    environment: Any = None
+    names: list[str]
+    worker: ToolWorker
+    environment: EnvironmentHandle | None = None
     reset_text: str | None = None
+    timeout: float = 10.0
+
+    def call(self, name: str, **arguments: Any) -> ToolResult:
+        """One call in the episode's process, as a turn's calls run (:func:`run_turn_calls`)."""
+        return run_turn_calls([(self, [ToolCall(name, arguments, "")])], timeout=self.timeout)[0][0]
+
+    def close(self) -> None:
+        self.worker.close()
 
 
 @dataclass
@@ -188,15 +249,26 @@ class Toolbox:
         environment_factory: makes one environment per episode, or None.
         schemas: the JSON schema of every tool, environment's first (``tools=`` of the chat template).
         environment_scores: the environment has ``get_reward()`` (read from the one :meth:`load` makes).
+        timeout: seconds of one call, of ``reset`` and of ``get_reward`` (``online.tool_timeout``).
+        memory_mb: address space an episode's process may add (``online.tool_memory_mb``; None = no limit).
     """
 
     functions: dict[str, Callable] = field(default_factory=dict)
     environment_factory: Callable[[], Any] | None = None
     schemas: list[dict] = field(default_factory=list)
     environment_scores: bool = False
+    timeout: float = 10.0
+    memory_mb: int | None = None
 
     @classmethod
-    def load(cls, tools: Sequence[str | Callable] = (), environment: str | Callable | None = None) -> Toolbox:
+    def load(
+        cls,
+        tools: Sequence[str | Callable] = (),
+        environment: str | Callable | None = None,
+        *,
+        timeout: float = 10.0,
+        memory_mb: int | None = None,
+    ) -> Toolbox:
         """Load and check ``online.tools`` and ``online.environment``. One environment is made to read its
         tools' schemas (TRL does the same); a name given both ways is a ConfigError."""
         functions = load_tools(tools)
@@ -215,25 +287,70 @@ class Toolbox:
                 schemas.append(tool_schema(method, "online.environment", f"{type(probe).__name__}.{name}"))
             scores = callable(getattr(probe, "get_reward", None))
         schemas += [tool_schema(fn, "online.tools", name) for name, fn in functions.items()]
-        return cls(functions, factory, schemas, scores)
+        return cls(functions, factory, schemas, scores, timeout, memory_mb)
 
     @property
     def names(self) -> list[str]:
         return [schema["function"]["name"] for schema in self.schemas]
 
     def episode(self, row: dict | None = None) -> EpisodeTools:
-        """A fresh episode's tools: a new environment, ``reset(**row)`` with the prompt row's columns."""
-        if self.environment_factory is None:
-            return EpisodeTools(dict(self.functions))
-        environment = self.environment_factory()
-        accepted, _ = accepted_keywords(environment.reset)  # None: it takes **kwargs
-        row = {k: v for k, v in (row or {}).items() if accepted is None or k in accepted}
-        text = environment.reset(**row)
+        """A fresh episode's tools in a process of their own: a new environment there, ``reset(**row)`` with
+        the prompt row's columns (those it takes). A ``reset`` that raises, hangs past the timeout or returns
+        something else than a string or None is a :class:`ToolSetupError` naming it."""
+        functions, factory = self.functions, self.environment_factory
+        row = dict(row or {})
+
+        def setup() -> dict[str, Any]:  # runs in the worker
+            if factory is None:
+                return {"tools": dict(functions)}
+            env = factory()
+            accepted, _ = accepted_keywords(env.reset)  # None: it takes **kwargs
+            get_reward = getattr(env, "get_reward", None)
+            return {
+                "tools": {**environment_tools(env), **functions},
+                "reset": lambda: env.reset(
+                    **{k: v for k, v in row.items() if accepted is None or k in accepted}
+                ),
+                "get_reward": get_reward if callable(get_reward) else (lambda: None),
+                "environment": lambda *args: _environment_access(env, *args),
+            }
+
+        worker = ToolWorker(setup, self.memory_mb)
+        names = self._ask(worker, "setup", what="making the episode's tools").value
+        if factory is None:
+            return EpisodeTools(names, worker, timeout=self.timeout)
+        text = self._ask(worker, "run", "reset", (), what="reset()").value
         if text is not None and not isinstance(text, str):
-            raise ConfigError(
+            worker.close()
+            raise ToolSetupError(
                 f"online.environment: reset() returned {type(text).__name__}; it must return a string or None"
             )
-        return EpisodeTools({**environment_tools(environment), **self.functions}, environment, text)
+        return EpisodeTools(names, worker, EnvironmentHandle(worker, self.timeout), text, self.timeout)
+
+    def _ask(self, worker: ToolWorker, *message: Any, what: str) -> Reply:
+        try:
+            reply = worker.ask(*message, timeout=self.timeout)
+        except (TimeoutError, WorkerDied) as e:
+            worker.close()
+            raise ToolSetupError(f"online.environment: {what} did not finish: {e}") from None
+        if not reply.ok:
+            worker.close()
+            raise ToolSetupError(f"online.environment: {what} raised {reply.error}")
+        return reply
+
+
+class ToolSetupError(ConfigError):
+    """An environment that cannot start an episode (``reset`` raised, hung or returned a non-string): the
+    user's code, not the model's doing, so the run stops with this one line."""
+
+
+def _environment_access(env: Any, kind: str, name: str, args: tuple = (), kwargs: dict | None = None):
+    """In the worker: ``("attribute", name)`` -> ("method", None) or ("value", the attribute);
+    ``("method", name, args, kwargs)`` -> ("value", what the method returned)."""
+    if kind == "method":
+        return "value", getattr(env, name)(*args, **(kwargs or {}))
+    value = getattr(env, name)
+    return ("method", None) if callable(value) else ("value", value)
 
 
 # --- running ------------------------------------------------------------------------------------------------
@@ -259,29 +376,39 @@ def result_text(value: Any) -> str:
         return str(value)
 
 
-def call_with_timeout(fn: Callable, arguments: dict, timeout: float) -> tuple[bool, Any]:
-    """``(finished, outcome)``: ``fn(**arguments)``'s value, or the exception it raised, within ``timeout``
-    seconds; ``(False, None)`` when it did not return in time (its daemon thread is left to finish)."""
-    box: list = []
+def run_turn_calls(
+    jobs: Sequence[tuple[EpisodeTools, Sequence[ToolCall]]],
+    *,
+    timeout: float,
+    max_length: int | None = None,
+    tokenizer=None,
+) -> list[list[ToolResult]]:
+    """Run the parsed calls of one turn of several episodes, every episode's process at once (each runs its
+    own calls in order); every failure is a :class:`ToolResult` with an error message and its cause.
 
-    def target():
-        try:
-            box.append((True, fn(**arguments)))
-        except BaseException as e:  # the tool's own failure, handed back to the model
-            box.append((False, e))
-
-    thread = threading.Thread(target=target, daemon=True, name="rlhfkit-tool")
-    thread.start()
-    thread.join(timeout)
-    if not box:
-        return False, None
-    ok, value = box[0]
-    return True, value if ok else _Raised(value)
-
-
-class _Raised:
-    def __init__(self, error: BaseException):
-        self.error = error
+    Args:
+        jobs: (episode's tools, its calls) per episode.
+        timeout: seconds per call (``online.tool_timeout``).
+        max_length: the most tokens of ``tokenizer`` a result may have (``online.max_tool_response_length``);
+            a longer one is cut and says so (cause ``too_long``). None = no limit.
+    """
+    max_chars = MAX_RESULT_CHARS if max_length is None else min(MAX_RESULT_CHARS, max(1 << 16, 64 * max_length))
+    runnable = [
+        (tools.worker, [(c.name, c.arguments) for c in calls if c.error is None]) for tools, calls in jobs
+    ]
+    replies = serve_turn(runnable, timeout=timeout, max_chars=max_chars)
+    out = []
+    for (_, calls), answered in zip(jobs, replies, strict=True):
+        answered = iter(answered)
+        out.append(
+            [
+                _unreadable(call)
+                if call.error is not None
+                else _result(call, next(answered), timeout, max_length, max_chars, tokenizer)
+                for call in calls
+            ]
+        )
+    return out
 
 
 def run_tool_call(
@@ -292,63 +419,52 @@ def run_tool_call(
     max_length: int | None = None,
     tokenizer=None,
 ) -> ToolResult:
-    """Run one parsed call; every failure is a :class:`ToolResult` with an error message and its cause.
-
-    Args:
-        call: the parsed call.
-        functions: the episode's tools.
-        timeout: seconds (``online.tool_timeout``).
-        max_length: the most tokens of ``tokenizer`` a result may have (``online.max_tool_response_length``);
-            a longer one is cut and says so (cause ``too_long``). None = no limit.
-    """
-    if call.error is not None:
-        return ToolResult(
-            call.name,
-            None,
-            _error_text(
-                call.name,
-                f'the call could not be read: {call.text!r}; write {{"name": ..., "arguments": {{...}}}}',
-            ),
-            call.error,
-        )
-    fn = functions.get(call.name)
-    if fn is None:
-        known = ", ".join(sorted(functions)) or "none"
-        return ToolResult(
-            call.name,
-            call.arguments,
-            _error_text(call.name, f"unknown tool; the tools are {known}"),
-            "unknown_tool",
-        )
+    """Run one parsed call of stateless ``functions`` in a process of its own (closed after it), as an
+    episode's calls run (:func:`run_turn_calls`)."""
+    worker = ToolWorker(lambda: {"tools": dict(functions)})
     try:
-        inspect.signature(fn).bind(**call.arguments)
-    except TypeError as e:
+        worker.ask("setup", timeout=timeout)
+        jobs = [(EpisodeTools(sorted(functions), worker), [call])]
+        return run_turn_calls(jobs, timeout=timeout, max_length=max_length, tokenizer=tokenizer)[0][0]
+    finally:
+        worker.close()
+
+
+def _unreadable(call: ToolCall) -> ToolResult:
+    what = f'the call could not be read: {call.text!r}; write {{"name": ..., "arguments": {{...}}}}'
+    return ToolResult(call.name, None, _error_text(call.name, what), call.error)
+
+
+def _result(
+    call: ToolCall, reply: Reply | str, timeout: float, max_length: int | None, max_chars: int, tokenizer
+) -> ToolResult:
+    """What the model reads for one call's outcome (module docstring)."""
+    name, arguments = call.name, call.arguments
+    if reply == "timeout":
         return ToolResult(
-            call.name, call.arguments, _error_text(call.name, f"bad arguments: {e}"), "malformed_arguments"
+            name, arguments, _error_text(name, f"no result within {timeout:g} s (timeout)"), "timeout"
         )
-    except ValueError:  # no signature to check against (a builtin): let the call tell
-        pass
-    finished, value = call_with_timeout(fn, call.arguments, timeout)
-    if not finished:
+    if reply == "died":
         return ToolResult(
-            call.name,
-            call.arguments,
-            _error_text(call.name, f"no result within {timeout:g} s (timeout)"),
-            "timeout",
+            name, arguments, _error_text(name, "the tool's process ended without a result"), "died"
         )
-    if isinstance(value, _Raised):
-        e = value.error
-        return ToolResult(
-            call.name, call.arguments, _error_text(call.name, f"{type(e).__name__}: {e}"), "exception"
-        )
-    text = result_text(value)
+    if reply == "not_run":
+        what = "not run: an earlier call of this turn did not finish"
+        return ToolResult(name, arguments, _error_text(name, what), "not_run")
+    if not reply.ok:
+        return ToolResult(name, arguments, _error_text(name, reply.error), reply.cause)
+    text = reply.value
     if max_length is not None and tokenizer is not None:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) > max_length:
+        if len(ids) > max_length or reply.length > len(text):
             shown = tokenizer.decode(ids[:max_length], skip_special_tokens=False)
-            text = f"{shown}\n[truncated: the result was {len(ids)} tokens; the limit is {max_length}]"
-            return ToolResult(call.name, call.arguments, text, "too_long")
-    return ToolResult(call.name, call.arguments, text)
+            size = f"{len(ids)} tokens" if reply.length <= len(text) else f"{reply.length} characters"
+            text = f"{shown}\n[truncated: the result was {size}; the limit is {max_length}]"
+            return ToolResult(name, arguments, text, "too_long")
+    elif reply.length > len(text):
+        text = f"{text}\n[truncated: the result was {reply.length} characters; the limit is {max_chars}]"
+        return ToolResult(name, arguments, text, "too_long")
+    return ToolResult(name, arguments, text)
 
 
 def _error_text(name: str, what: str) -> str:

@@ -296,7 +296,7 @@ def test_environment_reward_and_tools_reach_the_scores(tmp_path, monkeypatch):
     rewards = tmp_path / "rewards.py"
     rewards.write_text(
         "def seen(prompts, completions, environments, **kwargs):\n"
-        "    assert all(type(e).__name__ == 'CalculatorEnv' for e in environments)\n"
+        "    assert all(isinstance(e.calls, int) and e.get_reward() == 0.25 + 0.5 * e.calls for e in environments)\n"
         "    assert all(isinstance(c, list) and c[0]['role'] == 'assistant' for c in completions)\n"
         "    return [1.0 for _ in prompts]\n"
     )

@@ -28,7 +28,7 @@ from rlhfkit.models import can_share_prompts, response_readout, sampling_for
 from rlhfkit.models.precision import frozen_linears_cast
 from rlhfkit.rollout import generate_responses
 from rlhfkit.rollout.episodes import EpisodeRunner, Episodes, run_episodes
-from rlhfkit.rollout.scoring import combine_parts
+from rlhfkit.rollout.scoring import check_function_scores, combine_parts
 from rlhfkit.rollout.tools import Toolbox
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import (
@@ -186,7 +186,9 @@ def episode_runner(cfg: RunConfig, tokenizer) -> EpisodeRunner | None:
     online = cfg.online
     if not online.tools and not online.environment:
         return None
-    toolbox = Toolbox.load(online.tools, online.environment)
+    toolbox = Toolbox.load(
+        online.tools, online.environment, timeout=online.tool_timeout, memory_mb=online.tool_memory_mb
+    )
     stops = stop_token_ids(cfg, tokenizer)
     return EpisodeRunner.create(
         tokenizer,
@@ -245,6 +247,7 @@ def play_episodes(
             records,
             greedy=greedy,
             generate=generate,
+            rollout_batch_size=ctx.cfg.online.rollout_batch_size,
         )
     device = ctx.device
     batch["query_ids"], batch["query_mask"] = episodes.query_ids.to(device), episodes.query_mask.to(device)
@@ -329,7 +332,9 @@ def score_rollout(
 
     Multi-turn ``episodes`` (:func:`play_episodes`): reward functions also receive each episode's messages as
     ``completions=`` and its environment as ``environments=``, and an environment's ``get_reward()`` is the
-    part ``"environment"`` of the score, added to the others (NaN, no opinion, where it has none).
+    part ``"environment"`` of the score, added to the others (NaN, no opinion, where it has none or a tool's
+    timeout stopped it), checked as a reward function's values are (NaN, inf or a non-number stops the run
+    naming it). The episodes' tool processes are closed here.
 
     The reward model reads each response up to its stop token (``rollout.response_mask``), also one that
     ``missing_eos=mask`` leaves out of the loss. Under ``missing_eos=penalty`` a response without a stop
@@ -355,8 +360,13 @@ def score_rollout(
     if ctx.scorer.reward_model is not None or ctx.scorer.functions:
         _, parts, _ = ctx.scorer(ids, attn, **texts, **(extra if ctx.scorer.needs_text else {}))
     if episodes is not None and episodes.environments and any(e is not None for e in episodes.environments):
-        found = [float("nan") if v is None else v for v in episodes.environment_scores()]
-        parts["environment"] = torch.tensor(found, dtype=torch.float32, device=ids.device)  # (B,)
+        found = episodes.environment_scores(online.tool_timeout)  # checked like a reward function's
+        prompts = [r["prompt"] for r in records]
+        shown = responses or [c[-1]["content"] if c else "" for c in episodes.completions]
+        checked = check_function_scores(found, len(found), "environment.get_reward", prompts, shown)
+        parts["environment"] = checked.to(ids.device)  # (B,) NaN where no opinion
+    if episodes is not None:
+        episodes.close()  # the episodes' tool processes: nothing reads their environments after this
     raw_scores, scored = combine_parts(parts)
     scores = raw_scores
     if online.missing_eos == "penalty":

@@ -86,7 +86,7 @@ def select_episodes(a: Episodes, b: Episodes, index: list[int], pad_token_id: in
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, list):
             pool = [*x, *y]
-            fields[f.name] = [pool[i] for i in index]
+            fields[f.name] = [pool[i] for i in index] if pool else []  # tools: closed once scored
         else:
             joined = _join_rows(f.name, x, y, pad_token_id)
             fields[f.name] = None if joined is None else joined[index]
