@@ -312,6 +312,19 @@ RULES: dict[str, tuple[str, Callable[[Callable[[str], Series]], list[HealthWarni
 }
 
 
+# Signs read from a run's configuration rather than its curves (rlhfkit.reporting.panels.sandbox_warnings):
+# named here so that pages describe them as they describe the rules above.
+CONFIG_SIGNS = {
+    "sandbox_none": "Model-written code not isolated: online.sandbox=none ran it as a plain child process "
+    "with limits only, so it could read the machine's files and reach its network.",
+}
+
+
+def describe(rule: str) -> str:
+    """A warning sign's description (a rule of :data:`RULES` or a :data:`CONFIG_SIGNS` entry)."""
+    return RULES[rule][0] if rule in RULES else CONFIG_SIGNS[rule]
+
+
 def check_health(get: Callable[[str], Series]) -> list[HealthWarning]:
     """Every rule of :data:`RULES` over the series ``get(key) -> (steps, values)``; the warnings that fire."""
     out: list[HealthWarning] = []

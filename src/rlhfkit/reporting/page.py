@@ -190,7 +190,7 @@ def warnings_block(warnings: list[health.HealthWarning], plot_anchor: str = "", 
     if not warnings:
         return f'<div class="ok">No warning sign fired.{rules_html}</div>'
     items = "".join(
-        f"<li><b>{e(health.RULES[w.rule][0].split(':')[0])}</b> ({e(label(w.metric))}, steps "
+        f"<li><b>{e(health.describe(w.rule).split(':')[0])}</b> ({e(label(w.metric))}, steps "
         f"{w.first_step}-{w.last_step}): {e(w.message)}</li>"
         for w in warnings
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from rlhfkit.reporting import health, plots
 from rlhfkit.reporting.runs import Run
+from rlhfkit.rollout.scoring import uses_sandbox
 
 STYLES = ("-", ":", "-.")
 
@@ -174,7 +175,23 @@ class Plot:
 
 
 def run_warnings(run: Run) -> list[health.HealthWarning]:
-    return health.check_health(run.series) if run.online else []
+    if not run.online:
+        return []
+    return [*sandbox_warnings(run), *health.check_health(run.series)]
+
+
+def sandbox_warnings(run: Run) -> list[health.HealthWarning]:
+    """A run whose model-written code ran without bubblewrap (``online.sandbox: none``) says so."""
+    online = run.config.get("online") or {}
+    specs = [*(online.get("tools") or []), *(online.get("reward_functions") or [])]
+    if online.get("sandbox") != "none" or not uses_sandbox(specs):
+        return []
+    steps = run.series("score/mean")[0] or [0]
+    message = (
+        "online.sandbox=none: model-written code ran as a plain child process with limits only, not isolated "
+        "from the machine's files and network"
+    )
+    return [health.HealthWarning("sandbox_none", "score/mean", steps[0], steps[-1], message)]
 
 
 def run_keys(spec: Spec, run: Run) -> tuple[tuple[str, str, bool], ...]:

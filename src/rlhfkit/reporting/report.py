@@ -252,7 +252,7 @@ def _markdown(run: Run, figs: list[Plot], warnings: list[health.HealthWarning]) 
     if run.online:
         lines += ["## Warning signs", ""]
         lines += [
-            f"- **{health.RULES[w.rule][0].split(':')[0]}** (steps {w.first_step}-{w.last_step}): {_md(w.message)}"
+            f"- **{health.describe(w.rule).split(':')[0]}** (steps {w.first_step}-{w.last_step}): {_md(w.message)}"
             for w in warnings
         ] or ["None of the rules fired (the rules are listed in report.html)."]
         lines.append("")

@@ -105,8 +105,23 @@ class RewardFunctionError(UserError):
     """A reward function returned something that is not one finite number per response."""
 
 
+# Built-in functions by their short names: model-written code run in the sandbox (rlhfkit.rollout.sandbox).
+BUILT_IN = {
+    "rlhfkit:python": "rlhfkit.rollout.sandbox:python",  # a tool (online.tools)
+    "rlhfkit:code_tests": "rlhfkit.rollout.sandbox:code_tests",  # a reward function
+}
+
+
+def uses_sandbox(specs: Sequence) -> bool:
+    """Whether any of ``specs`` (tools or reward functions) runs model-written code in the sandbox."""
+    return any(
+        isinstance(s, str) and BUILT_IN.get(s, s).startswith("rlhfkit.rollout.sandbox:") for s in specs
+    )
+
+
 def load_reward_function(spec: str, where: str = "online.reward_functions") -> RewardFunction:
-    """Import the function named by ``"pkg.module:fn"`` or ``"path/to/file.py:fn"``.
+    """Import the function named by ``"pkg.module:fn"`` or ``"path/to/file.py:fn"`` (or a :data:`BUILT_IN`
+    short name such as ``"rlhfkit:python"``).
 
     Args:
         spec: the name, as in the configuration.
@@ -115,6 +130,7 @@ def load_reward_function(spec: str, where: str = "online.reward_functions") -> R
         ConfigError: a malformed name, a missing file or module, a module that fails to import, or a
             name that is missing or not callable; the message names ``where`` and ``spec``.
     """
+    spec = BUILT_IN.get(spec, spec)
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name.isidentifier():
         raise ConfigError(f"{where}: '{spec}' is not 'pkg.module:function' or 'path/to/file.py:function'")

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from rlhfkit.rollout.tool_format import result_text
+
 MAX_RESULT_CHARS = 1 << 20  # a result longer than this is cut in the worker, before it crosses the pipe
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # workers not yet closed, killed at exit
@@ -101,8 +103,6 @@ def _child_setup(parent: int, memory_mb: int | None) -> None:
 def _serve(conn: Connection, setup: Callable[[], dict[str, Callable]]) -> None:
     """The worker's loop: ``("setup",)`` makes its tools; then ``("call", name, arguments, max_chars)``,
     ``("run", fn_name, args)`` (one named method of its state, e.g. ``reset``) until ``("close",)``."""
-    from rlhfkit.rollout.tools import result_text
-
     state: dict[str, Any] = {}
     while True:
         try:

@@ -46,14 +46,21 @@ The calls of one turn run in every episode's process at once, so a hanging tool 
 from __future__ import annotations
 
 import inspect
-import json
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlhfkit.errors import ConfigError
 from rlhfkit.rollout.scoring import accepted_keywords, load_reward_function
+from rlhfkit.rollout.tool_format import (  # noqa: F401  (the format's names, also read from here)
+    DEFAULT_FORMAT,
+    CallFormat,
+    ToolCall,
+    ToolResult,
+    format_call,
+    parse_tool_calls,
+    result_text,
+)
 from rlhfkit.rollout.tool_worker import MAX_RESULT_CHARS, Reply, ToolWorker, WorkerDied, serve_turn
 
 # Why a call gave no clean result. The first five are seen by the model as the tool's result; "max_turns"
@@ -71,73 +78,6 @@ CAUSES = (
     "budget",
 )
 NOT_TOOLS = ("reset", "get_reward")  # an environment's public methods that are not tools
-
-
-@dataclass(frozen=True)
-class CallFormat:
-    """How a model writes tool calls: a JSON object ``{"name", "arguments"}`` between ``start`` and ``end``."""
-
-    start: str = "<tool_call>"
-    end: str = "</tool_call>"
-    response_start: str = "<tool_response>"
-    response_end: str = "</tool_response>"
-
-
-DEFAULT_FORMAT = CallFormat()
-
-
-@dataclass
-class ToolCall:
-    """One call as the model wrote it.
-
-    Attributes:
-        name: the tool's name ("" when the call could not be read).
-        arguments: the keyword arguments (a dict), or None when they could not be read.
-        text: the text between the markers, as written.
-        error: None, or why the call cannot be made (``"malformed_arguments"``).
-    """
-
-    name: str
-    arguments: dict | None
-    text: str
-    error: str | None = None
-
-
-def parse_tool_calls(text: str, fmt: CallFormat = DEFAULT_FORMAT) -> list[ToolCall]:
-    """The calls in a model turn's text, in order. A block that does not hold a JSON object with a string
-    ``name`` and an object ``arguments`` (or a JSON string holding one) is a call with ``error =
-    "malformed_arguments"``; so is a start marker left open at the end of the turn."""
-    calls = []
-    pattern = re.compile(re.escape(fmt.start) + r"(.*?)(" + re.escape(fmt.end) + r"|$)", re.DOTALL)
-    for m in pattern.finditer(text):
-        body = m[1].strip()
-        if not m[2]:  # the turn ended inside a call
-            calls.append(ToolCall("", None, body, "malformed_arguments"))
-            continue
-        calls.append(_read_call(body))
-    return calls
-
-
-def _read_call(body: str) -> ToolCall:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return ToolCall("", None, body, "malformed_arguments")
-    name = obj.get("name") if isinstance(obj, dict) else None
-    arguments = obj.get("arguments", {}) if isinstance(obj, dict) else None
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            arguments = None
-    if not isinstance(name, str) or not isinstance(arguments, dict):
-        return ToolCall(name if isinstance(name, str) else "", None, body, "malformed_arguments")
-    return ToolCall(name, arguments, body)
-
-
-def format_call(name: str, arguments: dict, fmt: CallFormat = DEFAULT_FORMAT) -> str:
-    """The text of one call in ``fmt`` (what a demonstration writes)."""
-    return f"{fmt.start}\n{json.dumps({'name': name, 'arguments': arguments})}\n{fmt.end}"
 
 
 # --- loading ------------------------------------------------------------------------------------------------
@@ -356,26 +296,6 @@ def _environment_access(env: Any, kind: str, name: str, args: tuple = (), kwargs
 # --- running ------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ToolResult:
-    """A call's outcome: ``text`` is what the model reads; ``error`` its cause (``CAUSES``) or None."""
-
-    name: str
-    arguments: dict | None
-    text: str
-    error: str | None = None
-
-
-def result_text(value: Any) -> str:
-    """A tool's return value as the text the model reads: strings as they are, JSON for what JSON can hold."""
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return str(value)
-
-
 def run_turn_calls(
     jobs: Sequence[tuple[EpisodeTools, Sequence[ToolCall]]],
     *,
@@ -392,7 +312,9 @@ def run_turn_calls(
         max_length: the most tokens of ``tokenizer`` a result may have (``online.max_tool_response_length``);
             a longer one is cut and says so (cause ``too_long``). None = no limit.
     """
-    max_chars = MAX_RESULT_CHARS if max_length is None else min(MAX_RESULT_CHARS, max(1 << 16, 64 * max_length))
+    max_chars = (
+        MAX_RESULT_CHARS if max_length is None else min(MAX_RESULT_CHARS, max(1 << 16, 64 * max_length))
+    )
     runnable = [
         (tools.worker, [(c.name, c.arguments) for c in calls if c.error is None]) for tools, calls in jobs
     ]

@@ -16,6 +16,7 @@ response of the rollout), ``V`` vocabulary.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -28,7 +29,7 @@ from rlhfkit.models import can_share_prompts, response_readout, sampling_for
 from rlhfkit.models.precision import frozen_linears_cast
 from rlhfkit.rollout import generate_responses
 from rlhfkit.rollout.episodes import EpisodeRunner, Episodes, run_episodes
-from rlhfkit.rollout.scoring import check_function_scores, combine_parts
+from rlhfkit.rollout.scoring import check_function_scores, combine_parts, uses_sandbox
 from rlhfkit.rollout.tools import Toolbox
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import (
@@ -201,6 +202,26 @@ def episode_runner(cfg: RunConfig, tokenizer) -> EpisodeRunner | None:
         pad_token_id=tokenizer.pad_token_id,
         sampling=sampling_for(tokenizer.pad_token_id, stops, online.temperature, online.top_k, online.top_p),
     )
+
+
+def start_sandbox(cfg: RunConfig) -> None:
+    """When a tool or reward function runs model-written code (``rlhfkit:python``, ``rlhfkit:code_tests``):
+    set up and check the sandbox (``online.sandbox``) at start-up, a ConfigError naming the package when
+    bubblewrap is missing; ``online.sandbox=none`` is warned. Its runs stop a little before the tool timeout,
+    so that the model reads the sandbox's own account of the limit rather than the tool process's."""
+    online = cfg.online
+    if not uses_sandbox([*online.tools, *online.reward_functions]):
+        return
+    from rlhfkit.rollout import sandbox
+
+    sandbox.configure(online.sandbox, timeout=0.8 * online.tool_timeout, memory_mb=online.tool_memory_mb)
+    if online.sandbox == "none":
+        warnings.warn(
+            "online.sandbox=none: model-written code runs as a plain child process with limits only, not "
+            "isolated from this machine's files and network (docs/tools.md)",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def check_environment_scores(cfg: RunConfig, toolbox: Toolbox) -> None:

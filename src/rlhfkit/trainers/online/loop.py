@@ -36,6 +36,7 @@ from rlhfkit.trainers.online.collect import (
     episode_stats,
     prompt_batch,
     sample_rollout,
+    start_sandbox,
     take_scores,
 )
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, StatSums, build_context, derived_seed
@@ -84,6 +85,9 @@ def train(
     limits = TokenLimits(cfg.data.max_prompt_length, None, cfg.data.truncation)
     examples, eval_examples = prepare_run_data(cfg.data, "prompts", tokenizer, limits, accelerator)
     functions = Scorer.load_functions(cfg.online.reward_functions)
+    start_sandbox(
+        cfg
+    )  # rlhfkit:python / rlhfkit:code_tests: bubblewrap present and working, or a named error
     columns = data_columns([*examples.records, *(eval_examples.records if eval_examples else [])])
     runner = episode_runner(cfg, tokenizer)  # tools: the tools, environment and chat template checked
     if cfg.online.environment:
