@@ -11,9 +11,11 @@ need (:func:`python`, named ``rlhfkit:python`` in ``online.tools``; :func:`code_
 - limits: ``Limits.timeout`` seconds of wall clock (the whole process group is killed) and as much CPU time,
   ``Limits.memory_mb`` of address space, ``Limits.processes`` processes, ``Limits.file_mb`` per file written,
   ``Limits.output_bytes`` of output read back (the rest is discarded and the run stopped);
-- as root, the user ``nobody`` (uid 65534): the process limit does not bind root, so a fork bomb would not
-  be stopped by it. The interpreter is the first of the trainer's own and the system's ``python3`` that this
-  user can run in the sandbox (:func:`interpreter`); model code gets the standard library only.
+- as root, a user of its own (uid ``SANDBOX_UIDS`` + the starting process's pid, no account, no files):
+  the process limit does not bind root, and a user shared between runs would share one process count, so a
+  fork bomb in one run would stop the others from starting. The interpreter is the first of the trainer's
+  own and the system's ``python3`` that such a user can run in the sandbox (:func:`interpreter`); model code
+  gets the standard library only.
 
 ``online.sandbox: none`` runs the code as a child process with the same limits but none of the namespaces
 (warned in the run's log and report). What this does NOT protect against: a kernel exploit (the sandbox shares
@@ -24,6 +26,7 @@ untrusted models at scale, run it in a container or VM service instead (docs/too
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import re
@@ -40,7 +43,7 @@ from typing import Literal
 
 from rlhfkit.errors import ConfigError
 
-NOBODY = 65534
+SANDBOX_UIDS = 2_000_000_000  # as root, a run's user is this + the pid of the process that starts it
 PACKAGE = "bubblewrap"  # Debian's (and most distributions') package of bwrap
 
 
@@ -142,16 +145,19 @@ def python(code: str) -> str:
 
 
 def describe(outcome: Outcome, limits: Limits) -> str:
-    """What the model reads of a run: its output, then the error output or the limit it met."""
-    parts = [outcome.stdout.rstrip("\n")] if outcome.stdout.strip() else []
+    """What the model reads of a run: the limit it met first (so that a cut result still says it), then its
+    output, then the end of its error output."""
+    parts = []
     if outcome.limit == "timeout":
         parts.append(f"[stopped: no end within {limits.timeout:g} s (timeout)]")
     elif outcome.limit == "output":
         parts.append(f"[stopped: more than {limits.output_bytes} bytes of output]")
     elif outcome.signal is not None:
         parts.append(f"[stopped by {outcome.signal}{_why(outcome.signal)}]")
+    if outcome.stdout.strip():
+        parts.append(outcome.stdout.rstrip("\n"))
     if outcome.exit_code not in (0, None) or outcome.stderr.strip() and not outcome.ok:
-        tail = outcome.stderr.strip().splitlines()[-6:]
+        tail = outcome.stderr.strip().splitlines()[-2:]  # a traceback's last place and its exception
         parts.append("\n".join(tail) if tail else f"[exit code {outcome.exit_code}]")
     return "\n".join(parts) if parts else "[no output]"
 
@@ -230,6 +236,44 @@ def _bwrap(argv: list[str], limits: Limits) -> list[str]:
     ]  # fmt: skip
 
 
+def run_uid() -> int | None:
+    """The user a run started by this process gets: its own when this process is root, else None (this
+    process's user)."""
+    return SANDBOX_UIDS + os.getpid() if os.geteuid() == 0 else None
+
+
+def _become_subreaper() -> None:
+    """Orphans of a run (a killed fork bomb's children, bwrap's inner process) become this process's children
+    rather than the machine's init's, which in a container may never reap them: a zombie still counts against
+    the process limit. :func:`_reap` then reaps them (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+        except OSError:
+            pass
+
+
+def _reap(uid: int, patience: float = 1.0) -> None:
+    """Reap this process's children that ran as ``uid`` (a run's own user: nothing else runs as it) until
+    none is left, for at most ``patience`` seconds."""
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        left = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.stat(f"/proc/{entry}").st_uid != uid:
+                    continue
+                left += 1
+                os.waitpid(int(entry), os.WNOHANG)
+            except (OSError, ChildProcessError):
+                pass
+        if not left:
+            return
+        time.sleep(0.01)
+
+
 def _processes_of(uid: int) -> int:
     count = 0
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
@@ -259,7 +303,7 @@ def _limit_child(limits: Limits, uid: int | None, processes: int) -> None:
 
 def _run(argv: list[str], mode: str, limits: Limits) -> Outcome:
     """Run ``argv`` sandboxed (``mode``), reading at most ``limits.output_bytes`` of each stream."""
-    uid = NOBODY if os.geteuid() == 0 else None
+    uid = run_uid()
     # RLIMIT_NPROC counts every process of the user: the sandbox may add ``processes`` to those it has.
     processes = _processes_of(uid if uid is not None else os.getuid()) + limits.processes + 2
     workdir = None
@@ -271,6 +315,7 @@ def _run(argv: list[str], mode: str, limits: Limits) -> Outcome:
             os.chown(workdir, uid, uid)
         command, cwd = argv, workdir
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8"}
+    _become_subreaper()
     try:
         proc = subprocess.Popen(
             command,
@@ -287,6 +332,8 @@ def _run(argv: list[str], mode: str, limits: Limits) -> Outcome:
         return _collect(proc, limits)
     finally:
         _kill_group(proc)
+        if uid is not None:
+            _reap(uid)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
 
@@ -336,8 +383,14 @@ def _collect(proc: subprocess.Popen, limits: Limits) -> Outcome:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """SIGKILL the run's process group until it is empty: a fork bomb's processes fork while the signal goes
+    round, so one kill can miss the newest (bwrap's own process namespace ends them all with its first)."""
+    for attempt in range(200):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            break
+        if attempt == 0:
+            proc.wait()  # the leader reaped, the group is empty once its last member is gone
+        time.sleep(0.002)
     proc.wait()

@@ -214,7 +214,7 @@ def start_sandbox(cfg: RunConfig) -> None:
         return
     from rlhfkit.rollout import sandbox
 
-    sandbox.configure(online.sandbox, timeout=0.8 * online.tool_timeout, memory_mb=online.tool_memory_mb)
+    sandbox.configure(online.sandbox, timeout=0.75 * online.tool_timeout, memory_mb=online.tool_memory_mb)
     if online.sandbox == "none":
         warnings.warn(
             "online.sandbox=none: model-written code runs as a plain child process with limits only, not "
