@@ -121,7 +121,6 @@ def test_hostile_code_through_the_tool_and_the_reward_in_one_run(tmp_path, monke
         "[stopped: no end within",
         "MemoryError",
         "bytes of output]",
-        "Read-only file system",
         "[exit code 3]",
     ):
         assert seen in everything, seen
