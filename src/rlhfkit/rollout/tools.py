@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhfkit.data.tool_calls import DEFAULT_FORMAT, CallFormat, format_call  # noqa: F401  (SFT rows share them)
 from rlhfkit.errors import ConfigError
 from rlhfkit.rollout.scoring import accepted_keywords, load_reward_function
 
@@ -48,19 +49,6 @@ from rlhfkit.rollout.scoring import accepted_keywords, load_reward_function
 # online.response_length), so their results are never shown.
 CAUSES = ("exception", "timeout", "unknown_tool", "malformed_arguments", "too_long", "max_turns", "budget")
 NOT_TOOLS = ("reset", "get_reward")  # an environment's public methods that are not tools
-
-
-@dataclass(frozen=True)
-class CallFormat:
-    """How a model writes tool calls: a JSON object ``{"name", "arguments"}`` between ``start`` and ``end``."""
-
-    start: str = "<tool_call>"
-    end: str = "</tool_call>"
-    response_start: str = "<tool_response>"
-    response_end: str = "</tool_response>"
-
-
-DEFAULT_FORMAT = CallFormat()
 
 
 @dataclass
@@ -110,11 +98,6 @@ def _read_call(body: str) -> ToolCall:
     if not isinstance(name, str) or not isinstance(arguments, dict):
         return ToolCall(name if isinstance(name, str) else "", None, body, "malformed_arguments")
     return ToolCall(name, arguments, body)
-
-
-def format_call(name: str, arguments: dict, fmt: CallFormat = DEFAULT_FORMAT) -> str:
-    """The text of one call in ``fmt`` (what a demonstration writes)."""
-    return f"{fmt.start}\n{json.dumps({'name': name, 'arguments': arguments})}\n{fmt.end}"
 
 
 # --- loading ------------------------------------------------------------------------------------------------
