@@ -223,3 +223,43 @@ def test_calls_written_in_the_text_still_answer_tool_messages(tmp_path):
     row["messages"][1]["content"] = "I will just answer."
     with pytest.raises(DataError, match=r"field 'messages\[2\]': is a tool message with no call before it"):
         load_dataset_records(write(tmp_path, [row], "b.jsonl"), "sft")
+
+
+def sft_command(tmp_path, data, *extra) -> list[str]:
+    """``rlhfkit train sft`` on ``data`` with a tokenizer folder and no model weights: what is checked here
+    stops the run before any model is loaded."""
+    folder = tmp_path / "tokenizer"
+    if not folder.exists():
+        tool_tokenizer().save_pretrained(folder)
+    (tmp_path / "sft.yaml").write_text(f"output_dir: {tmp_path / 'run'}\nmodel:\n  name_or_path: {folder}\n")
+    return ["train", "sft", "--config", str(tmp_path / "sft.yaml"), f"data.train_file={data}", *extra]
+
+
+def test_the_command_stops_on_a_bad_row_or_tool_before_training(tmp_path, capsys):
+    from rlhfkit import cli
+
+    bad = trl_row()
+    bad["messages"][1]["tool_calls"][0]["function"]["arguments"] = "12*34"
+    path = write(tmp_path, [trl_row(), bad])
+    assert cli.main(sft_command(tmp_path, path)) == 2
+    err = capsys.readouterr().err
+    assert f"{path}, line 2, field 'messages[1].tool_calls[0].function.arguments'" in err
+    assert "Traceback" not in err
+    assert not [f for f in (tmp_path / "run").glob("*") if not f.name.startswith(".")]  # (only its lock)
+
+    rows = write(tmp_path, [trl_row(tools=None)], "no_tools.jsonl")
+    assert cli.main(sft_command(tmp_path, rows, "data.tools=[rlhfkit.tasks.calculator:no_such]")) == 2
+    err = capsys.readouterr().err
+    assert "data.tools" in err and "no_such" in err and "Traceback" not in err
+    assert cli.main(sft_command(tmp_path, rows)) == 2  # calls, and no tools anywhere
+    assert "line 1, field 'tools': is missing, but message 1 calls tools" in capsys.readouterr().err
+
+
+def test_data_tools_is_an_sft_key():
+    from rlhfkit.config import load_config
+    from rlhfkit.errors import ConfigError
+
+    settings = ["output_dir=o", "model.name_or_path=m", "data.train_file=d", "data.tools=[tools.py:fn]"]
+    assert load_config(None, settings, "sft").data.tools == ["tools.py:fn"]
+    with pytest.raises(ConfigError, match=r"data.tools \(set in .*\): is read by `train sft` only"):
+        load_config(None, [*settings, "online.reward_functions=[r.py:f]"], "grpo")

@@ -19,7 +19,9 @@ A prompt is a non-empty string (plain) or a non-empty list of ``{"role", "conten
 (conversational), each role one of :data:`ROLES` (``system``, ``user``, ``assistant``, ``tool``). A response (``completion``, ``chosen``, ``rejected``) is a string or a list of
 assistant messages. A response list that starts with the prompt's turns (the H4 UltraFeedback shape:
 ``prompt`` a string, ``chosen`` / ``rejected`` repeating it as a user message) has them taken off, after
-a check that they are the prompt. With a plain-text prompt and assistant messages as the response, the
+a check that they are the prompt. An assistant message may carry TRL's ``tool_calls`` (its content then empty or
+null) and an SFT ``tool`` message must answer a call before it; an SFT row's ``tools`` column is read as JSON
+schemas (:mod:`rlhfkit.data.tool_calls`). With a plain-text prompt and assistant messages as the response, the
 prompt becomes one user message. After validation every conversational response is a list of
 assistant messages, so tokenisation sees one shape per case. A missing field and a null one (a hole in
 a Parquet column) are reported alike.
