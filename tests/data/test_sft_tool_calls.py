@@ -110,6 +110,15 @@ def test_a_template_without_tools_gets_the_default_format(tmp_path):
     assert untrained == "\n<|user|><tool_response>\n408\n</tool_response>\n<|assistant|>"
 
 
+def test_the_rows_own_system_message_follows_the_tools_one(tmp_path):
+    tok = tool_tokenizer(PLAIN_TEMPLATE)
+    row = trl_row()
+    row["messages"].insert(0, {"role": "system", "content": "Be brief."})
+    (example,) = prepare_examples(write(tmp_path, [row]), "sft", tok)
+    system = DEFAULT_SYSTEM.format(tools=json.dumps(CALC))
+    assert texts(tok, example)[0] == f"<|system|>{system}\n\nBe brief.\n<|user|>What is 12*34?\n<|assistant|>"
+
+
 def test_data_tools_apply_to_rows_without_a_tools_column(tmp_path):
     tok = tool_tokenizer()
     path = write(tmp_path, [trl_row(tools=None), trl_row(tools=[{**CALC, "function": {**CALC["function"]}}])])
