@@ -264,6 +264,20 @@ def test_the_command_stops_on_a_bad_row_or_tool_before_training(tmp_path, capsys
     assert "line 1, field 'tools': is missing, but message 1 calls tools" in capsys.readouterr().err
 
 
+def test_data_tools_refuse_a_template_the_episodes_refuse(tmp_path, capsys):
+    """A template that shows tools in another call format (Mistral's) is refused by SFT with data.tools as by
+    an RL run with the same tools, before training."""
+    from rlhfkit import cli
+
+    rows = write(tmp_path, [trl_row(tools=None)])
+    command = sft_command(tmp_path, rows, "data.tools=[rlhfkit.tasks.calculator:calculator]")
+    mistral = TOOL_TEMPLATE.replace("<|system|>tools:", "[AVAILABLE_TOOLS][TOOL_CALLS]")
+    (tmp_path / "template.jinja").write_text(mistral)
+    assert cli.main([*command, f"data.chat_template={tmp_path / 'template.jinja'}"]) == 2
+    err = capsys.readouterr().err
+    assert "a format other than <tool_call>" in err and "data.chat_template" in err and "Traceback" not in err
+
+
 def test_data_tools_is_an_sft_key():
     from rlhfkit.config import load_config
     from rlhfkit.errors import ConfigError

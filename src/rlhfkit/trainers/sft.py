@@ -34,6 +34,7 @@ from rlhfkit.models import (
     prepare_trained,
     response_readout,
 )
+from rlhfkit.rollout.chat_turns import ChatTurns
 from rlhfkit.rollout.tools import load_tools, tool_schema
 from rlhfkit.trainers.common import finish_run, micro_batches, router_aux_coef, run_tokenizer
 from rlhfkit.trainers.offline import Objective, train_offline
@@ -114,9 +115,10 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict
     # Load and validate all data before any model is built or the run folder written: bad input stops here,
     # with file/line/field, and leaves nothing to --overwrite.
     tokenizer = run_tokenizer(cfg)
-    limits = TokenLimits(
-        cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation, tools=data_tool_schemas(cfg)
-    )
+    tools = data_tool_schemas(cfg)
+    if tools:  # the template checks that an RL run with these tools makes at start-up
+        ChatTurns.for_tokenizer(tokenizer, [json.loads(t) for t in tools])
+    limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation, tools=tools)
     examples, eval_examples = prepare_run_data(cfg.data, "sft", tokenizer, limits, accelerator)
     run = open_run(cfg, accelerator, resume, overwrite)
 
