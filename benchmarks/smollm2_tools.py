@@ -5,9 +5,9 @@ model to use its tool and end with ``answer=<number>``; the tool is ``rlhfkit.ta
 and the score the task's gold scorer (``correct_answer_reward``). SmolLM2's chat template does not show tools,
 so the episodes use rlhfkit's default call format: the tools' schemas in a system message, calls read in the
 Hermes form (docs/tools.md). The model does not write that format on its own, so a short LoRA SFT on the task's
-demonstrations comes first (``--sft-steps``, 8 conversations a step, rendered as the episodes render them: half
-call the calculator and copy its result, half answer at once), as a user would teach a model its tools before
-RL. Settings: LoRA r16 / alpha 32, ``model.dtype=bfloat16`` (bf16 autocast over
+demonstrations comes first (``--sft-steps``, 8 conversations a step, in TRL's format with ``data.tools``, which
+renders them as the episodes render them: half call the calculator and copy its result, half answer at once), as
+a user would teach a model its tools before RL. Settings: LoRA r16 / alpha 32, ``model.dtype=bfloat16`` (bf16 autocast over
 float32 weights), P prompts x G responses per rollout, at most ``--turns`` model turns and R tokens per
 episode, temperature 1.
 
@@ -58,25 +58,25 @@ def write_prompts(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-def write_demonstrations(path: Path, model: str, n: int, seed: int = 0) -> Path:
-    """``n`` SFT conversations of the tools task rendered as the episodes render them for ``model``'s template:
-    the default format's system message with the calculator's schema, the call, the result as the format's
-    tool response, the answer (half of them answer at once, as the task's demonstrations do)."""
-    from rlhfkit.models import load_tokenizer
-    from rlhfkit.rollout.chat_turns import ChatTurns
-    from rlhfkit.rollout.tools import Toolbox, ToolResult
+def write_demonstrations(path: Path, n: int, seed: int = 0) -> Path:
+    """``n`` SFT conversations of the tools task in TRL's format (the call as ``tool_calls``, the result as a
+    ``tool`` message, then the answer; half of them answer at once, as the task's demonstrations do). The SFT
+    run renders them as the episodes render them, with the tools of ``data.tools`` (docs/tools.md)."""
     from rlhfkit.tasks import get_task
 
-    turns = ChatTurns.for_tokenizer(load_tokenizer(model), Toolbox.load([TOOL]).schemas)
     task = get_task("tools", seed=seed, num_train_prompts=4096, num_eval_prompts=8)
     with open(path, "w") as f:
         for conversation in task.sft_conversations(n):
-            messages = turns.prompt_messages(ASK.format(question=conversation[0]["content"]))
+            messages = [{"role": "user", "content": ASK.format(question=conversation[0]["content"])}]
             for m in conversation[1:]:
-                if m["role"] == "tool":
-                    messages += turns.tool_messages([ToolResult(m["name"], None, m["content"])])
-                else:
-                    messages.append(m)
+                if m["role"] == "assistant" and m["content"].startswith("<tool_call>"):
+                    call = json.loads(m["content"].removeprefix("<tool_call>").removesuffix("</tool_call>"))
+                    m = {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"type": "function", "function": call}],
+                    }
+                messages.append(m)
             f.write(json.dumps({"messages": messages}) + "\n")
     return path
 
@@ -111,7 +111,8 @@ def train(kind: str, a, work: Path, model: str, settings: dict) -> Path:
 def sft_settings(a, work: Path) -> dict:
     """LoRA SFT of the model on the demonstrations, so that it writes calls in the format the episodes read."""
     return {
-        "data.train_file": write_demonstrations(work / "sft.jsonl", a.model, a.sft_steps * 8),
+        "data.train_file": write_demonstrations(work / "sft.jsonl", a.sft_steps * 8),
+        "data.tools": [TOOL],
         "data.max_prompt_length": 448,
         "data.max_length": 512,
         "train.max_steps": a.sft_steps,

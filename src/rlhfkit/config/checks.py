@@ -127,6 +127,8 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
         _check_sharding(run, kind, fail, _sharding_source(run, sharding))
     if kind == "dpo" and run.dpo.loss == "ipo" and run.dpo.label_smoothing:
         fail("dpo.label_smoothing", "applies to the sigmoid loss only; set it to 0 with dpo.loss=ipo")
+    if run.data.tools and kind != "sft":
+        fail("data.tools", f"is read by `train sft` only (its demonstrations); `train {kind}` ignores it")
     heldout = run.data.eval_file or run.data.eval_split
     if kind in ("reward", "prm") and run.reward.early_stopping_patience is not None and not heldout:
         fail(

@@ -123,6 +123,12 @@ class DataConfig:
         "A Jinja chat template, or the path of a file holding one, that replaces the tokenizer's (used for "
         "conversational data and saved with final/); none = the tokenizer's own.",
     )
+    tools: list[str] = option(
+        [],
+        "sft: tools the demonstrations call, 'path/to/file.py:fn' or 'pkg.module:fn' as in online.tools; their "
+        "JSON schemas go with every row that has no 'tools' column, rendered as the episodes render them "
+        "(docs/tools.md).",
+    )
 
 
 @dataclass

@@ -31,7 +31,7 @@ from rlhfkit.data.records import FieldError, Kind, Records, load_dataset_records
 from rlhfkit.data.tokenize import TOKENIZERS, TokenLimits
 
 # Raise when the tokens of a record change for the same inputs (a new rule in rlhfkit.data.tokenize).
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 # The columns each kind's tokenised examples have (besides the error columns); "record" is not stored.
 _COLUMNS = {
     "prompts": {"prompt_ids": "ids"},

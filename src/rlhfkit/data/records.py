@@ -19,7 +19,9 @@ A prompt is a non-empty string (plain) or a non-empty list of ``{"role", "conten
 (conversational), each role one of :data:`ROLES` (``system``, ``user``, ``assistant``, ``tool``). A response (``completion``, ``chosen``, ``rejected``) is a string or a list of
 assistant messages. A response list that starts with the prompt's turns (the H4 UltraFeedback shape:
 ``prompt`` a string, ``chosen`` / ``rejected`` repeating it as a user message) has them taken off, after
-a check that they are the prompt. With a plain-text prompt and assistant messages as the response, the
+a check that they are the prompt. An assistant message may carry TRL's ``tool_calls`` (its content then empty or
+null) and an SFT ``tool`` message must answer a call before it; an SFT row's ``tools`` column is read as JSON
+schemas (:mod:`rlhfkit.data.tool_calls`). With a plain-text prompt and assistant messages as the response, the
 prompt becomes one user message. After validation every conversational response is a list of
 assistant messages, so tokenisation sees one shape per case. A missing field and a null one (a hole in
 a Parquet column) are reported alike.
@@ -37,6 +39,8 @@ from typing import Literal
 
 from rlhfkit.config import check_columns
 from rlhfkit.data.readers import RawRows, read_rows
+from rlhfkit.data.row_errors import FieldError, type_name
+from rlhfkit.data.tool_calls import check_tool_results, read_schemas, read_tool_calls
 from rlhfkit.errors import DataError
 
 Kind = Literal["prompts", "sft", "preferences", "prm"]
@@ -44,14 +48,6 @@ KINDS = ("prompts", "sft", "preferences", "prm")
 # The roles of a message: those chat templates render (a misspelt one, "usr", would reach the template, which
 # drops it or renders it as it stands, and the model would train on a conversation nobody wrote).
 ROLES = ("system", "user", "assistant", "tool")
-
-
-class FieldError(Exception):
-    """A problem with one field of one record (turned into a DataError with the record's location)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field, self.message = field, message
 
 
 class Records(list):
@@ -76,10 +72,6 @@ class Records(list):
         return self.where.error(index, message, field)
 
 
-def _type_name(value) -> str:
-    return "null" if value is None else type(value).__name__
-
-
 def _get(record: dict, name: str):
     value = record.get(name)
     if value is None:
@@ -89,7 +81,7 @@ def _get(record: dict, name: str):
 
 def _text(value, name: str) -> str:
     if not isinstance(value, str):
-        raise FieldError(name, f"expected a string, got {_type_name(value)}")
+        raise FieldError(name, f"expected a string, got {type_name(value)}")
     if not value.strip():
         raise FieldError(name, "is empty")
     return value
@@ -103,19 +95,26 @@ def _messages(value, name: str, require_role: str | None = None) -> list[dict]:
         where = f"{name}[{i}]"
         if not isinstance(message, dict):
             raise FieldError(
-                where, f"expected a message object with 'role' and 'content', got {_type_name(message)}"
+                where, f"expected a message object with 'role' and 'content', got {type_name(message)}"
             )
         role = _text(message.get("role"), f"{where}.role")
         if role not in ROLES:
             raise FieldError(
                 f"{where}.role", f"unknown role '{role}': expected one of {', '.join(repr(r) for r in ROLES)}"
             )
-        content = message.get("content")
+        content, message = message.get("content"), dict(message)
+        if message.get("tool_calls") is not None:  # TRL's shape: the calls, the content empty or null
+            if role != "assistant":
+                raise FieldError(
+                    f"{where}.tool_calls", f"only an assistant message makes calls, not a '{role}' one"
+                )
+            message["tool_calls"] = read_tool_calls(message["tool_calls"], where)
+            content = message["content"] = "" if content is None else content
         if not isinstance(content, str):
-            raise FieldError(f"{where}.content", f"expected a string, got {_type_name(content)}")
+            raise FieldError(f"{where}.content", f"expected a string, got {type_name(content)}")
         if require_role is not None and role != require_role:
             raise FieldError(f"{where}.role", f"expected '{require_role}', got '{role}'")
-        out.append(dict(message))
+        out.append(message)
     return out
 
 
@@ -124,7 +123,7 @@ def _prompt(record: dict) -> str | list[dict]:
     if isinstance(value, list):
         return _messages(value, "prompt")
     if not isinstance(value, str):
-        raise FieldError("prompt", f"expected a string or a list of messages, got {_type_name(value)}")
+        raise FieldError("prompt", f"expected a string or a list of messages, got {type_name(value)}")
     return _text(value, "prompt")
 
 
@@ -147,7 +146,7 @@ def _response(value, name: str, conversational: bool) -> str | list[dict]:
         return messages
     text = _text(value, name) if isinstance(value, str) else None
     if text is None:
-        raise FieldError(name, f"expected a string or a list of messages, got {_type_name(value)}")
+        raise FieldError(name, f"expected a string or a list of messages, got {type_name(value)}")
     return [{"role": "assistant", "content": text}] if conversational else text
 
 
@@ -240,7 +239,7 @@ def _split_responses(
             raise FieldError(
                 other,
                 f"expected a list of messages like {', '.join(lists)} ({what}), "
-                f"got {_type_name(values[other])}",
+                f"got {type_name(values[other])}",
             )
         shared = _shared_turns(lists)
         turns = next(iter(lists.values()))[:shared]
@@ -288,7 +287,7 @@ def _validate_prompts(record: dict) -> dict:
 def _list(record: dict, name: str) -> list:
     value = record[name]
     if not isinstance(value, list):
-        raise FieldError(name, f"expected a list of messages, got {_type_name(value)}")
+        raise FieldError(name, f"expected a list of messages, got {type_name(value)}")
     return value
 
 
@@ -310,17 +309,25 @@ def _validate_sft(record: dict) -> dict:
         _text(messages[last]["content"], f"messages[{last}].content")
         if last == 0:
             raise FieldError("messages", "needs at least one message before the assistant reply (the prompt)")
+        check_tool_results(messages, "messages")
         out = {key: value for key, value in record.items() if key != "messages"}
-        return {**out, "prompt": messages[:last], "completion": messages[last:]}
+        return {**_tools_column(out), "prompt": messages[:last], "completion": messages[last:]}
     if given == ["text"]:
         value = record["text"]
         if not isinstance(value, str):
-            raise FieldError("text", f"expected a string, got {_type_name(value)}")
+            raise FieldError("text", f"expected a string, got {type_name(value)}")
         return {**record, "text": _text(value, "text")}
     if not given:
         raise _missing_prompt(record)
     prompt, (completion,) = _split_responses(record, ("completion",), _prompt(record))
-    return {**record, "prompt": prompt, "completion": completion}
+    if isinstance(prompt, list):
+        check_tool_results([*prompt, *completion], "prompt")
+    return {**_tools_column(record), "prompt": prompt, "completion": completion}
+
+
+def _tools_column(record: dict) -> dict:
+    """An SFT record with its ``tools`` column, if any, read as a list of JSON schemas."""
+    return record if record.get("tools") is None else {**record, "tools": read_schemas(record["tools"])}
 
 
 def _validate_preferences(record: dict) -> dict:
@@ -331,7 +338,7 @@ def _validate_preferences(record: dict) -> dict:
     out = {**record, "prompt": prompt, "chosen": chosen, "rejected": rejected}
     margin = record.get("margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)):
-        raise FieldError("margin", f"expected a number, got {_type_name(margin)}")
+        raise FieldError("margin", f"expected a number, got {type_name(margin)}")
     if margin is not None and not math.isfinite(margin):
         raise FieldError("margin", f"must be a finite number, got {margin}")
     if chosen == rejected:  # the loss is stuck at ln 2 and the pair teaches nothing
@@ -343,16 +350,16 @@ def _validate_prm(record: dict) -> dict:
     prompt = _prompt(record)
     steps, labels = _get(record, "steps"), _get(record, "labels")
     if not isinstance(steps, list):
-        raise FieldError("steps", f"expected a list of strings, got {_type_name(steps)}")
+        raise FieldError("steps", f"expected a list of strings, got {type_name(steps)}")
     if not steps:
         raise FieldError("steps", "is an empty list")
     for i, step in enumerate(steps):
         _text(step, f"steps[{i}]")
     if not isinstance(labels, list):
-        raise FieldError("labels", f"expected a list of booleans, got {_type_name(labels)}")
+        raise FieldError("labels", f"expected a list of booleans, got {type_name(labels)}")
     for i, label in enumerate(labels):
         if not isinstance(label, bool):
-            raise FieldError(f"labels[{i}]", f"expected true or false, got {_type_name(label)} {label!r}")
+            raise FieldError(f"labels[{i}]", f"expected true or false, got {type_name(label)} {label!r}")
     if len(labels) != len(steps):
         raise FieldError("labels", f"has {len(labels)} labels for {len(steps)} steps; give one per step")
     return {**record, "prompt": prompt}

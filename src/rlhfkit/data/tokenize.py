@@ -22,10 +22,13 @@ Conventions (one place for all trainers):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhfkit.data.records import FieldError, Records
+from rlhfkit.data.records import Records
+from rlhfkit.data.row_errors import FieldError
+from rlhfkit.data.tool_calls import demonstration_messages, template_shows_tools
 
 Truncation = Literal["error", "left", "right"]
 TRUNCATIONS = ("error", "left", "right")
@@ -40,20 +43,30 @@ class TokenLimits:
         max_length: the longest prompt + response in tokens (None = no limit; unused for prompts).
         truncation: ``"error" | "left" | "right"`` for prompts over ``max_prompt_length``.
         step_separator: appended to every step of process-supervision data.
+        tools: the JSON schemas (one JSON string each) of ``data.tools``: SFT rows without a ``tools`` column of
+            their own are rendered with them (:func:`tokenize_sft`).
     """
 
     max_prompt_length: int | None = None
     max_length: int | None = None
     truncation: Truncation = "error"
     step_separator: str = "\n"
+    tools: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.truncation not in TRUNCATIONS:
             raise ValueError(f"truncation must be one of {TRUNCATIONS}, got '{self.truncation}'")
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, field: str = "prompt") -> str:
-    """The chat template's text for ``messages``; a FieldError when the tokenizer has no template."""
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    field: str = "prompt",
+    tools: list | None = None,
+) -> str:
+    """The chat template's text for ``messages`` (with the tools' schemas ``tools``); a FieldError when the
+    tokenizer has no template."""
     if not getattr(tokenizer, "chat_template", None):
         raise FieldError(
             field,
@@ -61,7 +74,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, fi
             "(set tokenizer.chat_template, or give plain-text prompts)",
         )
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
     )
 
 
@@ -124,18 +137,25 @@ def _bounded_ids(tokenizer, text: str, max_tokens: int | None, truncation: Trunc
 
 
 def encode_response(
-    tokenizer, prompt: str | list[dict], response: str | list[dict], field: str, rendered: str | None = None
+    tokenizer,
+    prompt: str | list[dict],
+    response: str | list[dict],
+    field: str,
+    rendered: str | None = None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of a response that ends with EOS (see the module docstring; ``rendered`` as in
-    :func:`encode_prompt`)."""
+    :func:`encode_prompt`; ``tools`` as in :func:`render_chat`)."""
     eos = tokenizer.eos_token_id
     if isinstance(prompt, list):
         prompt_text = (
             rendered
             if rendered is not None
-            else render_chat(tokenizer, prompt, add_generation_prompt=True, field=field)
+            else render_chat(tokenizer, prompt, add_generation_prompt=True, field=field, tools=tools)
         )
-        full = render_chat(tokenizer, prompt + response, add_generation_prompt=False, field=field)
+        full = render_chat(
+            tokenizer, prompt + response, add_generation_prompt=False, field=field, tools=tools
+        )
         if not full.startswith(prompt_text):
             raise FieldError(
                 field,
@@ -168,10 +188,10 @@ def _room(prompt_ids: list[int], max_length: int | None) -> int | None:
     return room
 
 
-def _rendered(record: dict, tokenizer) -> str | None:
+def _rendered(record: dict, tokenizer, tools: list[dict] | None = None) -> str | None:
     """A conversational prompt's chat-template text, rendered once for the prompt and every response."""
     prompt = record["prompt"]
-    return render_chat(tokenizer, prompt, add_generation_prompt=True) if isinstance(prompt, list) else None
+    return render_chat(tokenizer, prompt, True, tools=tools) if isinstance(prompt, list) else None
 
 
 def _prompt_ids(record: dict, tokenizer, limits: TokenLimits, rendered: str | None = None) -> list[int]:
@@ -197,6 +217,12 @@ def tokenize_sft(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -
     results, user turns, the next generation prompt) are in ``completion_skip``. Each message's ids are
     those of its own rendered text (the difference of two renders), as a multi-turn rollout's rows are
     (:mod:`rlhfkit.rollout.episodes`). With one assistant message nothing changes.
+
+    A conversation with tools (a ``tools`` column, or ``limits.tools``) is first shaped as a multi-turn
+    episode renders it (:func:`rlhfkit.data.tool_calls.demonstration_messages`: the calls of ``tool_calls``
+    written in the episodes' call format, the results and the tools' schemas as the template shows them or as
+    the default format writes them), and rendered with ``tools=``; a row that calls tools and has none is a
+    FieldError.
     """
     if "text" in record and "prompt" not in record:
         ids = _ids(tokenizer, record["text"], special=True)
@@ -206,21 +232,49 @@ def tokenize_sft(record: dict, tokenizer, limits: TokenLimits = TokenLimits()) -
             raise FieldError("text", "tokenizes to no tokens besides EOS")
         room = None if limits.max_length is None else limits.max_length - 1
         return {"prompt_ids": ids[:1], "completion_ids": ids[1:][:room]}
+    record, tools = _with_tools(record, tokenizer, limits)
     record = _first_assistant_split(record)
-    rendered = _rendered(record, tokenizer)
+    rendered = _rendered(record, tokenizer, tools)
     prompt_ids = _prompt_ids(record, tokenizer, limits, rendered)
     room = _room(prompt_ids, limits.max_length)
     if len(record["completion"]) > 1 and isinstance(record["prompt"], list):
-        completion, skip = _multi_turn_completion(tokenizer, record["prompt"], record["completion"], rendered)
+        completion, skip = _multi_turn_completion(
+            tokenizer, record["prompt"], record["completion"], rendered, tools
+        )
     else:
         completion = encode_response(
-            tokenizer, record["prompt"], record["completion"], "completion", rendered
+            tokenizer, record["prompt"], record["completion"], "completion", rendered, tools
         )
         skip = []
     completion = completion[:room]
     out = {"prompt_ids": prompt_ids, "completion_ids": completion}
     skip = [i for i in skip if i < len(completion)]
     return {**out, "completion_skip": skip} if skip else out
+
+
+def _with_tools(record: dict, tokenizer, limits: TokenLimits) -> tuple[dict, list[dict] | None]:
+    """``(record shaped as an episode renders it, its tools' schemas)`` (:func:`tokenize_sft`), or
+    ``(record, None)`` for a row without tools."""
+    schemas = record.get("tools") or [json.loads(s) for s in limits.tools]
+    prompt, completion = record["prompt"], record["completion"]
+    if not isinstance(prompt, list):
+        if schemas:
+            raise FieldError("prompt", "is plain text, but the row has tools; give conversations (messages)")
+        return record, None
+    calls = next((i for i, m in enumerate([*prompt, *completion]) if m.get("tool_calls")), None)
+    if not schemas:
+        if calls is not None:
+            raise FieldError(
+                "tools",
+                f"is missing, but message {calls} calls tools: give the tools' JSON schemas in a 'tools' column, "
+                "or name the functions in data.tools, so that the prompt lists them as an episode's does",
+            )
+        return record, None
+    messages = demonstration_messages(
+        [*prompt, *completion], schemas, template_shows_tools(tokenizer, schemas)
+    )
+    cut = len(messages) - len(completion)  # the completion's assistant messages stay one for one at the end
+    return {**record, "prompt": messages[:cut], "completion": messages[cut:]}, schemas
 
 
 def _first_assistant_split(record: dict) -> dict:
@@ -236,7 +290,7 @@ def _first_assistant_split(record: dict) -> dict:
 
 
 def _multi_turn_completion(
-    tokenizer, prompt: list[dict], rest: list[dict], rendered: str | None
+    tokenizer, prompt: list[dict], rest: list[dict], rendered: str | None, tools: list[dict] | None = None
 ) -> tuple[list[int], list[int]]:
     """(ids, untrained positions) of the messages ``rest`` after ``prompt`` (:func:`tokenize_sft`). Each
     assistant message's ids end with EOS (the template's, or one added); the text the template writes after
@@ -244,7 +298,7 @@ def _multi_turn_completion(
     eos, eos_text = tokenizer.eos_token_id, tokenizer.eos_token
     ids: list[int] = []
     skip: list[int] = []
-    before = rendered if rendered is not None else render_chat(tokenizer, prompt, add_generation_prompt=True)
+    before = rendered if rendered is not None else render_chat(tokenizer, prompt, True, tools=tools)
     carry, previous = "", before  # untrained text waiting for the next assistant message; the row's text
     for k, message in enumerate(rest):
         messages = [*prompt, *rest[: k + 1]]
@@ -252,12 +306,10 @@ def _multi_turn_completion(
         if message.get("role") != "assistant":
             continue
         generation = (
-            before
-            if k == 0
-            else render_chat(tokenizer, messages[:-1], add_generation_prompt=True, field=field)
+            before if k == 0 else render_chat(tokenizer, messages[:-1], True, field=field, tools=tools)
         )
         carry += _extension(generation, previous, field)
-        whole = render_chat(tokenizer, messages, add_generation_prompt=False, field=field)
+        whole = render_chat(tokenizer, messages, False, field=field, tools=tools)
         turn = _extension(whole, generation, field)
         cut = turn.rfind(eos_text) if eos_text else -1
         trained, after = (

@@ -31,15 +31,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from rlhfkit.data.tool_calls import DEFAULT_SYSTEM, result_messages, with_tools_system  # noqa: F401
 from rlhfkit.errors import ConfigError
 from rlhfkit.rollout.tools import DEFAULT_FORMAT, CallFormat, ToolResult, format_call
 
-DEFAULT_SYSTEM = (
-    "You may call one or more functions to assist with the user query. The functions are:\n<tools>\n{tools}\n"
-    "</tools>\nFor each call, write a JSON object with the function name and arguments:\n"
-    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>\n'
-    "Each result comes back as <tool_response>...</tool_response>."
-)
 OTHER_FORMATS = ("[TOOL_CALLS]", "<|python_tag|>")
 
 
@@ -113,12 +108,7 @@ class ChatTurns:
                 )
             messages[users[-1]]["content"] = f"{messages[users[-1]]['content']}{reset_text}"
         if self.schemas and not self.shows_tools:
-            tools = "\n".join(json.dumps(s) for s in self.schemas)
-            system = DEFAULT_SYSTEM.format(tools=tools)
-            if messages and messages[0].get("role") == "system":
-                messages[0]["content"] = f"{system}\n\n{messages[0]['content']}"
-            else:
-                messages.insert(0, {"role": "system", "content": system})
+            messages = with_tools_system(messages, self.schemas)  # as SFT rows (data.tool_calls)
         return messages
 
     def prompt_overhead(self) -> int:
@@ -131,10 +121,7 @@ class ChatTurns:
 
     def tool_messages(self, results: list[ToolResult]) -> list[dict]:
         """The messages that carry a turn's results: ``tool`` messages, or (default format) one user message."""
-        if self.shows_tools:
-            return [{"role": "tool", "name": r.name, "content": r.text} for r in results]
-        blocks = "\n".join(f"{self.fmt.response_start}\n{r.text}\n{self.fmt.response_end}" for r in results)
-        return [{"role": "user", "content": blocks}]
+        return result_messages([(r.name, r.text) for r in results], self.shows_tools, self.fmt)
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return _render(self.tokenizer, messages, add_generation_prompt, self.schemas or None)

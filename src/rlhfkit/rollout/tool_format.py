@@ -1,6 +1,7 @@
 """How a model writes tool calls and what it reads back: the call format, parsing a turn's calls, and a tool's
 value as text. Plain data, below :mod:`rlhfkit.rollout.tools` (loading and running) and
-:mod:`rlhfkit.rollout.tool_worker` (the processes), which both use it.
+:mod:`rlhfkit.rollout.tool_worker` (the processes), which both use it; the call format itself
+(``CallFormat``, ``format_call``) is the data layer's (:mod:`rlhfkit.data.tool_calls`), shared with SFT rows.
 
 Calls are read in the Hermes format that Qwen2.5, Hermes and SmolLM3 templates use, and that is the default for
 a template that shows no tools (``DEFAULT_FORMAT``)::
@@ -17,18 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass(frozen=True)
-class CallFormat:
-    """How a model writes tool calls: a JSON object ``{"name", "arguments"}`` between ``start`` and ``end``."""
-
-    start: str = "<tool_call>"
-    end: str = "</tool_call>"
-    response_start: str = "<tool_response>"
-    response_end: str = "</tool_response>"
-
-
-DEFAULT_FORMAT = CallFormat()
+from rlhfkit.data.tool_calls import DEFAULT_FORMAT, CallFormat, format_call  # noqa: F401  (SFT rows share them)
 
 
 @dataclass
@@ -78,11 +68,6 @@ def _read_call(body: str) -> ToolCall:
     if not isinstance(name, str) or not isinstance(arguments, dict):
         return ToolCall(name if isinstance(name, str) else "", None, body, "malformed_arguments")
     return ToolCall(name, arguments, body)
-
-
-def format_call(name: str, arguments: dict, fmt: CallFormat = DEFAULT_FORMAT) -> str:
-    """The text of one call in ``fmt`` (what a demonstration writes)."""
-    return f"{fmt.start}\n{json.dumps({'name': name, 'arguments': arguments})}\n{fmt.end}"
 
 
 @dataclass

@@ -17,6 +17,7 @@ Launch:
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -33,6 +34,8 @@ from rlhfkit.models import (
     prepare_trained,
     response_readout,
 )
+from rlhfkit.rollout.chat_turns import ChatTurns
+from rlhfkit.rollout.tools import load_tools, tool_schema
 from rlhfkit.trainers.common import finish_run, micro_batches, router_aux_coef, run_tokenizer
 from rlhfkit.trainers.offline import Objective, train_offline
 
@@ -97,6 +100,13 @@ def count_completion_tokens(examples: list[dict]) -> float:
     return float(sum(len(e["completion_ids"]) - len(e.get("completion_skip", ())) for e in examples))
 
 
+def data_tool_schemas(cfg: RunConfig) -> tuple[str, ...]:
+    """The JSON schemas of ``data.tools``, one JSON string each (``TokenLimits.tools``); a ConfigError names a
+    tool that cannot be loaded or has no schema."""
+    tools = load_tools(cfg.data.tools, "data.tools")
+    return tuple(json.dumps(tool_schema(fn, "data.tools", name)) for name, fn in tools.items())
+
+
 def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run SFT as configured; write ``final/`` and ``summary.json``; return the summary."""
     seed_everything(cfg.seed)
@@ -105,7 +115,10 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict
     # Load and validate all data before any model is built or the run folder written: bad input stops here,
     # with file/line/field, and leaves nothing to --overwrite.
     tokenizer = run_tokenizer(cfg)
-    limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation)
+    tools = data_tool_schemas(cfg)
+    if tools:  # the template checks that an RL run with these tools makes at start-up
+        ChatTurns.for_tokenizer(tokenizer, [json.loads(t) for t in tools])
+    limits = TokenLimits(cfg.data.max_prompt_length, cfg.data.max_length, cfg.data.truncation, tools=tools)
     examples, eval_examples = prepare_run_data(cfg.data, "sft", tokenizer, limits, accelerator)
     run = open_run(cfg, accelerator, resume, overwrite)
 
