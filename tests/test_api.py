@@ -87,7 +87,7 @@ def test_sft_from_a_list_of_dicts_is_the_command_lines_run_on_the_same_rows(sft_
     assert any(not torch.equal(initial[k], api[k]) for k in initial)  # it trained
 
 
-def test_sft_from_a_yaml_file_and_a_datasets_dataset(sft_paths, tmp_path):
+def test_sft_from_a_yaml_file_and_a_datasets_dataset_resumed_by_the_command_line(sft_paths, tmp_path):
     from datasets import Dataset
 
     config = tmp_path / "sft.yaml"
@@ -95,6 +95,9 @@ def test_sft_from_a_yaml_file_and_a_datasets_dataset(sft_paths, tmp_path):
     out = rlhfkit.train("sft", str(config), train_dataset=Dataset.from_list(SFT_ROWS))
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r][-1] == 2
     assert json.loads((out / "summary.json").read_text())["kind"] == "sft"
+    # the run's config.yaml names its kept rows: the command line resumes it without the Dataset
+    assert main(["train", "sft", "--config", str(out / "config.yaml"), "--resume", "train.max_steps=3"]) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r][-1] == 3
 
 
 def test_grpo_from_a_datasets_dataset_with_the_sequence_level_ratio(online_paths, tmp_path):

@@ -23,7 +23,7 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = get_args(ImportanceSamplingLevel)
 
-LogRatio = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+LogRatio = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def token_log_ratio(
