@@ -5,13 +5,18 @@ work, imported only then so that ``rlhfkit --help`` stays fast."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import json
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlhfkit.config import RunConfig, load_config
-from rlhfkit.errors import ConfigError, UserError
+from rlhfkit.config import RunConfig, load_config, nest_keys
+from rlhfkit.errors import ConfigError, DataError, UserError
 
 DEFAULT_TEMPERATURE = 0.7  # as online.temperature (Huang et al. 2024)
 
@@ -31,10 +36,13 @@ def trainer(kind: str) -> Callable[..., dict[str, Any]]:
     return train
 
 
-def train_config(kind: str, path: str | None, overrides: list[str]) -> RunConfig:
+def train_config(
+    kind: str, path: str | None, overrides: list[str], layers: tuple[tuple[str, dict], ...] = ()
+) -> RunConfig:
     """The configuration of ``rlhfkit train KIND``, checked as the run checks it (``rlhfkit config show``
-    gives the same errors): :func:`rlhfkit.config.load_config`, and what the command line cannot provide."""
-    cfg: RunConfig = load_config(path, overrides, kind)
+    gives the same errors): :func:`rlhfkit.config.load_config`, and what the command line cannot provide.
+    ``layers``: keys given from Python (:func:`train_from_python`)."""
+    cfg: RunConfig = load_config(path, overrides, kind, layers=layers)
     if cfg.refresh.every:
         raise ConfigError(
             f"refresh.every={cfg.refresh.every}: `rlhfkit train` has no labeller for the new pairs a refresh "
@@ -47,17 +55,35 @@ def train_config(kind: str, path: str | None, overrides: list[str]) -> RunConfig
 
 def train_command(args: argparse.Namespace) -> int:
     cfg = train_config(args.kind, args.config, args.overrides)
+    run_training(args.kind, cfg, resume=args.resume, overwrite=args.overwrite)
+    return 0
+
+
+def run_training(
+    kind: str,
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    train_rows: Path | None = None,
+) -> RunConfig:
+    """Train ``kind`` with the checked ``cfg``: prepare the run folder (--resume / --overwrite), train, print
+    the headline figures. ``train_rows``: an in-memory dataset's rows (:func:`train_from_python`), copied into
+    the run folder (inputs/) once it is prepared and read from there, so that the run's ``config.yaml`` resumes it.
+    Returns the configuration the run used."""
     set_threads()
     from rlhfkit.engine.accel import launch_rank
     from rlhfkit.engine.folder import prepare_output_dir  # imports torch
     from rlhfkit.engine.signals import graceful_stop
 
-    train = trainer(args.kind)
+    train = trainer(kind)
     if (
         launch_rank() == 0
     ):  # one process checks (and with --overwrite empties) the folder; the others wait for it
-        prepare_output_dir(cfg.output_dir, resume=args.resume, overwrite=args.overwrite)
-    if args.resume:
+        prepare_output_dir(cfg.output_dir, resume=resume, overwrite=overwrite)
+    if train_rows is not None:
+        cfg = _with_rows_in_run_folder(cfg, train_rows)
+    if resume:
         from rlhfkit.engine.folder import finished_run
 
         done = finished_run(cfg.output_dir, cfg.train.max_steps)
@@ -68,14 +94,14 @@ def train_command(args: argparse.Namespace) -> int:
                     "train.max_steps continues it",
                     file=sys.stderr,
                 )
-            return 0
+            return cfg
     with graceful_stop():  # SIGTERM / SIGINT: finish the step, checkpoint, exit 128 + signal
-        train(cfg, resume=args.resume)
+        train(cfg, resume=resume)
     if launch_rank() == 0:  # where the run is and its headline figures, on a terminal or in a job's log
         from rlhfkit.reporting.headline import end_of_run_lines
 
         print("\n".join(end_of_run_lines(cfg.output_dir)), flush=True)
-    return 0
+    return cfg
 
 
 def config_init_command(args: argparse.Namespace) -> int:
@@ -243,3 +269,122 @@ def set_threads() -> None:
     # Its load reports (e.g. "score.weight MISSING" when a reward model is built on a causal LM) are
     # expected here; rlhfkit's own checks raise clear errors for what is really wrong.
     hf_logging.set_verbosity_error()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Python entry point (rlhfkit.train)
+
+TRAIN_DATASET = (
+    "train_dataset"  # how errors name an in-memory dataset; its rows file in the run folder + .jsonl
+)
+
+
+def train_from_python(
+    kind: str, config: Any, train_dataset: Any = None, *, resume: bool = False, overwrite: bool = False
+) -> Path:
+    """:func:`rlhfkit.train`: ``rlhfkit train KIND`` from Python, through the same checks and errors.
+
+    ``config`` is a YAML file's path or a dict (nested sections and/or dotted keys, :func:`rlhfkit.config.nest_keys`).
+    ``train_dataset`` (a ``datasets.Dataset`` or a list of dicts) takes the place of ``data.train_file``: its rows
+    are written as JSON Lines and read by the data layer like a file, so every row is checked as a file's is, and
+    an error names ``train_dataset``, the row (0-based) and the field.
+    """
+    if isinstance(config, str | Path):
+        path, layers = str(config), ()
+    elif isinstance(config, dict):
+        path, layers = None, (("the config dict", nest_keys(config, "the config dict")),)
+    else:
+        raise ConfigError(
+            f"config: expected a YAML file's path or a dict of keys, got {type(config).__name__}"
+        )
+    with tempfile.TemporaryDirectory(prefix="rlhfkit-") as tmp:
+        rows = None
+        if train_dataset is not None:
+            _refuse_a_second_train_file(path, layers)
+            rows = _write_rows(train_dataset, Path(tmp) / f"{TRAIN_DATASET}.jsonl")
+            layers += ((TRAIN_DATASET, {"data": {"train_file": str(rows)}}),)
+        names = [] if rows is None else [str(rows)]
+        with _naming_the_dataset(names):
+            cfg = train_config(kind, path, [], layers=layers)
+            if rows is not None:
+                names.append(str(_with_rows_in_run_folder(cfg, rows, copy=False).data.train_file))
+            cfg = run_training(kind, cfg, resume=resume, overwrite=overwrite, train_rows=rows)
+    return Path(cfg.output_dir)
+
+
+def _refuse_a_second_train_file(path: str | None, layers: tuple[tuple[str, dict], ...]) -> None:
+    if path is not None:
+        import yaml
+
+        try:
+            values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):  # load_config reports an unreadable file in its own words
+            return
+        where = path
+    else:
+        where, values = layers[0]
+    data = values.get("data") if isinstance(values, dict) else None
+    if isinstance(data, dict) and data.get("train_file") is not None:
+        raise ConfigError(
+            f"{where}: data.train_file is set and train_dataset is given; both name the training data, so "
+            "remove one"
+        )
+
+
+def _write_rows(dataset: Any, path: Path) -> Path:
+    """``dataset`` (a list of dicts, or a ``datasets.Dataset``: anything with ``to_list()``) as JSON Lines."""
+    if hasattr(dataset, "keys") and not hasattr(dataset, "to_list"):  # a DatasetDict
+        raise DataError(
+            TRAIN_DATASET, f"expected one split, e.g. train_dataset['train'], got {list(dataset.keys())}"
+        )
+    rows = dataset.to_list() if hasattr(dataset, "to_list") else dataset
+    if not isinstance(rows, list):
+        raise DataError(
+            TRAIN_DATASET, f"expected a datasets.Dataset or a list of dicts, got {type(dataset).__name__}"
+        )
+    if not rows:
+        raise DataError(TRAIN_DATASET, "has no rows")
+    lines = []
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(
+                TRAIN_DATASET, f"expected a dict, got {type(row).__name__}", line=index, row_kind="row"
+            )
+        try:
+            lines.append(json.dumps(row, ensure_ascii=False))
+        except (TypeError, ValueError) as error:
+            raise DataError(TRAIN_DATASET, f"not JSON data: {error}", line=index, row_kind="row") from None
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _with_rows_in_run_folder(cfg: RunConfig, rows: Path, copy: bool = True) -> RunConfig:
+    """``cfg`` reading its training rows from a copy of ``rows`` in the run folder's inputs/."""
+    from rlhfkit.engine.folder import INPUTS_DIR
+
+    kept = Path(cfg.output_dir) / INPUTS_DIR / rows.name
+    if copy:
+        kept.parent.mkdir(exist_ok=True)
+        shutil.copyfile(rows, kept)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_file=str(kept)))
+
+
+@contextlib.contextmanager
+def _naming_the_dataset(names: list[str]):
+    """A user's error about the rows file (at any of ``names``: written, then copied into the run folder) names
+    ``train_dataset`` and the row (0-based) instead of the file and its line (1-based): the rows the caller
+    passed, not a file they never wrote."""
+    try:
+        yield
+    except DataError as error:
+        if str(error.source) not in names:
+            raise
+        line = error.line if error.line is None or error.row_kind == "row" else error.line - 1
+        raise DataError(TRAIN_DATASET, error.message, line=line, field=error.field, row_kind="row") from None
+    except UserError as error:
+        text = str(error)
+        for name in names:
+            text = text.replace(name, TRAIN_DATASET)
+        if text == str(error):
+            raise
+        raise type(error)(text) from None

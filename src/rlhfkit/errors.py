@@ -35,6 +35,7 @@ class DataError(UserError):
         row_kind: str = "line",
     ):
         self.source, self.line, self.field, self.row_kind = source, line, field, row_kind
+        self.message = message
         where = str(source)
         if line is not None:
             where += f", {row_kind} {line}"

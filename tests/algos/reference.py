@@ -72,16 +72,49 @@ def ppo_policy_loss_loop(logprobs, old_logprobs, advantages, eps_low, eps_high, 
     for lrow, orow, arow in zip(logprobs.tolist(), old_logprobs.tolist(), advantages.tolist(), strict=True):
         lrow_out, brow = [], []
         for x, o, a in zip(lrow, orow, arow, strict=True):
-            ratio = math.exp(x - o)
-            unclipped = -a * ratio
-            clipped = -a * min(max(ratio, 1 - eps_low), 1 + eps_high)
-            loss, branch = unclipped, "none"
-            if clipped > unclipped:
-                loss, branch = clipped, "low" if a < 0 else "high"
-            if dual_clip is not None and a < 0 and loss > -a * dual_clip:
-                loss, branch = -a * dual_clip, "dual"
+            loss, branch = clipped_token_loss(a, math.exp(x - o), eps_low, eps_high, dual_clip)
             lrow_out.append(loss)
             brow.append(branch)
         losses.append(lrow_out)
         branches.append(brow)
     return losses, branches
+
+
+def clipped_token_loss(a, ratio, eps_low, eps_high, dual_clip):
+    """One token's clipped surrogate with advantage ``a`` and ``ratio``: (loss, branch), the branch one of
+    "none", "low", "high", "dual"."""
+    unclipped = -a * ratio
+    clipped = -a * min(max(ratio, 1 - eps_low), 1 + eps_high)
+    loss, branch = unclipped, "none"
+    if clipped > unclipped:
+        loss, branch = clipped, "low" if a < 0 else "high"
+    if dual_clip is not None and a < 0 and loss > -a * dual_clip:
+        loss, branch = -a * dual_clip, "dual"
+    return loss, branch
+
+
+def gspo_policy_loss_loop(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, dual_clip):
+    """GSPO-token's per-token loss, one row at a time (Zheng et al. 2025): the row's ratio
+    s = exp(mean over its valid tokens of (logprob - old_logprob)), then PPO's clipped surrogate of each valid
+    token with that ratio and its own advantage (:func:`clipped_token_loss`). Returns (losses, branches,
+    ratios): float lists, one of "none", "low", "high", "dual" per token ("masked" at padding, loss 0), and the
+    ratio of each row."""
+    losses, branches, ratios = [], [], []
+    for lrow, orow, arow, mrow in zip(
+        logprobs.tolist(), old_logprobs.tolist(), advantages.tolist(), mask.tolist(), strict=True
+    ):
+        diffs = [x - o for x, o, m in zip(lrow, orow, mrow, strict=True) if m]
+        s = math.exp(sum(diffs) / len(diffs)) if diffs else 1.0
+        ratios.append(s)
+        lrow_out, brow = [], []
+        for a, m in zip(arow, mrow, strict=True):
+            if not m:
+                lrow_out.append(0.0)
+                brow.append("masked")
+                continue
+            loss, branch = clipped_token_loss(a, s, eps_low, eps_high, dual_clip)
+            lrow_out.append(loss)
+            brow.append(branch)
+        losses.append(lrow_out)
+        branches.append(brow)
+    return losses, branches, ratios

@@ -1,5 +1,6 @@
 """ppo_policy_loss's clip-higher (DAPO) and dual clip (Ye et al. 2020): every branch by hand with its gradient,
-the clip fractions, the symmetric default against the formula it replaced, a reference loop, junk, bad settings."""
+the clip fractions, the symmetric default against the formula it replaced, a reference loop, junk (at both
+importance-sampling levels), bad settings."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhfkit.algos import ppo_policy_loss
+from rlhfkit.algos import IMPORTANCE_SAMPLING_LEVELS, ppo_policy_loss
 from rlhfkit.algos.kl import kl_k3
 from rlhfkit.algos.masked import fill_masked, masked_mean
 
@@ -115,8 +116,12 @@ def test_matches_the_reference_loop_with_gradients_and_clip_fractions(seed, eps,
 
 
 @settings(max_examples=30, deadline=None)
-@given(batch=batches(max_t=20), dual_clip=st.sampled_from([None, 2.0]))
-def test_junk_at_masked_positions_changes_nothing(batch, dual_clip):
+@given(
+    batch=batches(max_t=20),
+    dual_clip=st.sampled_from([None, 2.0]),
+    level=st.sampled_from(IMPORTANCE_SAMPLING_LEVELS),
+)
+def test_junk_at_masked_positions_changes_nothing(batch, dual_clip, level):
     gen, B, T, mask = batch
     lp = -torch.rand(B, T, generator=gen) * 2
     old, adv = -torch.rand(B, T, generator=gen) * 2, torch.randn(B, T, generator=gen)
@@ -125,7 +130,14 @@ def test_junk_at_masked_positions_changes_nothing(batch, dual_clip):
         dirty = (lambda t: add_junk(gen, t, mask)) if junk else (lambda t: t)
         x = dirty(lp).detach().clone().requires_grad_()
         loss, stats = ppo_policy_loss(
-            x, dirty(old), dirty(adv), 0.2, clip_eps_high=0.28, dual_clip=dual_clip, mask=mask
+            x,
+            dirty(old),
+            dirty(adv),
+            0.2,
+            clip_eps_high=0.28,
+            dual_clip=dual_clip,
+            mask=mask,
+            importance_sampling_level=level,
         )
         loss.sum().backward()
         runs.append((loss, x.grad, stats))

@@ -15,6 +15,13 @@ from rlhfkit.algos.advantages import (
     rloo_advantages,
 )
 from rlhfkit.algos.gae_scan import compute_gae, discounted_cumsum
+from rlhfkit.algos.importance import (
+    IMPORTANCE_LOG_RATIOS,
+    IMPORTANCE_SAMPLING_LEVELS,
+    ImportanceSamplingLevel,
+    sequence_log_ratio,
+    token_log_ratio,
+)
 from rlhfkit.algos.kl import (
     DEFAULT_KL_LOSS_ESTIMATOR,
     KL_ESTIMATORS,
@@ -72,6 +79,9 @@ __all__ = [
     "gae_advantages",
     "gae_loop",
     "grpo_advantages",
+    "IMPORTANCE_LOG_RATIOS",
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "ImportanceSamplingLevel",
     "kl_estimator",
     "KL_ESTIMATORS",
     "kl_k1",
@@ -97,7 +107,9 @@ __all__ = [
     "ppo_policy_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "sequence_log_ratio",
     "shape_rewards",
     "tis_weights",
+    "token_log_ratio",
     "value_loss",
 ]

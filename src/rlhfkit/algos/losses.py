@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.algos.kl import LOG_RATIO_BOUND
+from rlhfkit.algos.importance import IMPORTANCE_LOG_RATIOS, token_log_ratio
 from rlhfkit.algos.masked import fill_masked, masked_mean
 
 Stats = dict[str, torch.Tensor]
@@ -87,6 +87,7 @@ def ppo_policy_loss(
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
     mask: torch.Tensor | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, Stats]:
     """PPO's clipped surrogate, as a per-token loss to minimise (Schulman et al. 2017, eq. 7).
 
@@ -100,6 +101,12 @@ def ppo_policy_loss(
     ratio far above 1 cannot make one token's loss unbounded. When ``logprobs == old_logprobs`` the ratio is
     exactly 1 and the loss exactly ``-A``.
 
+    ``importance_sampling_level="sequence"`` takes GSPO's ratio instead (Zheng et al. 2025,
+    :func:`rlhfkit.algos.importance.sequence_log_ratio`): one value per response, the geometric mean of its
+    token ratios, so that the clips above act on whole responses, with each token's own gradient. The paper's
+    clip ranges are then far narrower (3e-4 / 4e-4) and its loss is averaged per sequence
+    (``seq-mean-token-mean``).
+
     Args:
         logprobs: ``(B, T)`` log-probs of the sampled tokens under the current policy (with gradient).
         old_logprobs: ``(B, T)`` the same at sampling time.
@@ -109,6 +116,8 @@ def ppo_policy_loss(
             0.2 / 0.28).
         dual_clip: the constant c > 1 of the dual clip (3 in Ye et al. 2020), or None (off).
         mask: optional ``(B, T)`` valid tokens.
+        importance_sampling_level: a key of :data:`rlhfkit.algos.importance.IMPORTANCE_LOG_RATIOS`,
+            ``"token"`` (PPO's) or ``"sequence"`` (GSPO's).
 
     Returns:
         ``(loss (B, T), stats)``. A token is "clipped" where a clip term STRICTLY wins, which is where its
@@ -120,20 +129,27 @@ def ppo_policy_loss(
         - ``clipfrac/dual``: ``A < 0`` and ``max(...) > -A * c``, i.e. ratio > c (0 without ``dual_clip``);
         - ``clipfrac``: their sum (without ``dual_clip``, exactly the figure of the symmetric PPO before).
 
-        Also ``approx_kl`` (k3 estimate of KL(pi_old || pi), the samples being pi_old's) and ``ratio/mean``:
-        the names the online trainer logs them under.
+        Also ``approx_kl`` (k3 estimate of KL(pi_old || pi) from the per-token ratios whatever the level,
+        the samples being pi_old's) and ``ratio/mean`` (of the ratio the loss uses): the names the online
+        trainer logs them under.
 
     Raises:
-        ValueError: on a negative epsilon or ``dual_clip <= 1``.
+        ValueError: on a negative epsilon, ``dual_clip <= 1`` or an unknown ``importance_sampling_level``.
     """
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     if clip_eps < 0 or eps_high < 0:
         raise ValueError(f"clip_eps and clip_eps_high must be >= 0, got {clip_eps} and {clip_eps_high}")
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip must be a constant > 1 (Ye et al. 2020 use 3) or None, got {dual_clip}")
+    if importance_sampling_level not in IMPORTANCE_LOG_RATIOS:
+        raise ValueError(
+            f"importance_sampling_level must be one of {sorted(IMPORTANCE_LOG_RATIOS)}, "
+            f"got {importance_sampling_level!r}"
+        )
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     logprobs, old_logprobs, advantages = _read(mask, logprobs, old_logprobs, advantages)
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
+    token_ratio = token_log_ratio(logprobs, old_logprobs)  # (B, T), bounded
+    log_ratio = IMPORTANCE_LOG_RATIOS[importance_sampling_level](logprobs, old_logprobs, mask)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T), finite: no NaN gradient from one stale token
     unclipped = -advantages * ratio  # (B, T)
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)  # (B, T)
@@ -153,7 +169,7 @@ def ppo_policy_loss(
         "clipfrac/low": _mean(cut & negative, mask),
         "clipfrac/high": _mean(cut & (advantages > 0), mask),
         "clipfrac/dual": _mean(dual, mask),
-        "approx_kl": _mean(torch.expm1(log_ratio) - log_ratio, mask),  # k3(old, new) of the bounded log-ratio
+        "approx_kl": _mean(torch.expm1(token_ratio) - token_ratio, mask),  # k3(old, new), bounded log-ratio
         "ratio/mean": _mean(ratio, mask),
     }
     return loss, stats

@@ -27,6 +27,7 @@ from rlhfkit.config.parse import (
     config_from,
     config_to_dict,
     load_config,
+    nest_keys,
     read_run_info,
     save_config,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "config_help",
     "config_to_dict",
     "load_config",
+    "nest_keys",
     "option",
     "read_run_info",
     "save_config",

@@ -48,10 +48,17 @@ def _algos_choices() -> dict[str, Any]:
     """The choice types of the fields whose values name an ``rlhfkit.algos`` registry entry, declared there
     once. Imported when a configuration is first read or described, not with this module: ``algos`` imports
     torch, which ``rlhfkit --help``, argument errors and ``rlhfkit report`` need not wait for."""
-    from rlhfkit.algos import AdvantageEstimator, KLEstimator, KLLossEstimator, LossAggregation
+    from rlhfkit.algos import (
+        AdvantageEstimator,
+        ImportanceSamplingLevel,
+        KLEstimator,
+        KLLossEstimator,
+        LossAggregation,
+    )
 
     return {
         "AdvantageEstimator": AdvantageEstimator,
+        "ImportanceSamplingLevel": ImportanceSamplingLevel,
         "KLEstimator": KLEstimator,
         "KLLossEstimator": KLLossEstimator,
         "LossAggregation": LossAggregation,

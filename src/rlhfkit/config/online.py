@@ -10,7 +10,13 @@ from rlhfkit.config.fields import check_bounds, option
 from rlhfkit.errors import ConfigError
 
 if TYPE_CHECKING:  # the choices rlhfkit.algos declares; read by field_types (algos imports torch)
-    from rlhfkit.algos import AdvantageEstimator, KLEstimator, KLLossEstimator, LossAggregation
+    from rlhfkit.algos import (
+        AdvantageEstimator,
+        ImportanceSamplingLevel,
+        KLEstimator,
+        KLLossEstimator,
+        LossAggregation,
+    )
 
 
 @dataclass
@@ -162,6 +168,14 @@ class OnlineConfig:
         "Dual-clip constant c > 1 (Ye et al. 2020): the loss of a negative-advantage token is at most "
         "-A * c however large its ratio; none = off.",
         gt=1,
+    )
+    importance_sampling_level: ImportanceSamplingLevel = option(
+        "token",
+        "The policy loss's importance ratio: token (PPO's, one per token) or sequence (GSPO, Zheng et al. "
+        "2025: the geometric mean of a response's token ratios, so that clip_eps, clip_eps_high and dual_clip "
+        "act on whole responses; TRL's importance_sampling_level). The paper clips at 3e-4 / 4e-4 and averages "
+        "per sequence (loss_agg_mode=seq-mean-token-mean). It changes nothing before the first optimizer step "
+        "of a rollout, so it acts with ppo_epochs or num_minibatches above 1.",
     )
     value_clip_eps: float = option(0.2, "Value clip around the rollout's values.", gt=0)
     vf_coef: float = option(0.1, "Value-loss coefficient.", ge=0)

@@ -19,9 +19,13 @@ from rlhfkit.errors import ConfigError
 
 
 def load_config(
-    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), kind: str = "sft"
+    path: str | Path | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    kind: str = "sft",
+    layers: tuple[tuple[str, dict], ...] = (),
 ) -> RunConfig:
-    """Build a :class:`RunConfig`: dataclass defaults < per-kind defaults < YAML file < ``dotted.key=value``.
+    """Build a :class:`RunConfig`: dataclass defaults < per-kind defaults < YAML file < ``layers`` (``(source,
+    nested dict)`` pairs, from Python: :func:`nest_keys`) < ``dotted.key=value``.
 
     Raises:
         ConfigError: unreadable or invalid YAML, an unknown key, a value of the wrong type or out of range,
@@ -32,21 +36,22 @@ def load_config(
 
     if kind not in KINDS:
         raise ConfigError(f"unknown kind '{kind}'; choose one of {', '.join(KINDS)}")
-    layers: list[tuple[str, dict]] = [
+    stack: list[tuple[str, dict]] = [
         (
             f"the defaults of `train {kind}`",
             _nest({**KIND_DEFAULTS.get(kind, {}), **KIND_FORCED.get(kind, {}), "kind": kind}),
         )
     ]
     if path is not None:
-        layers.append((str(path), _read_yaml(path)))
+        stack.append((str(path), _read_yaml(path)))
+    stack += [(source, values) for source, values in layers]
     for item in overrides:
-        layers.append((f"command-line override '{item}'", _parse_override(item)))
+        stack.append((f"command-line override '{item}'", _parse_override(item)))
 
     cfg = OmegaConf.structured(_omegaconf_schema(RunConfig))
     set_by: dict[str, str] = {}  # dotted key -> where its value was last set
     old_keys = []  # keys of earlier versions (rlhfkit.config.legacy)
-    for source, values in layers:
+    for source, values in stack:
         old_keys += pop_old_keys(values, source)
         for key in _check_keys(values, RunConfig, "", source, kind):
             set_by[key] = source
@@ -63,6 +68,53 @@ def load_config(
     apply_old_keys(run, old_keys, set_by)
     validate(run, kind, set_by)
     return run
+
+
+def nest_keys(values: Any, source: str) -> dict:
+    """A configuration given from Python as one nested dict, with sections as dicts and/or dotted keys
+    (``{"model": {"name_or_path": "m"}, "train.max_steps": 10}``), as the nested dict a YAML file gives;
+    ``pathlib.Path`` values become strings and tuples lists. A key set twice (``train.max_steps`` and
+    ``train: {max_steps: ...}``) or a key that is not a string is a ConfigError naming ``source``."""
+    if not isinstance(values, dict):
+        raise ConfigError(
+            f"{source}: expected a dict of keys (like 'train' and 'model'), got {type(values).__name__}"
+        )
+    out: dict = {}
+
+    def put(node: dict, prefix: str, dotted: str, value: Any) -> None:
+        full = prefix + dotted
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{source}: '{full}' goes inside a key that holds a value, not a section")
+        if isinstance(value, dict):
+            inner_node = node.setdefault(leaf, {})
+            if not isinstance(inner_node, dict):
+                raise ConfigError(f"{source}: '{full}' is set twice (as a dotted key and inside its section)")
+            for key, inner in value.items():
+                if not isinstance(key, str):
+                    raise ConfigError(f"{source}: key {key!r} under '{full}' is not a string")
+                put(inner_node, full + ".", key, inner)
+            return
+        if leaf in node:
+            raise ConfigError(f"{source}: '{full}' is set twice (as a dotted key and inside its section)")
+        node[leaf] = _plain(value)
+
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{source}: key {key!r} is not a string")
+        put(out, "", key, value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with paths as strings and tuples as lists, as a YAML file would hold it."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def config_from(kind: str, output_dir, overrides: dict[str, Any]) -> RunConfig:

@@ -145,7 +145,6 @@ TRL_NAMES: dict[str, dict[str, tuple[str | None, str]]] = {
         "*": ("train.batch_size", "prompts per rollout; responses = train.batch_size * online.group_size")
     },
     "dynamic_sampling": {"*": ("online.dynamic_sampling", "")},
-    "importance_sampling_level": {"*": (None, "the ratio is per token (no sequence-level ratio)")},
     # DPOConfig
     "reference_free": {"*": (None, "DPO always compares with a frozen reference (dpo.reference_model)")},
     "label_smoothing": {"*": ("dpo.label_smoothing", "")},

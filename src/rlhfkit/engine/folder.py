@@ -179,6 +179,9 @@ def logged_at(folder: str | Path, step: int) -> dict:
 
 
 RUN_MARKER = ".rlhfkit"
+# The rows a run was given in memory (rlhfkit.train(train_dataset=...)), kept beside its config.yaml: written
+# once the folder is prepared and before the trainer opens it, so the trainer's check of an empty folder skips it.
+INPUTS_DIR = "inputs"
 # Keys that a resumed run may change without changing what it computes (up to where the old run stopped).
 RESUMABLE_CHANGES = (
     "output_dir",
@@ -195,7 +198,7 @@ RESUMABLE_CHANGES = (
 def prepare_output_dir(path: str | Path, resume: bool = False, overwrite: bool = False) -> Path:
     """Create the run folder, or check that it may be used; the one place that applies --resume / --overwrite.
 
-    An empty or missing folder is always fine. A non-empty one needs ``resume`` (continue it) or
+    An empty or missing folder is always fine (a run's own :data:`INPUTS_DIR` does not count). A non-empty one needs ``resume`` (continue it) or
     ``overwrite`` (delete it and start again); either needs it to be an rlhfkit run folder, so that a typo
     in ``output_dir`` never deletes or writes into someone's files. The folder's lock is taken first
     (:mod:`rlhfkit.engine.folder`: a folder another process is writing is refused), and a folder with a
@@ -208,7 +211,11 @@ def prepare_output_dir(path: str | Path, resume: bool = False, overwrite: bool =
         raise UserError(f"output folder {path} is a file")
     if (path / RUN_MARKER).is_file():  # a run folder: no other process may be using it
         lock_run_folder(path)
-    contents = [p for p in path.iterdir() if p.name not in (RUN_MARKER, LOCK_FILE)] if path.is_dir() else []
+    contents = (
+        [p for p in path.iterdir() if p.name not in (RUN_MARKER, LOCK_FILE, INPUTS_DIR)]
+        if path.is_dir()
+        else []
+    )
     if contents:
         if not (resume or overwrite):
             raise UserError(

@@ -1,5 +1,6 @@
 """The update's loss terms as configured: the KL loss estimator of ``online.kl_in_loss``, clip-higher and
-dual-clip in the policy loss (with clipfrac split into its parts), each key checked to reach the loss (the
+dual-clip in the policy loss (with clipfrac split into its parts), the importance ratio per sequence (GSPO, also
+in a short GRPO run), each key checked to reach the loss (the
 tests fail when a key is ignored); the per-epoch clipfrac and approx_kl of ``online.epoch_stats``; and dynamic
 sampling (``online.dynamic_sampling``): the replacement of
 groups without a score spread, by hand and in a run."""
@@ -85,9 +86,11 @@ def test_the_default_kl_loss_is_unbiased():
         ("online.clip_eps_high=0.6",),
         ("online.dual_clip=1.2",),
         ("online.clip_eps_high=0.4", "online.dual_clip=1.1"),
+        ("online.importance_sampling_level=sequence",),
+        ("online.importance_sampling_level=sequence", "online.clip_eps_high=0.4", "online.dual_clip=1.1"),
     ],
 )
-def test_clip_higher_and_dual_clip_reach_the_policy_loss(paths, tmp_path, keys):
+def test_clip_higher_dual_clip_and_the_sequence_level_reach_the_policy_loss(paths, tmp_path, keys):
     cfg = online_config(paths, tmp_path / "g", "online.clip_eps=0.05", *keys, kind="grpo")
     ctx = make_context(cfg)
     rollout, new, _ = _off_policy_rollout(ctx, seed=1)
@@ -99,18 +102,48 @@ def test_clip_higher_and_dual_clip_reach_the_policy_loss(paths, tmp_path, keys):
     online = cfg.online
     args = (new, rollout.logprobs, rollout.advantages, online.clip_eps)
     expected, pg = ppo_policy_loss(
-        *args, clip_eps_high=online.clip_eps_high, dual_clip=online.dual_clip, mask=mask
+        *args,
+        clip_eps_high=online.clip_eps_high,
+        dual_clip=online.dual_clip,
+        mask=mask,
+        importance_sampling_level=online.importance_sampling_level,
     )
-    symmetric, _ = ppo_policy_loss(*args, mask=mask)
+    symmetric, _ = ppo_policy_loss(*args, mask=mask)  # per token
     got = float(parts["loss/policy"].detach())
     assert got == pytest.approx(_token_mean(expected, mask), rel=1e-5)
     assert abs(_token_mean(symmetric, mask) - got) > 1e-4  # the keys changed the loss
     means = stats.means(ctx)
-    for part in ("clipfrac/low", "clipfrac/high", "clipfrac/dual"):
+    for part in ("clipfrac/low", "clipfrac/high", "clipfrac/dual", "ratio/mean"):
         assert means[part] == pytest.approx(float(pg[part]), abs=1e-6)
     assert means["clipfrac"] == pytest.approx(
         sum(means[p] for p in ("clipfrac/low", "clipfrac/high", "clipfrac/dual"))
     )
+
+
+def test_a_grpo_run_with_the_sequence_level_runs_end_to_end(paths, tmp_path):
+    """Two rollouts of GRPO with GSPO's ratio (two epochs of two minibatches: the later ones off-policy): the
+    run finishes, its figures are finite, the ratio is 1 before the first update, the policy moved, and the
+    weights differ from the token level's run (the setting reaches the update)."""
+    from safetensors.torch import load_file
+
+    finals = {}
+    for level in ("sequence", "token"):
+        out = tmp_path / level
+        train(
+            online_config(
+                paths, out, "train.max_steps=2", f"online.importance_sampling_level={level}", kind="grpo"
+            )
+        )
+        finals[level] = load_file(str(out / "final" / "model.safetensors"))
+        rows = read_metrics(out / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [1, 2]
+        for row in rows:
+            assert all(v is not None for v in row.values()), row  # NaN / inf would be written as null
+            assert row["ratio/first_minibatch_max_logprob_diff"] == 0.0
+    assert "importance_sampling_level: sequence" in (tmp_path / "sequence" / "config.yaml").read_text()
+    initial = load_file(str(paths["policy"] / "model.safetensors"))
+    assert any(not torch.equal(initial[k], finals["sequence"][k]) for k in initial)
+    assert any(not torch.equal(finals["token"][k], finals["sequence"][k]) for k in initial)
 
 
 @pytest.mark.parametrize("on", [True, False])
@@ -142,6 +175,7 @@ def test_epoch_stats_logs_each_epochs_clipfrac_and_approx_kl(paths, tmp_path, on
         ("grpo", ("online.dual_clip=1.0",), "online.dual_clip"),
         ("grpo", ("online.clip_eps_high=0",), "online.clip_eps_high"),
         ("grpo", ("online.kl_loss_estimator=k1",), "online.kl_loss_estimator"),
+        ("grpo", ("online.importance_sampling_level=seq",), "online.importance_sampling_level"),
         ("ppo", ("online.dynamic_sampling=true",), "online.dynamic_sampling"),
         ("grpo", ("online.dynamic_sampling_rounds=0",), "online.dynamic_sampling_rounds"),
     ],

@@ -203,6 +203,7 @@ def micro_batch_loss(
             clip_eps_high=online.clip_eps_high,
             dual_clip=online.dual_clip,
             mask=mask,
+            importance_sampling_level=online.importance_sampling_level,
         )
         if online.rollout_correction == "tis":  # the engine sampled, not pi_old: Yao et al. 2025 (algos)
             per_token = per_token * tis_weights(
