@@ -161,7 +161,9 @@ def test_tool_errors_are_counted_and_seen_by_the_model():
     tok = tool_tokenizer(marker_tokens=False)
     turns = [[char_ids(tok, call + "</s>")] for call in calls] + [[char_ids(tok, "answer=1</s>")]]
     sampler = ScriptedSampler(turns)
-    runner = runner_for(tok, tools=(calculator, boom, slow), tool_timeout=0.2, response_length=2000, max_turns=6)
+    runner = runner_for(
+        tok, tools=(calculator, boom, slow), tool_timeout=0.2, response_length=2000, max_turns=6
+    )
     out = run_episodes(runner, MODEL, ["What is 12*34?"], generate=sampler)
     errors = [t["error"] for t in out.records[0].turns if t["role"] == "tool"]
     assert errors == ["exception", "timeout", "unknown_tool", "malformed_arguments", "malformed_arguments"]
