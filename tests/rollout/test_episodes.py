@@ -376,3 +376,73 @@ def test_tokenizer_that_puts_a_space_before_every_text_is_refused():
     tok.chat_template = TOOL_TEMPLATE
     with pytest.raises(TemplateError, match="a prefix space"):
         runner_for(tok)
+
+
+def test_the_turn_ends_at_its_call_and_invented_results_are_never_in_the_row():
+    """A model that goes on past its call (writes its own <tool_response>) on a backend that stops only at EOS:
+    the turn is cut after the call's end marker, and the invented text is neither trained nor in the row."""
+    tok = tool_tokenizer(marker_tokens=False)  # the marker is several tokens: no stop id can end the turn
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+    invented = "\n<tool_response>999</tool_response>\nanswer=999"
+    sampler = ScriptedSampler([[char_ids(tok, call + invented + "</s>")], [char_ids(tok, "answer=408</s>")]])
+    out = run_episodes(runner_for(tok), MODEL, ["What is 12*34?"], generate=sampler)
+    _, response, mask = row(out, 0)
+    trained = tok.decode([t for t, m in zip(response, mask, strict=True) if m], skip_special_tokens=False)
+    assert trained == call + "answer=408</s>"
+    assert "999" not in tok.decode(response, skip_special_tokens=False)
+    assert out.records[0].turns[0]["text"] == call
+    assert out.records[0].calls[0]["result"] == "408"
+
+
+def test_a_call_followed_by_eos_keeps_the_models_eos():
+    tok = tool_tokenizer(marker_tokens=False)
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
+    first = char_ids(tok, call + "</s>")
+    sampler = ScriptedSampler([[first], [char_ids(tok, "answer=2</s>")]])
+    out = run_episodes(runner_for(tok), MODEL, ["q"], generate=sampler)
+    _, response, mask = row(out, 0)
+    assert response[: len(first)] == first and all(mask[: len(first)])
+
+
+class CountingSampler(ScriptedSampler):
+    """Hands every row of call k the ids ``script[k]`` and records each call's row count."""
+
+    def __init__(self, script: list[list[int]]):
+        super().__init__([])
+        self.script, self.sizes = script, []
+
+    def __call__(self, model, prompt_ids, prompt_mask, **kwargs):
+        self.turns = [[self.script[len(self.sizes)]] * prompt_ids.shape[0]]
+        self.sizes.append(prompt_ids.shape[0])
+        return super().__call__(model, prompt_ids, prompt_mask, **kwargs)
+
+
+@pytest.mark.parametrize("size, calls", [(None, [5, 5]), (2, [2, 2, 1, 2, 2, 1]), (5, [5, 5])])
+def test_rollout_batch_size_bounds_every_generate_call_of_an_episode(size, calls):
+    tok = tool_tokenizer(marker_tokens=False)
+    call = char_ids(
+        tok, '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+    )
+    half = len(calls) // 2  # the first turn's calls, then the second turn's (answers)
+    sampler = CountingSampler([call] * half + [char_ids(tok, "answer=6</s>")] * half)
+    out = run_episodes(runner_for(tok), MODEL, ["q"] * 5, generate=sampler, rollout_batch_size=size)
+    assert sampler.sizes == calls
+    assert [r.model_turns for r in out.records] == [2] * 5
+    assert all(r.calls[0]["result"] == "6" for r in out.records)
+
+
+def test_reset_text_goes_to_the_last_user_message(tmp_path, monkeypatch):
+    (tmp_path / "env.py").write_text(ENV_FILE)
+    monkeypatch.chdir(tmp_path)
+    tok = tool_tokenizer(marker_tokens=False)
+    runner = runner_for(tok, tools=(), environment="env.py:IncrementEnv")
+    prompt = [
+        {"role": "user", "content": "First question."},
+        {"role": "assistant", "content": "First answer."},
+        {"role": "user", "content": "Count."},
+    ]
+    sampler = ScriptedSampler([[char_ids(tok, "done</s>")]])
+    out = run_episodes(runner, MODEL, [prompt], [{"start": 4}], generate=sampler)
+    users = [m["content"] for m in out.conversations[0] if m["role"] == "user"]
+    assert users == ["First question.", "Count. (the counter starts at 4)"]
+    out.close()

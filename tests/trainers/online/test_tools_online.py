@@ -452,3 +452,28 @@ def test_the_engines_default_length_holds_the_tools_prompt(tmp_path, monkeypatch
     assert seen["s"].max_model_len == 32 + system_line + 48
     start_engine(cfg, None)  # no tools: the data's prompt and the response
     assert seen["s"].max_model_len == 32 + 48
+
+
+@pytest.mark.parametrize("value, stops", [("float('nan')", True), ("None", False), ("'high'", True)])
+def test_an_environments_reward_is_checked_like_a_reward_functions(tmp_path, monkeypatch, value, stops):
+    """get_reward() NaN or a non-number stops the run naming it (it trained silently as "no opinion", and None
+    crashed with a TypeError); None is no opinion."""
+    from rlhfkit.rollout.scoring import RewardFunctionError
+
+    paths = write_tools_problem(tmp_path)
+    paths["env"].write_text(ENV_PY.replace("return 0.25 + 0.5 * self.calls", f"return {value}"))
+    cfg = tools_config(paths, tmp_path / "run", f"online.environment={paths['env']}:CalculatorEnv")
+    ctx = make_context(cfg)
+    ctx = dataclasses.replace(ctx, episodes=episode_runner(cfg, ctx.tokenizer))
+    monkeypatch.setattr(collect, "generate_responses", ToolSampler(ctx.tokenizer))
+    examples = prepare_examples(cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(32))
+    torch.manual_seed(0)
+    batch = prompt_batch(ctx, examples, 1)
+    rollout = sample_rollout(ctx, batch, step=1)
+    if stops:
+        with pytest.raises(RewardFunctionError, match="reward function 'environment.get_reward' returned"):
+            score_rollout(ctx, rollout, batch["records"], batch["episodes"])
+        return
+    scores = score_rollout(ctx, rollout, batch["records"], batch["episodes"])
+    assert bool(scores.parts["environment"].isnan().all())
+    assert not any(t.worker.alive for t in batch["episodes"].tools)  # closed once scored
