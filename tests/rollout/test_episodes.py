@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from rlhfkit.errors import DataError
 from rlhfkit.models import sampling_for
 from rlhfkit.rollout.chat_turns import TemplateError
 from rlhfkit.rollout.episodes import EpisodeRunner, run_episodes
@@ -446,3 +447,54 @@ def test_reset_text_goes_to_the_last_user_message(tmp_path, monkeypatch):
     users = [m["content"] for m in out.conversations[0] if m["role"] == "user"]
     assert users == ["First question.", "Count. (the counter starts at 4)"]
     out.close()
+
+
+LONG_ENV = """
+class Chatty:
+    def reset(self, **row):
+        return " " + "context " * 50
+
+    def noop(self) -> str:
+        '''Nothing.
+
+        Args:
+        '''
+        return ""
+"""
+
+
+@pytest.mark.parametrize("truncation", ["left", "right"])
+def test_an_episode_prompt_is_cut_to_the_limit_plus_what_the_tools_add(tmp_path, monkeypatch, truncation):
+    """data.max_prompt_length held with tools: a long prompt (re-rendered in full by the episode before) and a
+    long reset() text are cut as the data layer cuts prompts, to the limit plus the tools' own tokens."""
+    (tmp_path / "env.py").write_text(LONG_ENV)
+    monkeypatch.chdir(tmp_path)
+    tok = tool_tokenizer(marker_tokens=False)
+    runner = runner_for(
+        tok, tools=(), environment="env.py:Chatty", max_prompt_length=32, truncation=truncation
+    )
+    limit = runner.prompt_limit()
+    assert limit == 32 + runner.turns.prompt_overhead()
+    sampler = ScriptedSampler([[char_ids(tok, "done</s>")] * 2])
+    out = run_episodes(runner, MODEL, ["What is 12*34? " * 20, "Hi."], generate=sampler)
+    lengths = out.query_mask.sum(1).tolist()
+    assert max(lengths) == limit and all(n <= limit for n in lengths)
+    ids = out.query_ids[0][out.query_mask[0].bool()].tolist()
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text.endswith("<|assistant|>") if truncation == "left" else text.startswith("<|system|>")
+    out.close()
+
+
+def test_a_reset_text_over_the_limit_is_a_named_error_under_truncation_error(tmp_path, monkeypatch):
+    (tmp_path / "env.py").write_text(LONG_ENV)
+    monkeypatch.chdir(tmp_path)
+    tok = tool_tokenizer(marker_tokens=False)
+    runner = runner_for(tok, tools=(), environment="env.py:Chatty", max_prompt_length=32, truncation="error")
+    with pytest.raises(
+        DataError, match="reset\\(\\) of episode 0 returned 401 characters .* data.truncation"
+    ):
+        run_episodes(runner, MODEL, ["Hi."], generate=ScriptedSampler([]))
+    # without reset text, a prompt the data layer let through is never refused for the tools' rendering
+    plain = runner_for(tok, max_prompt_length=4, truncation="error")
+    out = run_episodes(plain, MODEL, ["Hi there."], generate=ScriptedSampler([[char_ids(tok, "ok</s>")]]))
+    assert int(out.query_mask.sum()) > plain.prompt_limit()

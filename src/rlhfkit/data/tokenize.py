@@ -110,14 +110,22 @@ def encode_prompt(
             f"is {count} tokens, longer than max_prompt_length={max_prompt_length} "
             "(set data.truncation to left or right to cut it)",
         )
+    return cut_ids(tokenizer, ids, max_prompt_length, truncation)
+
+
+def cut_ids(tokenizer, ids: list[int], max_length: int, truncation: Truncation) -> list[int]:
+    """``ids`` cut to ``max_length``: the first ones (``right``) or the last ones (``left``, keeping a leading
+    BOS), as prompts are cut."""
+    if len(ids) <= max_length:
+        return ids
     if truncation == "right":
-        return ids[:max_prompt_length]
+        return ids[:max_length]
     if truncation != "left":
         raise ValueError(f"truncation must be one of {TRUNCATIONS}, got '{truncation}'")
     bos = tokenizer.bos_token_id
-    if bos is not None and ids[0] == bos and max_prompt_length > 1:
-        return [bos] + ids[len(ids) - max_prompt_length + 1 :]
-    return ids[len(ids) - max_prompt_length :]
+    if bos is not None and ids[0] == bos and max_length > 1:
+        return [bos] + ids[len(ids) - max_length + 1 :]
+    return ids[len(ids) - max_length :]
 
 
 # A plain prompt over max_prompt_length is found on a prefix of this many characters per allowed token, so

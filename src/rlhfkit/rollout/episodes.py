@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from rlhfkit.data.tokenize import cut_ids
+from rlhfkit.errors import DataError
 from rlhfkit.models.sampling import Sampling
 from rlhfkit.rollout.chat_turns import ChatTurns
 from rlhfkit.rollout.episode_batch import EpisodeRecord, Episodes, episode_metrics  # noqa: F401
@@ -85,6 +87,11 @@ class EpisodeRunner:
         pad_token_id: filler.
         sampling: the trainer's sampling (:func:`rlhfkit.models.sampling_for`).
         turns: the template's side (made and checked at start-up by :meth:`create`).
+        max_prompt_length: ``data.max_prompt_length``; an episode's prompt, rendered with the tools and the
+            environment's ``reset`` text, may have this many tokens plus what the tools add to every prompt
+            (:meth:`prompt_limit`); None = no limit.
+        truncation: ``data.truncation`` for a longer one: ``error`` stops the run naming the row, ``left`` /
+            ``right`` cut it as the data layer cuts prompts (:func:`rlhfkit.data.tokenize.encode_prompt`).
     """
 
     tokenizer: Any
@@ -97,6 +104,8 @@ class EpisodeRunner:
     pad_token_id: int
     sampling: Sampling
     turns: ChatTurns
+    max_prompt_length: int | None = None
+    truncation: str = "error"
 
     @classmethod
     def create(cls, tokenizer, toolbox: Toolbox, **settings) -> EpisodeRunner:
@@ -120,11 +129,44 @@ class EpisodeRunner:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def start(self, prompt: str | list[dict], row: dict | None) -> _Episode:
+    def prompt_limit(self) -> int | None:
+        """The most tokens of an episode's prompt: ``max_prompt_length`` plus the tokens the tools add to a
+        rendered prompt (the figure the vllm engine's length is sized with)."""
+        if self.max_prompt_length is None:
+            return None
+        if not hasattr(self, "_prompt_limit"):
+            self._prompt_limit = self.max_prompt_length + self.turns.prompt_overhead()
+        return self._prompt_limit
+
+    def start(self, prompt: str | list[dict], row: dict | None, index: int = 0) -> _Episode:
+        """A new episode of ``prompt`` (row ``index`` of this call, for messages), its tools started and its
+        prompt rendered with them and cut to :meth:`prompt_limit` as ``truncation`` says."""
         tools = self.toolbox.episode(row)
         messages = self.turns.prompt_messages(prompt, tools.reset_text)
         rendered = self.turns.render(messages, add_generation_prompt=True)
-        return _Episode(self.encode(rendered), messages, rendered, tools, prompt_messages=len(messages))
+        ids, limit = self.encode(rendered), self.prompt_limit()
+        if limit is not None and len(ids) > limit:
+            ids = self._cut_prompt(ids, limit, prompt, tools, index)
+        return _Episode(ids, messages, rendered, tools, prompt_messages=len(messages))
+
+    def _cut_prompt(self, ids: list[int], limit: int, prompt, tools: EpisodeTools, index: int) -> list[int]:
+        """A prompt over the limit, cut (``left`` / ``right``) or refused (``error``). Under ``error`` a prompt
+        the data layer let through is never refused for the tools' rendering alone (token merges at the
+        boundary can add one or two): only ``reset`` text that takes it over the limit is."""
+        if self.truncation == "error":
+            plain = len(self.encode(self.turns.render(self.turns.prompt_messages(prompt, None), True)))
+            if tools.reset_text is None or plain >= len(ids):
+                return ids
+            tools.close()
+            raise DataError(
+                "online.environment",
+                f"reset() of episode {index} returned {len(tools.reset_text)} characters that take its prompt to "
+                f"{len(ids)} tokens, over data.max_prompt_length={self.max_prompt_length} + {limit - self.max_prompt_length} "
+                "tokens the tools add (set data.truncation to left or right to cut such prompts, or shorten "
+                "the reset text)",
+                field="reset",
+            )
+        return cut_ids(self.tokenizer, ids, limit, self.truncation)
 
     def call_end(self, sampled: list[int]) -> int | None:
         """How many of a turn's ``sampled`` ids reach the end of its first tool call (the call format's end
@@ -310,7 +352,9 @@ def run_episodes(
     if len(rows) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(rows)} rows")
     device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
-    episodes = [runner.start(prompt, row) for prompt, row in zip(prompts, rows, strict=True)]
+    episodes = [
+        runner.start(prompt, row, i) for i, (prompt, row) in enumerate(zip(prompts, rows, strict=True))
+    ]
     with_logprobs = False
     size = rollout_batch_size or len(episodes)
     for turn in range(runner.max_turns):

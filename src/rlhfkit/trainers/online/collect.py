@@ -201,6 +201,8 @@ def episode_runner(cfg: RunConfig, tokenizer) -> EpisodeRunner | None:
         stop_token_ids=stops,
         pad_token_id=tokenizer.pad_token_id,
         sampling=sampling_for(tokenizer.pad_token_id, stops, online.temperature, online.top_k, online.top_p),
+        max_prompt_length=cfg.data.max_prompt_length,
+        truncation=cfg.data.truncation,
     )
 
 

@@ -97,12 +97,15 @@ def activation_bytes_per_token(config, sequence: int, logits: bool = True) -> in
 
 def default_micro_batch(ctx: OnlineContext, minibatch_rows: int) -> int:
     """Rows per forward / backward when ``train.micro_batch_size`` is unset: as many rows of the longest
-    possible sequence (``data.max_prompt_length`` + ``online.response_length``, the same on every process) as
+    possible sequence (``data.max_prompt_length`` + ``online.response_length``, the same on every process, plus
+    the tokens tools add to a prompt) as
     fit :data:`ACTIVATION_BUDGET_BYTES` of :func:`activation_bytes_per_token`, at least 1 and at most the
     minibatch (a small model takes its whole minibatch in one forward, as before). With a critic (PPO's
     ``gae``), the actor's and the critic's forwards make one loss and one backward, so a row holds both
     models' activations."""
     sequence = ctx.cfg.data.max_prompt_length + ctx.cfg.online.response_length
+    if ctx.episodes is not None:  # an episode's prompt also holds what the tools add to it
+        sequence += ctx.episodes.prompt_limit() - ctx.cfg.data.max_prompt_length
     per_token = activation_bytes_per_token(hf_model(ctx.roles.actor).config, sequence)
     if ctx.roles.critic is not None:
         per_token += activation_bytes_per_token(hf_model(ctx.roles.critic).config, sequence, logits=False)
