@@ -127,6 +127,7 @@ def measure(policy_dir: str | Path, prompts: list[str], p: ToolsPreset, batch: i
             correct += is_correct(prompt, completion)
             used += used_tool(completion)
             calls += len(record.calls)
+        episodes.close()
     n = max(len(prompts), 1)
     return {"correct_rate": correct / n, "tool_use_rate": used / n, "calls_per_episode": calls / n}
 

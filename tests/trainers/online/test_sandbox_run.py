@@ -11,15 +11,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlhfkit.config import load_config
 from rlhfkit.engine.metrics_writer import read_metrics
-from rlhfkit.rollout.generation import Responses, truncate_at_stop
 from rlhfkit.trainers import online
 from rlhfkit.trainers.online import collect
 from tests.helpers import tiny_llama
 from tests.helpers_tools import tool_tokenizer
+from tests.trainers.online.test_online import _hand_built_generation
 
 pytestmark = pytest.mark.skipif(
     shutil.which("bwrap") is None and not os.environ.get("CI"), reason="bubblewrap is not installed"
@@ -60,18 +59,10 @@ class HostileSampler:
                 out = f"```python\n{self.programs[(k + 5) % len(self.programs)]}\n```"
             rows.append(self.tok(out, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id])
         self.turn_rows += len(rows)
-        raw = torch.full((len(rows), max_new_tokens), pad_token_id, dtype=torch.long)
-        for i, r in enumerate(rows):
-            r = r[:max_new_tokens]
-            raw[i, : len(r)] = torch.tensor(r)
-        response_ids, mask, ended = truncate_at_stop(raw, stop_token_ids, pad_token_id)
-        return Responses(
-            torch.cat([prompt_ids, response_ids], 1),
-            torch.cat([prompt_mask, mask.long()], 1),
-            response_ids,
-            mask,
-            ended,
-            prompt_ids.shape[1],
+        raw = [(r + [pad_token_id] * max_new_tokens)[:max_new_tokens] for r in rows]
+        sample = _hand_built_generation(self.tok, raw)
+        return sample(
+            model, prompt_ids, prompt_mask, stop_token_ids=stop_token_ids, pad_token_id=pad_token_id
         )
 
 

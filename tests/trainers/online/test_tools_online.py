@@ -247,18 +247,23 @@ def test_tool_episodes_train_the_model_tokens_only_and_are_logged(tmp_path, monk
                 )
 
 
-def test_junk_in_tool_positions_changes_no_update(tmp_path, monkeypatch):
-    """The trainer's update (policy, value, KL and entropy terms, PPO with a critic) reads nothing at the tool
-    tokens of a rollout: junk there gives bit-identical weights and statistics."""
-    paths = write_tools_problem(tmp_path)
-    cfg = tools_config(paths, tmp_path / "run", "online.ent_coef=0.01", "online.kl_in_loss=true", kind="ppo")
+def scripted_rollout(cfg, monkeypatch, **sample):
+    """One rollout of ``cfg``'s first batch with the scripted :class:`ToolSampler`: (ctx, batch, rollout)."""
     ctx = make_context(cfg)
     ctx = dataclasses.replace(ctx, episodes=episode_runner(cfg, ctx.tokenizer))
     monkeypatch.setattr(collect, "generate_responses", ToolSampler(ctx.tokenizer))
     examples = prepare_examples(cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(32))
     torch.manual_seed(0)
     batch = prompt_batch(ctx, examples, 1)
-    rollout = sample_rollout(ctx, batch, step=1, actor_forward=True)
+    return ctx, batch, sample_rollout(ctx, batch, step=1, **sample)
+
+
+def test_junk_in_tool_positions_changes_no_update(tmp_path, monkeypatch):
+    """The trainer's update (policy, value, KL and entropy terms, PPO with a critic) reads nothing at the tool
+    tokens of a rollout: junk there gives bit-identical weights and statistics."""
+    paths = write_tools_problem(tmp_path)
+    cfg = tools_config(paths, tmp_path / "run", "online.ent_coef=0.01", "online.kl_in_loss=true", kind="ppo")
+    ctx, batch, rollout = scripted_rollout(cfg, monkeypatch, actor_forward=True)
     take_scores(rollout, score_rollout(ctx, rollout, batch["records"], batch["episodes"]))
     shape_rollout(ctx, rollout, ctx.kl_ctl.value)
     rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
@@ -463,13 +468,7 @@ def test_an_environments_reward_is_checked_like_a_reward_functions(tmp_path, mon
     paths = write_tools_problem(tmp_path)
     paths["env"].write_text(ENV_PY.replace("return 0.25 + 0.5 * self.calls", f"return {value}"))
     cfg = tools_config(paths, tmp_path / "run", f"online.environment={paths['env']}:CalculatorEnv")
-    ctx = make_context(cfg)
-    ctx = dataclasses.replace(ctx, episodes=episode_runner(cfg, ctx.tokenizer))
-    monkeypatch.setattr(collect, "generate_responses", ToolSampler(ctx.tokenizer))
-    examples = prepare_examples(cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(32))
-    torch.manual_seed(0)
-    batch = prompt_batch(ctx, examples, 1)
-    rollout = sample_rollout(ctx, batch, step=1)
+    ctx, batch, rollout = scripted_rollout(cfg, monkeypatch)
     if stops:
         with pytest.raises(RewardFunctionError, match="reward function 'environment.get_reward' returned"):
             score_rollout(ctx, rollout, batch["records"], batch["episodes"])
