@@ -111,6 +111,10 @@ def _messages(value, name: str, require_role: str | None = None) -> list[dict]:
                 f"{where}.role", f"unknown role '{role}': expected one of {', '.join(repr(r) for r in ROLES)}"
             )
         content = message.get("content")
+        if content is None and "text" in message:  # another library's message shape
+            raise FieldError(
+                f"{where}.text", "a message's text goes under 'content', not 'text': rename the key to 'content'"
+            )
         if not isinstance(content, str):
             raise FieldError(f"{where}.content", f"expected a string, got {_type_name(content)}")
         if require_role is not None and role != require_role:

@@ -357,7 +357,7 @@ def score_rollout(
     if episodes is not None and episodes.environments and any(e is not None for e in episodes.environments):
         found = [float("nan") if v is None else v for v in episodes.environment_scores()]
         parts["environment"] = torch.tensor(found, dtype=torch.float32, device=ids.device)  # (B,)
-    raw_scores, scored = combine_parts(parts)
+    raw_scores, scored = combine_parts(parts, ctx.scorer.part_weights)
     scores = raw_scores
     if online.missing_eos == "penalty":
         scores = torch.where(rollout.ended, scores, torch.full_like(scores, online.missing_eos_score))
