@@ -56,7 +56,10 @@ def test_a_trl_grpo_config_with_8_trl_keys_is_answered_in_one_run(tmp_path, caps
         load_config(path, [*required(tmp_path), "online.num_generation=4"], "grpo")
     message = str(caught.value)
     assert message.startswith("9 unknown keys") and f"{path}: (1) 'learning_rate'" in message
-    assert "command-line override 'online.num_generation=4': (9) 'online.num_generation' (did you mean" in message
+    assert (
+        "command-line override 'online.num_generation=4': (9) 'online.num_generation' (did you mean"
+        in message
+    )
 
 
 def test_one_unknown_key_keeps_its_one_line_message(tmp_path):
@@ -97,7 +100,9 @@ def test_reward_weights_one_per_function_checked_at_start_up(tmp_path):
 
 def test_a_bare_value_is_a_one_element_list_where_a_list_is_expected(tmp_path):
     base = [f"output_dir={tmp_path / 'run'}", "model.name_or_path=m", "data.train_file=d.jsonl"]
-    cfg = load_config(None, [*base, "online.reward_functions=rewards.py:fn", "online.reward_weights=0.5"], "grpo")
+    cfg = load_config(
+        None, [*base, "online.reward_functions=rewards.py:fn", "online.reward_weights=0.5"], "grpo"
+    )
     assert cfg.online.reward_functions == ["rewards.py:fn"] and cfg.online.reward_weights == [0.5]
     path = tmp_path / "c.yaml"
     path.write_text("online:\n  reward_functions: pkg.module:fn\n  tools: tools.py:search\n")

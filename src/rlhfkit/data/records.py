@@ -113,7 +113,8 @@ def _messages(value, name: str, require_role: str | None = None) -> list[dict]:
         content = message.get("content")
         if content is None and "text" in message:  # another library's message shape
             raise FieldError(
-                f"{where}.text", "a message's text goes under 'content', not 'text': rename the key to 'content'"
+                f"{where}.text",
+                "a message's text goes under 'content', not 'text': rename the key to 'content'",
             )
         if not isinstance(content, str):
             raise FieldError(f"{where}.content", f"expected a string, got {_type_name(content)}")

@@ -418,7 +418,9 @@ def combine_parts(
     not named weighs 1."""
     weights = weights or {}
     stacked = torch.stack(list(parts.values()))  # (K, B)
-    scale = torch.tensor([weights.get(name, 1.0) for name in parts], dtype=stacked.dtype, device=stacked.device)
+    scale = torch.tensor(
+        [weights.get(name, 1.0) for name in parts], dtype=stacked.dtype, device=stacked.device
+    )
     scored = ~stacked.isnan().all(0)  # (B,)
     return (stacked.nan_to_num(0.0) * scale[:, None]).sum(0), scored  # NaN (no opinion) adds nothing
 
