@@ -50,9 +50,8 @@ def train_command(args: argparse.Namespace) -> int:
     set_threads()
     from rlhfkit.rollout.preflight import preflight
 
-    preflight(
-        cfg
-    )  # files, every data row, reward functions, tools, model folders: before anything is written
+    # files, every data row, reward functions, tools, model folders: before anything is written
+    preflight(cfg)
     from rlhfkit.engine.accel import launch_rank
     from rlhfkit.engine.folder import prepare_output_dir  # imports torch
     from rlhfkit.engine.signals import graceful_stop

@@ -21,8 +21,10 @@ keywords, one list entry per response::
 - ``completions``: the text of each response, decoded without special tokens and cut at the stop token;
   for a conversational prompt, as TRL gives it: ``[{"role": "assistant", "content": text}]``;
 - ``completion_ids``: the response's token ids (up to and including the stop token);
-- every other column of the prompt dataset (e.g. ``answer``), under its own name (``None`` for a row
-  that lacks it). TRL's ``trainer_state`` is not passed.
+- every other column of the prompt dataset (e.g. ``answer``), under its own name (``None`` where a row
+  holds null or lacks it). A row without a column that a function takes without a default is refused
+  before training, naming the file, the row and the column (:mod:`rlhfkit.rollout.preflight`): write
+  ``"answer": null`` in a row the function scores without one. TRL's ``trainer_state`` is not passed.
 
 A function without ``**kwargs`` gets only the keywords it names; one that needs a keyword that is not
 there (a column the data lacks) is refused before training. It returns one value per response (a list,
