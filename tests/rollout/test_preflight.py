@@ -246,6 +246,8 @@ def test_row_checks_need_the_key_and_let_a_null_through(tmp_path):
     check_rows([records], {"answer"}, "f")  # null: passed to the function as None, on purpose
     with pytest.raises(DataError, match=r"line 1, field 'level'.*which f takes without a default"):
         check_rows([records], {"answer", "level"}, "f")
+    with pytest.raises(DataError, match=r"^the prompt data, row 1, field 'answer': the row has no 'answer'"):
+        check_rows([[{"answer": 1}, {"prompt": "b"}]], {"answer"}, "f")  # rows given in memory
 
     def fn(prompts, completions, completion_ids, answer, level=1, environments=None, **kwargs):
         return []

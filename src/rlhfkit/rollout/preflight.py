@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from rlhfkit.config import ONLINE_KINDS, RunConfig
 from rlhfkit.data import Records, is_hub_source, load_dataset_records, run_sources
-from rlhfkit.errors import ConfigError, UserError
+from rlhfkit.errors import ConfigError, DataError, UserError
 from rlhfkit.models.loading import check_model_path, read_chat_template
 from rlhfkit.rollout.scoring import (
     CALL_KEYWORDS,
@@ -158,9 +158,10 @@ def row_keywords(fn: Callable) -> set[str]:
     return required - set(CALL_KEYWORDS) - set(EPISODE_KEYWORDS)
 
 
-def check_rows(records: Iterable[Records], columns: set[str], taker: str) -> None:
+def check_rows(records: Iterable[Sequence[dict]], columns: set[str], taker: str) -> None:
     """A DataError naming the file, the row and the column for the first row that lacks one of ``columns``
-    (a key absent from the row: a row with the key set to null passes it as None, on purpose)."""
+    (a key absent from the row: a row with the key set to null passes it as None, on purpose). ``records``:
+    :class:`Records` (their file and lines are named), or plain lists of rows (their index is)."""
     if not columns:
         return
     for rows in records:
@@ -168,13 +169,14 @@ def check_rows(records: Iterable[Records], columns: set[str], taker: str) -> Non
             missing = sorted(columns - row.keys())
             if missing:
                 column = missing[0]
-                raise rows.error(
-                    index,
+                message = (
                     f"the row has no '{column}', which {taker} takes without a default, so every row needs "
                     f'it; add it to this row ("{column}": null for a row the function scores without one), '
-                    f"or give the parameter a default ({column}=None)",
-                    field=column,
+                    f"or give the parameter a default ({column}=None)"
                 )
+                if isinstance(rows, Records):
+                    raise rows.error(index, message, field=column)
+                raise DataError("the prompt data", message, line=index, field=column, row_kind="row")
 
 
 def check_environment_scores(cfg: RunConfig, toolbox: Toolbox) -> None:
