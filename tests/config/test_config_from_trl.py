@@ -96,6 +96,8 @@ def test_reward_weights_one_per_function_checked_at_start_up(tmp_path):
     assert load_config(None, required(tmp_path), "grpo").online.reward_weights is None
     with pytest.raises(ConfigError, match=r"online.reward_weights \(set in .*\): 3 weight\(s\) for 2 reward"):
         load_config(None, [*required(tmp_path), "online.reward_weights=[1, 2, 3]"], "grpo")
+    with pytest.raises(ConfigError, match="online.reward_weights .*every weight must be a finite number"):
+        load_config(None, [*required(tmp_path), "online.reward_weights=[1, .nan]"], "grpo")
 
 
 def test_a_bare_value_is_a_one_element_list_where_a_list_is_expected(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import sys
 from typing import Any
@@ -170,6 +171,8 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 "online.reward_functions: give one weight per function, in their order (the reward model "
                 "and an environment's get_reward are added with weight 1), or null for all 1",
             )
+        if weights is not None and not all(math.isfinite(w) for w in weights):
+            fail("online.reward_weights", f"every weight must be a finite number, got {weights}")
         if online.advantage_estimator in ("grpo", "rloo") and online.group_size < 2:
             fail(
                 "online.group_size",
