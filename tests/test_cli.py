@@ -46,9 +46,12 @@ def fake(monkeypatch):
 
 
 def config_file(tmp_path, out="run", extra=""):
+    """A configuration whose files exist (the pre-flight reads them): one row that is an SFT and a prompt row;
+    Hub names for the models, which nothing here loads."""
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
     path = tmp_path / "cfg.yaml"
     path.write_text(
-        f"output_dir: {tmp_path / out}\nmodel:\n  name_or_path: m\ndata:\n  train_file: d.jsonl\n"
+        f"output_dir: {tmp_path / out}\nmodel:\n  name_or_path: m\ndata:\n  train_file: {tmp_path / 'd.jsonl'}\n"
         f"online:\n  reward_model: rm\n{extra}"
     )
     return path

@@ -173,7 +173,8 @@ def test_the_readme_help_and_config_init_lines_run_as_written(tmp_path):
 
 
 def _write_the_files_the_readme_shows(folder: Path) -> None:
-    """reward.py from its block, and one row for each data file a recipe names, in the shapes the README gives."""
+    """reward.py from its block, one row for each data file a recipe names, in the shapes the README gives, and
+    the folders of the stages the README runs first."""
     text = README.read_text()
     reward = next(body for lang, body in code_blocks(text) if lang == "python" and "def correct" in body)
     ast.parse(reward)
@@ -188,6 +189,11 @@ def _write_the_files_the_readme_shows(folder: Path) -> None:
     (folder / "prefs.jsonl").write_text(json.dumps(pair) + "\n")
     (folder / "demos.jsonl").write_text(json.dumps({"prompt": "Hi", "completion": "Hello!"}) + "\n")
     (folder / "examples").symlink_to(ROOT / "examples")
+    # the model folders the README's earlier stages write (`-> runs/recipes/sft/final`), which the pre-flight of
+    # a later stage looks for: their config only, nothing here loads them
+    for stage in re.findall(r"# -> (runs/recipes/\w+/final)", text):
+        (folder / stage).mkdir(parents=True)
+        (folder / stage / "config.json").write_text("{}")
 
 
 def test_every_train_command_of_the_readme_resolves_with_config_show(tmp_path):

@@ -7,7 +7,7 @@
     rlhfkit label-pairs --model DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
     rlhfkit report RUN_DIR [RUN_DIR ...] [--out FILE]
     rlhfkit config init KIND                                     # a commented YAML of KIND's keys and defaults
-    rlhfkit config show KIND [--config FILE] [dotted.key=value ...]   # validate, print the resolved config
+    rlhfkit config show KIND [--config FILE] [dotted.key=value ...]   # the run's checks, the resolved config
     rlhfkit config reference > docs/configuration.md             # every key, from the dataclasses
 
 A user's mistake (a :class:`rlhfkit.errors.UserError`: bad configuration, bad data, an occupied output
@@ -346,7 +346,8 @@ def _config_parser(commands) -> None:
         "config",
         help="write, check or describe a configuration without training",
         description="Configuration tools: `init` writes a commented YAML of a kind's keys and defaults, `show` "
-        "validates a configuration and prints it resolved (exit 2 with the error a run would give), "
+        "checks a configuration as a run does before loading a model and prints it resolved (exit 2 with the "
+        "error a run would give), "
         "`reference` writes the Markdown reference of every key (docs/configuration.md). None loads a model.",
     )
     tools = conf.add_subparsers(dest="tool", required=True, metavar="TOOL")
@@ -362,8 +363,10 @@ def _config_parser(commands) -> None:
         "show",
         help="validate a configuration and print it resolved",
         description="Resolve the configuration exactly as `rlhfkit train KIND` would (defaults < KIND's "
-        "defaults < FILE < dotted.key=value), check it, and print the keys KIND reads; a mistake exits 2 "
-        "with the error a run would give. No model or data is loaded.",
+        "defaults < FILE < dotted.key=value), run the run's own pre-flight (data files and every row, reward "
+        "functions, tools and environment against the data, model folders), and print the keys KIND reads; "
+        "a mistake exits 2 with the error a run would give. No model is loaded and nothing is downloaded (a "
+        "Hub dataset is named as not read).",
     )
     show.add_argument("kind", choices=KINDS, help=KIND_HELP)
     show.add_argument("--config", metavar="FILE", help="the run's YAML configuration")

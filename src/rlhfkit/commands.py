@@ -72,6 +72,10 @@ def run_training(
     the run folder (inputs/) once it is prepared and read from there, so that the run's ``config.yaml`` resumes it.
     Returns the configuration the run used."""
     set_threads()
+    from rlhfkit.rollout.preflight import preflight
+
+    # files, every data row, reward functions, tools, model folders: before anything is written
+    preflight(cfg)
     from rlhfkit.engine.accel import launch_rank
     from rlhfkit.engine.folder import prepare_output_dir  # imports torch
     from rlhfkit.engine.signals import graceful_stop
@@ -113,16 +117,26 @@ def config_init_command(args: argparse.Namespace) -> int:
 
 def config_show_command(args: argparse.Namespace) -> int:
     """Print the resolved configuration of ``rlhfkit train KIND``, the keys KIND reads, as YAML that
-    ``rlhfkit train KIND --config`` reads back; loads no model, imports no torch beyond the choices'."""
+    ``rlhfkit train KIND --config`` reads back, after the run's own pre-flight
+    (:func:`rlhfkit.rollout.preflight.preflight`: files, every data row, reward functions, tools, model
+    folders); loads no model and downloads nothing (a Hub dataset is named as not read)."""
     import yaml
 
     from rlhfkit.config import KIND_SECTIONS, config_to_dict
+    from rlhfkit.rollout.preflight import preflight
 
     cfg = train_config(args.kind, args.config, args.overrides)
+    checked = preflight(cfg, download=False)
     resolved = config_to_dict(cfg)
     shown = {"output_dir": resolved["output_dir"], "seed": resolved["seed"], "kind": resolved["kind"]}
     shown.update({name: resolved[name] for name in KIND_SECTIONS[args.kind]})
-    print(f"# rlhfkit train {args.kind}: the resolved configuration (valid)")
+    rows = sum(len(r) for r in (checked.records, checked.heldout) if r is not None)
+    print(
+        f"# rlhfkit train {args.kind}: the resolved configuration, checked as the run checks it before "
+        f"loading a model ({rows} data rows read)"
+    )
+    if checked.not_read:
+        print(f"# not read (a Hub dataset: the run downloads it): {', '.join(checked.not_read)}")
     sys.stdout.write(yaml.safe_dump(shown, sort_keys=False, allow_unicode=True))
     return 0
 

@@ -156,7 +156,7 @@ def test_overrides_beat_the_file_and_parse_as_yaml_scalars(tmp_path):
         ("data.num_proc=0", ["data.num_proc", "must be > 0"]),
         ("logging.samples_per_step=-1", ["logging.samples_per_step", "must be >= 0"]),
         ("data.shuffle=maybe", ["data.shuffle", "maybe"]),
-        ("online.reward_functions=a:f", ["online.reward_functions"]),
+        ("online.reward_functions={a: f}", ["online.reward_functions"]),  # a bare a:f is a one-element list
         ("model=foo", ["'model' is a section"]),
         ("train.batch_size=0", ["train.batch_size", "must be > 0, got 0", "command-line override"]),
         ("online.top_p=1.5", ["online.top_p", "must be <= 1"]),

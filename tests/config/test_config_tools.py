@@ -1,6 +1,7 @@
 """`rlhfkit train KIND --help`, `rlhfkit config init KIND` and `rlhfkit config show KIND`: KIND's keys at
 KIND's defaults, a configuration checked without a run, and TRL's key names answered with rlhfkit's."""
 
+import json
 import re
 
 import pytest
@@ -14,16 +15,29 @@ from rlhfkit.errors import ConfigError
 REQUIRED = {
     "ppo": ["online.reward_model=rm"],
     "grpo": ["online.reward_model=rm"],
-    "rloo": ["online.reward_functions=[rewards.py:fn]"],
+    "rloo": ["online.reward_functions=[{}/rewards.py:fn]"],
+}
+# one row of each kind's data, for the pre-flight of `config show` (it reads every row)
+ROW = {
+    "sft": {"prompt": "a", "completion": "b"},
+    "reward": {"prompt": "a", "chosen": "b", "rejected": "c"},
+    "dpo": {"prompt": "a", "chosen": "b", "rejected": "c"},
+    "prm": {"prompt": "a", "steps": ["b"], "labels": [True]},
 }
 
 
 def required(tmp_path, kind):
+    """The required keys of ``kind`` (a Hub model name: nothing is loaded), with the data file and the reward
+    function they name written under ``tmp_path``."""
+    (tmp_path / "d.jsonl").write_text(json.dumps(ROW.get(kind, {"prompt": "a"})) + "\n")
+    (tmp_path / "rewards.py").write_text(
+        "def fn(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n"
+    )
     return [
         f"output_dir={tmp_path / 'run'}",
         "model.name_or_path=m",
-        "data.train_file=d.jsonl",
-        *REQUIRED.get(kind, []),
+        f"data.train_file={tmp_path / 'd.jsonl'}",
+        *(item.format(tmp_path) for item in REQUIRED.get(kind, [])),
     ]
 
 
@@ -130,9 +144,10 @@ def test_config_show_loads_no_model(tmp_path):
     code = (
         "import sys; from rlhfkit import cli; "
         f"code = cli.main(['config', 'show', 'grpo', *{required(tmp_path, 'grpo')!r}]); "
-        "loaded = [m for m in ('transformers', 'datasets', 'rlhfkit.models', 'rlhfkit.trainers') if m in sys.modules]; "
+        "loaded = [m for m in ('transformers', 'datasets', 'rlhfkit.trainers') if m in sys.modules]; "
         "print(code, loaded, file=sys.stderr)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stderr.strip().splitlines()[-1] == "0 []", done.stderr
+    assert "(1 data rows read)" in done.stdout  # the pre-flight read the data, without transformers
     assert "group_size: 4" in done.stdout

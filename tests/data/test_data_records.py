@@ -154,6 +154,15 @@ BAD_JSONL = [
         "expected a string, got null",
     ),
     ("sft", [{"messages": "hi"}], 1, "messages", "expected a list of messages, got str"),
+    # another library's message shape: the key is named, and the fix
+    (
+        "sft",
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "text": "x"}]}],
+        1,
+        "messages[1].text",
+        "a message's text goes under 'content', not 'text': rename the key to 'content'",
+    ),
+    ("prompts", [{"prompt": [{"role": "user", "text": "hi"}]}], 1, "prompt[0].text", "not 'text'"),
     # a misspelt role is named, in every place a message can be (a prompt, a reply, a conversation)
     (
         "sft",

@@ -230,3 +230,20 @@ def test_wandb_and_tensorboard_sinks(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     with pytest.raises(ConfigError, match="logging.wandb is true, but wandb is not installed"):
         RunDir(tmp_path / "other", config=config(tmp_path / "other", "logging.wandb=true"))
+
+
+def test_the_run_line_names_the_precision_the_run_computes_in(tmp_path, monkeypatch):
+    """config.yaml's run line holds the precision (model.dtype, and what auto resolved to), which the report
+    names."""
+    from rlhfkit.config import read_run_info
+    from rlhfkit.engine.accel import make_accelerator
+    from rlhfkit.engine.folder import open_run
+
+    accelerator = make_accelerator(cpu=True)
+    for name, extra, expected in (("auto", (), "float32"), ("bf16", ("model.dtype=bfloat16",), "bfloat16")):
+        open_run(config(tmp_path / name, *extra), accelerator)
+        assert read_run_info(tmp_path / name / "config.yaml")["precision"] == expected, name
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU with bf16: auto means bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    open_run(config(tmp_path / "gpu"), accelerator)
+    assert read_run_info(tmp_path / "gpu" / "config.yaml")["precision"] == "bfloat16"

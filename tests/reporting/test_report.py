@@ -243,6 +243,45 @@ def test_warning_marks_reach_the_page(tmp_path):
     assert "KL running away" in page and "The rules checked" in page
 
 
+def test_a_calm_run_too_short_for_the_trend_rules_says_so(tmp_path):
+    """ "No warning sign fired" on 4 rollouts says that the trend rules (6 points) could not fire; on 10 it does
+    not; on 2 no rule could."""
+    for name, n, words in (
+        ("short", 4, "the run logged only 4 points: the trend rules (KL running away"),
+        ("tiny", 2, "the run logged only 2 points: none of the rules could fire"),
+        ("long", 10, None),
+    ):
+        write_run(tmp_path / name, online_rows(n))
+        page = write_report(tmp_path / name).read_text()
+        md = (tmp_path / name / "report.md").read_text()
+        assert "No warning sign fired." in page and "None of the rules fired" in md
+        if words is None:
+            assert "the run logged only" not in page and "the run logged only" not in md
+        else:
+            assert f"No warning sign fired. But {words}" in page and f"; but {words}" in md, name
+    assert health.too_short(load_run(tmp_path / "short").series).endswith("so no sign here says little")
+
+
+def test_the_report_names_the_model_lora_and_precision(tmp_path):
+    config = (
+        '# run: {"device": "cuda", "precision": "bfloat16", "world_size": 1}\n'
+        "kind: grpo\nmodel:\n  name_or_path: runs/sft/final\n  dtype: auto\n  lora_rank: 16\n"
+        "  lora_alpha: 32.0\n  lora_target_modules: q_proj,v_proj\n"
+    )
+    write_run(tmp_path / "lora", online_rows(), config=config)
+    setup = (
+        "model runs/sft/final; LoRA rank 16, alpha 32 on q_proj,v_proj; precision bfloat16 (model.dtype auto)"
+    )
+    assert load_run(tmp_path / "lora").setup == setup
+    assert setup in write_report(tmp_path / "lora").read_text()
+    assert f"Setup: {setup}." in (tmp_path / "lora" / "report.md").read_text()
+    write_run(
+        tmp_path / "full", online_rows(), config="kind: ppo\nmodel:\n  name_or_path: m\n  dtype: float32\n"
+    )
+    assert load_run(tmp_path / "full").setup == "model m; no LoRA (full fine-tuning); precision float32"
+    assert load_run(tmp_path / "lora").run_info["device"] == "cuda"
+
+
 def test_readable_names_na_and_the_negative_kl_note(tmp_path):
     assert label("eval.eval/gold/mean") == "held-out gold score"
     assert label("ppo.kl_mean") == "ppo: KL to the reference (nats / response)"

@@ -10,7 +10,7 @@ import torch
 
 from rlhfkit.errors import ConfigError
 from rlhfkit.models import sequence_scores
-from rlhfkit.rollout.scoring import RewardFunctionError, Scorer, load_reward_function
+from rlhfkit.rollout.scoring import RewardFunctionError, Scorer, combine_parts, load_reward_function
 from tests.helpers import pad_batch, tiny_llama
 
 FUNCTIONS = """
@@ -94,6 +94,33 @@ def test_numpy_and_tensor_outputs_are_accepted_and_parts_are_summed():
     )
     assert scores.dtype == torch.float32 and scores.tolist() == [4.5, 5.0] and scored.tolist() == [True, True]
     assert list(parts) == ["np", "torch", "ints"]
+
+
+def test_reward_weights_weigh_each_function_in_the_sum_by_hand():
+    """online.reward_weights (TRL's reward_weights): score = reward model + sum_i w_i * f_i, a None (no opinion)
+    adding nothing whatever its weight; the parts stay each function's own, unweighted values."""
+    scorer = Scorer(
+        functions=[
+            ("a", lambda completions: [1.0, 2.0, None]),
+            ("b", lambda completions: [10.0, None, None]),
+            ("c", lambda completions: [-4.0, 3.0, None]),
+        ],
+        weights=[0.5, 2.0, -0.25],
+    )
+    scores, parts, scored = scorer(
+        torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2), ["p"] * 3, ["x", "y", "z"], [{}] * 3
+    )
+    # row 0: 0.5*1 + 2*10 - 0.25*-4 = 21.5; row 1: 0.5*2 + (None) - 0.25*3 = 0.25; row 2: no opinion at all
+    assert scores.tolist() == [21.5, 0.25, 0.0] and scored.tolist() == [True, True, False]
+    assert parts["a"][:2].tolist() == [1.0, 2.0] and parts["b"][0].item() == 10.0  # unweighted parts
+    assert Scorer(functions=scorer.functions)(
+        torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2), ["p"] * 3, ["x", "y", "z"], [{}] * 3
+    )[0].tolist() == [7.0, 5.0, 0.0]  # no weights: all 1
+    # a part the weights do not name (an environment's, the reward model's) weighs 1
+    extra = {**parts, "environment": torch.tensor([1.0, float("nan"), 2.0])}
+    assert combine_parts(extra, scorer.part_weights)[0].tolist() == [22.5, 0.25, 2.0]
+    with pytest.raises(ConfigError, match="2 weight\\(s\\) for 3 reward function"):
+        Scorer(functions=scorer.functions, weights=[1.0, 2.0])
 
 
 def trl_style(prompts, completions, completion_ids, answer, **kwargs):

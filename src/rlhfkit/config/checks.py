@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import sys
 from typing import Any
 
 from rlhfkit.config.fields import check_bounds, field_types, get_dotted, literal_choices
@@ -122,6 +124,8 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
             f"must be below data.max_length ({run.data.max_length}) to leave room "
             f"for a response, got {run.data.max_prompt_length}",
         )
+    if train.warmup_steps > train.max_steps:
+        warn_long_warmup(train, set_by)
     sharding = sharding_mode(run)
     if sharding != "none":
         _check_sharding(run, kind, fail, _sharding_source(run, sharding))
@@ -161,6 +165,16 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 "set online.reward_model and/or online.reward_functions (or an online.environment with "
                 "get_reward): nothing scores the responses",
             )
+        weights = online.reward_weights
+        if weights is not None and len(weights) != len(online.reward_functions):
+            fail(
+                "online.reward_weights",
+                f"{len(weights)} weight(s) for {len(online.reward_functions)} reward function(s) in "
+                "online.reward_functions: give one weight per function, in their order (the reward model "
+                "and an environment's get_reward are added with weight 1), or null for all 1",
+            )
+        if weights is not None and not all(math.isfinite(w) for w in weights):
+            fail("online.reward_weights", f"every weight must be a finite number, got {weights}")
         if online.advantage_estimator in ("grpo", "rloo") and online.group_size < 2:
             fail(
                 "online.group_size",
@@ -190,6 +204,21 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 f"must divide the responses per rollout (train.batch_size * "
                 f"online.group_size = {responses}), got {online.num_minibatches}",
             )
+
+
+def warn_long_warmup(train, set_by: dict[str, str]) -> None:
+    """One ``rlhfkit: warning:`` line when the warm-up outlasts the run: the learning rate then rises the whole
+    run and ends at max_steps / warmup_steps of train.learning_rate (:func:`rlhfkit.engine.optim.lr_lambda`).
+    A warning, not an error: a recipe tried for a few steps (``train.max_steps=2`` on the command line) is the
+    usual way to meet it, and that run should go ahead; a full run said so at its start is fixed at once."""
+    where = "".join(f" (set in {set_by[k]})" for k in ("train.warmup_steps",) if k in set_by)
+    print(
+        f"rlhfkit: warning: train.warmup_steps={train.warmup_steps}{where} is longer than train.max_steps="
+        f"{train.max_steps}: the learning rate rises for the whole run and reaches only "
+        f"{train.max_steps / train.warmup_steps:.0%} of train.learning_rate={train.learning_rate:g} at the "
+        "last step; lower train.warmup_steps to train at that rate",
+        file=sys.stderr,
+    )
 
 
 def _check_sharding(run: RunConfig, kind: str, fail, sharding: str) -> None:

@@ -85,6 +85,18 @@ def literal_choices(tp: Any) -> tuple | None:
     return None
 
 
+def is_list(tp: Any) -> bool:
+    """Whether a field's type is a list (also inside ``Optional``): ``list[str]``, ``list[float] | None``."""
+    import types
+    import typing
+
+    if typing.get_origin(tp) is list:
+        return True
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and any(
+        typing.get_origin(arg) is list for arg in typing.get_args(tp)
+    )
+
+
 def get_dotted(obj: Any, dotted: str) -> Any:
     """The value at ``dotted`` (e.g. ``"online.group_size"``) of a configuration."""
     for part in dotted.split("."):

@@ -27,6 +27,12 @@ class OnlineConfig:
     reward_functions: list[str] = option(
         [], "Reward functions 'pkg.module:fn' or 'path/to/file.py:fn', added to the reward model's score."
     )
+    reward_weights: list[float] | None = option(
+        None,
+        "One weight per reward function, in the order of reward_functions: the score is the reward model's "
+        "score + the sum of weight * value (TRL's reward_weights); none = all 1. The reward model and an "
+        "environment's get_reward() are added with weight 1.",
+    )
     tools: list[str] = option(
         [],
         "Tools the policy may call, 'path/to/file.py:fn' or 'pkg.module:fn': functions with a type hint on every "

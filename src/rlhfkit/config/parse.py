@@ -11,10 +11,10 @@ from typing import Any, Literal
 
 from rlhfkit.config.checks import key_failure, validate
 from rlhfkit.config.describe import keys
-from rlhfkit.config.fields import check_bounds, field_types, is_section, literal_choices
+from rlhfkit.config.fields import check_bounds, field_types, is_list, is_section, literal_choices
 from rlhfkit.config.legacy import apply_old_keys, pop_old_keys
 from rlhfkit.config.run import KIND_DEFAULTS, KIND_FORCED, KIND_SECTIONS, KINDS, RunConfig
-from rlhfkit.config.trl_names import trl_hint
+from rlhfkit.config.trl_names import trl_defaults_warning, trl_hint
 from rlhfkit.errors import ConfigError
 
 
@@ -51,10 +51,16 @@ def load_config(
     cfg = OmegaConf.structured(_omegaconf_schema(RunConfig))
     set_by: dict[str, str] = {}  # dotted key -> where its value was last set
     old_keys = []  # keys of earlier versions (rlhfkit.config.legacy)
+    unknown: list[tuple[str, str, str]] = []  # (source, key, hint): every layer's, reported together
     for source, values in stack:
         old_keys += pop_old_keys(values, source)
-        for key in _check_keys(values, RunConfig, "", source, kind):
-            set_by[key] = source
+        seen, wrong = _check_keys(values, RunConfig, "", source, kind)
+        set_by.update(dict.fromkeys(seen, source))
+        unknown += [(source, key, hint) for key, hint in wrong]
+    if unknown:
+        trl_defaults_warning(kind, [key for _, key, _ in unknown], set_by)
+        raise unknown_keys_error(unknown)
+    for source, values in stack:
         try:
             cfg = OmegaConf.merge(cfg, values)
         except Exception as e:  # omegaconf's ValidationError / ConfigKeyError and friends
@@ -206,16 +212,19 @@ def _nest(flat: dict[str, Any]) -> dict:
     return out
 
 
-def _check_keys(values: dict, cls: type, prefix: str, source: str, kind: str) -> list[str]:
-    """Refuse unknown keys (suggesting the right one); return the dotted keys set."""
+def _check_keys(
+    values: dict, cls: type, prefix: str, source: str, kind: str
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The dotted keys ``values`` sets, and its unknown keys as ``(key, hint)`` (the hint suggests the right
+    key). A bare value where a list is expected (``online.reward_functions=rewards.py:fn``) becomes a
+    one-element list here."""
     hints = field_types(cls)
-    seen = []
+    seen, unknown = [], []
     for name, value in values.items():
         key = prefix + str(name)
         if name not in hints:
-            raise ConfigError(
-                f"{source}: unknown key '{key}'{_unknown_key_hint(str(name), prefix, hints, kind)}"
-            )
+            unknown.append((key, _unknown_key_hint(str(name), prefix, hints, kind)))
+            continue
         if is_section(hints[name]):
             if value is None:  # `online:` with every key commented out
                 values[name] = value = {}
@@ -223,10 +232,27 @@ def _check_keys(values: dict, cls: type, prefix: str, source: str, kind: str) ->
                 raise ConfigError(
                     f"{source}: '{key}' is a section; expected a mapping of its keys, got {value!r}"
                 )
-            seen += _check_keys(value, hints[name], key + ".", source, kind)
+            more, wrong = _check_keys(value, hints[name], key + ".", source, kind)
+            seen += more
+            unknown += wrong
         else:
+            if isinstance(value, str | int | float) and not isinstance(value, bool) and is_list(hints[name]):
+                values[name] = [value]
             seen.append(key)
-    return seen
+    return seen, unknown
+
+
+def unknown_keys_error(unknown: list[tuple[str, str, str]]) -> ConfigError:
+    """One ConfigError for every unknown key of every layer ``(source, key, hint)``, so that a configuration
+    written for another library (TRL's names) is answered in one run, not one key at a time."""
+    if len(unknown) == 1:
+        source, key, hint = unknown[0]
+        return ConfigError(f"{source}: unknown key '{key}'{hint}")
+    by_source: dict[str, list[str]] = {}
+    for number, (source, key, hint) in enumerate(unknown, 1):
+        by_source.setdefault(source, []).append(f"({number}) '{key}'{hint}")
+    listed = [f"{source}: {'; '.join(items)}" for source, items in by_source.items()]
+    return ConfigError(f"{len(unknown)} unknown keys, all listed here: " + "; ".join(listed))
 
 
 def _unknown_key_hint(name: str, prefix: str, hints: dict[str, Any], kind: str) -> str:

@@ -12,7 +12,10 @@ section is completed by :func:`rlhfkit.config.parse` without this table.
 
 from __future__ import annotations
 
-from rlhfkit.config.run import ONLINE_KINDS
+import sys
+
+from rlhfkit.config.fields import get_dotted
+from rlhfkit.config.run import KIND_DEFAULTS, ONLINE_KINDS, RunConfig
 
 _BATCH_NOTE = (
     "sequences per forward/backward pass per process; train.batch_size is the global batch: sequences or "
@@ -136,6 +139,11 @@ TRL_NAMES: dict[str, dict[str, tuple[str | None, str]]] = {
     },
     "vllm_importance_sampling_cap": {"*": ("online.rollout_correction_cap", "")},
     "reward_funcs": {"*": ("online.reward_functions", "'path/to/file.py:fn' or 'pkg.module:fn'")},
+    "reward_weights": {"*": ("online.reward_weights", "one weight per reward function; null = all 1")},
+    "log_completions": {
+        "*": ("logging.samples_per_step", "responses per rollout written to samples.jsonl; 0 = none")
+    },
+    "num_completions_to_print": {"*": ("logging.samples_per_step", "")},
     "reward_model_path": {"*": ("online.reward_model", "")},
     "sft_model_path": {"*": ("model.name_or_path", "the policy starts from it")},
     "whiten_rewards": {"*": ("online.normalize_advantages", "rlhfkit whitens advantages, not rewards")},
@@ -175,3 +183,35 @@ def trl_hint(name: str, kind: str) -> tuple[str | None, str] | None:
         if scope in scopes:
             return scopes[scope]
     return next(iter(scopes.values()))
+
+
+# Defaults of TRL's GRPOConfig that differ from rlhfkit's for ppo / grpo / rloo: TRL name -> (rlhfkit key, TRL's
+# value, what TRL does with it). A configuration copied from TRL that leaves them out trains differently.
+TRL_ONLINE_DEFAULTS: dict[str, tuple[str, object, str]] = {
+    "beta": ("online.kl_coef", 0.0, "no KL term; a KL set there goes in the loss, rlhfkit's in the reward"),
+    "num_iterations": ("online.ppo_epochs", 1, "one pass over each rollout"),
+    "temperature": ("online.temperature", 1.0, "sampling at temperature 1"),
+}
+
+
+def trl_defaults_warning(kind: str, unknown: list[str], set_by: dict[str, str]) -> None:
+    """One ``rlhfkit: warning:`` line when the unknown keys of a ``ppo`` / ``grpo`` / ``rloo`` configuration
+    include TRL names (it was written for TRL): the rlhfkit defaults in force where TRL's GRPOConfig defaults
+    differ, for the keys the configuration sets under neither name (:data:`TRL_ONLINE_DEFAULTS`)."""
+    names = {key.rsplit(".", 1)[-1] for key in unknown}
+    if kind not in ONLINE_KINDS or not names & (set(TRL_NAMES) | set(TRL_ONLINE_DEFAULTS)):
+        return
+    defaults = RunConfig()
+    in_force = []
+    for trl_name, (key, trl_value, meaning) in TRL_ONLINE_DEFAULTS.items():
+        if key in set_by or trl_name in names:
+            continue
+        value = KIND_DEFAULTS.get(kind, {}).get(key, get_dotted(defaults, key))
+        in_force.append(f"{key}={value} (TRL: {trl_name}={trl_value}, {meaning})")
+    if not in_force:
+        return
+    print(
+        "rlhfkit: warning: this configuration uses TRL's names; where TRL's GRPOConfig defaults differ, "
+        f"rlhfkit's are in force: {'; '.join(in_force)}. Set these keys to train as TRL's defaults would",
+        file=sys.stderr,
+    )

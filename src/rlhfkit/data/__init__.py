@@ -21,8 +21,14 @@ from rlhfkit.data.collators import (
     SFTCollator,
     pad_sequences,
 )
-from rlhfkit.data.prepare import Examples, prepare_examples, prepare_run_data, tokenize_cached
-from rlhfkit.data.readers import RawRows, read_rows
+from rlhfkit.data.prepare import (
+    Examples,
+    prepare_examples,
+    prepare_run_data,
+    run_sources,
+    tokenize_cached,
+)
+from rlhfkit.data.readers import RawRows, is_hub_source, read_rows
 from rlhfkit.data.records import KINDS, Records, load_dataset_records, validate_rows
 from rlhfkit.data.tokenize import (
     TokenLimits,
@@ -50,12 +56,14 @@ __all__ = [
     "TokenLimits",
     "check_columns",
     "encode_prompt",
+    "is_hub_source",
     "encode_response",
     "load_dataset_records",
     "pad_sequences",
     "prepare_examples",
     "prepare_run_data",
     "read_rows",
+    "run_sources",
     "render_chat",
     "tokenize_preference",
     "tokenize_prm",

@@ -238,58 +238,58 @@ def prepare_examples(
     return tokenize_cached(records, tokenizer, limits, num_proc)
 
 
-def prepare_run_data(
-    data_cfg: Any, kind: Kind, tokenizer, limits: TokenLimits, accelerator: Any = None
-) -> tuple[Examples, Examples | None]:
-    """The training and evaluation examples of a run's ``data`` section.
+def run_sources(data_cfg: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Where a run's ``data`` section reads its training and held-out rows: the keywords of
+    :func:`load_dataset_records` (``source``, ``split``, ``split_key``, ``dataset_config``) for each; None for
+    no held-out data.
 
     Training: ``data.train_file``, split ``data.train_split``. Evaluation: ``data.eval_file`` (split
     ``data.eval_split``, or its only split when that is unset: a dataset with several splits is an error
     that names them, never a silent choice of ``train``); with no ``eval_file``, ``data.eval_split`` of the
-    training dataset; neither: no evaluation. ``data.columns`` applies to both; ``data.dataset_config`` to the
-    training dataset, and to ``eval_file`` when it names the same dataset. With ``accelerator``, the main
-    process prepares first and the others then read its cache.
+    training dataset; neither: no evaluation. ``data.dataset_config`` applies to the training dataset, and to
+    ``eval_file`` when it names the same dataset.
+    """
+    config = data_cfg.dataset_config
+    train = {
+        "source": data_cfg.train_file,
+        "split": data_cfg.train_split,
+        "split_key": "data.train_split",
+        "dataset_config": config,
+    }
+    if data_cfg.eval_file:
+        same = data_cfg.eval_file == data_cfg.train_file
+        return train, {
+            "source": data_cfg.eval_file,
+            "split": data_cfg.eval_split,
+            "split_key": "data.eval_split",
+            "dataset_config": config if same else None,
+        }
+    if data_cfg.eval_split:
+        if data_cfg.eval_split == data_cfg.train_split:
+            from rlhfkit.errors import ConfigError
+
+            raise ConfigError(
+                f"data.eval_split: '{data_cfg.eval_split}' is also data.train_split; evaluating "
+                "on the training rows measures nothing"
+            )
+        return train, {**train, "split": data_cfg.eval_split, "split_key": "data.eval_split"}
+    return train, None
+
+
+def prepare_run_data(
+    data_cfg: Any, kind: Kind, tokenizer, limits: TokenLimits, accelerator: Any = None
+) -> tuple[Examples, Examples | None]:
+    """The training and evaluation examples of a run's ``data`` section, read from :func:`run_sources`
+    (``data.columns`` applies to both). With ``accelerator``, the main process prepares first and the others
+    then read its cache.
     """
     options = {"columns": data_cfg.columns, "num_proc": data_cfg.num_proc}
-    config = data_cfg.dataset_config
+    train_source, heldout_source = run_sources(data_cfg)
     with accelerator.main_process_first() if accelerator is not None else nullcontext():
-        train = prepare_examples(
-            data_cfg.train_file,
-            kind,
-            tokenizer,
-            limits,
-            data_cfg.train_split,
-            dataset_config=config,
-            **options,
-        )
+        train = prepare_examples(kind=kind, tokenizer=tokenizer, limits=limits, **train_source, **options)
         heldout = None
-        if data_cfg.eval_file:
+        if heldout_source is not None:
             heldout = prepare_examples(
-                data_cfg.eval_file,
-                kind,
-                tokenizer,
-                limits,
-                data_cfg.eval_split,
-                split_key="data.eval_split",
-                dataset_config=config if data_cfg.eval_file == data_cfg.train_file else None,
-                **options,
-            )
-        elif data_cfg.eval_split:
-            if data_cfg.eval_split == data_cfg.train_split:
-                from rlhfkit.errors import ConfigError
-
-                raise ConfigError(
-                    f"data.eval_split: '{data_cfg.eval_split}' is also data.train_split; evaluating "
-                    "on the training rows measures nothing"
-                )
-            heldout = prepare_examples(
-                data_cfg.train_file,
-                kind,
-                tokenizer,
-                limits,
-                data_cfg.eval_split,
-                split_key="data.eval_split",
-                dataset_config=config,
-                **options,
+                kind=kind, tokenizer=tokenizer, limits=limits, **heldout_source, **options
             )
     return train, heldout

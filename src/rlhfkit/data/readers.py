@@ -73,7 +73,7 @@ def read_rows(
             return _read_hub(source, split, split_key, config, where=path)
         return _read_datasets_folder(source, path, split, split_key)
     lower = path.lower()
-    if os.path.exists(path) or lower.endswith(FILE_SUFFIXES) or path.startswith((".", "/", "~")):
+    if not is_hub_source(source):
         if not os.path.exists(path):
             raise DataError(source, "file not found")
         if not lower.endswith(FILE_SUFFIXES):
@@ -84,6 +84,14 @@ def read_rows(
             return _read_parquet(source, path)
         return _read_json(source, path, lines=lower.endswith(JSONL_SUFFIXES))
     return _read_hub(source, split, split_key, config)
+
+
+def is_hub_source(source: str | os.PathLike) -> bool:
+    """Whether :func:`read_rows` reads ``source`` from the Hub (``datasets.load_dataset`` of a name): it is no
+    local file or folder, has no data file's suffix and does not start like a path (``.``, ``/``, ``~``)."""
+    path = os.path.expanduser(os.fspath(source))
+    local = os.path.exists(path) or path.lower().endswith(FILE_SUFFIXES) or path.startswith((".", "/", "~"))
+    return not local
 
 
 def _saved_to_disk(path: str) -> bool:

@@ -128,6 +128,11 @@ def all_sum(accelerator, values: torch.Tensor | float) -> torch.Tensor:
     return accelerator.reduce(values, reduction="sum")
 
 
+def auto_precision() -> str:
+    """What ``model.dtype=auto`` computes in here: bfloat16 on a CUDA GPU that supports it, else float32."""
+    return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+
+
 def world_info(accelerator) -> dict[str, Any]:
     """How this run is spread: processes, launcher, backend, device, torch threads per process."""
     backend = None

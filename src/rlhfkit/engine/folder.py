@@ -352,10 +352,11 @@ def open_run(cfg: RunConfig, accelerator, resume: bool = False, overwrite: bool 
     """Open the run folder for a trainer: the main process prepares it and writes ``config.yaml`` (with the
     run line: processes, launcher, threads) and says on stderr how many processes train; every other
     process waits for that before it looks at the folder."""
-    from rlhfkit.engine.accel import announce, world_info
+    from rlhfkit.engine.accel import announce, auto_precision, world_info
     from rlhfkit.engine.sharded import sharding_mode
 
-    info = {**world_info(accelerator), "sharding": sharding_mode(cfg)}
+    precision = cfg.model.dtype if cfg.model.dtype != "auto" else auto_precision()  # what the report names
+    info = {**world_info(accelerator), "sharding": sharding_mode(cfg), "precision": precision}
     main = accelerator.is_main_process
     if main:
         announce(info, cfg.kind)

@@ -25,12 +25,15 @@ Ziegler et al. 2019 reward model init).
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import re
 from typing import Literal
 
 import torch
 
+from rlhfkit.engine.accel import auto_precision
 from rlhfkit.errors import UserError
 from rlhfkit.models.lora import adapter_base, merge_adapter_folder
 from rlhfkit.models.precision import autocast_forward, float32_attention_on_cpu, warn_slow_bf16
@@ -45,24 +48,56 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if cuda_bf16 else torch.float32
+        return DTYPES[auto_precision()]
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype '{dtype}': use auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
-def _check_local(name_or_path: str, what: str) -> None:
-    """Refuse a path that is plainly local but missing, instead of asking the hub about it."""
+# A Hub model name as huggingface_hub accepts one: an optional namespace, then the name (letters, digits, - _ .).
+HUB_NAME = re.compile(r"^(?:[\w.-]{1,96}/)?[\w.-]{1,96}$")
+
+
+def check_model_path(name_or_path: str, what: str = "model") -> None:
+    """Refuse, at once and without asking the Hub, a model path that cannot load: a local-looking path that is
+    not a folder (``./x``, ``/x``, ``~/x``, ``a/b/c``, or ``a/b`` where ``a`` is a local folder: a typo in
+    ``models/smollm2``), named with its closest neighbours; or a name that is no Hub model name either."""
     path = os.fspath(name_or_path)
-    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
-    if looks_local and not os.path.isdir(os.path.expanduser(path)):
-        raise UserError(f"{what} folder not found: {path}")
+    full = os.path.expanduser(path)
+    if os.path.isdir(full):
+        return
+    head = path.split("/", 1)[0]
+    looks_local = (
+        path.startswith((".", "/", "~"))
+        or path.count("/") > 1
+        or (os.sep != "/" and os.sep in path)
+        or ("/" in path and os.path.isdir(os.path.expanduser(head)))
+        or os.path.exists(full)
+    )
+    if looks_local:
+        what_is = "is a file, not a folder" if os.path.exists(full) else "does not exist"
+        raise UserError(f"{what} folder not found: {path} ({what_is}){_neighbours(full)}")
+    if not HUB_NAME.match(path) or "--" in path or ".." in path or path.endswith(".git"):
+        raise UserError(
+            f"{what} '{path}' is neither a local folder nor a Hub model name ('namespace/name', e.g. "
+            "HuggingFaceTB/SmolLM2-135M-Instruct)"
+        )
+
+
+def _neighbours(full: str) -> str:
+    """``; did you mean ...`` with the folders beside a missing one whose names are close to its name."""
+    parent, name = os.path.split(full.rstrip("/"))
+    try:
+        folders = [f for f in os.listdir(parent or ".") if os.path.isdir(os.path.join(parent or ".", f))]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(name, folders, n=3)
+    return f"; did you mean {' or '.join(repr(os.path.join(parent, c)) for c in close)}?" if close else ""
 
 
 def _load(what: str, name_or_path: str, loader, **kwargs):
     """Call a transformers ``from_pretrained`` and turn its input errors into a UserError."""
-    _check_local(name_or_path, what)
+    check_model_path(name_or_path, what)
     try:
         return loader(os.path.expanduser(os.fspath(name_or_path)), **kwargs)
     except (OSError, ValueError) as error:

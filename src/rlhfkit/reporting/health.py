@@ -325,6 +325,37 @@ def describe(rule: str) -> str:
     return RULES[rule][0] if rule in RULES else CONFIG_SIGNS[rule]
 
 
+# The rules that compare thirds of the run, and the series each reads (what a short run has too few of).
+TREND_SERIES = (
+    "kl/mean",
+    "entropy/mean",
+    "response_length/mean",
+    "score/mean",
+    "grad_norm/actor",
+    "grad_norm",
+)
+
+
+def too_short(get: Callable[[str], Series]) -> str | None:
+    """Words for a run too short for the trend rules (fewer than :data:`MIN_POINTS` logged points on every
+    series they read): which rules could not fire; None when the run is long enough."""
+    points = max(len(get(key)[1]) for key in TREND_SERIES)
+    if points >= MIN_POINTS:
+        return None
+    unchecked = (
+        "none of the rules could fire"
+        if points < 3
+        else (
+            "the trend rules (KL running away, entropy collapse, length blow-up, gradient spikes, gain from "
+            "stopping) could not fire"
+        )
+    )
+    return (
+        f"the run logged only {points} point{'s' if points != 1 else ''}: {unchecked} (they need at least "
+        f"{MIN_POINTS} logged points, the rules on the last third 3), so no sign here says little"
+    )
+
+
 def check_health(get: Callable[[str], Series]) -> list[HealthWarning]:
     """Every rule of :data:`RULES` over the series ``get(key) -> (steps, values)``; the warnings that fire."""
     out: list[HealthWarning] = []

@@ -133,6 +133,11 @@ def heading(level: int, text: str, anchor_id: str | None = None) -> str:
     return f'<h{level} id="{e(anchor_id or anchor(text))}">{e(text)}</h{level}>'
 
 
+def setup_line(run: Run) -> str:
+    """The run's model, LoRA and precision (:attr:`Run.setup`) as one line, or nothing."""
+    return f'<p class="setup">{e(run.setup)}</p>' if run.setup else ""
+
+
 def summary_table(run: Run) -> str:
     """The run's ``summary.json`` as figure | value, with readable names; lists (calibration bins,
     examples) are drawn or shown elsewhere."""
@@ -178,9 +183,12 @@ def comparison_table(runs: list[Run], warnings: dict[str, list[health.HealthWarn
     return f'<table class="comparison"><tr><th>figure</th>{head}</tr>{"".join(body)}</table>'
 
 
-def warnings_block(warnings: list[health.HealthWarning], plot_anchor: str = "", shaded: bool = True) -> str:
+def warnings_block(
+    warnings: list[health.HealthWarning], plot_anchor: str = "", shaded: bool = True, short: str | None = None
+) -> str:
     """The warning signs that fired, then every rule in words (what was checked); ``shaded``: the plots
-    below mark them."""
+    below mark them; ``short``: :func:`rlhfkit.reporting.health.too_short`'s words, said beside "no warning
+    sign fired"."""
     rules = "".join(f"<li>{e(text)}</li>" for text, _ in health.RULES.values())
     rules_html = (
         f"<details><summary>The rules checked</summary><ul>{rules}</ul>"
@@ -188,7 +196,8 @@ def warnings_block(warnings: list[health.HealthWarning], plot_anchor: str = "", 
         f"{health.MIN_POINTS} of them.</p></details>"
     )
     if not warnings:
-        return f'<div class="ok">No warning sign fired.{rules_html}</div>'
+        caveat = f" But {e(short)}." if short else ""
+        return f'<div class="ok">No warning sign fired.{caveat}{rules_html}</div>'
     items = "".join(
         f"<li><b>{e(health.describe(w.rule).split(':')[0])}</b> ({e(label(w.metric))}, steps "
         f"{w.first_step}-{w.last_step}): {e(w.message)}</li>"

@@ -95,10 +95,14 @@ def run_blocks(
     warned = {p.name for p in figs if _plot_keys(p.name) & {w.metric for w in warnings}}
     curves = [p for p in figs if p.name not in ("calibration", "score_histogram", "margin_histogram")]
     reward = [p for p in figs if p.name in ("calibration", "score_histogram", "margin_histogram")]
-    blocks = [page.heading(level, "Summary", prefix + "summary"), page.summary_table(run)]
+    blocks = [
+        page.heading(level, "Summary", prefix + "summary"),
+        page.setup_line(run),
+        page.summary_table(run),
+    ]
     blocks += [page.heading(level, _curves_title(run), prefix + "curves")]
     if run.online:
-        blocks.append(page.warnings_block(warnings, prefix))
+        blocks.append(page.warnings_block(warnings, prefix, short=health.too_short(run.series)))
     blocks.append(page.figures_block(curves, warned, prefix))
     if reward:
         blocks += [
@@ -161,7 +165,12 @@ def compare_page(runs: list[Run]) -> str:
         for r in online:
             blocks += [
                 page.heading(3, r.name, f"warnings-{page.anchor(r.name)}"),
-                page.warnings_block(warnings[r.name], f"{page.anchor(r.name)}-", shaded=False),
+                page.warnings_block(
+                    warnings[r.name],
+                    f"{page.anchor(r.name)}-",
+                    shaded=False,
+                    short=health.too_short(r.series),
+                ),
             ]
     blocks += [page.heading(2, "Curves, overlaid", "curves"), page.figures_block(figs)]
     if any(r.samples.samples for r in runs):
@@ -238,6 +247,8 @@ def _quickstart_note(name: str, value: str) -> str:
 def _markdown(run: Run, figs: list[Plot], warnings: list[health.HealthWarning]) -> str:
     estimator = run.kl_estimator
     lines = [f"# rlhfkit report: {run.name}", "", "The same figures, with the samples, in `report.html`.", ""]
+    if run.setup:
+        lines += [f"Setup: {_md(run.setup)}.", ""]
     flat = {k: v for k, v in run.flat_summary().items() if not isinstance(v, list | dict)}
     if flat:
         lines += ["## Summary", "", "| figure | value |", "|---|---|"]
@@ -254,7 +265,10 @@ def _markdown(run: Run, figs: list[Plot], warnings: list[health.HealthWarning]) 
         lines += [
             f"- **{health.describe(w.rule).split(':')[0]}** (steps {w.first_step}-{w.last_step}): {_md(w.message)}"
             for w in warnings
-        ] or ["None of the rules fired (the rules are listed in report.html)."]
+        ] or [
+            "None of the rules fired (the rules are listed in report.html)"
+            + (f"; but {_md(short)}." if (short := health.too_short(run.series)) else ".")
+        ]
         lines.append("")
     last = run.rows[-1]
     lines += [f"## Last logged step ({last['step']})", "", "| metric | value |", "|---|---|"]

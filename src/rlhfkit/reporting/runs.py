@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhfkit.config import read_run_info
 from rlhfkit.engine.metrics_writer import flatten_dict, read_metrics
 from rlhfkit.errors import UserError
 from rlhfkit.reporting.sample_file import SampleFile, read_samples
@@ -117,6 +118,7 @@ class Run:
     config: dict[str, Any] = field(default_factory=dict)
     samples: SampleFile = field(default_factory=lambda: SampleFile([]))
     heldout_scores: list[dict[str, Any]] = field(default_factory=list)
+    run_info: dict[str, Any] = field(default_factory=dict)  # config.yaml's run line (how it was launched)
 
     @property
     def online(self) -> bool:
@@ -218,6 +220,29 @@ class Run:
         """The metric keys of the run that start with ``prefix``, sorted (e.g. each tool's ``tools/calls/<name>``)."""
         return sorted({key for row in self.rows for key in row if key.startswith(prefix)})
 
+    @property
+    def setup(self) -> str | None:
+        """The model, LoRA and precision of the run in words (``config.yaml`` and its run line), e.g.
+        ``model runs/sft/final; LoRA rank 16, alpha 32 on all-linear; precision bfloat16 (model.dtype auto)``;
+        None without a configuration."""
+        model = self.config.get("model")
+        if not isinstance(model, dict) or not model.get("name_or_path"):
+            return None
+        rank = model.get("lora_rank") or 0
+        lora = (
+            f"LoRA rank {rank}, alpha {fmt(model.get('lora_alpha'))} on {model.get('lora_target_modules')}"
+            if rank
+            else "no LoRA (full fine-tuning)"
+        )
+        dtype, resolved = model.get("dtype", "auto"), self.run_info.get("precision")
+        if dtype != "auto":
+            precision = str(dtype)
+        elif resolved:
+            precision = f"{resolved} (model.dtype auto)"
+        else:
+            precision = "model.dtype auto (float32 on CPU, bfloat16 on a GPU that supports it)"
+        return f"model {model['name_or_path']}; {lora}; precision {precision}"
+
     def flat_summary(self) -> dict[str, Any]:
         return flatten_dict(self.summary)
 
@@ -233,6 +258,7 @@ def load_run(run_dir: str | Path, name: str | None = None) -> Run:
         raise UserError(f"{metrics}: no metrics logged yet")
     summary = _json(path / "summary.json")
     config = _yaml(path / "config.yaml")
+    run_info = _run_info(path / "config.yaml")
     kind = str(config.get("kind") or summary.get("kind") or _guess_kind(rows))
     return Run(
         path=path,
@@ -243,7 +269,19 @@ def load_run(run_dir: str | Path, name: str | None = None) -> Run:
         config=config,
         samples=read_samples(path / "samples.jsonl"),
         heldout_scores=_jsonl(path / HELDOUT_SCORES),
+        run_info=run_info,
     )
+
+
+def _run_info(path: Path) -> dict[str, Any]:
+    """The run line of ``config.yaml`` (:func:`rlhfkit.config.read_run_info`), {} without one."""
+    if not path.is_file():
+        return {}
+    try:
+        info = read_run_info(path)
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _guess_kind(rows: list[dict[str, Any]]) -> str:

@@ -21,8 +21,10 @@ keywords, one list entry per response::
 - ``completions``: the text of each response, decoded without special tokens and cut at the stop token;
   for a conversational prompt, as TRL gives it: ``[{"role": "assistant", "content": text}]``;
 - ``completion_ids``: the response's token ids (up to and including the stop token);
-- every other column of the prompt dataset (e.g. ``answer``), under its own name (``None`` for a row
-  that lacks it). TRL's ``trainer_state`` is not passed.
+- every other column of the prompt dataset (e.g. ``answer``), under its own name (``None`` where a row
+  holds null or lacks it). A row without a column that a function takes without a default is refused
+  before training, naming the file, the row and the column (:mod:`rlhfkit.rollout.preflight`): write
+  ``"answer": null`` in a row the function scores without one. TRL's ``trainer_state`` is not passed.
 
 A function without ``**kwargs`` gets only the keywords it names; one that needs a keyword that is not
 there (a column the data lacks) is refused before training. It returns one value per response (a list,
@@ -280,12 +282,26 @@ class Scorer:
     # True when the caller adds a part of its own (an environment's get_reward, rlhfkit.rollout.episodes):
     # a scorer with neither a model nor functions is then allowed, and gives no parts.
     extra_parts: bool = False
+    # One weight per function (online.reward_weights, TRL's reward_weights); None = all 1.
+    weights: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         if self.reward_model is None and not self.functions and not self.extra_parts:
             raise ConfigError(
                 "nothing scores the responses: set online.reward_model and/or online.reward_functions"
             )
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ConfigError(
+                f"online.reward_weights: {len(self.weights)} weight(s) for {len(self.functions)} reward "
+                "function(s); give one weight per function, in their order"
+            )
+
+    @property
+    def part_weights(self) -> dict[str, float]:
+        """Each function's weight by its part name (:func:`combine_parts`); parts not named weigh 1."""
+        if self.weights is None:
+            return {}
+        return {name: float(w) for (name, _), w in zip(self.functions, self.weights, strict=True)}
 
     @staticmethod
     def load_functions(
@@ -361,7 +377,7 @@ class Scorer:
             parts.update(
                 self.function_parts(prompts, responses, records, completion_ids, input_ids.device, episodes)
             )
-        scores, scored = combine_parts(parts)
+        scores, scored = combine_parts(parts, self.part_weights)
         return scores, parts, scored
 
     def function_parts(
@@ -411,12 +427,20 @@ class Scorer:
         return out
 
 
-def combine_parts(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scores (B,): the sum of the parts that have an opinion, 0 where none has; scored (B,) bool: some part
-    has an opinion) of score parts name -> (B,), NaN for no opinion."""
+def combine_parts(
+    parts: dict[str, torch.Tensor], weights: dict[str, float] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores (B,): the weighted sum of the parts that have an opinion, 0 where none has; scored (B,) bool:
+    some part has an opinion) of score parts name -> (B,), NaN for no opinion. ``weights``: part name -> its
+    weight (``online.reward_weights``, as TRL's ``(rewards_per_func * reward_weights).nansum(dim=1)``); a part
+    not named weighs 1."""
+    weights = weights or {}
     stacked = torch.stack(list(parts.values()))  # (K, B)
+    scale = torch.tensor(
+        [weights.get(name, 1.0) for name in parts], dtype=stacked.dtype, device=stacked.device
+    )
     scored = ~stacked.isnan().all(0)  # (B,)
-    return stacked.nan_to_num(0.0).sum(0), scored  # NaN (no opinion) adds nothing
+    return (stacked.nan_to_num(0.0) * scale[:, None]).sum(0), scored  # NaN (no opinion) adds nothing
 
 
 def data_columns(records: Sequence[dict]) -> list[str]:

@@ -592,6 +592,25 @@ def test_ppo_learns_a_toy_reward(tmp_path, learning_seed, learning_figures):
     assert last > first + 2.0, scores  # from ~0.1 to ~6 (of 6 tokens) on this seed
 
 
+def test_reward_weights_weigh_the_trained_score(tmp_path):
+    """online.reward_weights in stage 2: the score is sum_i w_i * f_i of the functions' own (logged) parts."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    cfg = online_config(
+        paths,
+        tmp_path / "run",
+        f"online.reward_functions=[{paths['rewards']}:cat_count, {paths['rewards']}:words]",
+        "online.reward_weights=[2.0, -0.5]",
+        "online.missing_eos=none",
+    )
+    ctx = make_context(cfg)
+    examples = prepare_examples(cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
+    batch = prompt_batch(ctx, examples, 1)
+    scores = score_rollout(ctx, sample_rollout(ctx, batch, step=1), batch["records"])
+    cats, words = scores.parts["cat_count"], scores.parts["words"]
+    assert words.abs().sum() > 0  # the responses have words: the weight of words shows
+    torch.testing.assert_close(scores.scores, 2.0 * cats - 0.5 * words)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Configuration
 

@@ -39,11 +39,11 @@ def flaky(prompts, completions, completion_ids, answer, **kwargs):
 
 
 def with_answers(paths):
-    """The prompts get an 'answer' column ('cat'), missing in every fourth row."""
+    """The prompts get an 'answer' column ('cat'), null in every fourth row (a row without the key is refused
+    before training: the function takes it without a default)."""
     rows = [json.loads(line) for line in paths["prompts"].read_text().splitlines()]
     for i, row in enumerate(rows):
-        if i % 4 != 3:
-            row["answer"] = "cat"
+        row["answer"] = "cat" if i % 4 != 3 else None
     paths["prompts"].write_text("".join(json.dumps(r) + "\n" for r in rows))
     paths["rewards"].write_text(TRL_REWARDS)
 
@@ -135,10 +135,14 @@ def test_a_function_that_needs_a_missing_column_is_refused_before_any_model_load
     assert main(online_cli_args(paths, out, kind="grpo", reward="cat_or_nothing")) == 2
     err = capsys.readouterr().err
     assert "online.reward_functions[0]: reward function 'cat_or_nothing' requires 'answer'" in err
-    assert sorted(p.name for p in out.iterdir()) == [
-        ".rlhfkit",
-        ".rlhfkit.lock",
-    ]  # nothing to --overwrite (the marker and the lock): the same command runs again
+    assert not out.exists()  # refused by the pre-flight, before the run folder: the same command runs again
+    # one row without it: a data error naming the file, the row and the column, also before anything is written
+    rows = [{"prompt": p, "answer": "cat"} for p in ("a b", "the cat", "one")]
+    del rows[1]["answer"]
+    paths["prompts"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(online_cli_args(paths, out, kind="grpo", reward="cat_or_nothing")) == 2
+    err = capsys.readouterr().err
+    assert f"{paths['prompts']}, line 2, field 'answer': the row has no 'answer'" in err and not out.exists()
 
 
 # ----------------------------------------------------------------------------------------------------------

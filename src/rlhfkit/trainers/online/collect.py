@@ -24,7 +24,6 @@ import torch
 from rlhfkit.algos.masked import fill_masked
 from rlhfkit.config import RunConfig
 from rlhfkit.data import PromptCollator
-from rlhfkit.errors import ConfigError
 from rlhfkit.models import can_share_prompts, response_readout, sampling_for
 from rlhfkit.models.precision import frozen_linears_cast
 from rlhfkit.rollout import generate_responses
@@ -181,13 +180,14 @@ def sample_rollout(
     return rollout
 
 
-def episode_runner(cfg: RunConfig, tokenizer) -> EpisodeRunner | None:
+def episode_runner(cfg: RunConfig, tokenizer, toolbox: Toolbox | None = None) -> EpisodeRunner | None:
     """The run's multi-turn episode runner under ``online.tools`` / ``online.environment`` (else None), made at
-    start-up, before any model loads: a bad tool, environment or chat template is a ConfigError here."""
+    start-up, before any model loads: a bad tool, environment or chat template is a ConfigError here.
+    ``toolbox``: the run's tools already loaded (:func:`rlhfkit.rollout.preflight.check_scoring`)."""
     online = cfg.online
     if not online.tools and not online.environment:
         return None
-    toolbox = Toolbox.load(
+    toolbox = toolbox or Toolbox.load(
         online.tools, online.environment, timeout=online.tool_timeout, memory_mb=online.tool_memory_mb
     )
     stops = stop_token_ids(cfg, tokenizer)
@@ -223,19 +223,6 @@ def start_sandbox(cfg: RunConfig) -> None:
             "isolated from this machine's files and network (docs/tools.md)",
             UserWarning,
             stacklevel=2,
-        )
-
-
-def check_environment_scores(cfg: RunConfig, toolbox: Toolbox) -> None:
-    """A ConfigError when nothing would score the episodes: no reward model, no reward function and an
-    environment without ``get_reward``."""
-    online = cfg.online
-    if online.reward_model or online.reward_functions or toolbox.environment_factory is None:
-        return
-    if not toolbox.environment_scores:
-        raise ConfigError(
-            f"online.environment: {online.environment!r} has no get_reward() and there is no "
-            "online.reward_model or online.reward_functions: nothing scores the episodes"
         )
 
 
@@ -390,7 +377,7 @@ def score_rollout(
         parts["environment"] = checked.to(ids.device)  # (B,) NaN where no opinion
     if episodes is not None:
         episodes.close()  # the episodes' tool processes: nothing reads their environments after this
-    raw_scores, scored = combine_parts(parts)
+    raw_scores, scored = combine_parts(parts, ctx.scorer.part_weights)
     scores = raw_scores
     if online.missing_eos == "penalty":
         scores = torch.where(rollout.ended, scores, torch.full_like(scores, online.missing_eos_score))

@@ -145,7 +145,11 @@ def build_context(
     if functions is None:
         functions = Scorer.load_functions(online.reward_functions)
     scorer = Scorer(
-        roles.reward_model, functions, online.rollout_batch_size, extra_parts=bool(online.environment)
+        roles.reward_model,
+        functions,
+        online.rollout_batch_size,
+        extra_parts=bool(online.environment),
+        weights=online.reward_weights,
     )
     stops = stop_token_ids(cfg, tokenizer)
     sampling = sampling_for(tokenizer.pad_token_id, stops, online.temperature, online.top_k, online.top_p)

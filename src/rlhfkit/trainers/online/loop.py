@@ -24,13 +24,12 @@ from rlhfkit.engine.folder import RunDir, logged_at, open_run
 from rlhfkit.engine.seed import get_rng_state, seed_everything
 from rlhfkit.errors import ConfigError
 from rlhfkit.models.precision import frozen_linears_cast
+from rlhfkit.rollout.preflight import check_scoring
 from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
-from rlhfkit.rollout.scoring import EPISODE_KEYWORDS, Scorer, check_signature, data_columns
 from rlhfkit.trainers.common import finish_run, run_tokenizer
 from rlhfkit.trainers.online.checkpoints import resume_state, save, score_or_stop
 from rlhfkit.trainers.online.collect import (
     Scores,
-    check_environment_scores,
     episode_runner,
     episode_samples,
     episode_stats,
@@ -84,17 +83,14 @@ def train(
     tokenizer = run_tokenizer(cfg)
     limits = TokenLimits(cfg.data.max_prompt_length, None, cfg.data.truncation)
     examples, eval_examples = prepare_run_data(cfg.data, "prompts", tokenizer, limits, accelerator)
-    functions = Scorer.load_functions(cfg.online.reward_functions)
+    # the reward functions, tools and environment against every row (rlhfkit.rollout.preflight)
+    functions, toolbox = check_scoring(
+        cfg, [examples.records, *([eval_examples.records] if eval_examples else [])]
+    )
     start_sandbox(
         cfg
     )  # rlhfkit:python / rlhfkit:code_tests: bubblewrap present and working, or a named error
-    columns = data_columns([*examples.records, *(eval_examples.records if eval_examples else [])])
-    runner = episode_runner(cfg, tokenizer)  # tools: the tools, environment and chat template checked
-    if cfg.online.environment:
-        columns = [*columns, *EPISODE_KEYWORDS]
-        check_environment_scores(cfg, runner.toolbox)
-    for i, (name, fn) in enumerate(functions):
-        check_signature(name, fn, columns, f"online.reward_functions[{i}]")
+    runner = episode_runner(cfg, tokenizer, toolbox)  # tools: the chat template checked with them
     run = open_run(cfg, accelerator, resume, overwrite)
     ctx = build_context(
         cfg,
