@@ -160,7 +160,7 @@ BAD_JSONL = [
         [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "text": "x"}]}],
         1,
         "messages[1].text",
-        "a message's text goes under 'content', not 'text': rename the key to 'content'",
+        "a message's text goes under 'content', not 'text'",
     ),
     ("prompts", [{"prompt": [{"role": "user", "text": "hi"}]}], 1, "prompt[0].text", "not 'text'"),
     # a misspelt role is named, in every place a message can be (a prompt, a reply, a conversation)

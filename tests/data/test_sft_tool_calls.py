@@ -11,6 +11,7 @@ import pytest
 from rlhfkit.data import SFTCollator, TokenLimits, load_dataset_records, prepare_examples
 from rlhfkit.data.tool_calls import DEFAULT_SYSTEM, demonstration_messages, format_call, read_schemas
 from rlhfkit.errors import DataError
+from tests.helpers import tiny_llama
 from tests.helpers_tools import TOOL_TEMPLATE, tool_tokenizer
 
 IGNORE = -100
@@ -235,11 +236,13 @@ def test_calls_written_in_the_text_still_answer_tool_messages(tmp_path):
 
 
 def sft_command(tmp_path, data, *extra) -> list[str]:
-    """``rlhfkit train sft`` on ``data`` with a tokenizer folder and no model weights: what is checked here
+    """``rlhfkit train sft`` on ``data`` with a tokenizer and a model config but no weights: what is checked here
     stops the run before any model is loaded."""
     folder = tmp_path / "tokenizer"
     if not folder.exists():
-        tool_tokenizer().save_pretrained(folder)
+        tok = tool_tokenizer()
+        tok.save_pretrained(folder)
+        tiny_llama(vocab_size=len(tok)).config.save_pretrained(folder)  # a model folder for the pre-flight
     (tmp_path / "sft.yaml").write_text(f"output_dir: {tmp_path / 'run'}\nmodel:\n  name_or_path: {folder}\n")
     return ["train", "sft", "--config", str(tmp_path / "sft.yaml"), f"data.train_file={data}", *extra]
 

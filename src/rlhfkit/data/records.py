@@ -104,10 +104,7 @@ def _messages(value, name: str, require_role: str | None = None) -> list[dict]:
             )
         content, message = message.get("content"), dict(message)
         if content is None and "text" in message:  # another library's message shape
-            raise FieldError(
-                f"{where}.text",
-                "a message's text goes under 'content', not 'text': rename the key to 'content'",
-            )
+            raise FieldError(f"{where}.text", "a message's text goes under 'content', not 'text'")
         if message.get("tool_calls") is not None:  # TRL's shape: the calls, the content empty or null
             if role != "assistant":
                 raise FieldError(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from rlhfkit.reporting import health, plots
 from rlhfkit.reporting.runs import Run
-from rlhfkit.rollout.scoring import uses_sandbox
+from rlhfkit.rollout.sandbox import uses_sandbox
 
 STYLES = ("-", ":", "-.")
 

@@ -34,6 +34,7 @@ from rlhfkit.config import ONLINE_KINDS, RunConfig
 from rlhfkit.data import Records, is_hub_source, load_dataset_records, run_sources
 from rlhfkit.errors import ConfigError, DataError, UserError
 from rlhfkit.models.loading import check_model_path, read_chat_template
+from rlhfkit.rollout.sandbox import uses_sandbox
 from rlhfkit.rollout.scoring import (
     CALL_KEYWORDS,
     EPISODE_KEYWORDS,
@@ -42,7 +43,6 @@ from rlhfkit.rollout.scoring import (
     accepted_keywords,
     check_signature,
     data_columns,
-    uses_sandbox,
 )
 from rlhfkit.rollout.tools import Toolbox
 

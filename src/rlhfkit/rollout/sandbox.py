@@ -47,6 +47,20 @@ SANDBOX_UIDS = 2_000_000_000  # as root, a run's user is this + the pid of the p
 PACKAGE = "bubblewrap"  # Debian's (and most distributions') package of bwrap
 
 
+# Built-in functions by their short names: model-written code run in the sandbox (this module).
+BUILT_IN = {
+    "rlhfkit:python": "rlhfkit.rollout.sandbox:python",  # a tool (online.tools)
+    "rlhfkit:code_tests": "rlhfkit.rollout.sandbox:code_tests",  # a reward function
+}
+
+
+def uses_sandbox(specs: Sequence) -> bool:
+    """Whether any of ``specs`` (tools or reward functions) runs model-written code in the sandbox."""
+    return any(
+        isinstance(s, str) and BUILT_IN.get(s, s).startswith("rlhfkit.rollout.sandbox:") for s in specs
+    )
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one sandboxed run may use (module docstring)."""

@@ -55,6 +55,7 @@ import torch
 
 from rlhfkit.errors import ConfigError, UserError
 from rlhfkit.models import response_values, sequence_scores, unwrap_model
+from rlhfkit.rollout.sandbox import BUILT_IN
 
 RewardFunction = Callable[..., Sequence[float | None]]
 
@@ -105,20 +106,6 @@ def function_names(specs: Sequence[str]) -> list[str]:
 
 class RewardFunctionError(UserError):
     """A reward function returned something that is not one finite number per response."""
-
-
-# Built-in functions by their short names: model-written code run in the sandbox (rlhfkit.rollout.sandbox).
-BUILT_IN = {
-    "rlhfkit:python": "rlhfkit.rollout.sandbox:python",  # a tool (online.tools)
-    "rlhfkit:code_tests": "rlhfkit.rollout.sandbox:code_tests",  # a reward function
-}
-
-
-def uses_sandbox(specs: Sequence) -> bool:
-    """Whether any of ``specs`` (tools or reward functions) runs model-written code in the sandbox."""
-    return any(
-        isinstance(s, str) and BUILT_IN.get(s, s).startswith("rlhfkit.rollout.sandbox:") for s in specs
-    )
 
 
 def load_reward_function(spec: str, where: str = "online.reward_functions") -> RewardFunction:

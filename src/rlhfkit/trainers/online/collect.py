@@ -28,7 +28,8 @@ from rlhfkit.models import can_share_prompts, response_readout, sampling_for
 from rlhfkit.models.precision import frozen_linears_cast
 from rlhfkit.rollout import generate_responses
 from rlhfkit.rollout.episodes import EpisodeRunner, Episodes, run_episodes
-from rlhfkit.rollout.scoring import check_function_scores, combine_parts, uses_sandbox
+from rlhfkit.rollout.sandbox import uses_sandbox
+from rlhfkit.rollout.scoring import check_function_scores, combine_parts
 from rlhfkit.rollout.tools import Toolbox
 from rlhfkit.trainers.common import batch_indices
 from rlhfkit.trainers.online.context import (
