@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from rlhfkit.models.sampling import Sampling
-from rlhfkit.rollout.chat_turns import ChatTurns
+from rlhfkit.rollout.chat_turns import ChatTurns, TemplateError
 from rlhfkit.rollout.generation import generate_responses
 from rlhfkit.rollout.tools import CAUSES, EpisodeTools, Toolbox, ToolResult, parse_tool_calls, run_tool_call
 
@@ -240,9 +240,15 @@ class EpisodeRunner:
         ]
         tool_messages = self.turns.tool_messages(results)
         eos_text = self.text([stop]) if eos else None
-        suffix, after = self.turns.suffix(
-            episode.messages, episode.rendered, content, eos_text, tool_messages
-        )
+        try:
+            suffix, after = self.turns.suffix(
+                episode.messages, episode.rendered, content, eos_text, tool_messages
+            )
+        except TemplateError:  # the template rewrote this turn in a way no start-up probe showed: end it here
+            record.turns += [_call_turn(r, "template") for r in results]
+            episode.done = True
+            episode.messages = [*episode.messages, {"role": "assistant", "content": content}]
+            return
         suffix_ids = self.encode(suffix)
         episode.messages = [*episode.messages, {"role": "assistant", "content": content}, *tool_messages]
         if len(episode.ids) + len(suffix_ids) >= self.response_length:  # no room left for a model token

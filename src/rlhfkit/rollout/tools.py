@@ -45,8 +45,18 @@ from rlhfkit.rollout.scoring import accepted_keywords, load_reward_function
 
 # Why a call gave no clean result. The first five are seen by the model as the tool's result; "max_turns"
 # and "budget" are calls made in a turn after which the episode stopped (no turn left, or no room left in
-# online.response_length), so their results are never shown.
-CAUSES = ("exception", "timeout", "unknown_tool", "malformed_arguments", "too_long", "max_turns", "budget")
+# online.response_length), so their results are never shown; nor are those of "template" (a turn the chat
+# template rewrote in a way the row cannot follow, which ends its episode: rlhfkit.rollout.chat_turns).
+CAUSES = (
+    "exception",
+    "timeout",
+    "unknown_tool",
+    "malformed_arguments",
+    "too_long",
+    "max_turns",
+    "budget",
+    "template",
+)
 NOT_TOOLS = ("reset", "get_reward")  # an environment's public methods that are not tools
 
 
