@@ -16,7 +16,7 @@ stopped at the tool-call end marker gets the template's whole end of turn from t
 at EOS gets what the template writes after EOS (e.g. chatml's newline). This needs a template that renders
 prefixes of itself (A starts with G, F starts with A) and writes the model's text verbatim, or a tail of it: a
 template that drops a head of the turn as it renders it (DeepSeek-R1-distill's ``content.split('</think>')[-1]``,
-an ``lstrip('\n')``) gets its closing found where its text of the turn ends, and the row keeps the sampled
+an ``lstrip('\\n')``) gets its closing found where its text of the turn ends, and the row keeps the sampled
 reasoning, which the model saw. One that rewrites earlier turns (NVIDIA-NeMo/RL#2821: reasoning templates that
 drop earlier ``<think>`` blocks after a later user message) or trims or rewrites the model's text otherwise is
 refused at start-up (:meth:`ChatTurns.check`, whose probe turns carry a reasoning block and leading newlines),
