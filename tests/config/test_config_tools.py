@@ -151,3 +151,18 @@ def test_config_show_loads_no_model(tmp_path):
     assert done.stderr.strip().splitlines()[-1] == "0 []", done.stderr
     assert "(1 data rows read)" in done.stdout  # the pre-flight read the data, without transformers
     assert "group_size: 4" in done.stdout
+
+
+def test_a_trl_name_is_looked_up_by_kind_then_online_then_everywhere_then_its_first_scope():
+    from rlhfkit.config.trl_names import trl_hint
+
+    assert trl_hint("per_device_eval_batch_size", "grpo")[0] == "online.rollout_batch_size"  # online
+    assert trl_hint("per_device_eval_batch_size", "dpo")[0] == "train.micro_batch_size"  # everywhere
+    assert trl_hint("beta", "dpo")[0] == "dpo.beta" and trl_hint("beta", "rloo")[0] == "online.kl_coef"
+    assert trl_hint("beta", "sft") == ("dpo.beta", "")  # no scope for sft: the first one
+    assert trl_hint("not_a_trl_name", "sft") is None
+
+
+def test_a_trl_name_with_no_scope_for_the_kind_is_still_named(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("TRL's 'beta' is 'dpo.beta' in rlhfkit")):
+        load_config(None, [*required(tmp_path, "sft"), "beta=0.1"], "sft")

@@ -264,3 +264,55 @@ def test_a_sharded_bf16_reward_model_is_normalised_as_the_unsharded_one(tmp_path
         config = json.loads((tmp_path / name / "final" / "config.json").read_text())
         fitted[name] = (config["rlhfkit_reward_gain"], config["rlhfkit_reward_bias"])
     assert fitted["sharded"] == fitted["plain"]
+
+
+def test_a_corrupt_shard_of_the_newest_checkpoint_makes_resume_use_the_previous_one(group, tmp_path, capsys):
+    """The shards are verified when a checkpoint is chosen (SECURITY.md: a corrupt newest checkpoint is named
+    and the previous complete one is used), not only when it is loaded; a plain checkpoint is refused by name."""
+    from rlhfkit.engine.checkpoint import resume_checkpoint
+    from rlhfkit.errors import CheckpointError
+
+    actor, critic, optimizers = _roles(shard=True)
+    models = {"actor": actor, "critic": critic}
+    for step in (1, 2):
+        sharded.save_roles(tmp_path, step, models, optimizers, {}, {"seen": step}, main_process=True)
+    assert resume_checkpoint(tmp_path).name == "step-2"
+    data = sorted((tmp_path / "step-2.sharded").glob("*.distcp"))[0]
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01
+    data.write_bytes(bytes(damaged))
+    capsys.readouterr()
+    assert resume_checkpoint(tmp_path).name == "step-1"
+    err = capsys.readouterr().err
+    assert f"{data.name}: corrupt" in err and "resuming from the previous complete checkpoint" in err
+    assert sharded.load_roles(tmp_path / "step-1", models, optimizers, {})["seen"] == 1
+    data.unlink()  # a shard file missing
+    assert resume_checkpoint(tmp_path).name == "step-1"
+    plain = tiny_llama(seed=0)
+    save_checkpoint(tmp_path / "plain", 1, {"actor": plain}, {}, {}, {})
+    with pytest.raises(CheckpointError, match="not sharded.*train.sharding=none"):
+        sharded.load_roles(tmp_path / "plain" / "step-1", models, optimizers, {})
+
+
+def test_a_process_group_of_one_is_refused_where_the_launcher_says_there_are_several(monkeypatch):
+    """WORLD_SIZE=2 with no group started means a launcher's process that lost its group: a group of one there
+    would train alone, silently, on what should be half the batch."""
+    from rlhfkit.errors import ConfigError
+
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        with pytest.raises(
+            ConfigError, match="WORLD_SIZE=2 but no process group was started; launch with torchrun"
+        ):
+            sharded.single_process_group("cpu")
+        assert not torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    sharded.single_process_group("cpu")
+    try:
+        assert torch.distributed.get_world_size() == 1
+    finally:
+        torch.distributed.destroy_process_group()

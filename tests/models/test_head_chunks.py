@@ -337,3 +337,26 @@ def test_the_probe_confirms_the_transform_in_bf16(arch):
         ref = torch.log_softmax(logits[:, 3:-1].float(), -1).gather(-1, ids[:, 4:, None])[..., 0]
         valid = mask[:, 4:].bool()
         torch.testing.assert_close(got[valid], ref[valid], atol=0.1, rtol=0)
+
+
+def test_the_probe_tolerance_is_relative_to_the_logits_so_small_bf16_logits_keep_the_scale():
+    """Granite divides its logits by ``logits_scaling`` = 4: with logits of a few thousandths in bf16, an absolute
+    tolerance of bf16's size would pass the first candidate, x4 (16x off the model's / 4); the tolerance is a
+    share of the logits' size, so only the model's own scale passes."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit.models.precision import autocast_forward
+    from tests.models.tiny_architectures import bpe_tokenizer
+
+    torch.manual_seed(0)
+    config = tiny_config("granite", bpe_tokenizer())
+    assert config.logits_scaling == 4.0
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.02)
+    model = autocast_forward(model.to(torch.bfloat16), torch.bfloat16)
+    ids, mask = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    assert 0 < float(logits.abs().max()) < 2e-3  # x4 and / 4 of these differ by less than bf16's tolerance
+    assert head_transform(model) == HeadTransform(0.25, None)

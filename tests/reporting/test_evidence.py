@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from rlhfkit.reporting.evidence import BEGIN, CELL, END, load, render, sections, summary_table, verdicts
+from rlhfkit.reporting.evidence import (
+    BEGIN,
+    CELL,
+    END,
+    effect,
+    load,
+    render,
+    sections,
+    summary_table,
+    verdicts,
+)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -122,3 +132,11 @@ def test_the_summary_rows_read_by_the_readme_check(page_and_claims):
     block = page.split(BEGIN)[1].split(END)[0]
     for row in block.strip().splitlines()[2:]:
         assert any(h.startswith(row.split(" | ")[1].strip().lower()) for h in headings)
+
+
+def test_an_effect_prints_the_95_interval_and_the_90_one_against_a_margin():
+    # differences 0.1, 0.3, -0.1: mean 0.1, sd 0.2, se 0.2 / sqrt 3 = 0.1155; t_{0.975, 2} = 4.3027 gives
+    # [-0.397, +0.597], t_{0.95, 2} = 2.9200 gives [-0.237, +0.437]
+    comp = {"id": "e", "direction": 0, "margin": 0.5, "differences": [0.1, 0.3, -0.1]}
+    assert effect(comp) == "+0.10 [−0.40, +0.60], 90% [−0.24, +0.44] against ±0.5; 2+ 1−"
+    assert effect({**comp, "direction": 1, "margin": None}) == "+0.10 [−0.40, +0.60]; 2+ 1−"

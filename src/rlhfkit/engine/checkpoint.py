@@ -252,7 +252,8 @@ def file_sha256(path: str | Path) -> str:
 
 
 def verify_checkpoint(path: str | Path) -> dict:
-    """The marker of a complete checkpoint whose every file matches its recorded SHA-256.
+    """The marker of a complete checkpoint whose every file matches its recorded SHA-256, a sharded run's
+    shard files (``step-N.sharded/``) included.
 
     A marker written before checksums were recorded is checked by size only.
 
@@ -278,7 +279,29 @@ def verify_checkpoint(path: str | Path) -> dict:
     for name in sorted(sums):
         if file_sha256(path / name) != sums[name]:
             raise CheckpointError(f"{path}: corrupt: {name} does not match its checksum in {MARKER}")
+    _verify_shards(path)
     return marker
+
+
+def _verify_shards(path: Path) -> None:
+    """A sharded run's model and optimizer shards (``step-N.sharded/``, :mod:`rlhfkit.engine.sharded`), listed
+    with their sizes and SHA-256 in the trainer state of ``step-N``: each there, of its size and checksum."""
+    try:
+        info = _decode(json.loads((path / "trainer_state.json").read_text()).get("sharded"), {}) or {}
+        shards, sums = path.with_name(info["folder"]) if info else path, info.get("sha256") or {}
+        sizes = {
+            name: (shards / name).stat().st_size
+            for name in info.get("files", {})
+            if (shards / name).is_file()
+        }
+        bad = [n for n in sorted(info.get("files", {})) if sizes.get(n) != info["files"][n]]
+        bad = bad or [n for n in sorted(sums) if file_sha256(shards / n) != sums[n]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {_first_line(e)})") from None
+    if bad:
+        raise CheckpointError(
+            f"{shards / bad[0]}: corrupt: missing, or not the size or checksum that {path} records"
+        )
 
 
 def resume_checkpoint(checkpoints_dir: str | Path, announce: bool = True) -> Path | None:

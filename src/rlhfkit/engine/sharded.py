@@ -15,7 +15,9 @@ Checkpoints (:func:`save_roles`: one or several models by role name). A sharded 
 trainer state, the ``COMPLETE`` marker) without model or optimizer files; those are in
 ``checkpoints/step-N.sharded/``, written by every process with ``torch.distributed.checkpoint`` (DCP) before
 the marker of ``step-N`` is: the marker's trainer state lists the shard files with their sizes and SHA-256
-(checked on load, like every file of ``step-N``), so a step is complete only when both are. Only tensors go
+(checked wherever every file of ``step-N`` is, so a corrupt shard makes ``--resume`` fall back to the previous
+complete checkpoint on every process), so a step is complete only when both are. A check that fails at load
+on any process stops every process with its line (the verdict is gathered from all of them). Only tensors go
 to DCP (weights, Adam moments and step counts); the optimizer's hyper-parameters are JSON. DCP writes its index (``.metadata``) with pickle: it is read back here with
 torch's weights-only unpickler and an allow-list of DCP's own record classes, and any non-tensor item is
 refused, so loading runs no arbitrary code. DCP re-shards on load, so a checkpoint of W processes resumes
@@ -31,6 +33,7 @@ whole model per process.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -40,7 +43,7 @@ import torch
 
 # the sharding a run uses is defined with the checks that read it (the config layer), named here too
 from rlhfkit.config.checks import launch_sharding, sharding_mode  # noqa: F401
-from rlhfkit.engine.checkpoint import file_sha256
+from rlhfkit.engine.checkpoint import MARKER, file_sha256
 from rlhfkit.engine.checkpoint import load_checkpoint as load_engine_checkpoint
 from rlhfkit.engine.checkpoint import save_checkpoint as save_engine_checkpoint
 from rlhfkit.errors import CheckpointError, ConfigError
@@ -303,21 +306,9 @@ def load_roles(path: str | Path, models: dict, optimizers: dict, schedulers: dic
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     path = Path(path)
-    try:
-        state = load_engine_checkpoint(path, {}, {}, schedulers)
-    except CheckpointError as e:
-        raise CheckpointError(
-            f"{e}; a run with train.sharding resumes only checkpoints of a sharded run "
-            "(resume this one with train.sharding=none)"
-        ) from None
-    info = state.pop("sharded", None)
-    if not isinstance(info, dict):
-        raise CheckpointError(f"{path}: not a sharded checkpoint; resume it with train.sharding=none")
+    state = _on_every_process(lambda: _engine_state(path, schedulers))
+    info = state.pop("sharded")
     shards = path.with_name(info["folder"])
-    for name, size in info["files"].items():
-        if not (shards / name).is_file() or (shards / name).stat().st_size != size:
-            raise CheckpointError(f"{shards / name}: missing or not the size the marker of {path} records")
-    _verify_shards(shards, info.get("sha256", {}), path)
     groups = info["param_groups"]
     if isinstance(groups, list):  # written before checkpoints held several roles
         groups = {"model": groups}
@@ -339,18 +330,39 @@ def load_roles(path: str | Path, models: dict, optimizers: dict, schedulers: dic
     return state
 
 
-def _verify_shards(shards: Path, sums: dict[str, str], path: Path) -> None:
-    """CheckpointError naming the first shard file whose SHA-256 differs from the one the marker of ``path``
-    records (checked by the first process, its verdict shared: every process raises the same)."""
-    verdict: list[str | None] = [None]
-    if torch.distributed.get_rank() == 0:
-        for name in sorted(sums):
-            if file_sha256(shards / name) != sums[name]:
-                verdict[0] = f"{shards / name}: corrupt: does not match its checksum in the marker of {path}"
-                break
-    torch.distributed.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise CheckpointError(verdict[0])
+def _engine_state(path: Path, schedulers: dict) -> dict[str, Any]:
+    """The trainer state of the sharded checkpoint ``path``, its schedulers restored, every file of ``step-N/``
+    and of its shard folder verified (:func:`rlhfkit.engine.checkpoint.verify_checkpoint`)."""
+    try:
+        saved = json.loads((path / MARKER).read_text()).get("models")
+    except (OSError, ValueError, AttributeError):
+        saved = None  # no readable marker: the load names it
+    if saved:
+        raise CheckpointError(
+            f"{path}: holds the models {saved} whole, not sharded; a run with train.sharding resumes only "
+            "checkpoints of a sharded run (resume this one with train.sharding=none)"
+        )
+    state = load_engine_checkpoint(path, {}, {}, schedulers)
+    if not isinstance(state.get("sharded"), dict):
+        raise CheckpointError(f"{path}: not a sharded checkpoint; resume it with train.sharding=none")
+    return state
+
+
+def _on_every_process(check):
+    """``check()``'s result on every process, or, where it raised a CheckpointError on any process, that
+    error (the lowest rank's) raised on every process: no process goes on into a collective that the others
+    left, and each stops with the same line."""
+    verdict = None
+    try:
+        result = check()
+    except (CheckpointError, OSError) as e:
+        result, verdict = None, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    verdicts: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(verdicts, verdict)
+    found = next((v for v in verdicts if v is not None), None)
+    if found is not None:
+        raise CheckpointError(found)
+    return result
 
 
 def _restore_hyper_parameters(optimizer, groups: list[dict[str, Any]], path: Path) -> None:

@@ -14,9 +14,14 @@ the trained tokens differ from the sampled ones). The text after a turn is the d
 The closing is kept (verl#6921: the turn separator dropped at assistant -> tool boundaries): a turn that
 stopped at the tool-call end marker gets the template's whole end of turn from the template, one that stopped
 at EOS gets what the template writes after EOS (e.g. chatml's newline). This needs a template that renders
-prefixes of itself (A starts with G, F starts with A) and writes the model's text verbatim; one that rewrites
-earlier turns (NVIDIA-NeMo/RL#2821: reasoning templates that drop earlier ``<think>`` blocks) or trims the
-model's text is refused at start-up (:meth:`ChatTurns.check`), with the reason and the place the renders part.
+prefixes of itself (A starts with G, F starts with A) and writes the model's text verbatim, or a tail of it: a
+template that drops a head of the turn as it renders it (DeepSeek-R1-distill's ``content.split('</think>')[-1]``,
+an ``lstrip('\\n')``) gets its closing found where its text of the turn ends, and the row keeps the sampled
+reasoning, which the model saw. One that rewrites earlier turns (NVIDIA-NeMo/RL#2821: reasoning templates that
+drop earlier ``<think>`` blocks after a later user message) or trims or rewrites the model's text otherwise is
+refused at start-up (:meth:`ChatTurns.check`, whose probe turns carry a reasoning block and leading newlines),
+naming the template, the probe turn and the place the renders part. A rewrite that only text the policy writes
+mid-run sets off ends that episode with the cause ``template`` (:mod:`rlhfkit.rollout.episodes`).
 
 **Templates without tools.** A template that does not show ``tools=`` (the probe renders it with and without
 and compares) gets the default format: the tools' schemas in a system message (``DEFAULT_SYSTEM``, the Hermes
@@ -29,6 +34,7 @@ Llama 3's ``<|python_tag|>``) is refused, naming ``data.chat_template`` as the w
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from rlhfkit.data.tool_calls import DEFAULT_SYSTEM, result_messages, with_tools_system  # noqa: F401
@@ -36,6 +42,7 @@ from rlhfkit.errors import ConfigError
 from rlhfkit.rollout.tools import DEFAULT_FORMAT, CallFormat, ToolResult, format_call
 
 OTHER_FORMATS = ("[TOOL_CALLS]", "<|python_tag|>")
+_END = "\ue000end of turn\ue000"  # appended to a turn to find where the template's text of it ends
 
 
 class TemplateError(ConfigError):
@@ -134,19 +141,10 @@ class ChatTurns:
         turn's text without a final EOS, ``eos_text`` that EOS's text when the turn ended with one."""
         assistant = {"role": "assistant", "content": content}
         whole = self.render([*before, assistant], add_generation_prompt=False)  # A
-        if not whole.startswith(rendered_before):
-            raise TemplateError(
-                "the chat template does not render prefixes of itself: the conversation before a model turn "
-                "(with the generation prompt) is not a prefix of the conversation with that turn, "
-                + _parting(rendered_before, whole)
-            )
-        rest = whole[len(rendered_before) :]
-        if not rest.startswith(content):
-            raise TemplateError(
-                "the chat template does not write the model's turn verbatim right after the generation prompt "
-                f"(it trims or rewrites it), so the row would not be the sampled text: {_parting(content, rest)}"
-            )
-        closing = rest[len(content) :]
+        if whole.startswith(rendered_before) and whole[len(rendered_before) :].startswith(content):
+            closing = whole[len(rendered_before) + len(content) :]  # the turn written verbatim
+        else:
+            closing = self._closing_after_a_tail(before, rendered_before, content, whole)
         if eos_text and closing.lstrip().startswith(eos_text):
             closing = closing.lstrip()[len(eos_text) :]  # the EOS is the model's own (sampled) token
         after = self.render([*before, assistant, *tools], add_generation_prompt=True)  # F
@@ -159,9 +157,42 @@ class ChatTurns:
             )
         return closing + after[len(whole) :], after
 
+    def _closing_after_a_tail(
+        self, before: list[dict], rendered_before: str, content: str, whole: str
+    ) -> str:
+        """The closing after a turn that the template writes as a tail of the model's text, dropping a head
+        (DeepSeek-R1-distill's ``content.split('</think>')[-1]``, an ``lstrip('\\n')``), and with it maybe text
+        its generation prompt put in front of the turn (an opening ``<think>``). A marker appended to the turn
+        shows where the template's text of it ends. The row keeps the sampled text, which the model saw."""
+        marked = self.render([*before, {"role": "assistant", "content": content + _END}], False)
+        bare = self.render(before, add_generation_prompt=False)
+        start = len(os.path.commonprefix([rendered_before, marked]))  # where G and the turn's render part
+        end = marked.find(_END)
+        if not rendered_before.startswith(bare) or start < len(bare):  # they part before the turn
+            raise TemplateError(
+                "the chat template does not render prefixes of itself: the conversation before a model turn "
+                "(with the generation prompt) is not a prefix of the conversation with that turn, "
+                + _parting(rendered_before, whole)
+            )
+        if end < start or marked.count(_END) != 1 or not content.endswith(marked[start:end]):
+            raise TemplateError(
+                "the chat template does not write the model's turn verbatim, or a tail of it, right after the "
+                "generation prompt (it trims or rewrites it), so the row would not be the sampled text: "
+                + _parting(content, whole[start:])
+            )
+        closing = marked[end + len(_END) :]
+        if whole != marked[:end] + closing:
+            raise TemplateError(
+                "the chat template does not write the end of the model's turn verbatim (it trims or rewrites it), "
+                "so the row would not be the sampled text: " + _parting(marked[:end] + closing, whole)
+            )
+        return closing
+
     def check(self) -> None:
-        """Run two tool turns of a synthetic episode through :meth:`suffix`; a TemplateError says what fails.
-        The turns carry spaces and a newline at their ends, so a template that trims the model's text fails.
+        """Run two tool turns of a synthetic episode through :meth:`suffix`; a TemplateError names the template,
+        the probe turn and what fails. The turns open with newlines and a reasoning block (``<think>hmm</think>``)
+        and end with spaces and a newline, so a template that trims the model's text, or rewrites it when it holds
+        reasoning or starts with a newline other than by dropping its head, fails here and not mid-run.
         Each suffix must also encode on its own into ids that add exactly its text after the row (a
         SentencePiece tokenizer that puts a space in front of every text it encodes would not)."""
         name = self.schemas[0]["function"]["name"] if self.schemas else "tool"
@@ -169,11 +200,19 @@ class ChatTurns:
         messages = self.prompt_messages("What is 12*34?")
         rendered = self.render(messages, add_generation_prompt=True)
         for turn in range(2):
-            content = f" {format_call(name, {'x': turn})}\n "
+            lead = "\n" * (2 - turn)
+            content = f"{lead}<think>hmm</think> {format_call(name, {'x': turn})}\n "
             tools = self.tool_messages([ToolResult(name, {"x": turn}, str(turn))])
             # the first turn stops at the call's end marker, the second with EOS
             ending = eos if turn else None
-            suffix, after = self.suffix(messages, rendered, content, ending, tools)
+            try:
+                suffix, after = self.suffix(messages, rendered, content, ending, tools)
+            except TemplateError as e:
+                template = getattr(self.tokenizer, "name_or_path", "") or "the tokenizer"
+                raise TemplateError(
+                    f"the chat template of {template} fails on the start-up probe's model turn {turn + 1} "
+                    f"({content!r}): {e}"
+                ) from None
             row = self._encode(rendered + content + (ending or ""))
             if self._decode(row + self._encode(suffix)) != self._decode(row) + suffix:
                 raise TemplateError(

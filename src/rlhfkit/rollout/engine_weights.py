@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
+from rlhfkit.errors import ConfigError
 from rlhfkit.models.lora import is_peft_model, merged_weights
 
 
@@ -44,6 +45,26 @@ def engine_config(model: torch.nn.Module):
     config = copy.deepcopy(base.config)
     config.architectures = [cls.__name__]
     return config
+
+
+def check_tied_head(model: torch.nn.Module, where: str) -> None:
+    """Refuse a LoRA adapter on the output head of a model whose head is tied to its input embedding: the
+    adapter unties them (the trained head is W + s B A, the embedding stays W), while vLLM, reading the config's
+    ``tie_word_embeddings``, loads no head of its own and samples from the embedding, W.
+
+    Raises:
+        ConfigError: naming ``where`` and the ways out.
+    """
+    if not is_peft_model(model) or not getattr(model.get_base_model().config, "tie_word_embeddings", False):
+        return
+    head = model.get_base_model().get_output_embeddings()
+    if hasattr(head, "lora_A"):
+        raise ConfigError(
+            f"online.generation_backend=vllm: {where} ties its output head to its input embedding and "
+            "model.lora_target_modules puts an adapter on that head, which unties them: vLLM would sample from "
+            "the tied embedding without the adapter; leave the head out of model.lora_target_modules or use "
+            "online.generation_backend=hf"
+        )
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -42,7 +42,7 @@ import torch
 from rlhfkit.data.tokenize import cut_ids
 from rlhfkit.errors import DataError
 from rlhfkit.models.sampling import Sampling
-from rlhfkit.rollout.chat_turns import ChatTurns
+from rlhfkit.rollout.chat_turns import ChatTurns, TemplateError
 from rlhfkit.rollout.episode_batch import EpisodeRecord, Episodes, episode_metrics  # noqa: F401
 from rlhfkit.rollout.generation import generate_responses
 from rlhfkit.rollout.tools import (
@@ -254,9 +254,15 @@ class EpisodeRunner:
             episode.tools = self.toolbox.episode()
         tool_messages = self.turns.tool_messages(results)
         eos_text = self.text([eos_id]) if eos_id is not None else None
-        suffix, after = self.turns.suffix(
-            episode.messages, episode.rendered, content, eos_text, tool_messages
-        )
+        try:
+            suffix, after = self.turns.suffix(
+                episode.messages, episode.rendered, content, eos_text, tool_messages
+            )
+        except TemplateError:  # the template rewrote this turn in a way no start-up probe showed: end it here
+            record.turns += [_call_turn(r, "template") for r in results]
+            episode.done = True
+            episode.messages = [*episode.messages, {"role": "assistant", "content": content}]
+            return
         suffix_ids = self.encode(suffix)
         episode.messages = [*episode.messages, {"role": "assistant", "content": content}, *tool_messages]
         if len(episode.ids) + len(suffix_ids) >= self.response_length:  # no room left for a model token

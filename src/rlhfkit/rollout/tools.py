@@ -63,9 +63,10 @@ from rlhfkit.rollout.tool_format import (  # noqa: F401  (the format's names, al
 )
 from rlhfkit.rollout.tool_worker import MAX_RESULT_CHARS, Reply, ToolWorker, WorkerDied, serve_turn
 
-# Why a call gave no clean result. The first five are seen by the model as the tool's result; "max_turns"
+# Why a call gave no clean result. All but the last three are seen by the model as the tool's result; "max_turns"
 # and "budget" are calls made in a turn after which the episode stopped (no turn left, or no room left in
-# online.response_length), so their results are never shown.
+# online.response_length), so their results are never shown; nor are those of "template" (a turn the chat
+# template rewrote in a way the row cannot follow, which ends its episode: rlhfkit.rollout.chat_turns).
 CAUSES = (
     "exception",
     "timeout",
@@ -76,6 +77,7 @@ CAUSES = (
     "too_long",
     "max_turns",
     "budget",
+    "template",
 )
 NOT_TOOLS = ("reset", "get_reward")  # an environment's public methods that are not tools
 

@@ -45,7 +45,13 @@ import torch
 from rlhfkit.errors import ConfigError, GenerationEngineError
 from rlhfkit.models.lora import is_peft_model, merged_copy
 from rlhfkit.models.sampling import Sampling
-from rlhfkit.rollout.engine_weights import engine_config, is_sharded, launched_processes, plain_weights
+from rlhfkit.rollout.engine_weights import (
+    check_tied_head,
+    engine_config,
+    is_sharded,
+    launched_processes,
+    plain_weights,
+)
 from rlhfkit.rollout.generation import Responses, truncate_at_stop
 
 # The head sizes vLLM 0.32's CPU attention runs (measured: head_dim=16 fails at engine start with
@@ -155,6 +161,7 @@ class VLLMEngine:
     def __init__(self, model: torch.nn.Module, settings: EngineSettings, where: str = "the actor") -> None:
         device = next(model.parameters()).device
         on_cpu = device.type == "cpu"
+        check_tied_head(model, where)
         config = engine_config(model)
         check_engine_can_run(config, where, on_cpu)
         self.vocab_size = int(config.vocab_size)

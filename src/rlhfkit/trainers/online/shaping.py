@@ -10,25 +10,29 @@ import torch
 from rlhfkit.algos import ADVANTAGE_ESTIMATORS, shape_rewards
 from rlhfkit.algos.groups import group_counts
 from rlhfkit.rollout.process_rewards import outcome_and_steps, process_rewards, step_ends
-from rlhfkit.trainers.online.context import OnlineContext, StatSums, model_inputs
+from rlhfkit.trainers.online.context import OnlineContext, StatSums, input_mask, model_inputs
 from rlhfkit.types import Rollout
 
 
 def with_process_rewards(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Tensor, StatSums]:
     """The scores for ``shape_rewards``: ``rollout.scores`` (B,) without a PRM; with one, (B, T): the outcome
     score on the last trained token plus the PRM's step rewards on the step-end tokens
-    (:mod:`rlhfkit.rollout.process_rewards`), with ``score/process_mean`` (per response) and
+    (:mod:`rlhfkit.rollout.process_rewards`; the PRM reads what the policy reads, :func:`input_mask`: a tool
+    episode's whole row, its step ends the model's tokens), with ``score/process_mean`` (per response) and
     ``score/process_steps`` (step ends per response)."""
     s = StatSums(ctx.device)
     if ctx.process_reward_model is None:
         return rollout.scores, s
+    # the step ends are the model's tokens; the PRM reads the row as the policy does (a tool episode's results
+    # and template text too, so later tokens sit at their positions in the row)
     ends = step_ends(rollout.response_ids, rollout.mask, ctx.step_end_table)  # (B, T)
+    reads = input_mask(rollout)  # (B, T)
     size = ctx.cfg.online.rollout_batch_size or rollout.batch_size
     dense = torch.zeros(rollout.mask.shape, device=rollout.mask.device)
     for i in range(0, rollout.batch_size, size):
         rows = slice(i, i + size)
         ids, attn, start, w = model_inputs(
-            rollout.query_ids[rows], rollout.query_mask[rows], rollout.response_ids[rows], rollout.mask[rows]
+            rollout.query_ids[rows], rollout.query_mask[rows], rollout.response_ids[rows], reads[rows]
         )
         dense[rows, :w] = process_rewards(ctx.process_reward_model, ids, attn, start, ends[rows, :w])
     kept = rollout.mask.any(1).sum()
