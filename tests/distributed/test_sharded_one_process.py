@@ -269,7 +269,9 @@ def test_a_sharded_bf16_reward_model_is_normalised_as_the_unsharded_one(tmp_path
         assert fitted["sharded"] == fitted["plain"]
     else:  # emulated bf16 (AVX2): the gathered weights take other kernel blockings; measured 6.6e-5 apart on the
         # gain, against 2.5e-4 with the bug (the gathered model without its autocast)
-        assert all(abs(a - b) <= 1.2e-4 for a, b in zip(fitted["sharded"], fitted["plain"], strict=True)), fitted
+        assert all(abs(a - b) <= 1.2e-4 for a, b in zip(fitted["sharded"], fitted["plain"], strict=True)), (
+            fitted
+        )
 
 
 def test_a_corrupt_shard_of_the_newest_checkpoint_makes_resume_use_the_previous_one(group, tmp_path, capsys):

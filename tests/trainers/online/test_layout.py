@@ -298,7 +298,9 @@ def _smollm2_like(max_prompt_length: int, response_length: int, micro_batch_size
         online=SimpleNamespace(response_length=response_length),
         train=SimpleNamespace(micro_batch_size=micro_batch_size),
     )
-    return SimpleNamespace(cfg=cfg, roles=SimpleNamespace(actor=model(), critic=model() if critic else None))
+    return SimpleNamespace(
+        cfg=cfg, episodes=None, roles=SimpleNamespace(actor=model(), critic=model() if critic else None)
+    )
 
 
 def test_default_micro_batch_is_a_token_budget_by_hand():
