@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from rlhfkit.models.sampler import RowStreams
 from rlhfkit.models.sampling import Sampling
 from rlhfkit.rollout.chat_turns import ChatTurns
 from rlhfkit.rollout.generation import generate_responses
@@ -317,6 +318,7 @@ def run_episodes(
     *,
     greedy: bool = False,
     generate: Callable[..., Any] = generate_responses,
+    streams: RowStreams | None = None,
 ) -> Episodes:
     """Play one episode per prompt (module docstring) and return the batch of rows.
 
@@ -329,6 +331,8 @@ def run_episodes(
         generate: the sampler, with :func:`rlhfkit.rollout.generate_responses`' signature (the vllm backend:
             :func:`rlhfkit.rollout.vllm_engine.engine_generate`); the ``sampled_logprobs`` it returns, if any,
             are kept per model token.
+        streams: each episode's random stream (``online.sampler=exact``); each turn's draws take the position
+            of their token in the whole row, so a turn's differ from the one before.
     """
     rows = list(rows) if rows is not None else [{} for _ in prompts]
     if len(rows) != len(prompts):
@@ -337,9 +341,11 @@ def run_episodes(
     episodes = [runner.start(prompt, row) for prompt, row in zip(prompts, rows, strict=True)]
     with_logprobs = False
     for turn in range(runner.max_turns):
-        active = [e for e in episodes if not e.done]
+        rows_active = [i for i, e in enumerate(episodes) if not e.done]
+        active = [episodes[i] for i in rows_active]
         if not active:
             break
+        own = {} if streams is None else {"streams": streams[torch.tensor(rows_active)]}
         budgets = [runner.response_length - len(e.ids) for e in active]
         ids, attn = _left_pad([e.prompt_ids + e.ids for e in active], runner.pad_token_id)
         out = generate(
@@ -351,6 +357,7 @@ def run_episodes(
             pad_token_id=runner.pad_token_id,
             sampling=runner.sampling,
             greedy=greedy,
+            **own,
         )
         given = getattr(out, "sampled_logprobs", None)  # (b, R) or None
         with_logprobs = with_logprobs or given is not None
