@@ -30,6 +30,7 @@ import torch
 SAMPLER_VERSION = 1  # of the exact sampler's draw and streams: a change of either gives other tokens
 BLOCK = 256  # entries per block of the two-level inverse CDF
 FLOOR = 2.0**-50  # the least weight of an entry > 0 (module docstring)
+_CHUNK = 32 * BLOCK  # columns floored and summed at a time (a multiple of BLOCK)
 _TOTAL_TOLERANCE = 1e-3  # how far a row's sum may be from 1 (a float32 softmax is within ~1e-6)
 
 # SplitMix64's increment and multipliers as signed int64 (the same 64 bits as the unsigned constants)
@@ -77,31 +78,41 @@ def stream_uniforms(
     return _shift_right(h, 11).double() * 2.0**-53
 
 
-def _block_layout(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, edges): ``probs`` with entries > 0 raised to :data:`FLOOR` ((B, V) float32), and the float64
-    cumulative sums of its blocks of :data:`BLOCK` entries ((B, N), N = ceil(V / BLOCK); the last block may be
-    short)."""
+def _floored(probs: torch.Tensor) -> torch.Tensor:
+    """``probs`` with its entries > 0 raised to :data:`FLOOR` (0 stays 0), same shape and dtype."""
+    return torch.maximum(probs, probs.sign().mul_(FLOOR))
+
+
+def _block_edges(probs: torch.Tensor) -> torch.Tensor:
+    """(B, N) float64: the cumulative sums of the floored weights' blocks of :data:`BLOCK` entries,
+    N = ceil(V / BLOCK) (the last block may be short). Computed on column chunks of :data:`_CHUNK` entries, so
+    that no float64 (or floored) copy of the whole (B, V) tensor is made: on a CPU such copies cost more than
+    the sums (the allocator pages them in afresh at every step)."""
     batch, vocab = probs.shape
-    weights = torch.maximum(probs, probs.sign().mul_(FLOOR))  # (B, V): 0 stays 0
     full = vocab // BLOCK * BLOCK
-    sums = weights[:, :full].reshape(batch, -1, BLOCK).sum(-1, dtype=torch.float64)  # (B, V // BLOCK)
+    sums = torch.empty(batch, -(-vocab // BLOCK), dtype=torch.float64, device=probs.device)  # (B, N)
+    for start in range(0, full, _CHUNK):
+        stop = min(start + _CHUNK, full)
+        chunk = _floored(probs[:, start:stop]).view(batch, -1, BLOCK)  # (B, n, BLOCK)
+        sums[:, start // BLOCK : stop // BLOCK] = chunk.sum(-1, dtype=torch.float64)
     if full < vocab:
-        sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True, dtype=torch.float64)], dim=1)
+        sums[:, -1] = _floored(probs[:, full:]).sum(-1, dtype=torch.float64)
     edges = sums.cumsum(-1)  # (B, N)
     total = edges[:, -1]
     if not bool(((total - 1).abs() <= _TOTAL_TOLERANCE).all()):  # also NaN / inf
         raise ValueError(f"each row of probs must be probabilities summing to 1, got sums {total.tolist()}")
-    return weights, edges
+    return edges
 
 
-def _block_cumsum(weights: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inner, columns): the float64 cumulative sum of block ``block`` of each row ((B, BLOCK), columns past
-    V weigh 0) and the columns it covers ((B, BLOCK) long, clamped into the vocabulary)."""
-    vocab = weights.shape[1]
-    columns = block[:, None] * BLOCK + torch.arange(BLOCK, device=weights.device)  # (B, BLOCK)
+def _block_cumsum(probs: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inner, columns): the float64 cumulative sum of the floored weights of block ``block`` of each row
+    ((B, BLOCK), columns past V weigh 0) and the columns it covers ((B, BLOCK) long, clamped into the
+    vocabulary)."""
+    vocab = probs.shape[1]
+    columns = block[:, None] * BLOCK + torch.arange(BLOCK, device=probs.device)  # (B, BLOCK)
     inside = columns < vocab
     columns = columns.clamp(max=vocab - 1)
-    values = weights.gather(1, columns).double() * inside  # (B, BLOCK)
+    values = _floored(probs.gather(1, columns)).double() * inside  # (B, BLOCK)
     return values.cumsum(-1), columns
 
 
@@ -118,7 +129,7 @@ def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tenso
     Returns:
         (B,) long token ids.
     """
-    weights, edges = _block_layout(probs)
+    edges = _block_edges(probs)  # (B, N)
     total = edges[:, -1]  # (B,)
     target = (uniforms.double() * total).unsqueeze(1)  # (B, 1) in [0, total)
     block = torch.searchsorted(edges, target, right=True)  # (B, 1): edges[b - 1] <= target < edges[b]
@@ -126,7 +137,7 @@ def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tenso
     last_block = _last_true(nonempty)  # (B,) a target at total (by rounding) takes the last block > 0
     block = torch.minimum(block.squeeze(1), last_block)  # (B,)
     below = torch.where(block > 0, edges.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
-    inner, columns = _block_cumsum(weights, block)  # (B, BLOCK)
+    inner, columns = _block_cumsum(probs, block)  # (B, BLOCK)
     rest = (target.squeeze(1) - below).clamp(min=0)  # (B,)
     j = torch.searchsorted(inner, rest[:, None], right=True).squeeze(1)  # (B,)
     positive = torch.cat([inner[:, :1] > 0, inner[:, 1:] > inner[:, :-1]], dim=1)  # (B, BLOCK)
@@ -150,7 +161,8 @@ def draw_intervals(probs: torch.Tensor) -> torch.Tensor:
     Returns:
         (B, V) float64, each row summing to 1.
     """
-    weights, edges = _block_layout(probs)
+    edges = _block_edges(probs)
+    weights = _floored(probs)
     batch, vocab = weights.shape
     blocks = edges.shape[1]
     starts = torch.cat([torch.zeros_like(edges[:, :1]), edges[:, :-1]], dim=1)  # (B, N)
