@@ -267,3 +267,21 @@ def test_rows_that_are_not_probabilities_are_refused():
     nan[0, 1] = float("nan")
     with pytest.raises(ValueError, match="summing to 1"):
         inverse_cdf_draw(nan, torch.zeros(1, dtype=torch.float64))
+
+
+def test_a_target_past_the_blocks_cumulative_sum_takes_its_last_token_above_zero():
+    """A block's range (from the block sums) can end a rounding past its own cumulative sum's last value; a
+    uniform in that sliver goes to the block's last token > 0, never to the masked tokens after it. Rows are
+    searched (seeds) until the float64 block sum exceeds the cumulative sum, then fed u = 1 - 2^-53."""
+    found = 0
+    for seed in range(300):
+        logits = torch.randn(1, BLOCK, generator=torch.Generator().manual_seed(seed)) * 3
+        logits[:, -8:] = float("-inf")  # the block ends with masked tokens
+        probs = torch.softmax(logits, -1)
+        weights = torch.maximum(probs, probs.sign() * FLOOR).double()
+        if float(weights.sum()) <= float(weights.cumsum(-1)[0, -1]):
+            continue
+        found += 1
+        top = torch.tensor([1 - 2**-53, 1 - 2**-52], dtype=torch.float64)
+        assert inverse_cdf_draw(probs.expand(2, -1), top).tolist() == [BLOCK - 9, BLOCK - 9]
+    assert found > 0
