@@ -173,12 +173,13 @@ def generate_responses(
             use_cache=True,
             output_scores=return_logprobs and draw is None,
             return_dict_in_generate=True,
-            **generation_kwargs(sampling, greedy or draw is not None),
+            **(generation_kwargs(sampling, greedy) if draw is None else {}),
         )
         if draw is not None:  # generate runs greedy over the drawn token (the processing is the draw's own)
             from transformers import LogitsProcessorList
 
-            kwargs["logits_processor"] = LogitsProcessorList([draw])
+            # no warper settings: the blank configuration's defaults, which greedy decoding does not warn about
+            kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([draw]))
         with (
             without_checkpoint_defaults(model),
             autocast_region(model),
