@@ -8,14 +8,16 @@ marked ``ended = False`` (the trainer decides its fate: the N+ "EOS trick" or ma
 
 Sampling = scoring: ``generate`` runs with exactly the processing of a :class:`rlhfkit.models.Sampling`
 (temperature, top-k, top-p, suppressed ids) and nothing from the checkpoint's ``generation_config.json``
-(:mod:`rlhfkit.models.sampling`); the trainer recomputes the log-probs under the same processing
+(:mod:`rlhfkit.models.sampling`); the draw is rlhfkit's own on per-row random streams (``online.sampler:
+exact``) or ``generate``'s ``torch.multinomial`` (``multinomial``): :mod:`rlhfkit.models.sampler`. The trainer recomputes the log-probs under the same processing
 (:func:`rlhfkit.models.sampled_logprobs`). Only the token ids are taken from here; ``return_logprobs``
 also gives the log-probs ``generate`` sampled with, to check that they are the recomputed ones.
 
 Per step, nothing of size cache or (B, vocabulary) is copied that the result does not need: the key / value
 cache writes into storage reserved for prompt + ``max_new_tokens`` (:mod:`rlhfkit.models.decode_cache`), the
 suppressed ids are set to -inf in place, and no ``min_new_tokens`` processor is added (it clones the scores at
-every step even when its minimum is 0). The tokens are those of ``generate``'s defaults bit for bit.
+every step even when its minimum is 0). Under ``multinomial`` the tokens are those of ``generate``'s defaults bit
+for bit.
 
 Shapes: ``B`` prompts, ``P`` padded prompt length, ``R`` response length (``max_new_tokens``).
 """
