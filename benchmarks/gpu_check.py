@@ -15,7 +15,13 @@ parts, each in its own process:
 - ``fsdp_nccl``: PPO under ``torchrun --nproc_per_node 1`` with ``train.sharding=full_shard`` (FSDP2; the
   process group's backend, NCCL on a GPU, is read from the run's own start-up line);
 - ``lora``: PPO with ``model.lora_rank=16``;
-- ``vllm``: GRPO with ``online.generation_backend=vllm``, where vLLM is installed.
+- ``vllm``: GRPO with ``online.generation_backend=vllm``, where vLLM is installed;
+- ``sampler``: rlhfkit's exact draw (``online.sampler=exact``, :mod:`rlhfkit.algos.draw`) on the device, in
+  this process: its total variation from the probabilities (from its own float64 interval boundaries, against
+  sums exact in float64) at 151,936 entries, masked tokens drawn over ~10^6 draws (must be 0), the tokens it
+  draws on the device against the CPU's for the same probabilities and uniforms, and its milliseconds per
+  step beside ``torch.multinomial``'s at (32, 49,152) and (32, 151,936) float32 probabilities (on a CPU: one
+  thread).
 
 Every part is timed and guarded: a part that fails is recorded with its error line (and the end of its
 stderr) and the check goes on; the JSON is rewritten after every part, and once ``--budget-s`` seconds have
@@ -58,7 +64,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("cuda_tests", "ppo", "grpo", "dpo", "fsdp_nccl", "lora", "vllm")
+PARTS = ("cuda_tests", "ppo", "grpo", "dpo", "fsdp_nccl", "lora", "vllm", "sampler")
 
 # Dense bfloat16 peaks (TFLOPS, without sparsity) from NVIDIA's data sheets, matched against
 # torch.cuda.get_device_name() in this order (an SXM H100 reports "NVIDIA H100 80GB HBM3").
@@ -535,6 +541,94 @@ def run_cuda_tests(work: Path, timeout: float) -> dict:
     return record
 
 
+def _milliseconds(fn, repeats: int, cuda: bool) -> float:
+    """The median milliseconds of ``fn()`` over ``repeats`` calls after one warm-up (synchronised on CUDA)."""
+    import torch
+
+    times = []
+    for i in range(repeats + 1):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        if i:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run_sampler_check(mode: str) -> dict:
+    """The ``sampler`` part (module docstring): exactness, masked draws, device against CPU, time per step."""
+    import math
+
+    import torch
+
+    from rlhfkit.algos.draw import draw_intervals, inverse_cdf_draw, stream_uniforms
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        vocab = 151936 if mode == "full" else 49152
+        logits = torch.randn(4, vocab, generator=g) * torch.tensor([[1.0], [3.0], [6.0], [12.0]])
+        logits[:, ::97] = float("-inf")  # masked entries
+        probs = torch.softmax(logits, -1)  # (4, V) float32
+        lengths = draw_intervals(probs.to(device)).cpu()
+        rows = probs.double().tolist()
+        totals = [math.fsum(r) for r in rows]  # exact sums, rounded once
+        exact = torch.tensor(
+            [[x / t for x in r] for r, t in zip(rows, totals, strict=True)], dtype=torch.float64
+        )
+        tv = float(0.5 * (lengths - exact).abs().sum(-1).max())
+        # masked tokens over ~10^6 draws (fewer under --smoke), on 4096 entries with every 7th masked
+        small = torch.randn(256, 4096, generator=g) * 4
+        masked = torch.zeros(4096, dtype=torch.bool)
+        masked[::7] = True
+        small[:, masked] = float("-inf")
+        small = torch.softmax(small, -1).to(device)
+        index = torch.arange(256, device=device)
+        steps, drawn = (4000 if mode == "full" else 40), 0
+        disagree = 0
+        for step in range(steps):
+            u = stream_uniforms(1, index, torch.zeros_like(index), torch.full_like(index, step))
+            picked = inverse_cdf_draw(small, u)
+            drawn += int(masked.to(device)[picked].sum())
+            if step < 8:  # the device's tokens against the CPU's for the same probabilities and uniforms
+                disagree += int((picked.cpu() != inverse_cdf_draw(small.cpu(), u.cpu())).sum())
+        timing = {}
+        repeats = 20 if mode == "full" else 3
+        for width in (49152, 151936):
+            p = torch.softmax(torch.randn(32, width, generator=g) * 3, -1).to(device)
+            u = torch.rand(32, dtype=torch.float64, generator=g).to(device)
+            timing[f"32x{width}"] = {
+                "exact_ms": _milliseconds(lambda p=p, u=u: inverse_cdf_draw(p, u), repeats, cuda),
+                "multinomial_ms": _milliseconds(
+                    lambda p=p: torch.multinomial(p, 1), max(2, repeats // 4), cuda
+                ),
+            }
+    finally:
+        torch.set_num_threads(threads)
+    record = {
+        "device": device,
+        "threads": 1 if not cuda else None,
+        "total_variation_max": tv,
+        "total_variation_vocab": vocab,
+        "masked_drawn": drawn,
+        "draws": steps * 256,
+        "device_vs_cpu_disagreements": disagree,
+        "ms_per_step": timing,
+    }
+    ok = tv <= 1e-9 and drawn == 0
+    record["status"] = "ok" if ok else "failed"
+    if not ok:
+        record["error"] = f"total variation {tv:.3g} (limit 1e-9), {drawn} masked tokens drawn"
+    return record
+
+
 def skip_reason(part: str, mode: str, cuda: bool) -> str | None:
     """Why ``part`` does not run here, or None."""
     if part == "vllm":
@@ -616,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
                     limit = min(left, args.part_timeout_s)
                     if part == "cuda_tests":
                         record = run_cuda_tests(work, limit)
+                    elif part == "sampler":
+                        record = run_sampler_check(mode)
                     else:
                         record = run_training(
                             part, mode, work, paths, report["model"], device["bf16_peak_tflops"], limit

@@ -192,6 +192,7 @@ def test_quickstart_generate_report(tmp_path, fake, capsys):
             "seed": 0,
             "reward_model": None,
             "hf_decode": "dynamic",
+            "sampler": "exact",
             "backend": "hf",
             "reward_functions": [],
         },
@@ -200,6 +201,8 @@ def test_quickstart_generate_report(tmp_path, fake, capsys):
     assert fake[-1][3]["backend"] == "vllm"
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--hf-decode", "static"]) == 0
     assert fake[-1][3]["hf_decode"] == "static"
+    assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--sampler", "multinomial"]) == 0
+    assert fake[-1][3]["sampler"] == "multinomial"
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--backend", "sglang"]) == 2
     assert "invalid choice: 'sglang'" in capsys.readouterr().err
     assert cli.main(["generate", "--model", "m", "--prompts", str(prompts), "--out", "o.jsonl"]) == 0

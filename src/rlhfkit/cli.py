@@ -214,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the hf backend's key / value cache, as online.hf_decode: dynamic, static (allocated once) or "
         "compiled (static, the decoding step compiled by torch.compile on the first batch) (default: %(default)s)",
     )
+    gen.add_argument(
+        "--sampler",
+        choices=("exact", "multinomial"),
+        default="exact",
+        help="the hf backend's draw, as online.sampler: exact (rlhfkit's own, each prompt's own random stream) or "
+        "multinomial (torch.multinomial, earlier versions' draw) (default: %(default)s)",
+    )
     gen.set_defaults(run=generate_command)
 
     lab = commands.add_parser(

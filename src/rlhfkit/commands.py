@@ -210,6 +210,7 @@ def generate_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         reward_model=args.reward_model,
         hf_decode=getattr(args, "hf_decode", "dynamic"),
+        sampler=getattr(args, "sampler", "exact"),
         backend=args.backend,
         reward_functions=args.reward_functions,
     )

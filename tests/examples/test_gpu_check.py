@@ -130,3 +130,19 @@ def test_the_error_line_is_rlhfkits_own_or_the_tracebacks_last():
     )
     assert bench.error_line(traceback, 1) == "torch.OutOfMemoryError: CUDA out of memory"
     assert bench.error_line("", 1) == "exit code 1 and nothing on stderr"
+
+
+def test_the_sampler_part_checks_the_exact_draw_and_times_it():
+    """The ``sampler`` part on this CPU (what --smoke runs): the draw's total variation under 1e-9 at 49,152
+    entries, no masked token drawn, the same tokens as the CPU's, and milliseconds per step for both draws."""
+    bench = load_example("gpu_check", ROOT / "benchmarks")
+    record = bench.run_sampler_check("smoke")
+    assert record["status"] == "ok" and record["device"] == "cpu" and record["threads"] == 1
+    assert record["total_variation_max"] <= 1e-9 and record["total_variation_vocab"] == 49152
+    assert record["masked_drawn"] == 0 and record["draws"] == 40 * 256
+    assert record["device_vs_cpu_disagreements"] == 0
+    for shape in ("32x49152", "32x151936"):
+        assert (
+            record["ms_per_step"][shape]["exact_ms"] > 0
+            and record["ms_per_step"][shape]["multinomial_ms"] > 0
+        )

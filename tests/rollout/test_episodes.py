@@ -211,6 +211,26 @@ def test_max_turns_stops_the_episode_and_counts_the_unanswered_call():
     assert response[-len(call) :] == call and mask[-len(call) :] == [True] * len(call)
 
 
+def test_each_turn_draws_from_its_active_episodes_own_streams():
+    """``streams`` (online.sampler=exact): each turn's call gets the streams of the episodes still active, in
+    their order; the second turn only the episode that called the tool."""
+    from rlhfkit.models.sampler import RowStreams
+
+    tok = tool_tokenizer()
+    call, answer, direct = char_ids(tok, CALL), char_ids(tok, "answer=408</s>"), char_ids(tok, "answer=1</s>")
+    script = ScriptedSampler([[direct, call], [answer]])
+    given = []
+
+    def sampler(*args, streams=None, **kwargs):
+        given.append((streams.prompt_index.tolist(), streams.sample_index.tolist()))
+        return script(*args, **kwargs)
+
+    streams = RowStreams(3, torch.tensor([10, 11]), torch.tensor([0, 1]))
+    prompts = ["What is 1*1?", "What is 12*34?"]
+    run_episodes(runner_for(tok), MODEL, prompts, generate=sampler, streams=streams)
+    assert given == [([10, 11], [0, 1]), ([11], [1])]
+
+
 def test_the_budget_bounds_every_turn_together_and_truncates():
     tok = tool_tokenizer()
     call, answer = char_ids(tok, CALL), char_ids(tok, "answer=408</s>")

@@ -139,6 +139,9 @@ def test_generate_with_reward_functions_scores_each_part_as_training_does(tmp_pa
     )
     out = tmp_path / "scored.jsonl"
     base = ["generate", "--model", str(paths["model"]), "--prompts", str(prompts), "--max-new-tokens", "6"]
+    # The checks re-tokenize each response's text, which gives its sampled ids only where no special token
+    # (which decodes to nothing) was sampled: so under this seed's multinomial draw, not under the exact one's.
+    base += ["--sampler", "multinomial"]
     functions = ["--reward-function", f"{tmp_path / 'rewards.py'}:words"]
     functions += ["--reward-function", f"{tmp_path / 'rewards.py'}:echoes_answer"]
     assert main([*base, *functions, "--out", str(out)]) == 0

@@ -217,3 +217,34 @@ def test_a_grpo_run_with_a_static_cache_logs_the_dynamic_runs_figures(tmp_path, 
     assert len(figures["dynamic"]) == 2
     assert figures["static"] == figures["dynamic"] and figures["compiled"] == figures["dynamic"]
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("decode", ["static", "compiled"])
+def test_a_prompt_and_response_across_a_capacity_bucket_give_the_dynamic_tokens(
+    tokenizer, decode, monkeypatch
+):
+    """A prompt of 40 columns and 40 new tokens cross the first 64-position bucket (the static cache holds 128):
+    a capacity computed without the prompt's columns would run out of cache here. Under the exact sampler
+    (the default) the static and compiled decodes give the dynamic tokens, greedy and sampled."""
+    _eager_compile(monkeypatch)
+    model = _model("llama", tokenizer)
+    columns, new = 40, 40
+    assert bucketed_capacity(new) < columns + new <= bucketed_capacity(columns + new)
+    ids, mask = _prompts(tokenizer, columns)
+    for greedy in (True, False):
+        dynamic = _sample(model, tokenizer, "dynamic", greedy, ids, mask, max_new_tokens=new)
+        assert int(dynamic[0].mask.sum(1).max()) > bucketed_capacity(new) - columns  # past the first bucket
+        _assert_same(dynamic, _sample(model, tokenizer, decode, greedy, ids, mask, max_new_tokens=new))
+    torch._dynamo.reset()
+
+
+def test_static_and_compiled_give_the_dynamic_tokens_under_the_multinomial_draw_too(tokenizer, monkeypatch):
+    """``online.sampler=multinomial`` (generate's torch.multinomial) through the three decodes."""
+    from rlhfkit.models.sampler import set_sampler
+
+    _eager_compile(monkeypatch)
+    model = set_sampler(_model("llama", tokenizer), "multinomial")
+    dynamic = _sample(model, tokenizer, "dynamic", greedy=False)
+    for decode in ("static", "compiled"):
+        _assert_same(dynamic, _sample(model, tokenizer, decode, greedy=False))
+    torch._dynamo.reset()

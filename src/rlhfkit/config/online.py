@@ -237,6 +237,16 @@ class OnlineConfig:
         "recurrent cache layers decodes dynamic (logged once). Default measured fastest on a CPU "
         "(docs/performance.md).",
     )
+    sampler: Literal["exact", "multinomial"] = option(
+        "exact",
+        "hf backend: the draw of every sampled token (rollouts, multi-turn episodes, evaluation, the refresh's "
+        "pairs), after the same processing (suppressed ids, temperature, top-k, top-p): exact (rlhfkit's own "
+        "inverse-CDF draw accumulated in float64, a few ms per step, on per-row random streams: a response's "
+        "tokens depend on the run's seed, its prompt and sample index, not on rollout_batch_size or the number "
+        "of processes) or multinomial (generate's torch.multinomial on torch's generator, the draw of earlier "
+        "rlhfkit versions, to reproduce their runs). The sampler's name and version go into config.yaml and "
+        'summary.json. docs/performance.md, "The draw".',
+    )
     vllm_kv_cache_gib: int = option(
         1,
         "vllm: memory of the engine's KV cache, in whole GiB (VLLM_CPU_KVCACHE_SPACE on CPU); on a GPU, this "

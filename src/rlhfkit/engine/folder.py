@@ -46,7 +46,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from rlhfkit.config import LoggingConfig, RunConfig, config_to_dict, save_config
+from rlhfkit.algos.draw import sampler_record
+from rlhfkit.config import ONLINE_KINDS, LoggingConfig, RunConfig, config_to_dict, save_config
 from rlhfkit.engine.checkpoint import checkpoint_step, latest_checkpoint, resume_checkpoint
 from rlhfkit.engine.metrics_writer import (
     MetricsWriter,
@@ -280,6 +281,7 @@ class RunDir:
         self.resume_checkpoint = resume_checkpoint(self.checkpoints_dir, main_process) if resume else None
         self.resume_step = checkpoint_step(self.resume_checkpoint) if self.resume_checkpoint else 0
         self.logging = config.logging if config is not None else LoggingConfig()
+        self.sampler = run_sampler(config) if config is not None else None
         if config is not None:
             self.save_config(config, resume)
         sinks = (
@@ -319,9 +321,11 @@ class RunDir:
         save_config(cfg, self.config_path, self.run_info)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
-        """Write ``summary.json`` (replacing it whole; non-finite numbers become null)."""
+        """Write ``summary.json`` (replacing it whole; non-finite numbers become null), with the run's
+        ``sampler`` (name and version, :func:`rlhfkit.algos.draw.sampler_record`) when it has a config."""
         if self.main_process:
-            write_summary_json(self.summary_path, summary)
+            extra = {"sampler": self.sampler} if self.sampler is not None else {}
+            write_summary_json(self.summary_path, {**summary, **extra})
 
     def progress(self, iterable: Iterable | None = None, total: int | None = None, desc: str = ""):
         """A progress bar over ``iterable`` that starts at the resume step; see :func:`progress_bar`."""
@@ -348,6 +352,13 @@ class RunDir:
         self.close()
 
 
+def run_sampler(cfg: RunConfig) -> dict[str, Any] | None:
+    """The sampler a run of ``cfg`` draws its responses with (name and version,
+    :func:`rlhfkit.algos.draw.sampler_record`), recorded in ``config.yaml`` and ``summary.json``; None for a
+    kind that samples nothing (sft, reward, prm, dpo)."""
+    return sampler_record(cfg.online.sampler) if cfg.kind in ONLINE_KINDS else None
+
+
 def open_run(cfg: RunConfig, accelerator, resume: bool = False, overwrite: bool = False) -> RunDir:
     """Open the run folder for a trainer: the main process prepares it and writes ``config.yaml`` (with the
     run line: processes, launcher, threads) and says on stderr how many processes train; every other
@@ -357,6 +368,9 @@ def open_run(cfg: RunConfig, accelerator, resume: bool = False, overwrite: bool 
 
     precision = cfg.model.dtype if cfg.model.dtype != "auto" else auto_precision()  # what the report names
     info = {**world_info(accelerator), "sharding": sharding_mode(cfg), "precision": precision}
+    sampler = run_sampler(cfg)
+    if sampler is not None:
+        info["sampler"] = sampler
     main = accelerator.is_main_process
     if main:
         announce(info, cfg.kind)

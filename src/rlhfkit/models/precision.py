@@ -295,12 +295,15 @@ def float32_attention_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
 def carry_precision(source: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
     """Give ``target``, a model built apart from ``source`` on ``source``'s config (the whole-weights copy of a
     sharded actor that generates: rlhfkit.trainers.online.sharding), ``source``'s :func:`autocast_forward`
-    dtype and decode (:func:`rlhfkit.models.static_decode.set_decode`), so that both compute the same function.
+    dtype, decode (:func:`rlhfkit.models.static_decode.set_decode`) and draw
+    (:func:`rlhfkit.models.sampler.set_sampler`), so that both compute and sample the same function.
     (The attention implementation, float32 on a CPU included, is
     in the config they share.) Returns ``target``."""
+    from rlhfkit.models.sampler import sampler_of, set_sampler
     from rlhfkit.models.static_decode import decode_of, set_decode
 
     set_decode(target, decode_of(source))  # the gathered copy decodes as the actor does (online.hf_decode)
+    set_sampler(target, sampler_of(source))  # and draws as it does (online.sampler)
     return autocast_forward(target, getattr(source, "rlhfkit_autocast", None))
 
 

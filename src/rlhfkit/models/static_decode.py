@@ -13,9 +13,10 @@ The hf backend's ``generate`` (:mod:`rlhfkit.rollout.generation`) decodes in one
   by every later call, so it compiles once per run and per shape: the capacity is rounded up to a multiple of
   :data:`CAPACITY_STEP` positions, so prompts of other lengths in later rollouts take the same shapes.
 
-The sampling (logits processing, the draw, the stop bookkeeping) is ``generate``'s own in all three: the same
-processors, the same ``torch.multinomial`` calls on the same rows, so with equal logits the tokens and the random
-generator's state after the call are equal. The logits differ from ``dynamic``'s only by the rounding of an
+The sampling (logits processing, the draw, the stop bookkeeping) is the same in all three: the same processors
+and the same draw on the same rows (rlhfkit's exact draw on the rows' streams, or ``generate``'s
+``torch.multinomial``: :mod:`rlhfkit.models.sampler`), so with equal logits the tokens and the random generator's
+state after the call are equal. The logits differ from ``dynamic``'s only by the rounding of an
 attention over more (masked, weight exactly 0) columns and, compiled, of fused kernels: on the tiny test models the
 float32 log-probs agree to 5e-7 (bf16 autocast, compiled by inductor: 5e-4) and the sampled tokens are the same
 (tests/rollout/test_static_decode.py; docs/performance.md). A token can differ only where two tokens' processed

@@ -41,6 +41,7 @@ import torch
 
 from rlhfkit.data.tokenize import cut_ids
 from rlhfkit.errors import DataError
+from rlhfkit.models.sampler import RowStreams
 from rlhfkit.models.sampling import Sampling
 from rlhfkit.rollout.chat_turns import ChatTurns, TemplateError
 from rlhfkit.rollout.episode_batch import EpisodeRecord, Episodes, episode_metrics  # noqa: F401
@@ -339,6 +340,7 @@ def run_episodes(
     greedy: bool = False,
     generate: Callable[..., Any] = generate_responses,
     rollout_batch_size: int | None = None,
+    streams: RowStreams | None = None,
 ) -> Episodes:
     """Play one episode per prompt (module docstring) and return the batch of rows.
 
@@ -353,6 +355,8 @@ def run_episodes(
             are kept per model token.
         rollout_batch_size: the most rows of one generation call (``online.rollout_batch_size``; None = all
             of a turn's active episodes in one call).
+        streams: each episode's random stream (``online.sampler=exact``); each turn's draws take the position
+            of their token in the whole row, so a turn's differ from the one before.
     """
     rows = list(rows) if rows is not None else [{} for _ in prompts]
     if len(rows) != len(prompts):
@@ -364,12 +368,18 @@ def run_episodes(
     with_logprobs = False
     size = rollout_batch_size or len(episodes)
     for turn in range(runner.max_turns):
-        active = [e for e in episodes if not e.done]
+        rows_active = [i for i, e in enumerate(episodes) if not e.done]
+        active = [episodes[i] for i in rows_active]
         if not active:
             break
         to_answer = []
         for first in range(0, len(active), size):  # online.rollout_batch_size rows per generate call
             chunk = active[first : first + size]
+            own = (
+                {}
+                if streams is None
+                else {"streams": streams[torch.tensor(rows_active[first : first + size])]}
+            )
             budgets = [runner.response_length - len(e.ids) for e in chunk]
             ids, attn = _left_pad([e.prompt_ids + e.ids for e in chunk], runner.pad_token_id)
             out = generate(
@@ -381,6 +391,7 @@ def run_episodes(
                 pad_token_id=runner.pad_token_id,
                 sampling=runner.sampling,
                 greedy=greedy,
+                **own,
             )
             given = getattr(out, "sampled_logprobs", None)  # (b, R) or None
             with_logprobs = with_logprobs or given is not None

@@ -20,6 +20,7 @@ import torch
 from rlhfkit.algos import kl_k1
 from rlhfkit.data import PromptCollator
 from rlhfkit.models import response_logprobs, sampling_for, sequence_scores
+from rlhfkit.models.sampler import RowStreams, sampler_of
 from rlhfkit.rollout.generation import Responses, generate_responses
 from rlhfkit.rollout.scoring import reward_normalization
 
@@ -69,12 +70,19 @@ def response_batches(
     """Each chunk of ``batch_size`` prompt examples with one response per prompt from ``policy`` (stopped at
     the tokenizer's EOS, processed by ``sampling``): yields ``(chunk, Responses)``. ``generate`` samples
     (:func:`generate_responses`, or :func:`rlhfkit.rollout.vllm_engine.engine_generate` of an engine that holds
-    ``policy``'s weights)."""
+    ``policy``'s weights). Under ``online.sampler=exact`` (:mod:`rlhfkit.models.sampler`) prompt ``i`` of
+    ``examples`` draws from its own stream, so its response does not depend on ``batch_size``."""
     device = next(policy.parameters()).device
     collate = PromptCollator(tokenizer.pad_token_id)
+    # The streams' seed, from the caller's seeded generator; drawn only where the exact sampler draws, so that
+    # under `multinomial` (and for an engine, which seeds its own requests) the generator is left as before.
+    own = generate is generate_responses and not greedy and sampler_of(policy) == "exact"
+    seed = int(torch.randint(2**62, (1,))) if own else None
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         batch = collate(chunk)
+        index = torch.arange(start, start + len(chunk), device=device)  # each prompt's own stream
+        streams = {} if seed is None else {"streams": RowStreams(seed, index, torch.zeros_like(index))}
         yield (
             chunk,
             generate(
@@ -86,6 +94,7 @@ def response_batches(
                 pad_token_id=tokenizer.pad_token_id,
                 sampling=sampling,
                 greedy=greedy,
+                **streams,
             ),
         )
 

@@ -33,6 +33,7 @@ from rlhfkit.config import OnlineConfig
 from rlhfkit.data import TokenLimits, prepare_examples
 from rlhfkit.engine.seed import seed_everything
 from rlhfkit.models import load_causal_lm, load_scalar_model, load_tokenizer
+from rlhfkit.models.sampler import set_sampler
 from rlhfkit.models.static_decode import set_decode
 from rlhfkit.rollout.evaluate import sample_and_score
 from rlhfkit.rollout.scoring import Scorer, combine_parts, data_columns
@@ -54,11 +55,14 @@ def generate(
     backend: str = "hf",
     reward_functions: Sequence[str] = (),
     hf_decode: str = "dynamic",
+    sampler: str = "exact",
 ) -> list[dict]:
     """Load the policy in ``model_dir``, sample for every prompt of ``prompts_file``, write JSON Lines (with each
     response's score when ``reward_model``, a reward-model folder, or ``reward_functions``, names as in
     ``online.reward_functions``, are given). ``backend``: ``"hf"`` (Hugging Face ``generate``) or ``"vllm"``
-    (a vLLM engine on the policy's weights); ``hf_decode``: the hf backend's cache, as ``online.hf_decode``."""
+    (a vLLM engine on the policy's weights); ``hf_decode``: the hf backend's cache, as ``online.hf_decode``;
+    ``sampler``: its draw, as ``online.sampler`` (exact: prompt i's response depends on the seed and the prompt,
+    not on the batch it is sampled in)."""
     seed_everything(seed)
     functions = Scorer.load_functions(reward_functions, where=FUNCTIONS_FLAG)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
@@ -82,6 +86,7 @@ def generate(
         model_dir, trust_remote_code=trust_remote_code, tokenizer=tokenizer, frozen=True
     ).to(device)
     set_decode(model, hf_decode)
+    set_sampler(model, sampler)
     engine = _engine(model, examples, max_new_tokens, seed, model_dir) if backend == "vllm" else None
     try:
         samples = sample_and_score(

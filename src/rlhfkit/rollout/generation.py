@@ -8,14 +8,16 @@ marked ``ended = False`` (the trainer decides its fate: the N+ "EOS trick" or ma
 
 Sampling = scoring: ``generate`` runs with exactly the processing of a :class:`rlhfkit.models.Sampling`
 (temperature, top-k, top-p, suppressed ids) and nothing from the checkpoint's ``generation_config.json``
-(:mod:`rlhfkit.models.sampling`); the trainer recomputes the log-probs under the same processing
+(:mod:`rlhfkit.models.sampling`); the draw is rlhfkit's own on per-row random streams (``online.sampler:
+exact``) or ``generate``'s ``torch.multinomial`` (``multinomial``): :mod:`rlhfkit.models.sampler`. The trainer recomputes the log-probs under the same processing
 (:func:`rlhfkit.models.sampled_logprobs`). Only the token ids are taken from here; ``return_logprobs``
 also gives the log-probs ``generate`` sampled with, to check that they are the recomputed ones.
 
 Per step, nothing of size cache or (B, vocabulary) is copied that the result does not need: the key / value
 cache writes into storage reserved for prompt + ``max_new_tokens`` (:mod:`rlhfkit.models.decode_cache`), the
 suppressed ids are set to -inf in place, and no ``min_new_tokens`` processor is added (it clones the scores at
-every step even when its minimum is 0). The tokens are those of ``generate``'s defaults bit for bit.
+every step even when its minimum is 0). Under ``multinomial`` the tokens are those of ``generate``'s defaults bit
+for bit.
 
 Shapes: ``B`` prompts, ``P`` padded prompt length, ``R`` response length (``max_new_tokens``).
 """
@@ -30,6 +32,7 @@ from rlhfkit.models.decode_cache import fresh_cache, reserve_positions
 from rlhfkit.models.lora import merged_for_generation
 from rlhfkit.models.precision import autocast_region, frozen_linears_cast
 from rlhfkit.models.prompt_cache import cache_keyword, shared_prompt_cache
+from rlhfkit.models.sampler import SAMPLERS, ExactDraw, RowStreams, sampler_of
 from rlhfkit.models.sampling import Sampling, generation_kwargs, without_checkpoint_defaults
 from rlhfkit.models.static_decode import DECODES, decode_kwargs, decode_of, static_cache
 
@@ -109,6 +112,8 @@ def generate_responses(
     return_logprobs: bool = False,
     share_prompts: bool = True,
     decode: str | None = None,
+    sampler: str | None = None,
+    streams: RowStreams | None = None,
 ) -> Responses:
     """Sample one response per prompt row (repeat rows for groups) with ``model.generate``.
 
@@ -132,6 +137,13 @@ def generate_responses(
             (static, the one-position forward compiled once per run): :mod:`rlhfkit.models.static_decode`. A
             model that cannot take a static cache decodes ``dynamic`` (the reason logged once). None: the
             model's own (:func:`rlhfkit.models.static_decode.set_decode`, ``online.hf_decode``), else dynamic.
+        sampler: ``exact`` (rlhfkit's draw on per-row streams) or ``multinomial`` (``generate``'s
+            ``torch.multinomial``): :mod:`rlhfkit.models.sampler`. None: the model's own
+            (:func:`rlhfkit.models.sampler.set_sampler`, ``online.sampler``), else exact.
+        streams: ``exact``: each row's random stream (its prompt index and sample index; the position is the
+            token's in the row), so that a row's tokens depend on neither this call's other rows nor how a batch
+            is split into calls. None:
+            :meth:`RowStreams.of_rows` (one seed from torch's global generator, the row as prompt index).
     Returns:
         :class:`Responses` with exactly R response columns.
     """
@@ -142,6 +154,17 @@ def generate_responses(
     decode = decode or decode_of(model)
     if decode not in DECODES:
         raise ValueError(f"decode must be one of {', '.join(DECODES)}, got {decode!r}")
+    sampler = sampler or sampler_of(model)
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    draw = None
+    if sampler == "exact" and not greedy:
+        streams = (
+            streams if streams is not None else RowStreams.of_rows(prompt_ids.shape[0], prompt_ids.device)
+        )
+        if streams.prompt_index.shape[0] != prompt_ids.shape[0]:
+            raise ValueError(f"{prompt_ids.shape[0]} prompt rows but {streams.prompt_index.shape[0]} streams")
+        draw = ExactDraw(sampling, streams, prompt_mask, keep_logprobs=return_logprobs)
     was_training = model.training
     model.eval()
     try:
@@ -150,10 +173,15 @@ def generate_responses(
             pad_token_id=pad_token_id,
             eos_token_id=list(stop_token_ids),
             use_cache=True,
-            output_scores=return_logprobs,
+            output_scores=return_logprobs and draw is None,
             return_dict_in_generate=True,
-            **generation_kwargs(sampling, greedy),
+            **(generation_kwargs(sampling, greedy) if draw is None else {}),
         )
+        if draw is not None:  # generate runs greedy over the drawn token (the processing is the draw's own)
+            from transformers import LogitsProcessorList
+
+            # no warper settings: the blank configuration's defaults, which greedy decoding does not warn about
+            kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([draw]))
         with (
             without_checkpoint_defaults(model),
             autocast_region(model),
@@ -184,8 +212,13 @@ def generate_responses(
     attention_mask = torch.cat([prompt_mask, mask.to(prompt_mask.dtype)], dim=1)
     sampled = None
     if return_logprobs:
-        scores = torch.stack(out.scores, dim=1).float()  # (B, r, V), processed as sampled
-        picked = torch.log_softmax(scores, -1).gather(-1, generated[:, : scores.shape[1], None]).squeeze(-1)
+        if draw is not None:
+            picked = torch.stack(draw.logprobs, dim=1)  # (B, r): each drawn token's processed log-prob
+        else:
+            scores = torch.stack(out.scores, dim=1).float()  # (B, r, V), processed as sampled
+            picked = (
+                torch.log_softmax(scores, -1).gather(-1, generated[:, : scores.shape[1], None]).squeeze(-1)
+            )
         sampled = torch.zeros(response_ids.shape, device=picked.device)
         sampled[:, : picked.shape[1]] = torch.where(mask[:, : picked.shape[1]], picked, 0.0)
     return Responses(input_ids, attention_mask, response_ids, mask, ended, start, sampled)

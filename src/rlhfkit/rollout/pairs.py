@@ -86,6 +86,7 @@ def sample_response_pairs(
     """
     from rlhfkit.data import encode_prompt, pad_sequences
     from rlhfkit.models import sampling_for
+    from rlhfkit.models.sampler import RowStreams
     from rlhfkit.rollout.generation import generate_responses
 
     generate = generate or generate_responses
@@ -101,6 +102,8 @@ def sample_response_pairs(
                 ids for p in chunk for ids in [encode_prompt(tokenizer, p)] * 2
             ]  # prompt i -> rows 2i, 2i+1
             ids, mask = pad_sequences(rows, pad, "left")
+            index = torch.arange(start, start + len(chunk), device=device).repeat_interleave(2)
+            streams = RowStreams(seed, index, torch.arange(2, device=device).repeat(len(chunk)))
             responses = generate(
                 model,
                 ids.to(device),
@@ -109,6 +112,7 @@ def sample_response_pairs(
                 stop_token_ids=[eos],
                 pad_token_id=pad,
                 sampling=sampling_for(pad, [eos], temperature),
+                streams=streams,  # online.sampler=exact: prompt i's pair, whatever batch_size
             )
             texts = [
                 tokenizer.decode(r[m].tolist(), skip_special_tokens=True)

@@ -399,8 +399,10 @@ def engine_generate(engine: VLLMEngine) -> Callable[..., Responses]:
     not read. Each call draws one base seed from the global torch generator, which these callers seed, and
     row ``i`` of the call gets the request seed :func:`row_seeds` ``(base, i)``."""
 
-    def generate(model, prompt_ids, prompt_mask, *, greedy: bool = False, **kwargs) -> Responses:
-        del model  # the engine serves the weights it was given
+    def generate(
+        model, prompt_ids, prompt_mask, *, greedy: bool = False, streams=None, **kwargs
+    ) -> Responses:
+        del model, streams  # the engine serves the weights it was given, with its own per-request seeds
         base = int(torch.randint(2**62, (1,)))
         seeds = row_seeds(base, prompt_ids.shape[0])
         return engine.generate(prompt_ids, prompt_mask, seeds=seeds, greedy=greedy, **kwargs)

@@ -26,6 +26,7 @@ from rlhfkit.config import RunConfig
 from rlhfkit.data import PromptCollator
 from rlhfkit.models import can_share_prompts, response_readout, sampling_for
 from rlhfkit.models.precision import frozen_linears_cast
+from rlhfkit.models.sampler import RowStreams
 from rlhfkit.rollout import generate_responses
 from rlhfkit.rollout.episodes import EpisodeRunner, Episodes, run_episodes
 from rlhfkit.rollout.sandbox import uses_sandbox
@@ -57,7 +58,9 @@ def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int, stream: in
 
     Returns:
         ``query_ids`` (B, P) left padded, ``query_mask`` (B, P), ``records`` (B data rows), ``group_ids``
-        (B,) long (the prompt's position in the global batch).
+        (B,) long (the prompt's position in the global batch), ``streams`` (the rows' random streams under
+        ``online.sampler=exact``: seeded from (seed, step, stream), a row's prompt's place in the global batch
+        and its sample of that prompt; the same on any number of processes).
     """
     cfg, accelerator = ctx.cfg, ctx.accelerator
     seed = cfg.seed if stream == 0 else derived_seed("dynamic-sampling", cfg.seed, stream) % 2**31
@@ -66,11 +69,14 @@ def prompt_batch(ctx: OnlineContext, examples: list[dict], step: int, stream: in
     first = accelerator.process_index * local
     batch = PromptCollator(ctx.tokenizer.pad_token_id)([examples[i] for i in indices[first : first + local]])
     g = cfg.online.group_size
+    group_ids = torch.arange(first, first + local, device=ctx.device).repeat_interleave(g)
+    sample_index = torch.arange(g, device=ctx.device).repeat(local)
     return {
         "query_ids": batch["input_ids"].repeat_interleave(g, 0).to(ctx.device),
         "query_mask": batch["attention_mask"].repeat_interleave(g, 0).to(ctx.device),
         "records": [record for record in batch["records"] for _ in range(g)],
-        "group_ids": torch.arange(first, first + local, device=ctx.device).repeat_interleave(g),
+        "group_ids": group_ids,
+        "streams": RowStreams(derived_seed("draw", cfg.seed, step, stream), group_ids, sample_index),
     }
 
 
@@ -259,6 +265,7 @@ def play_episodes(
             greedy=greedy,
             generate=generate,
             rollout_batch_size=ctx.cfg.online.rollout_batch_size,
+            streams=batch.get("streams"),
         )
     device = ctx.device
     batch["query_ids"], batch["query_mask"] = episodes.query_ids.to(device), episodes.query_mask.to(device)

@@ -108,6 +108,7 @@ def generate_pieces(
         greedy=greedy,
     )
     if ctx.engine is None:
+        streams = batch.get("streams")  # online.sampler=exact: each row's own stream, whatever the pieces
         with clock("generate"), generation_model(ctx) as actor:  # a sharded actor: gathered once
             return [
                 hf_generate(
@@ -115,6 +116,7 @@ def generate_pieces(
                     batch["query_ids"][i : i + size],
                     batch["query_mask"][i : i + size],
                     **common,
+                    **({} if streams is None else {"streams": streams[i : i + size]}),
                 )
                 for i in range(0, n, size)
             ]

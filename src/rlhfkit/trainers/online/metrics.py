@@ -8,6 +8,7 @@ import torch
 
 from rlhfkit.data import PromptCollator
 from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
+from rlhfkit.models.sampler import RowStreams
 from rlhfkit.trainers.common import micro_batches
 from rlhfkit.trainers.online.collect import Scores, sample_rollout, score_rollout
 from rlhfkit.trainers.online.context import OnlineContext, StatSums, derived_seed
@@ -72,7 +73,7 @@ def evaluate(
     actor.eval()
     try:
         with torch.no_grad():
-            metrics = evaluate_prompts(ctx, eval_examples) if eval_examples else {}
+            metrics = evaluate_prompts(ctx, eval_examples, step) if eval_examples else {}
             if hooks.evaluate is not None:
                 extra = hooks.evaluate(actor, step)
                 clash = sorted(set(extra) & set(metrics))
@@ -85,22 +86,28 @@ def evaluate(
     return metrics
 
 
-def evaluate_prompts(ctx: OnlineContext, examples: list[dict]) -> dict[str, float]:
+def evaluate_prompts(ctx: OnlineContext, examples: list[dict], step: int = 0) -> dict[str, float]:
     """One response per held-out prompt at the training temperature: ``eval/score/mean`` (the scorer's raw
     score, over the responses something scored), ``eval/kl/mean`` (nats per response, the trained estimator over each response's trained
-    tokens), ``eval/response_length/mean``, ``eval/response/ended_frac``."""
+    tokens), ``eval/response_length/mean``, ``eval/response/ended_frac``. Under ``online.sampler=exact`` a
+    prompt's response is drawn from its own stream (seeded from (seed, ``step``), the prompt's index in
+    ``examples``), the same on any number of processes."""
     accelerator, online = ctx.accelerator, ctx.cfg.online
     s = StatSums(ctx.device)
     mine = examples[accelerator.process_index :: accelerator.num_processes]
     size = max(1, ctx.cfg.train.batch_size * online.group_size // accelerator.num_processes)
     collate = PromptCollator(ctx.tokenizer.pad_token_id)
+    mine_index = torch.arange(accelerator.process_index, len(examples), accelerator.num_processes)
+    seed = derived_seed("evaluation-draw", ctx.cfg.seed, step)
     for i, chunk in enumerate(micro_batches(mine, size)):
         b = collate(list(chunk))
+        prompt_index = mine_index[i * size : i * size + len(chunk)].to(ctx.device)
         batch = {
             "query_ids": b["input_ids"].to(ctx.device),
             "query_mask": b["attention_mask"].to(ctx.device),
             "records": b["records"],
             "group_ids": torch.arange(len(chunk), device=ctx.device),
+            "streams": RowStreams(seed, prompt_index, torch.zeros_like(prompt_index)),
         }
         rollout = sample_rollout(ctx, batch, sync_engine=i == 0)  # vllm: the actor's weights loaded once
         _, raw_scores, _, scored, _ = score_rollout(ctx, rollout, batch["records"], batch.get("episodes"))

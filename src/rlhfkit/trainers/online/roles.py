@@ -44,6 +44,7 @@ from rlhfkit.models import (
     load_scalar_model,
     prepare_trained,
 )
+from rlhfkit.models.sampler import set_sampler
 from rlhfkit.models.static_decode import set_decode
 from rlhfkit.rollout.process_rewards import step_end_table
 
@@ -92,6 +93,7 @@ def build_roles(
         device
     )
     set_decode(actor, cfg.online.hf_decode)  # every hf sampler of the run (online.hf_decode)
+    set_sampler(actor, cfg.online.sampler)  # and its draw (online.sampler)
     reference = (
         AdapterDisabled(actor)
         if lora
