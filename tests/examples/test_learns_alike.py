@@ -88,7 +88,7 @@ def test_the_table_has_every_seed_and_the_paired_difference():
     assert "FSDP2 full_shard minus 1 process: +0.30 (+1.50 / -0.50 / -0.10)" in text
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a whole experiment end to end: CI's long step (the suite stays under 15 minutes)
 def test_the_experiment_end_to_end_at_the_smoke_size(tmp_path):
     out = tmp_path / "out"
     assert ex.main(["--out", str(out), "--size", "smoke", "--seeds", "0", "--kinds", "grpo"]) == 0

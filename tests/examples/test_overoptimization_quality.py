@@ -226,7 +226,7 @@ def test_the_runs_and_reward_model_steps_of_each_quality_and_the_child_command()
         ex.parse_args(["--out", "x", "--kl-coefs", "-0.1"])
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a whole experiment end to end: CI's long step (the suite stays under 15 minutes)
 def test_the_experiment_end_to_end_at_the_smoke_size(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--out", str(out), "--size", "smoke", "--seeds", "0", "--qualities", "4", "12", "--jobs", "1"]

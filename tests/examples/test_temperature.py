@@ -72,7 +72,7 @@ def test_the_child_command_of_a_seed_carries_every_setting():
         ex.parse_args(["--out", "x", "--temperatures", "0.3", "0.7"])  # no greedy column
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a whole experiment end to end: CI's long step (the suite stays under 15 minutes)
 def test_the_script_runs_end_to_end_at_the_smoke_size(tmp_path, capsys):
     out = tmp_path / "out"
     assert ex.main(["--out", str(out), "--size", "smoke", "--seeds", "0", "--terms"]) == 0

@@ -90,7 +90,7 @@ def test_hostile_code_through_the_tool_and_the_reward_in_one_run(tmp_path, monke
             f"data.train_file={prompts}",
             "online.tools=[rlhfkit:python]",
             "online.reward_functions=[rlhfkit:code_tests]",
-            "online.tool_timeout=4",
+            "online.tool_timeout=2",
             "online.tool_memory_mb=256",
             "online.max_turns=2",
             "online.response_length=1200",
