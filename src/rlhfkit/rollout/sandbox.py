@@ -318,8 +318,9 @@ def _limit_child(limits: Limits, uid: int | None, processes: int) -> None:
 def _run(argv: list[str], mode: str, limits: Limits) -> Outcome:
     """Run ``argv`` sandboxed (``mode``), reading at most ``limits.output_bytes`` of each stream."""
     uid = run_uid()
-    # RLIMIT_NPROC counts every process of the user: the sandbox may add ``processes`` to those it has.
-    processes = _processes_of(uid if uid is not None else os.getuid()) + limits.processes + 2
+    # RLIMIT_NPROC counts every process of the user: the sandbox may add ``processes`` to those it has (a run's
+    # own user has none: earlier runs' are reaped).
+    processes = limits.processes + 2 + (_processes_of(os.getuid()) if uid is None else 0)
     workdir = None
     if mode == "bwrap":
         command, cwd = _bwrap(argv, limits), "/"

@@ -268,18 +268,18 @@ def serve_turn(
     next_call = [0] * len(jobs)
     deadline: dict[int, float] = {}
 
-    def start(j: int) -> None:
+    def start(j: int) -> None:  # send job j's next call, if it has one
         worker, calls = jobs[j]
-        while next_call[j] < len(calls):
-            name, arguments = calls[next_call[j]]
-            try:
-                worker.send("call", name, arguments, max_chars)
-            except WorkerDied:
-                out[j][next_call[j]] = "died"
-                next_call[j] = len(calls)
-                return
-            deadline[j] = time.monotonic() + timeout
+        if next_call[j] == len(calls):
             return
+        name, arguments = calls[next_call[j]]
+        try:
+            worker.send("call", name, arguments, max_chars)
+        except WorkerDied:
+            out[j][next_call[j]] = "died"
+            next_call[j] = len(calls)
+            return
+        deadline[j] = time.monotonic() + timeout
 
     for j in range(len(jobs)):
         start(j)
@@ -302,7 +302,7 @@ def serve_turn(
             del deadline[j]
             start(j)
         now = time.monotonic()
-        for j in [j for j, d in deadline.items() if d <= now and jobs[j][0].conn not in ready]:
+        for j in [j for j, d in deadline.items() if d <= now]:
             if jobs[j][0].conn.poll(0):  # answered at the last moment
                 continue
             jobs[j][0].kill("timeout")
