@@ -1,6 +1,6 @@
 """The ``rlhfkit`` command.
 
-    rlhfkit train {sft,reward,prm,ppo,grpo,rloo,dpo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
+    rlhfkit train {sft,reward,prm,ppo,grpo,rloo,distill,dpo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
     rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite] [--refresh-steps K]
     rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE] [--reward-model DIR]
                      [--reward-function FILE.py:FN ...] [--backend hf|vllm]
@@ -301,8 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 KIND_HELP = (
-    "sft, reward (Bradley-Terry), prm (process reward), ppo, grpo, rloo, dpo (direct preference "
-    "optimization); REINFORCE++ is ppo with online.advantage_estimator=reinforce_pp (no critic)"
+    "sft, reward (Bradley-Terry), prm (process reward), ppo, grpo, rloo, distill (on-policy distillation "
+    "from online.teacher_model), dpo (direct preference optimization); REINFORCE++ is ppo with "
+    "online.advantage_estimator=reinforce_pp (no critic)"
 )
 
 

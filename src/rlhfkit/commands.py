@@ -31,7 +31,7 @@ def trainer(kind: str) -> Callable[..., dict[str, Any]]:
         from rlhfkit.trainers.prm import train
     elif kind == "dpo":
         from rlhfkit.trainers.dpo import train
-    else:  # ppo, grpo and rloo: one online loop (rlhfkit.config.ONLINE_KINDS)
+    else:  # ppo, grpo, rloo and distill: one online loop (rlhfkit.config.ONLINE_KINDS)
         from rlhfkit.trainers.online import train
     return train
 

@@ -71,6 +71,8 @@ class Rollout(_TensorBatch):
         entropy: ``(B, T)`` the actor's entropy at each position of ``mask`` at sampling time (0 elsewhere).
         engine_logprobs: ``(B, T)`` log pi_engine(y_t) under the sampling processing, as the generation engine
             sampled (``online.generation_backend=vllm``; 0 at masked positions); None with ``hf``.
+        teacher_logprobs: ``(B, T)`` log pi_teacher(y_t | ...) of a distillation teacher
+            (``online.teacher_model``), same processing as ``logprobs``; None without one.
     """
 
     query_ids: torch.Tensor
@@ -90,6 +92,7 @@ class Rollout(_TensorBatch):
     response_mask: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     engine_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self._check_rows()
@@ -106,6 +109,7 @@ class Rollout(_TensorBatch):
             "response_mask",
             "entropy",
             "engine_logprobs",
+            "teacher_logprobs",
         ):
             x = getattr(self, name)
             if x is not None and x.shape[-1] != T:

@@ -246,6 +246,7 @@ def test_saved_config_loads_back_equal(tmp_path, kind):
             "train.adam_eps=1e-8",
             "online.reward_functions=[x.py:f]",
             "online.kl_target=6.0",
+            *(["online.teacher_model=teacher"] if kind == "distill" else []),
         ],
         kind,
     )

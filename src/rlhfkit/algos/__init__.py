@@ -14,6 +14,7 @@ from rlhfkit.algos.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from rlhfkit.algos.distill import DistillLoss, sampled_reverse_kl
 from rlhfkit.algos.gae_scan import compute_gae, discounted_cumsum
 from rlhfkit.algos.importance import (
     IMPORTANCE_LOG_RATIOS,
@@ -64,6 +65,8 @@ from rlhfkit.algos.masked import (
 from rlhfkit.algos.rollout_correction import tis_weights
 
 __all__ = [
+    "DistillLoss",
+    "sampled_reverse_kl",
     "AdaptiveKLController",
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",

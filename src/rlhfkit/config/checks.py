@@ -159,12 +159,21 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 f"{online.critic_warmup_steps}, but advantage_estimator={online.advantage_estimator} has no "
                 "critic to warm up; set it to 0",
             )
-        if not online.reward_model and not online.reward_functions and not online.environment:
+        if kind == "distill" and not online.teacher_model:
+            fail(
+                "online.teacher_model",
+                "required by `train distill`: the teacher's folder or hub name (its vocabulary must be the "
+                "policy's, token for token)",
+            )
+        scorers = online.reward_model or online.reward_functions or online.environment
+        if not scorers and not online.teacher_model:
             fail(
                 "online.reward_model",
                 "set online.reward_model and/or online.reward_functions (or an online.environment with "
-                "get_reward): nothing scores the responses",
+                "get_reward, or an online.teacher_model to distil): nothing scores the responses",
             )
+        if online.teacher_model and online.teacher_coef == 0:
+            fail("online.teacher_coef", "0 leaves the teacher out; remove online.teacher_model instead")
         weights = online.reward_weights
         if weights is not None and len(weights) != len(online.reward_functions):
             fail(

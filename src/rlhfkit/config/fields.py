@@ -50,6 +50,7 @@ def _algos_choices() -> dict[str, Any]:
     torch, which ``rlhfkit --help``, argument errors and ``rlhfkit report`` need not wait for."""
     from rlhfkit.algos import (
         AdvantageEstimator,
+        DistillLoss,
         ImportanceSamplingLevel,
         KLEstimator,
         KLLossEstimator,
@@ -58,6 +59,7 @@ def _algos_choices() -> dict[str, Any]:
 
     return {
         "AdvantageEstimator": AdvantageEstimator,
+        "DistillLoss": DistillLoss,
         "ImportanceSamplingLevel": ImportanceSamplingLevel,
         "KLEstimator": KLEstimator,
         "KLLossEstimator": KLLossEstimator,

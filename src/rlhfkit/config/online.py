@@ -12,6 +12,7 @@ from rlhfkit.errors import ConfigError
 if TYPE_CHECKING:  # the choices rlhfkit.algos declares; read by field_types (algos imports torch)
     from rlhfkit.algos import (
         AdvantageEstimator,
+        DistillLoss,
         ImportanceSamplingLevel,
         KLEstimator,
         KLLossEstimator,
@@ -75,6 +76,18 @@ class OnlineConfig:
         None,
         "Process reward model folder (from `rlhfkit train prm`): P(step correct) - 1 on every step-end "
         "token of a response, beside the outcome score on its last token (rlhfkit.rollout.process_rewards).",
+    )
+    teacher_model: str | None = option(
+        None,
+        "On-policy distillation (Agarwal et al. 2024): a frozen teacher's folder or hub name, with the "
+        "policy's vocabulary token for token. Each sampled token's reward gets -teacher_coef * (log pi(y_t) - "
+        "log pi_teacher(y_t)), the per-token KL term with the teacher in the reference's place, in any run; "
+        "`train distill` needs it (docs/algorithms.md, On-policy distillation).",
+    )
+    teacher_coef: float = option(
+        1.0,
+        "The weight of the teacher's per-token term (online.teacher_model) beside the task's score.",
+        ge=0,
     )
     critic_model: str | None = option(
         None,
@@ -282,6 +295,27 @@ class OnlineConfig:
     )
     rollout_correction_cap: float = option(
         2.0, "The cap C of rollout_correction=tis (Yao et al. 2025).", gt=0
+    )
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (`rlhfkit train distill`; the teacher is ``online.teacher_model``)."""
+
+    loss: DistillLoss = option(
+        "reverse_kl",
+        "reverse_kl: the sampled per-token term -(log pi - log pi_teacher) as the reward of a policy gradient "
+        "(reward-to-go over the response, online.gamma); full_reverse_kl: KL(pi || pi_teacher) over the whole "
+        "vocabulary at every sampled position, a loss term; jsd: GKD's generalized Jensen-Shannon divergence "
+        "there (Agarwal et al. 2024). The last two read both models' output heads a chunk of positions at a "
+        "time (rlhfkit.models.distill_readout).",
+    )
+    jsd_beta: float = option(
+        0.5,
+        "jsd: the mixture M = jsd_beta * pi_teacher + (1 - jsd_beta) * pi, and JSD = jsd_beta * KL(pi_teacher "
+        "|| M) + (1 - jsd_beta) * KL(pi || M).",
+        gt=0,
+        lt=1,
     )
 
 

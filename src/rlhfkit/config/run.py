@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from rlhfkit.config.fields import option
-from rlhfkit.config.online import OnlineConfig, RefreshConfig
+from rlhfkit.config.online import DistillConfig, OnlineConfig, RefreshConfig
 from rlhfkit.config.sections import (
     DataConfig,
     DPOConfig,
@@ -16,9 +16,9 @@ from rlhfkit.config.sections import (
     TrainConfig,
 )
 
-Kind = Literal["sft", "reward", "prm", "ppo", "grpo", "rloo", "dpo"]
+Kind = Literal["sft", "reward", "prm", "ppo", "grpo", "rloo", "distill", "dpo"]
 KINDS: tuple[str, ...] = get_args(Kind)
-ONLINE_KINDS = ("ppo", "grpo", "rloo")
+ONLINE_KINDS = ("ppo", "grpo", "rloo", "distill")
 
 
 @dataclass
@@ -33,12 +33,13 @@ class RunConfig:
     model: ModelConfig = option(ModelConfig, "The model.")
     data: DataConfig = option(DataConfig, "The data.")
     train: TrainConfig = option(TrainConfig, "The optimisation loop.")
-    online: OnlineConfig = option(OnlineConfig, "Online RL (ppo / grpo / rloo only).")
+    online: OnlineConfig = option(OnlineConfig, "Online RL (ppo / grpo / rloo / distill only).")
     refresh: RefreshConfig = option(
         RefreshConfig, "The online reward-model refresh (ppo / grpo / rloo only)."
     )
     reward: RewardConfig = option(RewardConfig, "Reward-model training (reward / prm only).")
     dpo: DPOConfig = option(DPOConfig, "Direct Preference Optimization (dpo only).")
+    distill: DistillConfig = option(DistillConfig, "On-policy distillation (distill only).")
     logging: LoggingConfig = option(LoggingConfig, "Extra metric sinks.")
 
 
@@ -47,10 +48,20 @@ class RunConfig:
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {"online.group_size": 4},
     "rloo": {"online.group_size": 4},
+    # on-policy distillation: the teacher's term is the whole reward, summed to go over the response
+    # (REINFORCE++'s reward-to-go, centred, not whitened), one on-policy update per rollout, no KL to the
+    # initial policy, and a response cut at response_length keeps its tokens' terms
+    "distill": {
+        "online.normalize_advantages": False,
+        "online.kl_coef": 0.0,
+        "online.ppo_epochs": 1,
+        "online.missing_eos": "none",
+    },
 }
 KIND_FORCED: dict[str, dict[str, Any]] = {
     "grpo": {"online.advantage_estimator": "grpo"},
     "rloo": {"online.advantage_estimator": "rloo"},
+    "distill": {"online.advantage_estimator": "reinforce_pp"},
 }
 
 # The sections each command reads, besides output_dir and seed: what `rlhfkit train KIND --help`, `rlhfkit
@@ -63,4 +74,5 @@ KIND_SECTIONS: dict[str, tuple[str, ...]] = {
     "prm": ("model", "data", "train", "reward", "logging"),
     "dpo": ("model", "data", "train", "dpo", "logging"),
     **{kind: ("model", "data", "train", "online", "logging") for kind in ONLINE_KINDS},
+    "distill": ("model", "data", "train", "online", "distill", "logging"),
 }

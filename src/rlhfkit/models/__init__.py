@@ -50,7 +50,7 @@ from rlhfkit.models.readout import (
 )
 from rlhfkit.models.sampling import Sampling, processed_logits, sampling_for
 from rlhfkit.models.saving import is_scalar_model, save_hf_folder
-from rlhfkit.models.vocabulary import check_same_vocabulary
+from rlhfkit.models.vocabulary import check_same_vocabulary, check_teacher_vocabulary
 
 __all__ = [
     "AdapterDisabled",
@@ -63,6 +63,7 @@ __all__ = [
     "autocast_forward",
     "causal_lm_output",
     "check_same_vocabulary",
+    "check_teacher_vocabulary",
     "processed_logits",
     "read_chat_template",
     "response_forward",

@@ -61,3 +61,37 @@ def _check_vocabulary_size(
             f"policy's tokenizer has {len(tokenizer)}; it cannot be a model of the policy's tokens "
             "(save the policy's tokenizer into that folder if it is)"
         )
+
+
+def check_teacher_vocabulary(student_path: str, teacher_path: str, trust_remote_code: bool = False) -> None:
+    """ConfigError unless the teacher's tokenizer (``online.teacher_model``) and the student's
+    (``model.name_or_path``) have the same vocabulary, token for token: the teacher scores the student's own
+    token ids, and the full-vocabulary losses compare the two distributions entry by entry. A pad token that
+    one of them added at the end of its vocabulary (``save_hf_folder`` adds one when a tokenizer pads with EOS)
+    is the only difference allowed. The error names both vocabularies (folder and size) and the first id
+    where they differ."""
+    student = load_tokenizer(student_path, trust_remote_code=trust_remote_code, missing_pad="eos")
+    try:
+        teacher = load_tokenizer(teacher_path, trust_remote_code=trust_remote_code, missing_pad="eos")
+    except Exception as error:  # noqa: BLE001 - named below; a folder without tokenizer files is refused
+        raise ConfigError(
+            f"online.teacher_model: {teacher_path} has no tokenizer that loads ({type(error).__name__}); the "
+            "teacher's vocabulary must be checked against the student's, token for token"
+        ) from None
+    mine, theirs = _by_id(student), _by_id(teacher)
+    pads = {getattr(t, "pad_token", None) for t in (student, teacher)} - {None}
+    for i in range(max(len(mine), len(theirs))):
+        a, b = mine.get(i), theirs.get(i)
+        if a == b or (a is None and b in pads) or (b is None and a in pads):
+            continue
+        raise ConfigError(
+            f"online.teacher_model: the teacher's vocabulary ({teacher_path}, {len(theirs)} tokens) differs "
+            f"from the student's ({student_path}, {len(mine)} tokens); first at id {i}: {a!r} in the "
+            f"student's, {b!r} in the teacher's. On-policy distillation needs the same vocabulary token for "
+            "token (the teacher scores the student's token ids)"
+        )
+
+
+def _by_id(tokenizer) -> dict[int, str]:
+    """id -> token of every entry of ``tokenizer``'s vocabulary, added tokens included."""
+    return {i: token for token, i in tokenizer.get_vocab().items()}

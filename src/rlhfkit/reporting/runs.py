@@ -14,7 +14,7 @@ from rlhfkit.errors import UserError
 from rlhfkit.reporting.sample_file import SampleFile, read_samples
 from rlhfkit.rollout.scoring import function_names
 
-ONLINE_KINDS = ("ppo", "grpo", "rloo")
+ONLINE_KINDS = ("ppo", "grpo", "rloo", "distill")
 HELDOUT_SCORES = "heldout_scores.jsonl"  # written by the reward trainer: the final model's held-out scores
 
 # Metric key -> the words a person reads. Keys not listed are shown as they are, '/' and '_' as spaces.

@@ -6,9 +6,11 @@ In order, each failure a :class:`rlhfkit.errors.UserError` that names the key, t
 function:
 
 1. model folders (``model.name_or_path``; ``online.reward_model``, ``online.critic_model``,
-   ``online.process_reward_model``; ``dpo.reference_model``): a local-looking path that is not a folder is
-   named at once, without asking the Hub (:func:`rlhfkit.models.loading.check_model_path`); a folder must hold
-   ``config.json`` (or a LoRA adapter's ``adapter_config.json``); anything else must be a well-formed Hub name;
+   ``online.process_reward_model``, ``online.teacher_model``; ``dpo.reference_model``): a local-looking path
+   that is not a folder is named at once, without asking the Hub (:func:`rlhfkit.models.loading.check_model_path`);
+   a folder must hold ``config.json`` (or a LoRA adapter's ``adapter_config.json``); anything else must be a
+   well-formed Hub name; a distillation teacher's vocabulary is the student's, token for token
+   (:func:`rlhfkit.models.check_teacher_vocabulary`);
 2. ``data.chat_template``: a file that exists, a template that compiles;
 3. the data (``data.train_file``, ``data.eval_file`` / ``data.eval_split``): every row read and validated for
    the kind's shape (:func:`rlhfkit.data.read_run_records`);
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from rlhfkit.config import ONLINE_KINDS, RunConfig
 from rlhfkit.data import Records, is_hub_source, load_dataset_records, run_sources
 from rlhfkit.errors import ConfigError, DataError, UserError
+from rlhfkit.models import check_teacher_vocabulary
 from rlhfkit.models.loading import check_model_path, read_chat_template
 from rlhfkit.rollout.sandbox import uses_sandbox
 from rlhfkit.rollout.scoring import (
@@ -76,6 +79,10 @@ def preflight(cfg: RunConfig, download: bool = True) -> Checked:
     (:attr:`Checked.not_read` names it), and the reward functions and the environment are then checked
     against the rows that were read, if any."""
     check_model_folders(cfg)
+    if cfg.kind in ONLINE_KINDS and cfg.online.teacher_model:
+        check_teacher_vocabulary(
+            str(cfg.model.name_or_path), str(cfg.online.teacher_model), cfg.model.trust_remote_code
+        )
     if cfg.data.chat_template:
         read_chat_template(cfg.data.chat_template)
     read: list[Records | None] = []
@@ -97,7 +104,12 @@ def model_folders(cfg: RunConfig) -> list[tuple[str, str]]:
     """``(key, path or Hub name)`` of every model the run loads."""
     keys = ["model.name_or_path"]
     if cfg.kind in ONLINE_KINDS:
-        keys += ["online.reward_model", "online.critic_model", "online.process_reward_model"]
+        keys += [
+            "online.reward_model",
+            "online.critic_model",
+            "online.process_reward_model",
+            "online.teacher_model",
+        ]
     if cfg.kind == "dpo":
         keys.append("dpo.reference_model")
     out = []
@@ -192,7 +204,12 @@ def check_environment_scores(cfg: RunConfig, toolbox: Toolbox) -> None:
     """A ConfigError when nothing would score the episodes: no reward model, no reward function and an
     environment without ``get_reward``."""
     online = cfg.online
-    if online.reward_model or online.reward_functions or toolbox.environment_factory is None:
+    if (
+        online.reward_model
+        or online.reward_functions
+        or online.teacher_model
+        or toolbox.environment_factory is None
+    ):
         return
     if not toolbox.environment_scores:
         raise ConfigError(

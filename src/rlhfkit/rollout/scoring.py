@@ -266,7 +266,8 @@ class Scorer:
     functions: list[tuple[str, RewardFunction]] = field(default_factory=list)
     batch_size: int | None = None
 
-    # True when the caller adds a part of its own (an environment's get_reward, rlhfkit.rollout.episodes):
+    # True when the caller adds a part of its own (an environment's get_reward, rlhfkit.rollout.episodes;
+    # a distillation teacher's per-token term, rlhfkit.trainers.online.shaping):
     # a scorer with neither a model nor functions is then allowed, and gives no parts.
     extra_parts: bool = False
     # One weight per function (online.reward_weights, TRL's reward_weights); None = all 1.

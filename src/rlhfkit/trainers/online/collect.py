@@ -2,8 +2,8 @@
 
 - :func:`prompt_batch`: the prompts of a rollout, a stateless function of (seed, step);
 - :func:`sample_rollout` (stage 1): sample responses, cut them at the stop token, and read the actor's and
-  the reference's log-probs, the actor's entropy and the critic's values of the sampled tokens, at the
-  sampling temperature; the rollout carries its response mask and entropy;
+  the reference's (and a distillation teacher's) log-probs, the actor's entropy and the critic's values of the
+  sampled tokens, at the sampling temperature; the rollout carries its response mask and entropy;
 - :func:`score_rollout` (stage 2): the reward model and/or reward functions, the missing-EOS rule, clipping.
 
 Stages 3 and 4 (KL-shaped rewards, advantages) are in :mod:`rlhfkit.trainers.online.shaping`, stage 5 (the
@@ -108,7 +108,8 @@ def sample_rollout(
     since the actor last moved (dynamic sampling's extra rounds; an evaluation's later chunks).
 
     Returns:
-        the rollout with ``logprobs``, ``ref_logprobs``, ``values`` (critic only), ``group_ids``, ``ended``,
+        the rollout with ``logprobs``, ``ref_logprobs``, ``teacher_logprobs`` (``online.teacher_model``
+        only), ``values`` (critic only), ``group_ids``, ``ended``,
         ``response_mask`` ((B, T) bool: the response up to its stop token, also for masked-out responses;
         what the reward model reads) and ``entropy`` ((B, T): the actor's entropy at each valid token).
     """
@@ -136,6 +137,7 @@ def sample_rollout(
         return torch.zeros(n, width, device=ctx.device)
 
     logprobs, ref_logprobs, entropy = zeros(), zeros(), zeros()
+    teacher_logprobs = zeros() if roles.teacher is not None else None
     if actor_forward is None:  # else the update's own forward gives them (layout.old_logprobs_from_update)
         actor_forward = step is None or not old_logprobs_from_update(ctx, step)
     values = zeros() if roles.critic is not None else None
@@ -161,6 +163,10 @@ def sample_rollout(
             ref_logprobs[rows, :w] = response_readout(
                 roles.reference, ids, attn, start, ctx.sampling, share_prompts=share
             ).logprobs
+            if teacher_logprobs is not None:  # distillation: the teacher reads the row as the reference does
+                teacher_logprobs[rows, :w] = response_readout(
+                    roles.teacher, ids, attn, start, ctx.sampling, share_prompts=share
+                ).logprobs
             if values is not None:
                 values[rows, :w] = critic_values(roles.critic, ids, attn, start)
     reshard(roles)  # sharded: the trained roots, kept gathered for a backward that no-grad forwards lack
@@ -176,6 +182,7 @@ def sample_rollout(
         ended=ended,
         response_mask=response_mask,
         entropy=fill_masked(entropy, mask),
+        teacher_logprobs=None if teacher_logprobs is None else fill_masked(teacher_logprobs, mask),
     )
     if ctx.engine is not None:  # the engine's own log-probs of its tokens (rollout correction, the gap)
         engine_logprobs = (  # (B, T)
@@ -385,7 +392,11 @@ def score_rollout(
         parts["environment"] = checked.to(ids.device)  # (B,) NaN where no opinion
     if episodes is not None:
         episodes.close()  # the episodes' tool processes: nothing reads their environments after this
-    raw_scores, scored = combine_parts(parts, ctx.scorer.part_weights)
+    if parts:
+        raw_scores, scored = combine_parts(parts, ctx.scorer.part_weights)
+    else:  # distillation alone: the teacher's per-token term is the whole reward (stage 3)
+        raw_scores = torch.zeros(len(records), device=ids.device)
+        scored = torch.ones(len(records), dtype=torch.bool, device=ids.device)
     scores = raw_scores
     if online.missing_eos == "penalty":
         scores = torch.where(rollout.ended, scores, torch.full_like(scores, online.missing_eos_score))

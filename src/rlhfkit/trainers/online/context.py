@@ -148,7 +148,7 @@ def build_context(
         roles.reward_model,
         functions,
         online.rollout_batch_size,
-        extra_parts=bool(online.environment),
+        extra_parts=bool(online.environment or online.teacher_model),  # get_reward; the teacher (stage 3)
         weights=online.reward_weights,
     )
     stops = stop_token_ids(cfg, tokenizer)

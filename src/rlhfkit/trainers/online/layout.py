@@ -147,7 +147,7 @@ def old_logprobs_from_update(ctx: OnlineContext, step: int) -> bool:
     forward, so that forward can give them, detached: the ratio is 1 by construction and the separate no-grad
     forward of the actor is saved (``online.old_logprobs_from_update``). Only where nothing reads them before
     the update: the per-token rewards do not (the KL is in the loss, or kl_coef is 0 with no adaptive
-    target), the engine's log-prob gap and rollout correction do not (generation_backend=hf), and the actor
+    target, and no distillation teacher), the engine's log-prob gap and rollout correction do not (generation_backend=hf), and the actor
     is trained this rollout (not during the critic warm-up).
     """
     online = ctx.cfg.online
@@ -156,7 +156,17 @@ def old_logprobs_from_update(ctx: OnlineContext, step: int) -> bool:
         and online.ppo_epochs == 1
         and online.num_minibatches == 1
         and (online.kl_in_loss or (online.kl_coef == 0 and online.kl_target is None))
+        and not online.teacher_model  # the teacher's term (and its metric) reads them at stage 3
         and ctx.engine is None
         and step > online.critic_warmup_steps
         and "actor" in ctx.trained
     )
+
+
+def teacher_in_rewards(cfg) -> bool:
+    """Whether a distillation teacher's sampled term -teacher_coef * (log pi - log pi_teacher) goes into the
+    per-token rewards: with ``online.teacher_model``, in every kind but `train distill` with a full-vocabulary
+    ``distill.loss`` (full_reverse_kl, jsd), which is a loss term of the update instead."""
+    if not cfg.online.teacher_model:
+        return False
+    return cfg.kind != "distill" or cfg.distill.loss == "reverse_kl"

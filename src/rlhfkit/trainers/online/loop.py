@@ -55,10 +55,10 @@ CRITIC_DIR = "final_critic"
 def train(
     cfg: RunConfig, resume: bool = False, overwrite: bool = False, hooks: OnlineHooks | None = None
 ) -> dict[str, Any]:
-    """Run ppo / grpo / rloo as configured; write ``final/``, ``final_critic/`` and ``summary.json``.
+    """Run ppo / grpo / rloo / distill as configured; write ``final/``, ``final_critic/`` and ``summary.json``.
 
     Args:
-        cfg: a :class:`rlhfkit.config.RunConfig` of kind ppo, grpo or rloo.
+        cfg: a :class:`rlhfkit.config.RunConfig` of kind ppo, grpo, rloo or distill.
         resume: continue from the newest complete checkpoint in ``cfg.output_dir``.
         overwrite: delete the folder's previous run first.
         hooks: evaluation and reward-model refresh callbacks (see :class:`OnlineHooks`).
@@ -200,6 +200,7 @@ def train_online(
                 "value": masked(rollout.values, mask),
                 "log-prob": masked(rollout.logprobs, mask),
                 "reference log-prob": masked(rollout.ref_logprobs, mask),
+                "teacher log-prob": masked(rollout.teacher_logprobs, mask),
                 "advantage": masked(rollout.advantages, mask),
             },
         )

@@ -3,6 +3,8 @@
 - **actor**: the policy, trained, loaded from ``model.name_or_path`` (the SFT policy);
 - **reference**: a frozen copy of the same weights; the KL penalty is measured against it;
 - **reward model**: frozen (``online.reward_model``), its scores already normalised by the reward trainer;
+- **teacher** (on-policy distillation, ``online.teacher_model``): frozen like the reference; its per-token
+  log-probs of the actor's samples take the reference's place in a KL term of the reward;
 - **critic**: trained, a scalar model loaded from ``online.critic_model``, else from the reward model
   (Huang et al. 2024: the critic starts as the reward model), else from the policy with a fresh head.
   Its values are read like the reward model's scores, ``gain * head + bias`` with the normalisation
@@ -57,6 +59,7 @@ class Roles:
     reference: torch.nn.Module
     critic: torch.nn.Module | None
     reward_model: torch.nn.Module | None
+    teacher: torch.nn.Module | None = None
 
 
 def critic_source(cfg: RunConfig) -> str | None:
@@ -136,19 +139,23 @@ def build_roles(
             critic = prepare_trained(load_scalar_model(source, dropout=dropout, **common), model_cfg).to(
                 device
             )
-    return Roles(actor, reference, critic, reward_model)
+    teacher = None
+    if cfg.online.teacher_model:  # on-policy distillation: frozen like the reference (vocabulary: preflight)
+        teacher = _frozen(load_causal_lm(cfg.online.teacher_model, frozen=True, **common).to(device))
+    return Roles(actor, reference, critic, reward_model, teacher)
 
 
 def shard_roles(roles: Roles, mode: str, frozen_models: str) -> Roles:
     """Shard ``roles`` in place over the process group (``mode``: full_shard / shard_grad_op): the actor and
-    the critic always, the reference and the reward model when ``frozen_models == "shard"``."""
+    the critic always, the reference, the reward model and a teacher when ``frozen_models == "shard"``."""
     shard_model(roles.actor, mode)
     if roles.critic is not None:
         shard_model(roles.critic, mode)
     if frozen_models == "shard":
         shard_model(roles.reference, mode)
-        if roles.reward_model is not None:
-            shard_model(roles.reward_model, mode)
+        for frozen in (roles.reward_model, roles.teacher):
+            if frozen is not None:
+                shard_model(frozen, mode)
     return roles
 
 

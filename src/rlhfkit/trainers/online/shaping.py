@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.algos import ADVANTAGE_ESTIMATORS, shape_rewards
+from rlhfkit.algos import ADVANTAGE_ESTIMATORS, sampled_reverse_kl, shape_rewards
 from rlhfkit.algos.groups import group_counts
 from rlhfkit.rollout.process_rewards import outcome_and_steps, process_rewards, step_ends
 from rlhfkit.trainers.online.context import OnlineContext, StatSums, input_mask, model_inputs
+from rlhfkit.trainers.online.layout import teacher_in_rewards
 from rlhfkit.types import Rollout
 
 
@@ -44,8 +45,10 @@ def with_process_rewards(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Te
 def shape_rollout(ctx: OnlineContext, rollout: Rollout, kl_coef: float) -> StatSums:
     """Stage 3: ``rollout.rewards`` and ``rollout.kl`` from ``shape_rewards``: ``-kl_coef * kl_t`` on every
     token (0 under ``online.kl_in_loss``: the KL is then a loss term), the score on the last real token and a
-    process reward model's step rewards on the step-end tokens (:func:`with_process_rewards`). Returns the
-    PRM's statistics (none without one)."""
+    process reward model's step rewards on the step-end tokens (:func:`with_process_rewards`); with a
+    distillation teacher, ``-teacher_coef * (log pi(y_t) - log pi_teacher(y_t))`` on every token too
+    (:func:`~rlhfkit.trainers.online.layout.teacher_in_rewards`), its mean logged as ``distill/teacher_kl``
+    (nats per token). Returns the PRM's and the teacher's statistics (none without them)."""
     online = ctx.cfg.online
     shaped, stats = with_process_rewards(ctx, rollout)
     rollout.rewards, rollout.kl = shape_rewards(
@@ -56,6 +59,11 @@ def shape_rollout(ctx: OnlineContext, rollout: Rollout, kl_coef: float) -> StatS
         0.0 if online.kl_in_loss else kl_coef,
         online.kl_estimator,
     )
+    if rollout.teacher_logprobs is not None:  # on-policy distillation: the teacher in the reference's place
+        term = sampled_reverse_kl(rollout.logprobs, rollout.teacher_logprobs, rollout.mask)  # (B, T)
+        stats.add_sum("distill/teacher_kl", term.double().sum(), rollout.mask.sum())
+        if teacher_in_rewards(ctx.cfg):
+            rollout.rewards = rollout.rewards - online.teacher_coef * term
     return stats
 
 

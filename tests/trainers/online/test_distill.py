@@ -1,0 +1,168 @@
+"""On-policy distillation in the online loop (`rlhfkit train distill`, ``online.teacher_model``): the teacher's
+log-probs of the student's own tokens, the per-token term in the rewards, a teacher equal to the student moving
+nothing, the vocabulary refusal, and the student moving toward a teacher."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhfkit.cli import main
+from rlhfkit.config import load_config
+from rlhfkit.data import TokenLimits, prepare_examples
+from rlhfkit.engine.metrics_writer import read_metrics
+from rlhfkit.errors import ConfigError
+from rlhfkit.models.sampling import processed_logits
+from rlhfkit.rollout.preflight import preflight
+from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout, score_rollout, take_scores
+from rlhfkit.trainers.online.shaping import shape_rollout
+from tests.helpers import tiny_llama, tiny_tokenizer
+from tests.trainers.online.online_fixtures import make_context, write_online_problem
+
+
+def distill_overrides(paths, out, teacher, *extra):
+    """A small distillation run: 4 prompts x 2 responses, 6 new tokens, no task reward."""
+    return [
+        f"output_dir={out}",
+        f"model.name_or_path={paths['policy']}",
+        f"data.train_file={paths['prompts']}",
+        f"online.teacher_model={teacher}",
+        "train.batch_size=4",
+        "train.micro_batch_size=4",
+        "train.learning_rate=1e-3",
+        "train.lr_schedule=constant",
+        "online.group_size=2",
+        "online.response_length=6",
+        "data.max_prompt_length=16",
+        *extra,
+    ]
+
+
+def cli(out, *args):
+    """``rlhfkit train distill --config <seed 0> ARGS``."""
+    config = out.parent / f"{out.name}.yaml"
+    config.write_text("seed: 0\n")
+    return main(["train", "distill", "--config", str(config), *args])
+
+
+def write_teacher(root, paths, seed=7, hidden=48, sharpness=1.0):
+    """A teacher of the policy's vocabulary with other weights and another width (a bigger model in spirit);
+    ``sharpness`` scales its output head (a random tiny model is near uniform, as is the student)."""
+    tok = tiny_tokenizer()
+    teacher = tiny_llama(
+        seed=seed,
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+        hidden_size=hidden,
+        intermediate_size=96,
+    )
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(sharpness)
+    folder = root / "teacher"
+    teacher.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def teacher_logprobs_by_hand(teacher, rollout, sampling):
+    """(B, T) log pi_teacher of each sampled token under the run's processing (temperature, suppressed ids),
+    one row at a time from the full logits of prompt + response (no padding): the token at response position
+    t is read from the logits at the position before it."""
+    out = torch.zeros(rollout.mask.shape)
+    for i in range(rollout.batch_size):
+        prompt = rollout.query_ids[i][rollout.query_mask[i].bool()]
+        n = int(rollout.response_mask[i].sum())
+        response = rollout.response_ids[i, :n]
+        ids = torch.cat([prompt, response])[None]
+        logp = torch.log_softmax(processed_logits(teacher(input_ids=ids).logits, sampling)[0], -1)
+        for t in range(n):
+            out[i, t] = logp[len(prompt) + t - 1, response[t]]
+    return out * rollout.mask
+
+
+@torch.no_grad()
+def test_teacher_scores_the_students_own_tokens_and_its_term_lands_in_the_rewards(tmp_path):
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths)
+    cfg = load_config(
+        None,
+        distill_overrides(
+            paths, tmp_path / "run", teacher_dir, f"online.reward_functions=[{paths['rewards']}:words]"
+        ),
+        "grpo",  # the teacher's term beside a task reward in any run
+    )
+    cfg.online.teacher_coef = 0.5
+    cfg.online.kl_coef = 0.1
+    ctx = make_context(cfg)
+    assert ctx.roles.teacher is not None and not ctx.roles.teacher.training
+    assert not any(p.requires_grad for p in ctx.roles.teacher.parameters())
+    examples = prepare_examples(cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
+    batch = prompt_batch(ctx, examples, 1)
+    rollout = sample_rollout(ctx, batch, step=1, actor_forward=True)
+    take_scores(rollout, score_rollout(ctx, rollout, batch["records"]))
+    mask = rollout.mask
+    assert mask.any(1).all()
+    expected = teacher_logprobs_by_hand(ctx.roles.teacher, rollout, ctx.sampling)
+    torch.testing.assert_close(rollout.teacher_logprobs, expected, atol=1e-5, rtol=1e-5)
+    stats = shape_rollout(ctx, rollout, 0.1)
+    # r_t = -kl_coef * (logp - ref) - teacher_coef * (logp - teacher) (+ the score on the last real token)
+    term = (rollout.logprobs - rollout.teacher_logprobs) * mask
+    rewards = -0.1 * (rollout.logprobs - rollout.ref_logprobs) * mask - 0.5 * term
+    last = mask.long().cumsum(1).argmax(1)
+    rewards[torch.arange(rollout.batch_size), last] += rollout.scores
+    torch.testing.assert_close(rollout.rewards, rewards, atol=1e-6, rtol=1e-6)
+    sums = stats.sums["distill/teacher_kl"]
+    assert float(sums[0] / sums[1]) == pytest.approx(float(term.sum() / mask.sum()), rel=1e-6)
+
+
+def test_a_teacher_equal_to_the_student_gives_zero_and_the_student_does_not_move(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = write_online_problem(tmp_path, reward_model=False)
+    out = tmp_path / "run"
+    assert cli(out, *distill_overrides(paths, out, paths["policy"], "train.max_steps=2")) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["distill/teacher_kl"] for r in rows] == [0.0, 0.0]
+    assert all(r["reward/mean"] == 0.0 and r["loss/policy"] == 0.0 for r in rows)
+    initial = load_file(str(paths["policy"] / "model.safetensors"))
+    final = load_file(str(out / "final" / "model.safetensors"))
+    assert all(torch.equal(initial[k], final[k]) for k in initial)
+    config = (out / "config.yaml").read_text()
+    assert "kind: distill" in config and "advantage_estimator: reinforce_pp" in config
+
+
+def test_the_student_moves_toward_the_teacher(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths, sharpness=30.0)
+    out = tmp_path / "run"
+    extra = ("train.max_steps=12", "train.learning_rate=3e-3", "online.temperature=1.0")
+    assert cli(out, *distill_overrides(paths, out, teacher_dir, *extra)) == 0
+    kl = [r["distill/teacher_kl"] for r in read_metrics(out / "metrics.jsonl")]
+    first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
+    assert last < 0.8 * first, kl
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_naming_both(tmp_path):
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths)
+    vocab = json.loads((teacher_dir / "tokenizer.json").read_text())
+    model_vocab = vocab["model"]["vocab"]
+    a, b = sorted(model_vocab, key=model_vocab.get)[5:7]
+    model_vocab[a], model_vocab[b] = model_vocab[b], model_vocab[a]  # two tokens swap their ids
+    (teacher_dir / "tokenizer.json").write_text(json.dumps(vocab))
+    cfg = load_config(None, distill_overrides(paths, tmp_path / "run", teacher_dir), "distill")
+    with pytest.raises(ConfigError) as error:
+        preflight(cfg)
+    message = str(error.value)
+    assert "online.teacher_model" in message and str(teacher_dir) in message
+    assert str(paths["policy"]) in message and repr(a) in message and repr(b) in message
+
+
+def test_distill_needs_a_teacher_and_nothing_else_scores(tmp_path, capsys):
+    paths = write_online_problem(tmp_path, reward_model=False)
+    args = distill_overrides(paths, tmp_path / "run", "x")
+    args = [a for a in args if not a.startswith("online.teacher_model")]
+    assert cli(tmp_path / "run", *args) != 0
+    err = capsys.readouterr().err
+    assert "online.teacher_model" in err and "Traceback" not in err
