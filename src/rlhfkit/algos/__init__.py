@@ -14,7 +14,12 @@ from rlhfkit.algos.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from rlhfkit.algos.distill import DistillLoss, sampled_reverse_kl
+from rlhfkit.algos.distill import (
+    DISTILL_LOSSES,
+    DistillLoss,
+    sampled_reverse_kl,
+    token_divergence,
+)
 from rlhfkit.algos.gae_scan import compute_gae, discounted_cumsum
 from rlhfkit.algos.importance import (
     IMPORTANCE_LOG_RATIOS,
@@ -65,8 +70,6 @@ from rlhfkit.algos.masked import (
 from rlhfkit.algos.rollout_correction import tis_weights
 
 __all__ = [
-    "DistillLoss",
-    "sampled_reverse_kl",
     "AdaptiveKLController",
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
@@ -75,6 +78,8 @@ __all__ = [
     "compute_gae",
     "DEFAULT_KL_LOSS_ESTIMATOR",
     "discounted_cumsum",
+    "DISTILL_LOSSES",
+    "DistillLoss",
     "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
@@ -110,9 +115,11 @@ __all__ = [
     "ppo_policy_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "sampled_reverse_kl",
     "sequence_log_ratio",
     "shape_rewards",
     "tis_weights",
+    "token_divergence",
     "token_log_ratio",
     "value_loss",
 ]

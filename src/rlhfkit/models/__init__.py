@@ -5,6 +5,7 @@
 - read-outs (padding independent, position ids from the attention mask):
   :func:`logprobs_from_logits`, :func:`response_logprobs`, :func:`response_values`,
   :func:`token_scores`, :func:`sequence_scores`;
+- distillation: :func:`teacher_divergence` (a teacher's full-vocabulary divergence, chunked);
 - sampling = scoring: :class:`Sampling`, :func:`sampling_for`, :func:`sampled_logprobs`;
 - precision and update mode: :func:`autocast_forward`, :func:`set_update_mode`;
 - saving: :func:`save_hf_folder` (a folder plain transformers loads);
@@ -14,6 +15,7 @@
 transformers is imported lazily inside the loaders, so importing this package stays cheap.
 """
 
+from rlhfkit.models.distill_readout import teacher_divergence
 from rlhfkit.models.head_chunks import (
     Readout,
     can_share_prompts,
@@ -69,6 +71,7 @@ __all__ = [
     "response_forward",
     "sampled_logprobs",
     "sampling_for",
+    "teacher_divergence",
     "set_update_mode",
     "causal_lm_logits",
     "disable_dropout",

@@ -30,6 +30,7 @@ Shapes: ``B`` rows, ``L`` sequence length, ``R`` response length, ``H`` hidden s
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import NamedTuple
 
@@ -143,6 +144,18 @@ def _apply(logits: torch.Tensor, transform: HeadTransform) -> torch.Tensor:
     return logits
 
 
+def head_logits(head: torch.nn.Module, transform: HeadTransform, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits ``transform(head(hidden))``: hidden (..., H) -> (..., V), as the model's forward computes them."""
+    return _apply(head(hidden), transform)
+
+
+def head_autocast(model: torch.nn.Module):
+    """The autocast region the output projection of ``model`` runs under in its own forward (a null context for
+    a model that :func:`rlhfkit.models.precision.autocast_forward` did not wrap)."""
+    lm = hf_model(model)
+    return autocast_region(lm if hasattr(lm, "rlhfkit_autocast") else unwrap_model(model))
+
+
 def _probe(model, lm, head, decoder, candidates) -> HeadTransform | None:
     """The first of ``candidates`` under which ``head`` of the last hidden state gives the model's own last-
     position logits, on a fixed batch (2 rows of 6 tokens); None when none does. No grad, the random state
@@ -156,7 +169,6 @@ def _probe(model, lm, head, decoder, candidates) -> HeadTransform | None:
     mask = torch.ones_like(ids)
     captured = []
     devices = [param.device] if param.device.type == "cuda" else []
-    wrapped = lm if hasattr(lm, "rlhfkit_autocast") else unwrap_model(model)
     hook = decoder.register_forward_hook(_keep_hidden(captured))
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
@@ -169,7 +181,7 @@ def _probe(model, lm, head, decoder, candidates) -> HeadTransform | None:
             )
             if len(captured) != 1:
                 return None
-            with autocast_region(wrapped):
+            with head_autocast(model):
                 raw = head(captured[0][:, -1:])  # (2, 1, V)
     finally:
         hook.remove()
@@ -226,7 +238,7 @@ def chunk_size(vocab: int, chunk_tokens: int | None = None) -> int:
 
 def _chunk_readout(head, transform, sampling, want_entropy, entropy_grad, hidden, labels):
     """Log-probs (and entropies) of ``labels`` (n,) from ``hidden`` (n, H): one chunk of tokens."""
-    logits = _apply(head(hidden)[None], transform)  # (1, n, V)
+    logits = head_logits(head, transform, hidden[None])  # (1, n, V)
     logprobs = sampled_logprobs(logits, labels[None], sampling)[0]  # (n,)
     if not want_entropy:
         return logprobs, torch.zeros_like(logprobs)
@@ -239,6 +251,16 @@ def _entropy(logits, sampling, labels, grad: bool) -> torch.Tensor:
     stops once the tensors the backward needs are back)."""
     with contextlib.nullcontext() if grad else torch.no_grad():
         return entropy_from_logits(processed_logits(logits, sampling, labels))
+
+
+def checkpointed_chunks(fn, tensors: tuple[torch.Tensor, ...], size: int, recorded: bool) -> list:
+    """``fn(*chunk)`` for each chunk of ``size`` rows of ``tensors`` (all split along their first dimension),
+    each call inside ``torch.utils.checkpoint`` (non-reentrant) when ``recorded``: the backward then recomputes
+    what a chunk computed from its inputs instead of keeping it (module docstring)."""
+    chunks = zip(*(t.split(size) for t in tensors), strict=True)
+    if not recorded:
+        return [fn(*chunk) for chunk in chunks]
+    return [checkpoint(fn, *chunk, use_reentrant=False) for chunk in chunks]
 
 
 def chunked_readout(
@@ -279,27 +301,11 @@ def chunked_readout(
     size = chunk_size(vocab, chunk_tokens)
     flat_labels = labels.reshape(-1).long().clamp(min=0)
     transform = HeadTransform(float(scale), softcap)
-    parts = []
     recorded = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in head.parameters())
     )
-    for h, y in zip(hidden.reshape(-1, width).split(size), flat_labels.split(size), strict=True):
-        if recorded:  # backward recomputes this chunk's logits from h instead of keeping them
-            parts.append(
-                checkpoint(
-                    _chunk_readout,
-                    head,
-                    transform,
-                    sampling,
-                    entropy,
-                    entropy_grad,
-                    h,
-                    y,
-                    use_reentrant=False,
-                )
-            )
-        else:
-            parts.append(_chunk_readout(head, transform, sampling, entropy, entropy_grad, h, y))
+    read = functools.partial(_chunk_readout, head, transform, sampling, entropy, entropy_grad)
+    parts = checkpointed_chunks(read, (hidden.reshape(-1, width), flat_labels), size, recorded)
     logprobs = torch.cat([p[0] for p in parts]).view(batch, steps)
     return logprobs, (torch.cat([p[1] for p in parts]).view(batch, steps) if entropy else None)
 
@@ -349,14 +355,47 @@ def response_readout(
         logits, aux = response_forward(model, input_ids, attention_mask, response_start, router_aux)
         ent = _entropy(logits, sampling, labels, entropy_grad) if entropy else None
         return Readout(sampled_logprobs(logits, labels, sampling), ent, aux)
-    lm = hf_model(model)
-    captured = []
     cache = None
     if share_prompts and response_start >= 2 and not router_aux and can_share_prompts(model):
         cache = shared_prompt_cache(model, input_ids[:, :response_start], attention_mask[:, :response_start])
     first = 0 if cache is None else response_start - 1  # the columns this forward runs: [first, L)
     kwargs = {"output_router_logits": True} if router_aux else {}
     kwargs |= {"use_cache": False} if cache is None else {"use_cache": True, cache_keyword(model): cache}
+    hidden, out = response_hidden(model, input_ids, attention_mask, response_start, first, **kwargs)
+    with head_autocast(model):  # the projection under the model's own autocast, as in its forward
+        logprobs, ent = chunked_readout(
+            hf_model(model).get_output_embeddings(),
+            hidden,
+            labels,
+            sampling,
+            entropy,
+            transform.softcap,
+            chunk_tokens,
+            entropy_grad,
+            transform.scale,
+        )
+    return Readout(logprobs, ent, out.aux_loss if router_aux else None)
+
+
+def response_hidden(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    first: int = 0,
+    **kwargs,
+):
+    """The last hidden states that predict the response tokens, from one forward of the whole (possibly
+    wrapped) model with ``logits_to_keep=1`` (a :func:`chunkable` model).
+
+    Args:
+        input_ids, attention_mask: (B, L); response_start: p0 (>= 1).
+        first: the first column the forward runs (> 0 with a prompt cache in ``kwargs``).
+        kwargs: more keyword arguments of the forward (``use_cache``, a cache, ``output_router_logits``).
+    Returns:
+        (hidden (B, R, H), read at columns p0 - 1 .. L - 2; the model's output).
+    """
+    lm, length, captured = hf_model(model), input_ids.shape[1], []
     hook = lm.get_decoder().register_forward_hook(_keep_hidden(captured))
     try:
         out = model(
@@ -370,21 +409,7 @@ def response_readout(
         hook.remove()
     if len(captured) != 1 or captured[0].shape[:2] != (input_ids.shape[0], length - first):
         raise RuntimeError(f"{type(lm).__name__}'s decoder did not run once over every position")
-    hidden = captured[0][:, response_start - 1 - first : length - 1 - first]  # (B, R, H)
-    wrapped = lm if hasattr(lm, "rlhfkit_autocast") else unwrap_model(model)
-    with autocast_region(wrapped):  # the projection under the model's own autocast, as in its forward
-        logprobs, ent = chunked_readout(
-            lm.get_output_embeddings(),
-            hidden,
-            labels,
-            sampling,
-            entropy,
-            transform.softcap,
-            chunk_tokens,
-            entropy_grad,
-            transform.scale,
-        )
-    return Readout(logprobs, ent, out.aux_loss if router_aux else None)
+    return captured[0][:, response_start - 1 - first : length - 1 - first], out  # (B, R, H)
 
 
 def response_logprobs(
