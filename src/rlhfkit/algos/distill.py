@@ -92,12 +92,22 @@ def token_divergence(
             f"the student's logits {tuple(student_logits.shape)} and the teacher's {tuple(teacher_logits.shape)} "
             "differ: distillation needs one vocabulary"
         )
-    logp_s, logp_t = _log_softmax(student_logits), _log_softmax(teacher_logits)  # (N, V)
-    if loss == "full_reverse_kl":
-        return _reverse_kl(logp_s, logp_t)
-    if not 0.0 < beta < 1.0:
+    if loss == "jsd" and not 0.0 < beta < 1.0:
         raise ValueError(f"jsd beta must be in (0, 1), got {beta}")
-    return _generalized_jsd(logp_s, logp_t, float(beta))
+    with torch.no_grad():
+        logp_s, logp_t = _log_softmax(student_logits), _log_softmax(teacher_logits)  # (N, V)
+        if loss == "full_reverse_kl":
+            value, grad = _reverse_kl(logp_s, logp_t)
+        else:
+            value, grad = _generalized_jsd(logp_s, logp_t, float(beta))
+    if not student_logits.requires_grad:
+        return value
+    # The value, with the gradient d value / d student_logits written out (``grad``), so that it is exactly 0
+    # wherever the two distributions agree: autograd through log_softmax leaves p * (1 - sum p), a rounding
+    # residue of ~1e-8 that Adam would scale up to a full step (a student distilled from its own copy would move).
+    finite = student_logits.masked_fill(~torch.isfinite(student_logits), 0.0)  # a -inf logit: no -inf * 0
+    surrogate = (finite * grad.to(student_logits.dtype)).sum(-1)  # (N,), its gradient is grad
+    return value + (surrogate - surrogate.detach()).to(value.dtype)
 
 
 def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -107,20 +117,36 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _reverse_kl(logp_s: torch.Tensor, logp_t: torch.Tensor) -> torch.Tensor:
-    """KL(student || teacher) per row from log-probs (N, V) -> (N,)."""
+def _reverse_kl(logp_s: torch.Tensor, logp_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(student || teacher) per row from log-probs (N, V): (value (N,), its gradient with respect to the
+    student's logits (N, V)).
+
+    With F the tokens where both have probability > 0, g = log p_s - log p_t on F (0 elsewhere) and S = sum_F p_s g:
+    d KL / d z_j = p_s,j (g_j - S) + p_s,j ([j in F] - P_F), P_F = sum_F p_s; the second term is 0 in a row where
+    the student's support is inside the teacher's (P_F = 1), and is left out there rather than computed from a
+    rounded P_F."""
     p_s = logp_s.exp()  # (N, V)
     live_s, dead_t = p_s > 0, logp_t == -torch.inf
     # Where p_s = 0 the term is 0 whatever the teacher says (-inf - -inf would be NaN). Where p_s > 0 and p_t = 0
     # it is +inf, put in as a constant: its gradient is 0, so that the row's other terms keep a finite gradient
     # and a row the caller masks (a zero upstream gradient) never sends 0 * inf = NaN into the student.
-    gap = torch.where(live_s & ~dead_t, logp_s - logp_t, 0.0)  # (N, V)
-    terms = torch.where(live_s & dead_t, torch.inf, p_s * gap)  # (N, V)
-    return terms.sum(-1)
+    inside = live_s & ~dead_t  # F
+    gap = torch.where(inside, logp_s - logp_t, 0.0)  # (N, V)
+    finite = (p_s * gap).sum(-1, keepdim=True)  # (N, 1) S
+    value = torch.where(live_s & dead_t, torch.inf, p_s * gap).sum(-1)
+    grad = p_s * (gap - finite)
+    outside = (live_s & dead_t).any(-1, keepdim=True)  # (N, 1): a row with an infinite term
+    if bool(outside.any()):
+        mass = (p_s * inside).sum(-1, keepdim=True)  # P_F
+        grad = grad + torch.where(outside, p_s * (inside.to(p_s.dtype) - mass), 0.0)
+    return value, grad
 
 
-def _generalized_jsd(logp_s: torch.Tensor, logp_t: torch.Tensor, beta: float) -> torch.Tensor:
-    """GKD's JSD_beta per row from log-probs (N, V) -> (N,) (:func:`token_divergence`)."""
+def _generalized_jsd(
+    logp_s: torch.Tensor, logp_t: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GKD's JSD_beta per row from log-probs (N, V) (:func:`token_divergence`): (value (N,), its gradient with
+    respect to the student's logits (N, V))."""
     p_s, p_t = logp_s.exp(), logp_t.exp()  # (N, V)
     live_s, live_t = p_s > 0, p_t > 0
     either = live_s | live_t  # where both are 0 the terms are 0; 0 there keeps -inf - -inf out
@@ -132,5 +158,8 @@ def _generalized_jsd(logp_s: torch.Tensor, logp_t: torch.Tensor, beta: float) ->
     log_m_t = torch.where(ahead, m_over_t, m_over_s - d)  # log M - log p_t, +inf where p_t = 0
     log_m_s = torch.where(ahead, m_over_t + d, m_over_s)  # log M - log p_s, +inf where p_s = 0
     kl_t = (p_t * torch.where(live_t, -log_m_t, 0.0)).sum(-1)  # KL(p_t || M)
-    kl_s = (p_s * torch.where(live_s, -log_m_s, 0.0)).sum(-1)  # KL(p_s || M)
-    return beta * kl_t + (1.0 - beta) * kl_s
+    h = torch.where(live_s, -log_m_s, 0.0)  # log p_s - log M, 0 where p_s = 0
+    kl_s = (p_s * h).sum(-1)  # KL(p_s || M)
+    # d JSD / d p_s = (1 - beta) h (the other terms cancel), through the softmax: p_s (u - sum p_s u), u = (1 - beta) h
+    grad = (1.0 - beta) * p_s * (h - kl_s.unsqueeze(-1))
+    return beta * kl_t + (1.0 - beta) * kl_s, grad

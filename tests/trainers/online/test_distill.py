@@ -166,3 +166,31 @@ def test_distill_needs_a_teacher_and_nothing_else_scores(tmp_path, capsys):
     assert cli(tmp_path / "run", *args) != 0
     err = capsys.readouterr().err
     assert "online.teacher_model" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("loss", ["full_reverse_kl", "jsd"])
+def test_full_vocabulary_losses_train_the_student_and_vanish_for_its_own_copy(tmp_path, monkeypatch, loss):
+    """distill.loss full_reverse_kl / jsd: a loss term of the update (loss/distill), not a reward: the rewards
+    stay 0, the divergence falls toward a sharp teacher, and a teacher equal to the student gives exactly 0."""
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths, sharpness=5.0)
+    out = tmp_path / "run"
+    extra = (
+        f"distill.loss={loss}",
+        "train.max_steps=8",
+        "train.learning_rate=1e-2",
+        "online.temperature=1.0",
+    )
+    assert cli(out, *distill_overrides(paths, out, teacher_dir, *extra)) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    assert all(r["reward/mean"] == 0.0 for r in rows)
+    divergence = [r["loss/distill"] for r in rows]
+    assert divergence[-1] < 0.8 * divergence[0], divergence
+    same = tmp_path / "same"
+    extra = (f"distill.loss={loss}", "train.max_steps=1")
+    assert cli(same, *distill_overrides(paths, same, paths["policy"], *extra)) == 0
+    assert read_metrics(same / "metrics.jsonl")[0]["loss/distill"] == 0.0
+    initial = load_file(str(paths["policy"] / "model.safetensors"))
+    final = load_file(str(same / "final" / "model.safetensors"))
+    assert all(torch.equal(initial[k], final[k]) for k in initial)

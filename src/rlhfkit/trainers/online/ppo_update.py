@@ -28,8 +28,14 @@ from rlhfkit.algos.masked import fill_masked
 from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import dp_scale
 from rlhfkit.models import response_readout, set_update_mode
+from rlhfkit.models.distill_readout import teacher_divergence
 from rlhfkit.trainers.online.context import OnlineContext, StatSums, critic_values, input_mask, model_inputs
-from rlhfkit.trainers.online.layout import micro_batches, old_logprobs_from_update, row_lengths
+from rlhfkit.trainers.online.layout import (
+    micro_batches,
+    old_logprobs_from_update,
+    row_lengths,
+    teacher_in_rewards,
+)
 from rlhfkit.trainers.online.sharding import micro_batch_passes
 from rlhfkit.types import Rollout
 
@@ -154,8 +160,11 @@ def micro_batch_loss(
     ``vf_coef * value loss + policy loss - ent_coef * entropy``, each per-token loss from
     :mod:`rlhfkit.algos` and aggregated by ``aggregate_loss``, plus, for a mixture-of-experts actor,
     ``router_aux_coef`` times its router load-balancing loss weighted by the micro-batch's share of the
-    ``minibatch_tokens`` (all processes). The logits are computed once and serve the log-probs (under
-    ``ctx.sampling``, as at sampling time) and the entropy. Token-weighted statistics go to ``stats``.
+    ``minibatch_tokens`` (all processes); with `train distill` and a full-vocabulary ``distill.loss``,
+    ``teacher_coef`` times the divergence from the teacher at every sampled position
+    (:func:`rlhfkit.models.distill_readout.teacher_divergence`: ``loss/distill``). The logits are computed once
+    and serve the log-probs (under ``ctx.sampling``, as at sampling time) and the entropy. Token-weighted
+    statistics go to ``stats``.
 
     With ``read`` (a dict; :func:`~rlhfkit.trainers.online.layout.old_logprobs_from_update`) the old
     log-probs are this forward's own, detached (the ratio is exactly 1 and its gradient is that of the log-
@@ -229,6 +238,21 @@ def micro_batch_loss(
             )
             parts["loss/kl"] = aggregate(kl)
             loss = loss + float(ctx.kl_ctl.value) * parts["loss/kl"]
+        if ctx.roles.teacher is not None and not teacher_in_rewards(ctx.cfg):
+            # `train distill` with distill.loss full_reverse_kl / jsd: the divergence from the teacher over the
+            # whole vocabulary at every sampled position, both heads a chunk of positions at a time
+            divergence = teacher_divergence(  # (b, w), gradient through the student only
+                ctx.trained["actor"],
+                ctx.roles.teacher,
+                ids,
+                attn,
+                start,
+                ctx.sampling,
+                ctx.cfg.distill.loss,
+                ctx.cfg.distill.jsd_beta,
+            )
+            parts["loss/distill"] = aggregate(fill_masked(divergence, mask))
+            loss = loss + online.teacher_coef * parts["loss/distill"]
         if aux is not None:
             parts["loss/router_aux"] = aux * (float(tokens) / max(minibatch_tokens, 1.0))
             loss = loss + ctx.router_aux_coef * parts["loss/router_aux"]
