@@ -15,6 +15,9 @@ parts, each in its own process:
 - ``fsdp_nccl``: PPO under ``torchrun --nproc_per_node 1`` with ``train.sharding=full_shard`` (FSDP2; the
   process group's backend, NCCL on a GPU, is read from the run's own start-up line);
 - ``lora``: PPO with ``model.lora_rank=16``;
+- ``distill``: on-policy distillation (``rlhfkit train distill``) of a LoRA r16 student from a bf16 teacher (the
+  policy's own folder: the path's cost, not its learning) with ``distill.loss=full_reverse_kl``, the two heads
+  read a chunk of positions at a time (:mod:`rlhfkit.models.distill_readout`);
 - ``vllm``: GRPO with ``online.generation_backend=vllm``, where vLLM is installed;
 - ``sampler``: rlhfkit's exact draw (``online.sampler=exact``, :mod:`rlhfkit.algos.draw`) on the device, in
   this process: its total variation from the probabilities (from its own float64 interval boundaries, against
@@ -64,7 +67,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("cuda_tests", "ppo", "grpo", "dpo", "fsdp_nccl", "lora", "vllm", "sampler")
+PARTS = ("cuda_tests", "ppo", "grpo", "dpo", "fsdp_nccl", "lora", "distill", "vllm", "sampler")
 
 # Dense bfloat16 peaks (TFLOPS, without sparsity) from NVIDIA's data sheets, matched against
 # torch.cuda.get_device_name() in this order (an SXM H100 reports "NVIDIA H100 80GB HBM3").
@@ -247,7 +250,8 @@ def peak_tflops(name: str) -> float | None:
 
 
 def online_overrides(mode: str, paths: dict, kind: str) -> list[str]:
-    """dotted.key=value settings of a PPO (``ppo``), GRPO (``grpo``) or DPO (``dpo``) run on the inputs."""
+    """dotted.key=value settings of a PPO (``ppo``), GRPO (``grpo``), distillation (``distill``) or DPO (``dpo``)
+    run on the inputs."""
     s = SIZES[mode]
     common = [
         f"model.name_or_path={paths['policy']}",
@@ -269,6 +273,15 @@ def online_overrides(mode: str, paths: dict, kind: str) -> list[str]:
             f"data.max_length={s['prompt'] + s['response'] + 1}",
         ]
     common += [f"data.train_file={paths['prompts']}", f"online.response_length={s['response']}"]
+    if kind == "distill":  # a LoRA student of a bf16 teacher (the policy's folder), the full-vocabulary loss
+        return [
+            *common,
+            f"online.teacher_model={paths['policy']}",
+            "distill.loss=full_reverse_kl",
+            f"train.batch_size={s['batch']}",
+            "model.lora_rank=16",
+            "model.lora_alpha=32",
+        ]
     if kind == "grpo":
         return [
             *common,
@@ -307,6 +320,7 @@ def part_runs(mode: str, paths: dict) -> dict[str, tuple[str, list[str], int]]:
             [*online_overrides(mode, paths, "ppo"), "model.lora_rank=16", "model.lora_alpha=32"],
             0,
         ),
+        "distill": ("distill", online_overrides(mode, paths, "distill"), 0),
         "vllm": ("grpo", [*online_overrides(mode, paths, "grpo"), "online.generation_backend=vllm"], 0),
     }
 
@@ -373,11 +387,15 @@ def step_flops(part: str, mode: str, model: dict, response_mean: float) -> float
     settings = dict(o.split("=", 1) for o in overrides)
     sequences = int(settings["train.batch_size"]) * int(settings.get("online.group_size", "1"))
     tokens = sequences * (s["prompt"] + response_mean)
-    epochs = int(settings["online.ppo_epochs"])
+    epochs = int(settings.get("online.ppo_epochs", "1"))
     train_factor = 4 if "model.lora_rank" in settings else 6
     flops = 2 * n * tokens + 2 * n * tokens  # generation, reference
     if kind == "ppo":  # reward model, critic values; the critic's training
         flops += 2 * 2 * n_s * tokens + train_factor * n_s * tokens * epochs
+    if (
+        kind == "distill"
+    ):  # the teacher's log-probs; the full-vocabulary loss: the teacher and the student again
+        flops += 2 * n * tokens + (2 + train_factor) * n * tokens * epochs
     return flops + train_factor * n * tokens * epochs
 
 
@@ -481,7 +499,11 @@ def finish_training(
         )
         return record
     record.update(json.loads(result_file.read_text()))
-    record.update(training_figures(part, mode, model, read_metrics(out), peak))
+    metrics = read_metrics(out)
+    record.update(training_figures(part, mode, model, metrics, peak))
+    for name in ("distill/teacher_kl", "loss/distill"):  # distillation: what it trained, at the last step
+        if metrics and name in metrics[-1]:
+            record[name.replace("/", "_")] = metrics[-1][name]
     record["status"] = "ok" if record.get("steps_logged") else "failed"
     if record["status"] == "failed":
         record["error"] = f"no step in {out / 'metrics.jsonl'}"

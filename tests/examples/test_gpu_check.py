@@ -12,7 +12,7 @@ import pytest
 
 from tests.examples.loader import ROOT, load_example
 
-TRAINING = ("ppo", "grpo", "dpo", "fsdp_nccl", "lora")
+TRAINING = ("ppo", "grpo", "dpo", "fsdp_nccl", "lora", "distill")
 
 
 @pytest.mark.slow
@@ -53,6 +53,10 @@ def test_the_smoke_run_runs_every_part_or_says_why_not(tmp_path):
     assert parts["ppo"]["run"]["sharding"] == "none" and parts["ppo"]["run"]["device"] == "cpu"
     # LoRA's update computes no weight gradients for the base: 4 N T instead of 6 N T per epoch
     assert parts["lora"]["model_flops_per_step"] < parts["ppo"]["model_flops_per_step"]
+    # distillation: the teacher read the student's tokens (a sampled estimate: any sign) and the full-vocabulary
+    # loss was trained (a divergence: >= 0)
+    assert parts["distill"]["command"] == "rlhfkit train distill"
+    assert abs(parts["distill"]["distill_teacher_kl"]) < 1 and parts["distill"]["loss_distill"] >= 0
     # the cuda-marked tests ran and skipped, every one, for want of a device
     cuda = parts["cuda_tests"]
     assert "tests/engine/test_cuda_paths.py" in cuda["files"]
