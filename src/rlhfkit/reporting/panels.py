@@ -47,6 +47,12 @@ PANEL: tuple[Spec, ...] = (
         "nats per response",
         (("kl/mean", "training (trained estimator)", False), ("eval/kl/mean", "held out", True)),
     ),
+    Spec(
+        "teacher_kl",
+        "KL to the teacher (on-policy distillation)",
+        "nats per token",
+        (("distill/teacher_kl", "log pi - log pi_teacher of the sampled tokens", False),),
+    ),
     Spec("entropy", "Policy entropy", "nats per token", (("entropy/mean", "entropy", False),)),
     Spec(
         "response_length",

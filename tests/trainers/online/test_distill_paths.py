@@ -10,6 +10,9 @@ from safetensors.torch import load_file
 from rlhfkit.config import load_config
 from rlhfkit.data import TokenLimits, prepare_examples
 from rlhfkit.engine.metrics_writer import read_metrics
+from rlhfkit.reporting.headline import headline_keys
+from rlhfkit.reporting.panels import PANEL, line_plots
+from rlhfkit.reporting.runs import Run, fmt
 from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout, score_rollout, take_scores
 from rlhfkit.trainers.online.shaping import shape_rollout
 from tests.helpers import tiny_llama
@@ -168,3 +171,80 @@ def test_distill_trains_on_tool_episodes_with_nothing_at_the_tool_tokens(tmp_pat
         assert bool((r.teacher_logprobs[r.mask] != 0).all())
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 2 and all(row["distill/teacher_kl"] != 0 for row in rows)
+
+
+def test_a_resumed_distill_run_ends_bit_identical(tmp_path):
+    """Two rollouts, then two more after --resume from the step-2 checkpoint, give the weights, the optimizer
+    and the metrics (the teacher's term among them) of four uninterrupted ones."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths, sharpness=30.0)
+    full, part = tmp_path / "full", tmp_path / "part"
+
+    def args(out, steps):
+        return distill_overrides(paths, out, teacher_dir, "train.save_steps=2", f"train.max_steps={steps}")
+
+    assert cli(full, *args(full, 4)) == 0
+    assert cli(part, *args(part, 2)) == 0
+    assert cli(part, *args(part, 4), "--resume") == 0
+    for folder, name in (
+        ("final", "model.safetensors"),
+        ("checkpoints/step-4", "optimizer.actor.safetensors"),
+    ):
+        a, b = load_file(str(full / folder / name)), load_file(str(part / folder / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (folder, name)
+
+    def timeless(out):
+        drop = ("time/", "tokens_per_second", "wall")
+        return [
+            {k: v for k, v in r.items() if not k.startswith(drop)}
+            for r in read_metrics(out / "metrics.jsonl")
+        ]
+
+    rows = timeless(full)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and len({r["distill/teacher_kl"] for r in rows}) == 4
+    assert timeless(part) == rows
+
+
+def test_the_report_plots_the_teacher_kl_and_the_headline_prints_it_first(tmp_path, capsys):
+    """A distill run's report has a figure of distill/teacher_kl over training (report.md and report.html),
+    and `rlhfkit train distill` ends by printing it first -> last, first, without the score of 0 nothing
+    else gave."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths, sharpness=30.0)
+    out = tmp_path / "run"
+    assert cli(out, *distill_overrides(paths, out, teacher_dir, "train.max_steps=3")) == 0
+    kl = [r["distill/teacher_kl"] for r in read_metrics(out / "metrics.jsonl")]
+    assert len(kl) == 3 and kl[0] != kl[-1]
+    printed = capsys.readouterr().out.splitlines()
+    at = printed.index("  first -> last logged rollout (1 -> 3):")
+    assert printed[at + 1] == f"    KL to the teacher (nats / token): {fmt(kl[0])} -> {fmt(kl[-1])}"
+    assert not any("trained score" in line for line in printed)
+    title = "KL to the teacher (on-policy distillation)"
+    assert (out / "report" / "teacher_kl.png").stat().st_size > 0
+    assert f"## {title}\n\n![{title}](report/teacher_kl.png)" in (out / "report.md").read_text()
+    assert title in (out / "report.html").read_text()
+
+
+def test_a_run_with_a_teacher_beside_a_score_shows_both(tmp_path):
+    """GRPO with a reward function and a teacher: the score stays first, the KL to the teacher follows the
+    reference's; a run that logged no teacher KL shows none (and draws no teacher figure)."""
+    rows = [
+        {
+            "step": s,
+            "score/mean": 0.1 * s,
+            "score/words": 0.1 * s,
+            "kl/mean": 0.01 * s,
+            "distill/teacher_kl": 3.0 / s,
+        }
+        for s in (1, 2)
+    ]
+    online = {"reward_functions": ["rewards.py:words"], "teacher_model": "teacher", "missing_eos": "none"}
+    run = Run(tmp_path, "run", "grpo", rows, config={"online": online})
+    assert headline_keys(run) == ["score/mean", "score/words", "kl/mean", "distill/teacher_kl"]
+    spec = next(spec for spec in PANEL if spec.name == "teacher_kl")
+    assert [p.name for p in line_plots([run]) if p.name == "teacher_kl"] == ["teacher_kl"]
+    plain = Run(
+        tmp_path, "run", "grpo", [{k: v for k, v in r.items() if k != "distill/teacher_kl"} for r in rows]
+    )
+    assert "distill/teacher_kl" not in headline_keys(plain)
+    assert spec.name not in [p.name for p in line_plots([plain])]
