@@ -248,3 +248,34 @@ def test_a_run_with_a_teacher_beside_a_score_shows_both(tmp_path):
     )
     assert "distill/teacher_kl" not in headline_keys(plain)
     assert spec.name not in [p.name for p in line_plots([plain])]
+
+
+@pytest.mark.parametrize("frozen_models", ["shard", "replicate"])
+def test_the_teacher_is_sharded_like_the_reference(tmp_path, frozen_models):
+    """train.sharding=full_shard (FSDP2 in a process group of one, its sharded code paths): the teacher's
+    weights are sharded exactly where the reference's are (train.frozen_models), frozen either way."""
+    from torch.distributed.tensor import DTensor
+
+    from rlhfkit.engine import sharded
+    from rlhfkit.models import load_tokenizer
+    from rlhfkit.trainers.online.roles import build_roles, shard_roles
+
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths)
+    extra = ("train.sharding=full_shard", f"train.frozen_models={frozen_models}")
+    cfg = load_config(None, distill_overrides(paths, tmp_path / "run", teacher_dir, *extra), "distill")
+    assert not torch.distributed.is_initialized()
+    sharded.single_process_group("cpu")
+    try:
+        roles = shard_roles(
+            build_roles(cfg, load_tokenizer(str(paths["policy"]))), "full_shard", frozen_models
+        )
+        kinds = {
+            name: {isinstance(p, DTensor) for p in getattr(roles, name).parameters()}
+            for name in ("actor", "reference", "teacher")
+        }
+        assert kinds["actor"] == {True}
+        assert kinds["teacher"] == kinds["reference"] == {frozen_models == "shard"}
+        assert not roles.teacher.training and not any(p.requires_grad for p in roles.teacher.parameters())
+    finally:
+        torch.distributed.destroy_process_group()
