@@ -52,13 +52,13 @@ def headline_keys(run: Run) -> list[str]:
     keys = [ONLINE_KEYS[0], *parts, *ONLINE_KEYS[1:]]
     if run.series("score/penalised_frac")[0]:
         keys.remove("response/ended_frac")  # 1 - penalised: said once
-    if (
-        not run.scored
-    ):  # `train distill` alone: the teacher's term is the whole reward, the score 0 throughout
-        keys = [k for k in keys if not k.startswith("score/")]
-    # on-policy distillation: the KL to the teacher, first in `train distill`, after the reference's elsewhere
+    if not run.scored:  # `train distill` alone: the teacher's term is the whole reward, the score 0
+        keys = [k for k in keys if k not in ("score/mean", "score/raw_mean", "eval/score/mean")]
+    # on-policy distillation: the KL to the teacher, first in `train distill`, after the reference's elsewhere;
+    # the held-out one last, with the held-out figures
     at = 0 if run.kind == "distill" else keys.index("kl/mean") + 1
     keys.insert(at, TEACHER_KL)
+    keys.append(f"eval/{TEACHER_KL}")
     return [k for k in keys if run.series(k)[0]]
 
 

@@ -51,7 +51,10 @@ PANEL: tuple[Spec, ...] = (
         "teacher_kl",
         "KL to the teacher (on-policy distillation)",
         "nats per token",
-        (("distill/teacher_kl", "log pi - log pi_teacher of the sampled tokens", False),),
+        (
+            ("distill/teacher_kl", "log pi - log pi_teacher of the sampled tokens, training", False),
+            ("eval/distill/teacher_kl", "held out", True),
+        ),
     ),
     Spec("entropy", "Policy entropy", "nats per token", (("entropy/mean", "entropy", False),)),
     Spec(

@@ -206,19 +206,25 @@ def test_a_resumed_distill_run_ends_bit_identical(tmp_path):
 
 
 def test_the_report_plots_the_teacher_kl_and_the_headline_prints_it_first(tmp_path, capsys):
-    """A distill run's report has a figure of distill/teacher_kl over training (report.md and report.html),
-    and `rlhfkit train distill` ends by printing it first -> last, first, without the score of 0 nothing
-    else gave."""
+    """A distill run's report has a figure of distill/teacher_kl over training, held out beside it
+    (report.md and report.html), and `rlhfkit train distill` ends by printing it first -> last, first, and the
+    held-out one last, without the scores of 0 nothing else gave."""
     paths = write_online_problem(tmp_path, reward_model=False)
     teacher_dir = write_teacher(tmp_path, paths, sharpness=30.0)
     out = tmp_path / "run"
-    assert cli(out, *distill_overrides(paths, out, teacher_dir, "train.max_steps=3")) == 0
-    kl = [r["distill/teacher_kl"] for r in read_metrics(out / "metrics.jsonl")]
-    assert len(kl) == 3 and kl[0] != kl[-1]
+    extra = ("train.max_steps=3", f"data.eval_file={paths['prompts']}", "train.eval_steps=3")
+    assert cli(out, *distill_overrides(paths, out, teacher_dir, *extra)) == 0
+    rows = read_metrics(out / "metrics.jsonl")
+    kl = [r["distill/teacher_kl"] for r in rows if "distill/teacher_kl" in r]
+    held_out = [r["eval/distill/teacher_kl"] for r in rows if "eval/distill/teacher_kl" in r]
+    assert len(kl) == 3 and kl[0] != kl[-1] and len(held_out) == 2 and held_out[0] != held_out[-1]
     printed = capsys.readouterr().out.splitlines()
-    at = printed.index("  first -> last logged rollout (1 -> 3):")
+    at = printed.index("  first -> last logged rollout (0 -> 3):")
     assert printed[at + 1] == f"    KL to the teacher (nats / token): {fmt(kl[0])} -> {fmt(kl[-1])}"
-    assert not any("trained score" in line for line in printed)
+    assert printed[-1] == (
+        f"    held-out KL to the teacher (nats / token): {fmt(held_out[0])} -> {fmt(held_out[-1])}"
+    )
+    assert not any("score" in line for line in printed)
     title = "KL to the teacher (on-policy distillation)"
     assert (out / "report" / "teacher_kl.png").stat().st_size > 0
     assert f"## {title}\n\n![{title}](report/teacher_kl.png)" in (out / "report.md").read_text()
@@ -248,6 +254,8 @@ def test_a_run_with_a_teacher_beside_a_score_shows_both(tmp_path):
     )
     assert "distill/teacher_kl" not in headline_keys(plain)
     assert spec.name not in [p.name for p in line_plots([plain])]
+    rows[-1]["eval/distill/teacher_kl"] = 2.0  # with the held-out one: last, with the held-out figures
+    assert headline_keys(run)[-1] == "eval/distill/teacher_kl"
 
 
 @pytest.mark.parametrize("frozen_models", ["shard", "replicate"])
@@ -279,3 +287,33 @@ def test_the_teacher_is_sharded_like_the_reference(tmp_path, frozen_models):
         assert not roles.teacher.training and not any(p.requires_grad for p in roles.teacher.parameters())
     finally:
         torch.distributed.destroy_process_group()
+
+
+@torch.no_grad()
+def test_evaluation_logs_the_held_out_kl_to_the_teacher(tmp_path, monkeypatch):
+    """The held-out evaluation's eval/distill/teacher_kl: the mean of log pi - log pi_teacher over the held-out
+    responses' tokens, the teacher's log-probs read as in training (a hand read of each row)."""
+    from rlhfkit.trainers.online import metrics
+
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths, sharpness=30.0)
+    cfg = load_config(None, distill_overrides(paths, tmp_path / "run", teacher_dir), "distill")
+    ctx = make_context(cfg)
+    seen, real = [], metrics.sample_rollout
+
+    def recorded(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(metrics, "sample_rollout", recorded)
+    examples = prepare_examples(cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
+    result = metrics.evaluate_prompts(ctx, examples, step=0)
+    assert seen
+    total, tokens = 0.0, 0
+    for rollout in seen:
+        by_hand = teacher_logprobs_by_hand(ctx.roles.teacher, rollout, ctx.sampling)
+        torch.testing.assert_close(rollout.teacher_logprobs, by_hand, atol=1e-5, rtol=1e-5)
+        total += float(((rollout.logprobs - by_hand) * rollout.mask).sum())
+        tokens += int(rollout.mask.sum())
+    assert result["eval/distill/teacher_kl"] == pytest.approx(total / tokens, rel=1e-5)
+    assert result["eval/distill/teacher_kl"] > 0
