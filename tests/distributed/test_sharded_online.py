@@ -4,9 +4,10 @@ Three torchrun launches, in float64 (:mod:`tests.distributed.cli_runs`); the fir
 one-process DPO reference (two cores):
 
     1 process    ppo 1->2 (first rollout)
+    1 process    distill 1 rollout (on-policy distillation from a teacher)
     2 processes  ppo 1->2 (resumed), ppo 2 rollouts, ppo stopped after 1 and resumed, dpo 2 steps; grpo with a
                  tool (tests.distributed.tool_turns): 2 rollouts, stopped after 1 and resumed, and 1 rollout
-                 data parallel (no sharding)
+                 data parallel (no sharding); distill 1 rollout data parallel and 1 sharded
     1 process    ppo 2->1 (resumed): the 2-rollout run as it stood after rollout 1 (its folder with only
                  checkpoint step-1, as a run stopped there leaves it; the runs are deterministic, so this is
                  the checkpoint a 1-rollout run writes: the stopped-and-resumed run above is held equal to the
@@ -41,6 +42,7 @@ from rlhfkit.trainers import common
 from tests.distributed import recording
 from tests.distributed.test_data_parallel import torchrun
 from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
+from tests.trainers.online.test_distill import distill_overrides, write_teacher
 from tests.trainers.online.test_tools_online import check_rollout_rows, tools_overrides, write_tools_problem
 from tests.trainers.test_dpo import dpo_args, write_dpo_problem
 
@@ -106,6 +108,20 @@ def _tool_args(tmp: Path, paths: dict[str, Path], name: str, steps: int, *extra:
     return ["train", "grpo", "--config", str(config), *tools_overrides(paths, tmp / name, *settings)]
 
 
+def _distill_args(tmp: Path, paths: dict[str, Path], teacher: Path, name: str, *extra: str) -> list[str]:
+    """``rlhfkit train distill`` (tests.trainers.online.test_distill), 1 rollout of 8 responses."""
+    config = tmp / f"{name}.yaml"
+    config.write_text("seed: 0\n")
+    settings = ("train.max_steps=1", "logging.progress_bar=false", *extra)
+    return [
+        "train",
+        "distill",
+        "--config",
+        str(config),
+        *distill_overrides(paths, tmp / name, teacher, *settings),
+    ]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharded-online")
@@ -126,7 +142,8 @@ def runs(tmp_path_factory):
 
     dpo = ("train.max_steps=2", "train.save_steps=1")
     tool_paths = write_tools_problem(tmp / "tools-problem")
-    first = _start(tmp, 1, [ppo("one-two", 1)])
+    teacher = write_teacher(tmp / "online", paths, sharpness=30.0)
+    first = _start(tmp, 1, [ppo("one-two", 1), _distill_args(tmp, paths, teacher, "distill-one")])
     with pytest.MonkeyPatch.context() as patch:  # DPO's one-process, unsharded reference, here, meanwhile
         patch.setenv("RLHFKIT_NUM_THREADS", "1")
         patch.setitem(loading.DTYPES, "float32", torch.float64)
@@ -147,6 +164,8 @@ def runs(tmp_path_factory):
                 _tool_args(tmp, tool_paths, "tools-part", 1, SHARD),
                 [*_tool_args(tmp, tool_paths, "tools-part", 2, SHARD), "--resume"],
                 _tool_args(tmp, tool_paths, "tools-dp", 1),
+                _distill_args(tmp, paths, teacher, "distill-dp"),
+                _distill_args(tmp, paths, teacher, "distill-shard", SHARD, "train.frozen_models=shard"),
             ],
             record=tmp / "records",  # run-1: "two"; run-5: "tools", run-8: "tools-dp"
             tool_sampler=(5, 6, 7, 8),
@@ -274,3 +293,26 @@ def test_tool_episodes_on_two_processes_sharded_and_data_parallel(runs):
         for n in ("tools-part", "tools")
     )
     assert part == whole
+
+
+@pytest.mark.slow
+def test_distill_on_two_processes_grades_as_one_process_does(runs):
+    """On-policy distillation data parallel and sharded (the teacher sharded like the reference): the
+    exact sampler draws the same responses on 1 and 2 processes, so the first rollout's KL to the teacher,
+    averaged over both processes' tokens, is the one-process figure (float64 models)."""
+    tmp, logs = runs
+    assert "distill on 1 process" in logs[0]
+    assert (
+        "distill on 2 processes (torchrun, gloo, cpu), 1 torch thread each, model sharded (full_shard"
+        in logs[1]
+    )
+    (one,) = read_metrics(tmp / "distill-one" / "metrics.jsonl")
+    assert one["distill/teacher_kl"] > 0
+    for name, sharding in (("distill-dp", "none"), ("distill-shard", "full_shard")):
+        (row,) = read_metrics(tmp / name / "metrics.jsonl")
+        assert row["distill/teacher_kl"] == pytest.approx(one["distill/teacher_kl"], rel=1e-9, abs=1e-12), (
+            name
+        )
+        assert row["response_length/mean"] == one["response_length/mean"], name  # the same samples
+        info = read_run_info(tmp / name / "config.yaml")
+        assert info["world_size"] == 2 and info["sharding"] == sharding, info

@@ -35,12 +35,15 @@ ONLINE_KEYS = (
     "eval/score/mean",
     "eval/gold/mean",
 )
+TEACHER_KL = "distill/teacher_kl"  # online.teacher_model (nats / token)
 
 
 def headline_keys(run: Run) -> list[str]:
     """The metrics the summary shows for ``run``, in order: for an online run the trained score, then each
     score part's own score (or, for one part, the score before the missing-EOS rule where it differs), the
-    penalised share (or, without the penalty, the share that ends), KL, length and the held-out figures."""
+    penalised share (or, without the penalty, the share that ends), KL, length and the held-out figures. A
+    run with a distillation teacher adds its KL to the teacher (first in `train distill`, whose score is 0
+    when the teacher alone scores, and then not shown)."""
     if not run.online:
         return [k for k in OFFLINE_KEYS if run.series(k)[0]]
     parts = [f"score/{name}" for name in run.reward_parts if run.series(f"score/{name}")[0]]
@@ -49,6 +52,13 @@ def headline_keys(run: Run) -> list[str]:
     keys = [ONLINE_KEYS[0], *parts, *ONLINE_KEYS[1:]]
     if run.series("score/penalised_frac")[0]:
         keys.remove("response/ended_frac")  # 1 - penalised: said once
+    if not run.scored:  # `train distill` alone: the teacher's term is the whole reward, the score 0
+        keys = [k for k in keys if k not in ("score/mean", "score/raw_mean", "eval/score/mean")]
+    # on-policy distillation: the KL to the teacher, first in `train distill`, after the reference's elsewhere;
+    # the held-out one last, with the held-out figures
+    at = 0 if run.kind == "distill" else keys.index("kl/mean") + 1
+    keys.insert(at, TEACHER_KL)
+    keys.append(f"eval/{TEACHER_KL}")
     return [k for k in keys if run.series(k)[0]]
 
 

@@ -47,6 +47,15 @@ PANEL: tuple[Spec, ...] = (
         "nats per response",
         (("kl/mean", "training (trained estimator)", False), ("eval/kl/mean", "held out", True)),
     ),
+    Spec(
+        "teacher_kl",
+        "KL to the teacher (on-policy distillation)",
+        "nats per token",
+        (
+            ("distill/teacher_kl", "log pi - log pi_teacher of the sampled tokens, training", False),
+            ("eval/distill/teacher_kl", "held out", True),
+        ),
+    ),
     Spec("entropy", "Policy entropy", "nats per token", (("entropy/mean", "entropy", False),)),
     Spec(
         "response_length",

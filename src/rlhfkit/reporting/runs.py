@@ -33,6 +33,8 @@ LABELS: dict[str, str] = {
     "kl/mean": "KL to the reference (nats / response)",
     "kl/per_token": "KL to the reference (nats / token)",
     "kl_coef": "KL coefficient",
+    "distill/teacher_kl": "KL to the teacher (nats / token)",
+    "eval/distill/teacher_kl": "held-out KL to the teacher (nats / token)",
     "entropy/mean": "entropy (nats / token)",
     "response_length/mean": "response length (tokens)",
     "response/ended_frac": "responses that end with a stop token",
@@ -160,6 +162,16 @@ class Run:
         if functions:
             words.append(f"reward function{'s' if len(functions) > 1 else ''} {', '.join(functions)}")
         return " + ".join(words) or None
+
+    @property
+    def scored(self) -> bool:
+        """Whether anything besides a distillation teacher scored the responses (a reward model, reward
+        functions, an environment or the missing-EOS penalty): `train distill` alone logs a score of 0
+        throughout."""
+        online = self.config.get("online")
+        if not isinstance(online, dict) or not online.get("teacher_model"):
+            return True
+        return bool(self.reward_parts or online.get("environment") or self.penalised)
 
     @property
     def penalised(self) -> bool:

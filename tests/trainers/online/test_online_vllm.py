@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhfkit.cli import main
+from rlhfkit.config import load_config
 from rlhfkit.errors import ConfigError, GenerationEngineError
 from rlhfkit.models import load_tokenizer
 from tests.helpers import tiny_llama
@@ -644,3 +645,102 @@ def test_request_seeds_are_a_function_of_the_rollout_prompt_and_sample(tmp_path)
     base = int(torch.randint(2**62, (1,)))
     assert draws[1, rows] == request_seeds(base, batch["group_ids"]) == draws[1, 5]
     assert len(set(draws[1, rows])) == rows and set(draws[1, rows]).isdisjoint(draws[2, rows])
+
+
+class RecordingEngine(CopyEngine):
+    """A :class:`CopyEngine` that keeps what each of its calls handed back (its tokens and mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs = []
+
+    def generate(self, prompt_ids, prompt_mask, *, seeds, **kwargs):
+        out = super().generate(prompt_ids, prompt_mask, seeds=seeds, **kwargs)
+        self.outputs.append((out.response_ids.clone(), out.mask.clone()))
+        return out
+
+
+def _capture_updates(monkeypatch):
+    """The rollouts the update trains on, as it gets them (a list filled as the run goes)."""
+    import copy
+
+    import rlhfkit.trainers.online.loop as loop
+    from rlhfkit.trainers.online.ppo_update import ppo_update
+
+    seen = []
+
+    def capture(ctx, rollout, step, **kwargs):
+        seen.append((copy.deepcopy(rollout), ctx.roles.teacher, ctx.sampling))
+        return ppo_update(ctx, rollout, step, **kwargs)
+
+    monkeypatch.setattr(loop, "ppo_update", capture)
+    return seen
+
+
+def _check_teacher_read(rollouts, engine_outputs=None):
+    """Each rollout's teacher log-probs are a hand read of its rows; with ``engine_outputs``, those rows hold
+    the engine's tokens (one generate call per rollout)."""
+    from tests.trainers.online.test_distill import teacher_logprobs_by_hand
+
+    for k, (rollout, teacher, sampling) in enumerate(rollouts):
+        mask = rollout.mask
+        assert mask.any() and rollout.teacher_logprobs is not None
+        if engine_outputs is not None:
+            ids, engine_mask = engine_outputs[k]
+            width = mask.shape[1]
+            assert torch.equal(engine_mask[:, :width], rollout.response_mask)
+            assert torch.equal(ids[:, :width][mask], rollout.response_ids[mask])
+        expected = teacher_logprobs_by_hand(teacher, rollout, sampling)
+        torch.testing.assert_close(rollout.teacher_logprobs, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_distill_with_an_engine_grades_the_engines_tokens(tmp_path, monkeypatch):
+    """`train distill` with online.generation_backend=vllm (an engine in vLLM's place): the teacher reads the
+    tokens the engine sampled, and the run logs the teacher's term beside the engine's log-prob gap."""
+    import rlhfkit.trainers.online.loop as loop
+    from rlhfkit.engine.metrics_writer import read_metrics
+    from rlhfkit.trainers.online import train
+    from tests.trainers.online.test_distill import distill_overrides, write_teacher
+
+    engine = RecordingEngine()
+    monkeypatch.setattr(loop, "start_engine", lambda cfg, actor, episodes=None: engine)
+    seen = _capture_updates(monkeypatch)
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths)
+    out = tmp_path / "run"
+    cfg = load_config(None, distill_overrides(paths, out, teacher_dir, *VLLM, "train.max_steps=2"), "distill")
+    train(cfg)
+    assert engine.calls == 2 and len(seen) == 2
+    _check_teacher_read(seen, engine.outputs)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert all(r["distill/teacher_kl"] != 0 and r["generation/logprob_gap/mean"] < 1e-4 for r in rows)
+
+
+@needs_vllm
+def test_distill_with_vllm_grades_the_engines_tokens(tmp_path, monkeypatch):
+    """The same with vLLM itself sampling the student's responses."""
+    from rlhfkit.engine.metrics_writer import read_metrics
+    from rlhfkit.rollout.vllm_engine import VLLMEngine
+    from tests.trainers.online.test_distill import cli, distill_overrides, write_teacher
+
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    outputs = []
+    real = VLLMEngine.generate
+
+    def recorded(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        outputs.append((out.response_ids.clone(), out.mask.clone()))
+        return out
+
+    monkeypatch.setattr(VLLMEngine, "generate", recorded)
+    seen = _capture_updates(monkeypatch)
+    paths = engine_problem(tmp_path)
+    teacher_dir = write_teacher(tmp_path, paths, sharpness=30.0)
+    out = tmp_path / "run"
+    assert cli(out, *distill_overrides(paths, out, teacher_dir, *VLLM, "train.max_steps=2")) == 0
+    assert len(outputs) == len(seen) == 2
+    _check_teacher_read(seen, outputs)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # a float32 engine on the actor's weights: its log-probs are the trainer's
+        assert r["distill/teacher_kl"] != 0 and 0 <= r["generation/logprob_gap/mean"] < 1e-4

@@ -57,7 +57,8 @@ reward function's own ``score/<name>``, ``score/penalised_frac``, ``kl/mean``, `
 ``loss/policy``, ``loss/value``, ``entropy/mean``, ``clipfrac``, ``approx_kl`` (and ``clipfrac/epochK``,
 ``approx_kl/epochK`` per PPO epoch with ``online.epoch_stats``), ``ratio/mean``,
 ``value/explained_variance``, ``grad_norm/<role>``, ``learning_rate/<role>``,
-``response_length/mean``, ``advantages/mean``, ``time/*``, ``tokens_per_second``, ...),
+``response_length/mean``, ``advantages/mean``, ``time/*``, ``tokens_per_second``, with a distillation
+teacher ``distill/teacher_kl`` (and ``eval/distill/teacher_kl`` held out), ...),
 ``samples.jsonl`` (``logging.samples_per_step`` responses of each rollout with their scores:
 :mod:`rlhfkit.rollout.samples`), ``checkpoints/step-N/`` (actor, critic, both optimizers and schedules, the KL controller, RNG states; the
 data position is the step), ``final/`` (the policy as a Hugging Face folder) and ``final_critic/`` beside it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhfkit.algos import sampled_reverse_kl
 from rlhfkit.data import PromptCollator
 from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
 from rlhfkit.models.sampler import RowStreams
@@ -89,7 +90,8 @@ def evaluate(
 def evaluate_prompts(ctx: OnlineContext, examples: list[dict], step: int = 0) -> dict[str, float]:
     """One response per held-out prompt at the training temperature: ``eval/score/mean`` (the scorer's raw
     score, over the responses something scored), ``eval/kl/mean`` (nats per response, the trained estimator over each response's trained
-    tokens), ``eval/response_length/mean``, ``eval/response/ended_frac``. Under ``online.sampler=exact`` a
+    tokens), ``eval/response_length/mean``, ``eval/response/ended_frac``, and with a distillation teacher
+    ``eval/distill/teacher_kl`` (log pi - log pi_teacher of the sampled tokens, nats per token). Under ``online.sampler=exact`` a
     prompt's response is drawn from its own stream (seeded from (seed, ``step``), the prompt's index in
     ``examples``), the same on any number of processes."""
     accelerator, online = ctx.accelerator, ctx.cfg.online
@@ -116,4 +118,7 @@ def evaluate_prompts(ctx: OnlineContext, examples: list[dict], step: int = 0) ->
         s.add_sum("eval/kl/mean", kl.sum(), len(chunk))
         s.add_sum("eval/response_length/mean", rollout.response_mask.sum(), len(chunk))
         s.add_sum("eval/response/ended_frac", rollout.ended.sum(), len(chunk))
+        if rollout.teacher_logprobs is not None:  # distillation: the held-out KL to the teacher
+            term = sampled_reverse_kl(rollout.logprobs, rollout.teacher_logprobs, rollout.mask)
+            s.add_sum("eval/distill/teacher_kl", term.double().sum(), rollout.mask.sum())
     return s.means(ctx)
