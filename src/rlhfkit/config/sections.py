@@ -189,7 +189,8 @@ class TrainConfig:
     )
     frozen_models: Literal["shard", "replicate"] = option(
         "shard",
-        "With train.sharding: the frozen models (dpo's reference; ppo's reference and reward model) sharded "
+        "With train.sharding: the frozen models (dpo's reference; the online reference, reward model and a "
+        "distillation teacher) sharded "
         "too, forward-only (shard: 1/N of their weights per process, one all-gather per layer per forward), "
         "or a whole copy on every process (replicate: no all-gather, N times the memory).",
     )
