@@ -228,10 +228,19 @@ def test_a_teacher_read_one_position_off_gives_another_value():
 def test_bad_arguments_raise_before_any_forward():
     student, teacher = tiny_llama(), qwen_teacher()
     ids, mask = batch()
-    for loss, beta, match in (("reverse_kl", 0.5, "full_reverse_kl or jsd"), ("jsd", 1.0, "beta must be in")):
-        with pytest.raises(ValueError, match=match):
-            teacher_divergence(student, teacher, ids, mask, START, None, loss, beta)
-    with pytest.raises(ValueError, match="start must be in"):
-        teacher_divergence(student, teacher, ids, mask, 0, None, "jsd")
-    with pytest.raises(ValueError, match="one vocabulary"):
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in (student, teacher)]
+    try:
+        for loss, beta, start, match in (
+            ("reverse_kl", 0.5, START, "full_reverse_kl or jsd"),
+            ("jsd", 1.0, START, "beta must be in"),
+            ("jsd", 0.5, 0, "start must be in"),
+        ):
+            with pytest.raises(ValueError, match=match):
+                teacher_divergence(student, teacher, ids, mask, start, None, loss, beta)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert not calls
+    with pytest.raises(ValueError, match="one vocabulary"):  # known from the logits: after the forwards
         teacher_divergence(student, qwen_teacher(vocab=50), ids, mask, START, None, "jsd", 0.5, 4)
