@@ -89,6 +89,26 @@ def test_equals_the_plain_computation_in_values_and_in_the_students_gradient(los
         torch.testing.assert_close(got_grads[key], grad, atol=1e-6, rtol=1e-4)
 
 
+def test_a_lora_student_reads_out_through_its_adapters_also_on_the_head():
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=2, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    student, teacher = get_peft_model(tiny_llama(), config), qwen_teacher()
+    assert chunkable(student)
+    ids, mask = batch()
+    got = teacher_divergence(
+        student, teacher, ids, mask, START, SAMPLINGS["temperature-suppress"], "jsd", 0.3, 4
+    )
+    want = plain_divergence(student, teacher, ids, mask, SAMPLINGS["temperature-suppress"], "jsd", 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    weights = mask[:, START:].float()
+    got_grads, want_grads = student_grads(student, got, weights), student_grads(student, want, weights)
+    assert any("lm_head" in name and "lora_B" in name for name in got_grads)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-4)
+
+
 def test_a_truncating_sampler_makes_the_reverse_kl_infinite_where_the_teacher_drops_a_token_and_the_jsd_not():
     student, teacher = tiny_llama(), qwen_teacher()
     ids, mask = batch()
@@ -228,10 +248,19 @@ def test_a_teacher_read_one_position_off_gives_another_value():
 def test_bad_arguments_raise_before_any_forward():
     student, teacher = tiny_llama(), qwen_teacher()
     ids, mask = batch()
-    for loss, beta, match in (("reverse_kl", 0.5, "full_reverse_kl or jsd"), ("jsd", 1.0, "beta must be in")):
-        with pytest.raises(ValueError, match=match):
-            teacher_divergence(student, teacher, ids, mask, START, None, loss, beta)
-    with pytest.raises(ValueError, match="start must be in"):
-        teacher_divergence(student, teacher, ids, mask, 0, None, "jsd")
-    with pytest.raises(ValueError, match="one vocabulary"):
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in (student, teacher)]
+    try:
+        for loss, beta, start, match in (
+            ("reverse_kl", 0.5, START, "full_reverse_kl or jsd"),
+            ("jsd", 1.0, START, "beta must be in"),
+            ("jsd", 0.5, 0, "start must be in"),
+        ):
+            with pytest.raises(ValueError, match=match):
+                teacher_divergence(student, teacher, ids, mask, start, None, loss, beta)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert not calls
+    with pytest.raises(ValueError, match="one vocabulary"):  # known from the logits: after the forwards
         teacher_divergence(student, qwen_teacher(vocab=50), ids, mask, START, None, "jsd", 0.5, 4)

@@ -64,8 +64,8 @@ def token_divergence(
     reverse KL). ``JSD_beta`` is at most ``-beta log beta - (1 - beta) log(1 - beta)`` (log 2 at 0.5).
     ``log M`` is ``logsumexp(log p_t + log beta, log p_s + log(1 - beta))``, taken relative to the larger of the
     two log-probs: with ``d = log p_t - log p_s``, ``log M - log p_t = log1p((1 - beta) expm1(-d))`` for
-    ``d >= 0`` and ``log M - log p_s = log1p(beta expm1(d))`` for ``d < 0``; both stay in [log beta, 0] or
-    [log(1 - beta), 0] whatever ``d`` is, and are exactly 0 where the two log-probs agree, so JSD(p, p) = 0.
+    ``d >= 0`` (in [log beta, 0]) and ``log M - log p_s = log1p(beta expm1(d))`` for ``d < 0`` (in
+    [log(1 - beta), 0]), bounded whatever ``d`` is and exactly 0 where the two log-probs agree: JSD(p, p) = 0.
 
     A ``-inf`` logit (a token masked out of a distribution, e.g. by top-k) is a probability of exactly 0, and
     ``0 * log 0`` counts 0, never NaN, with finite gradients. A token the teacher gives probability 0 and the
