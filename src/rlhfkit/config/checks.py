@@ -172,6 +172,13 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 "set online.reward_model and/or online.reward_functions (or an online.environment with "
                 "get_reward, or an online.teacher_model to distil): nothing scores the responses",
             )
+        if kind == "distill" and run.distill.loss == "full_reverse_kl" and (online.top_k or online.top_p < 1):
+            fail(
+                "distill.loss",
+                "full_reverse_kl sums over the student's whole distribution, and with online.top_k / top_p "
+                "each model is truncated to its own set: wherever the sets differ the KL is infinite; set "
+                "online.top_k=0 and online.top_p=1, or use distill.loss=jsd (finite there) or reverse_kl",
+            )
         if online.teacher_model and online.teacher_coef == 0:
             fail("online.teacher_coef", "0 leaves the teacher out; remove online.teacher_model instead")
         weights = online.reward_weights

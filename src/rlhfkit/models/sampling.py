@@ -25,6 +25,7 @@ Shapes: ``B`` rows, ``T`` positions, ``V`` vocabulary.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,6 +61,13 @@ class Sampling:
     def truncates(self) -> bool:
         """Whether top-k or top-p removes tokens."""
         return self.top_k > 0 or self.top_p < 1.0
+
+
+def untruncated(sampling: Sampling) -> Sampling:
+    """``sampling`` without top-k / top-p: the temperature and the suppressed ids only. How a distillation
+    teacher reads the student's tokens: truncated by its own top-k, a token the student may sample could have
+    probability 0 under the teacher, an infinite KL term."""
+    return dataclasses.replace(sampling, top_k=0, top_p=1.0)
 
 
 def sampling_for(

@@ -13,7 +13,7 @@ from rlhfkit.config import load_config
 from rlhfkit.data import TokenLimits, prepare_examples
 from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.errors import ConfigError
-from rlhfkit.models.sampling import processed_logits
+from rlhfkit.models.sampling import processed_logits, untruncated
 from rlhfkit.rollout.preflight import preflight
 from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout, score_rollout, take_scores
 from rlhfkit.trainers.online.shaping import shape_rollout
@@ -194,3 +194,36 @@ def test_full_vocabulary_losses_train_the_student_and_vanish_for_its_own_copy(tm
     initial = load_file(str(paths["policy"] / "model.safetensors"))
     final = load_file(str(same / "final" / "model.safetensors"))
     assert all(torch.equal(initial[k], final[k]) for k in initial)
+
+
+@torch.no_grad()
+def test_with_top_k_the_teacher_reads_every_sampled_token_untruncated(tmp_path):
+    """A student sampling with top-k draws tokens the teacher's own top-k may not hold: truncated the same way,
+    the teacher would give them probability 0 and the term would be infinite. It reads them at the temperature
+    and the suppressed ids alone."""
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths, sharpness=30.0)
+    args = distill_overrides(paths, tmp_path / "run", teacher_dir, "online.top_k=8", "online.temperature=1.5")
+    cfg = load_config(None, args, "distill")
+    ctx = make_context(cfg)
+    examples = prepare_examples(cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
+    rollout = sample_rollout(ctx, prompt_batch(ctx, examples, 1), step=1, actor_forward=True)
+    expected = teacher_logprobs_by_hand(ctx.roles.teacher, rollout, untruncated(ctx.sampling))
+    assert torch.isfinite(rollout.teacher_logprobs).all()
+    torch.testing.assert_close(rollout.teacher_logprobs, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_full_reverse_kl_is_refused_with_a_truncating_sampler_and_a_teacher_of_another_width(tmp_path):
+    paths = write_online_problem(tmp_path, reward_model=False)
+    base = distill_overrides(paths, tmp_path / "run", paths["policy"], "distill.loss=full_reverse_kl")
+    with pytest.raises(ConfigError, match="distill.loss.*online.top_k=0"):
+        load_config(None, [*base, "online.top_p=0.9"], "distill")
+    load_config(None, [*base[:-1], "distill.loss=jsd", "online.top_p=0.9"], "distill")  # finite: allowed
+    tok = tiny_tokenizer()
+    wide = tiny_llama(seed=3, vocab_size=len(tok) + 16, pad_token_id=tok.pad_token_id)  # a padded table
+    wide.save_pretrained(tmp_path / "wide")
+    tok.save_pretrained(tmp_path / "wide")
+    args = distill_overrides(paths, tmp_path / "run", tmp_path / "wide", "distill.loss=jsd")
+    with pytest.raises(ConfigError, match=r"output layer has \d+ entries and the teacher's .* \d+"):
+        make_context(load_config(None, args, "distill"))
+    make_context(load_config(None, args[:-1], "distill"))  # the sampled reverse_kl reads one log-prob a token

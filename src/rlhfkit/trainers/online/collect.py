@@ -27,6 +27,7 @@ from rlhfkit.data import PromptCollator
 from rlhfkit.models import can_share_prompts, response_readout, sampling_for
 from rlhfkit.models.precision import frozen_linears_cast
 from rlhfkit.models.sampler import RowStreams
+from rlhfkit.models.sampling import untruncated
 from rlhfkit.rollout import generate_responses
 from rlhfkit.rollout.episodes import EpisodeRunner, Episodes, run_episodes
 from rlhfkit.rollout.sandbox import uses_sandbox
@@ -164,9 +165,9 @@ def sample_rollout(
                 roles.reference, ids, attn, start, ctx.sampling, share_prompts=share
             ).logprobs
             if teacher_logprobs is not None:  # distillation: the teacher reads the row as the reference does
-                teacher_logprobs[rows, :w] = response_readout(
-                    roles.teacher, ids, attn, start, ctx.sampling, share_prompts=share
-                ).logprobs
+                teacher_logprobs[rows, :w] = response_readout(  # untruncated: every sampled token has a
+                    roles.teacher, ids, attn, start, untruncated(ctx.sampling), share_prompts=share
+                ).logprobs  # probability under the teacher, whatever its own top-k / top-p would keep
             if values is not None:
                 values[rows, :w] = critic_values(roles.critic, ids, attn, start)
     reshard(roles)  # sharded: the trained roots, kept gathered for a backward that no-grad forwards lack

@@ -39,6 +39,7 @@ from rlhfkit.config import RunConfig
 from rlhfkit.data import TokenLimits
 from rlhfkit.engine.optim import optimizer_and_scheduler
 from rlhfkit.engine.sharded import shard_model
+from rlhfkit.errors import ConfigError
 from rlhfkit.models import (
     AdapterDisabled,
     check_same_vocabulary,
@@ -46,6 +47,7 @@ from rlhfkit.models import (
     load_scalar_model,
     prepare_trained,
 )
+from rlhfkit.models.readout import hf_model
 from rlhfkit.models.sampler import set_sampler
 from rlhfkit.models.static_decode import set_decode
 from rlhfkit.rollout.process_rewards import step_end_table
@@ -142,6 +144,7 @@ def build_roles(
     teacher = None
     if cfg.online.teacher_model:  # on-policy distillation: frozen like the reference (vocabulary: preflight)
         teacher = _frozen(load_causal_lm(cfg.online.teacher_model, frozen=True, **common).to(device))
+        _check_teacher_width(cfg, actor, teacher)
     return Roles(actor, reference, critic, reward_model, teacher)
 
 
@@ -157,6 +160,22 @@ def shard_roles(roles: Roles, mode: str, frozen_models: str) -> Roles:
             if frozen is not None:
                 shard_model(frozen, mode)
     return roles
+
+
+def _check_teacher_width(cfg: RunConfig, actor: torch.nn.Module, teacher: torch.nn.Module) -> None:
+    """ConfigError when a full-vocabulary ``distill.loss`` would compare output layers of different widths (a
+    model family may pad its embedding table to another multiple: the tokenizers agree, the logits do not); the
+    sampled reverse_kl reads one log-prob per token and takes them."""
+    if cfg.kind != "distill" or cfg.distill.loss == "reverse_kl":
+        return
+    widths = [m.get_output_embeddings().weight.shape[0] for m in (hf_model(actor), hf_model(teacher))]
+    if widths[0] != widths[1]:
+        raise ConfigError(
+            f"distill.loss={cfg.distill.loss}: the student's output layer has {widths[0]} entries and the "
+            f"teacher's ({cfg.online.teacher_model}) {widths[1]}; the full-vocabulary losses compare them entry "
+            "by entry. Use distill.loss=reverse_kl (one log-prob per sampled token), or a teacher of the "
+            "student's width"
+        )
 
 
 def _frozen(model: torch.nn.Module) -> torch.nn.Module:
