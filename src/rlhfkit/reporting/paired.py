@@ -246,7 +246,8 @@ def paired_summary(mean: float, se: float, n: int, level: float = 0.95) -> Paire
 class Claim:
     """What a comparison b - a claims: ``direction`` +1 (b above a), -1 (b below a) or 0 (no difference), and
     ``margin`` (> 0, in the compared figure's units), the difference small enough to count as none. A margin is
-    required for ``direction`` 0 and optional otherwise; it is fixed before the comparison is read."""
+    required for ``direction`` 0 and optional otherwise. The page's margins are registered with their reasons in
+    docs/experiments_plan.json, which says which were chosen after their runs (:mod:`rlhfkit.reporting.plan`)."""
 
     direction: int
     margin: float | None = None
@@ -257,7 +258,7 @@ class Claim:
         if self.margin is not None and not (math.isfinite(self.margin) and self.margin > 0):
             raise ValueError(f"a claim's margin must be a finite number > 0, got {self.margin}")
         if self.direction == 0 and self.margin is None:
-            raise ValueError("a 'no difference' claim needs its margin, stated before the comparison")
+            raise ValueError("a 'no difference' claim needs its margin")
 
 
 def decide(p: Paired, claim: Claim, corrected_p: float | None = None) -> str:
