@@ -229,3 +229,20 @@ def test_an_effect_prints_the_95_interval_the_90_one_against_a_margin_and_the_ex
     assert effect({**comp, "direction": 1, "margin": None}, 1.0) == (
         "+0.10 [−0.40, +0.60]; 2+ 1−; exact p 0.75 (Holm 1)"
     )
+
+
+def test_an_open_direction_on_five_seeds_says_the_power_reason(page_and_claims, tmp_path):
+    page, _, _ = page_and_claims
+    # order's 1+ 4- "DPO below PPO", once "holds" on its interval alone
+    assert "DPO: open (5 seeds: the exact test cannot reach 0.05)" in page.split(BEGIN)[1].split(END)[0]
+    d = [0.9, 0.66, 0.65, 0.96, 0.51]
+    comp = {"id": "up", "label": "up", "figure": "f", "direction": 1, "differences": d}
+    data = {"claims": {"x": {"section": "X", "claim": "c", "caveat": "none", "comparisons": [comp]}}}
+    plan = json.loads(json.dumps(PLAN))
+    plan["claims"]["x"]["comparisons"] = {"up": {"a": "a", "b": "b", "outcome": "f", "direction": 1, "n": 5}}
+    claims, plan = _write(tmp_path, data, plan)
+    assert "| up: open (5 seeds: the exact test cannot reach 0.05) |" not in summary_table(claims, plan)
+    assert (
+        "| open (5 seeds: the exact test cannot reach 0.05) | +0.74 [+0.50, +0.97]; 5+ 0−; exact p 0.062 |"
+        in (summary_table(claims, plan))
+    )

@@ -193,12 +193,14 @@ def registration_commits(path: str | Path) -> dict[str, str]:
     """
     path = Path(path).resolve()
     where = path.parent
-    rel = _git(where, "rev-parse", "--show-prefix").strip() + path.name
-    commits = _git(where, "log", "--reverse", "--format=%H", "--", path.name).split()
+    history = "the registration order needs the git history (a full clone)"
+    try:
+        rel = _git(where, "rev-parse", "--show-prefix").strip() + path.name
+        commits = _git(where, "log", "--reverse", "--format=%H", "--", path.name).split()
+    except PlanError as exc:
+        raise PlanError(f"{path}: no committed history ({exc}); {history}") from exc
     if not commits:
-        raise PlanError(
-            f"{path}: no committed history; the registration order needs the git history (a full clone)"
-        )
+        raise PlanError(f"{path}: no committed history; {history}")
     first: dict[str, str] = {}
     for commit in commits:
         try:
