@@ -163,6 +163,8 @@ def test_order_problems_in_a_repository_built_here(tmp_path):
     later["claims"]["z"] = later["claims"]["x"]
     plan_path.write_text(json.dumps(later))
     git("commit", "-q", "-am", "register z")
+    assert registration_commits(plan_path) == {"x": registered, "z": git("rev-parse", "HEAD")}
+    assert order_problems(plan_path, {"x": {"commit": after}}) == []  # x's registration is still the first
     (problem,) = order_problems(plan_path, {"z": {"commit": after}})
     assert "claim 'z'" in problem
     # an uncommitted plan has no history to show the order
