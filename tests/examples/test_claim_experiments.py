@@ -57,15 +57,17 @@ def test_equal_step_arms_are_paired_with_their_epochs_and_decided_by_the_rule():
         golds = {"epochs4": gold4, "epochs1-mb4": gold_mb4, "epochs8": gold8, "epochs1-mb8": gold_mb8}
         return {"arms": {k: {"eval": [{"rollout": 40, "gold": g}]} for k, g in golds.items()}}
 
-    # 4 epochs within ±0.03 of 1 epoch of 4 minibatches; 8 epochs 0.5-0.7 below 1 epoch of 8 minibatches
-    results = [
-        seed(1.0 + d, 1.0, 0.5, 1.0 + e) for d, e in ((0.02, 0.1), (-0.01, 0.2), (0.0, 0.0), (0.03, 0.1))
-    ]
+    # 4 epochs within ±0.03 of 1 epoch of 4 minibatches; 8 epochs 0.5-0.7 below 1 epoch of 8 minibatches, in six
+    # seeds (the exact test's p = 2 / 64 can pass 0.05; five seeds could not)
+    pairs = ((0.02, 0.1), (-0.01, 0.2), (0.0, 0.0), (0.03, 0.1), (0.01, 0.15), (0.01, 0.05))
+    results = [seed(1.0 + d, 1.0, 0.5, 1.0 + e) for d, e in pairs]
     lines = ex.equal_step_lines(results, ex.arms_of((4, 8), (4, 8)))
     assert lines[-2].startswith("| 4 | +0.01") and lines[-2].endswith(
         "| no difference within ±0.1 | no difference (within ±0.1) |"
     )
     assert lines[-1].startswith("| 8 | -0.60") and lines[-1].endswith("| lower | holds |")
+    five = ex.equal_step_lines(results[:5], ex.arms_of((4, 8), (4, 8)))
+    assert five[-1].endswith("| lower | open |")  # 5 of 5 below: exact p = 0.0625
     assert ex.equal_step_lines(results, ex.arms_of((4,), ())) == []  # no control arm, no table
 
 
@@ -147,8 +149,9 @@ def test_length_preference_is_read_by_its_size_whatever_its_sign():
     -0.2) and a penalised one near 0 is the penalty working (the signed difference would read "fails"); the
     premise compares the plain model's preference with gold's (here equal, so the premise is not borne out)."""
     ex = load_example("experiments/length_bias")
-    plain, penalised, gold = (-0.21, -0.20, -0.21, -0.13, -0.16), (-0.04, 0.0, -0.01, 0.0, -0.01), (
-        -0.19, -0.19, -0.15, -0.21, -0.14)  # fmt: skip
+    # six seeds, so that the exact test can pass (p >= 2 / 64; at five seeds it cannot go below 0.0625)
+    plain, penalised, gold = (-0.21, -0.20, -0.21, -0.13, -0.16, -0.18), (-0.04, 0.0, -0.01, 0.0, -0.01, -0.02), (
+        -0.19, -0.19, -0.15, -0.21, -0.14, -0.17)  # fmt: skip
     results = [
         {"preference": {"reward": {"length_correlation": a, "gold_length_correlation": g},
                         "length_bias": {"length_correlation": b}}}

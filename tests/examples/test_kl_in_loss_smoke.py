@@ -76,7 +76,7 @@ def test_the_report_pairs_k2_with_k3_and_clip_higher_with_k2_per_seed():
     (k2,) = [x for x in lines if x.startswith("- k2 − k3:")]
     # mean 1.5, sd 0.7071, half-width 12.706 * 0.7071 / sqrt(2) = 6.35
     assert k2.startswith(
-        "- k2 − k3: KL +1.50 (+2.00 / +1.00); 95% t-interval [-4.85, +7.85]; sign test 2+ 0- (p = 0.5)"
+        "- k2 − k3: KL +1.50 (+2.00 / +1.00); 95% t-interval [-4.85, +7.85]; sign test 2+ 0- (p = 0.5); exact p = 0.5"
     )
     assert "entropy -0.400 (-0.400 / -0.400)" in k2
     (clip,) = [x for x in lines if x.startswith("- k2+clip-higher − k2:")]
@@ -109,7 +109,8 @@ def test_clip_higher_from_the_high_entropy_start_is_its_own_claim_with_a_verdict
     early = decided["entropy, clip-higher − k2 (from the high-entropy start)"]
     assert (early["b"], early["a"], early["direction"]) == ("k2+clip-higher@early-sft", "k2@early-sft", 1)
     assert early["differences"] == pytest.approx([0.2, 0.21, 0.22]) and early["mean"] == pytest.approx(0.21)
-    assert early["verdict"] == "holds" and early["low"] > 0  # +0.21 +- 4.30 * 0.01 / sqrt(3)
+    # +0.21 +- 4.30 * 0.01 / sqrt(3): the interval is above 0, but 3 seeds cannot pass the exact test (p >= 0.25)
+    assert early["verdict"] == "open here" and early["low"] > 0
     assert decided["entropy, clip-higher − k2"]["verdict"] == "open here"  # 0.00 / +0.01 / -0.01
     (line,) = [
         x
@@ -121,4 +122,4 @@ def test_clip_higher_from_the_high_entropy_start_is_its_own_claim_with_a_verdict
     early = {v["claim"]: v for v in ex.verdicts(results, tail)}[
         "entropy, clip-higher − k2 (from the high-entropy start)"
     ]
-    assert early["verdict"] == "open here"
+    assert early["verdict"] == "open here" and early["low"] < 0

@@ -61,9 +61,10 @@ def test_grpo_gets_as_many_responses_a_rollout_as_ppo():
 def test_the_verdicts_are_the_pages_rule_on_the_paired_gold():
     by = lambda records, arm: ex._by(records, "ppo", arm)  # noqa: E731
     sft = lambda records: ex._by(records, "sft", "sft")  # noqa: E731
-    # differences +0.02, -0.01, +0.03, 0.00, +0.01: mean +0.01, 90% interval about [-0.006, +0.026] inside ±0.1
-    base = [1.0, 2.0, 3.0, 1.5, 2.5]
-    alike = _records(base, [1.02, 1.99, 3.03, 1.5, 2.51])
+    # differences +0.02, -0.01, +0.03, 0.00, +0.01, 0.00: mean +0.0083, 90% interval inside ±0.1; six seeds, so
+    # that "above SFT" can pass the exact test (p = 2 / 64)
+    base = [1.0, 2.0, 3.0, 1.5, 2.5, 2.0]
+    alike = _records(base, [1.02, 1.99, 3.03, 1.5, 2.51, 2.0])
     assert ex.verdict(by(alike, "1"), by(alike, "2-sharded"), sft(alike)) == (
         "alike (within ±0.1 gold): no difference (within ±0.1); above SFT: holds"
     )
@@ -73,10 +74,12 @@ def test_the_verdicts_are_the_pages_rule_on_the_paired_gold():
         "alike (within ±0.1 gold): fails;"
     )
     # differences of ±0.5: neither inside the margin nor outside it; and a seed below its SFT policy
-    wide = _records(base, [1.5, 1.5, 3.5, 1.0, 2.5], sft_gold=1.2)
+    wide = _records(base, [1.5, 1.5, 3.5, 1.0, 2.5, 1.5], sft_gold=1.2)
     assert ex.verdict(by(wide, "1"), by(wide, "2-sharded"), sft(wide)) == (
         "alike (within ±0.1 gold): open; above SFT: open"
     )
+    five = _records(base[:5], [1.02, 1.99, 3.03, 1.5, 2.51])  # 5 of 5 above SFT: exact p = 0.0625
+    assert ex.verdict(by(five, "1"), by(five, "2-sharded"), sft(five)).endswith("above SFT: open")
     one = _records([1.0], [1.0])
     assert ex.verdict(by(one, "1"), by(one, "2-sharded"), sft(one)).endswith("open; above SFT: open")
 

@@ -98,7 +98,7 @@ def test_the_refresh_table_pairs_each_refresh_run_with_the_plain_run_of_its_rewa
     text = rep.markdown(rep.summaries(runs))
     # one seed: its difference and sign, no interval (paired per seed: rlhfkit.reporting.paired)
     assert (
-        "| 256 | 0 | 0.50 → 1.50 | +1.00 (+1.00); sign test 1+ 0- (p = 1) | +1.00 → +1.50 | 4.0 → 2.0 |"
+        "| 256 | 0 | 0.50 → 1.50 | +1.00 (+1.00); sign test 1+ 0- (p = 1); exact p = 1 | +1.00 → +1.50 | 4.0 → 2.0 |"
         in text
     )
 
@@ -127,10 +127,12 @@ def test_the_verdict_table_pairs_end_gold_by_seed_id_and_reads_the_interval():
     assert "-0.60 (-0.30 / -0.90)" in worse and "sign test 0+ 2-" in worse
     better = next(r for r in rows if r.startswith("| kl_coef 0.05: 4000 − 256 pairs |"))
     assert "+0.15 (+0.10 / +0.20)" in better and better.endswith("| open here |")
-    same = [_run(s, [0.0, 1.0 + s], [0.0, 1.0]) for s in range(3)]
-    same += [_run(s, [0.0, 2.0 + s + 0.01 * s], [0.0, 1.0], kl_coef=0.05) for s in range(3)]
+    same = [_run(s, [0.0, 1.0 + s], [0.0, 1.0]) for s in range(6)]
+    same += [_run(s, [0.0, 2.0 + s + 0.01 * s], [0.0, 1.0], kl_coef=0.05) for s in range(6)]
     (row,) = rep.verdict_rows(rep.summaries(same))
-    assert row.endswith("| holds |")  # +1.00, +1.01, +1.02: a tight interval above 0
+    assert row.endswith("| holds |")  # +1.00 ... +1.05: a tight interval above 0, exact p = 2 / 64
+    (row,) = rep.verdict_rows(rep.summaries([r for r in same if r["seed"] < 3]))
+    assert row.endswith("| open here |")  # the same on 3 seeds: the exact test cannot go below 0.25
 
 
 def test_the_label_budget_of_a_refresh_run_is_its_last_refresh_count():
@@ -150,9 +152,11 @@ def test_the_label_budget_of_a_refresh_run_is_its_last_refresh_count():
 
 
 def test_the_verdict_rows_set_the_refresh_against_its_offline_control_at_equal_labels():
-    # end Δgold per seed: plain 0.5 / 0.0 / 1.0; refresh 1.5 / 1.0 / 2.1; offline control 1.0 / 0.5 / 1.6
+    # end Δgold per seed: plain 0.5 / 0.0 / 1.0; refresh 1.5 / 1.0 / 2.1; offline control 1.0 / 0.5 / 1.6, and
+    # those three seeds again as seeds 3-5 (six seeds, so that the exact test can pass: p = 2 / 64)
     runs = []
-    for seed, (plain, refresh, control) in enumerate(((0.5, 1.5, 1.0), (0.0, 1.0, 0.5), (1.0, 2.1, 1.6))):
+    arms = ((0.5, 1.5, 1.0), (0.0, 1.0, 0.5), (1.0, 2.1, 1.6)) * 2
+    for seed, (plain, refresh, control) in enumerate(arms):
         runs.append(_run(seed, [0.0, plain], [0.0, 1.0]))
         runs.append(_run(seed, [0.0, refresh], [0.0, 1.0], refresh=5))
         runs.append(_run(seed, [0.0, control], [0.0, 1.0], matched=5))
@@ -160,16 +164,16 @@ def test_the_verdict_rows_set_the_refresh_against_its_offline_control_at_equal_l
     assert [(s["refresh_steps"], s["matched_refresh"]) for s in table] == [(0, 0), (0, 5), (5, 0)]
     rows = rep.verdict_rows(table)
     (plain,) = [r for r in rows if r.startswith("| 256 pairs: refresh − plain (kl_coef 0) |")]
-    assert "+1.03 (+1.00 / +1.00 / +1.10)" in plain  # against the plain run, not the control
+    assert "+1.03 (+1.00 / +1.00 / +1.10 / +1.00 / +1.00 / +1.10)" in plain  # against the plain run
     (matched,) = [
         r for r in rows if r.startswith("| 256 pairs: refresh − offline at equal labels (kl_coef 0) |")
     ]
-    assert "+0.50 (+0.50 / +0.50 / +0.50)" in matched and "sign test 3+ 0-" in matched
+    assert "+0.50 (+0.50 / +0.50 / +0.50 / +0.50 / +0.50 / +0.50)" in matched and "sign test 6+ 0-" in matched
     assert matched.endswith("| refreshing beats the same labels offline | holds |")  # sd 0: a point interval
-    runs[-1] = _run(2, [0.0, 2.6], [0.0, 1.0], matched=5)  # seed 2's control ends above its refresh run
+    runs[-1] = _run(5, [0.0, 2.6], [0.0, 1.0], matched=5)  # seed 5's control ends above its refresh run
     (matched,) = [r for r in rep.verdict_rows(rep.summaries(runs)) if "equal labels" in r]
-    assert "(+0.50 / +0.50 / -0.50)" in matched and matched.endswith("| open here |")
-    text = rep.markdown(table)
+    assert "(+0.50 / +0.50 / +0.50 / +0.50 / +0.50 / -0.50)" in matched and matched.endswith("| open here |")
+    text = rep.markdown(rep.summaries(runs[:9]))  # seeds 0-2
     assert (
         "| 256 + N = 1256 / 1257 / 1258 (0.80 ± 0.10) | kl_coef 0, offline RM on 256 + the labels of refresh every 5 |"
         in text

@@ -52,7 +52,10 @@ def test_the_table_over_seeds_by_hand():
     assert "| PPO → DPO (ref SFT) | 0.600 / 0.700 | 0.700 / – |" in text  # DPO's accuracy per seed
     assert text.count("| 0.600 / 0.700 |") == 3  # the three DPO runs; SFT and the PPO runs have none
     # paired against PPO: DPO 2.0 - 1.0 and 2.0 - 3.0; mean 0, sd sqrt(2), half-width 12.706 * sqrt(2) / sqrt(2)
-    assert "| DPO | +0.00 (+1.00 / -1.00); 95% t-interval [-12.71, +12.71]; sign test 1+ 1- (p = 1) |" in text
+    assert (
+        "| DPO | +0.00 (+1.00 / -1.00); 95% t-interval [-12.71, +12.71]; sign test 1+ 1- (p = 1); exact p = 1 |"
+        in text
+    )
     assert "| DPO → PPO | +3.50 (+4.00 / +3.00);" in text
     # the learning-rate grid per seed, the chosen rate marked (at the grid's edge: the grid did not bracket it)
     assert "| 0 | 0.0003 | 0.6400 | 0.6300 | yes |" in text and "| 0 | 0.001 | 0.6500 | – |  |" in text

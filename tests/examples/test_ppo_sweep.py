@@ -166,7 +166,10 @@ def test_paired_comparison_against_the_base_setting_per_seed():
     # 12.706 * 0.7071 / sqrt(2) = 6.353; one tie. KL 1/0.5 - 1/0.7 = 0.571 in both seeds (sd 0: a point interval)
     (line,) = [x for x in text.splitlines() if x.startswith("| 0 |")]
     gold, proxy, kl, length = line.strip("| ").split(" | ")[1:]
-    assert gold == "+0.50 (+1.00 / +0.00); 95% t-interval [-5.85, +6.85]; sign test 1+ 0- 1= (p = 1)"
+    assert (
+        gold
+        == "+0.50 (+1.00 / +0.00); 95% t-interval [-5.85, +6.85]; sign test 1+ 0- 1= (p = 1); exact p = 1"
+    )
     assert kl.startswith("+0.57 (+0.57 / +0.57); 95% t-interval [+0.57, +0.57]; sign test 2+ 0-")
     assert length.startswith("+0.0 (+0.0 / +0.0)")
     assert "| 0.2 |" not in text  # the base itself is not compared

@@ -39,7 +39,8 @@ def test_the_table_over_seeds_by_hand(tmp_path, capsys):
     text = (tmp_path / "quickstart_seeds.md").read_text()
     # PPO - DPO per seed: 2.0 - 1.5, 1.0 - 1.1; mean 0.2, sd 0.4243, half-width 12.706 * 0.4243 / sqrt(2) = 3.81
     assert (
-        "- PPO − DPO: +0.20 (+0.50 / -0.10); 95% t-interval [-3.61, +4.01]; sign test 1+ 1- (p = 1)" in text
+        "- PPO − DPO: +0.20 (+0.50 / -0.10); 95% t-interval [-3.61, +4.01]; sign test 1+ 1- (p = 1); exact p = 1"
+        in text
     )
     assert text == capsys.readouterr().out.rstrip("\n") + "\n" and text.startswith(
         "Seeds [0, 1], preset tiny;"

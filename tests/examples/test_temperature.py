@@ -58,7 +58,7 @@ def test_the_best_temperature_is_counted_per_seed():
     # T = 0.7 - greedy per seed: +1.0, -1.0, +0.2; mean 0.0667, sd 1.0066, half-width 4.3027 * 1.0066 / sqrt(3)
     text = rep.paired_markdown(rows, [0.0, 0.7, 1.0])
     assert (
-        "| ppo (40) | +0.07 (+1.00 / -1.00 / +0.20); 95% t-interval [-2.43, +2.57]; sign test 2+ 1- (p = 1) |"
+        "| ppo (40) | +0.07 (+1.00 / -1.00 / +0.20); 95% t-interval [-2.43, +2.57]; sign test 2+ 1- (p = 1); exact p = 1 |"
         in text
     )
 

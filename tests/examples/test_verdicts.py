@@ -26,3 +26,15 @@ def test_verdicts_script_checks_and_rewrites(tmp_path):
     assert result.returncode == 1 and "differs" in result.stdout
     assert run("--page", str(stale)).returncode == 0
     assert stale.read_text() == page
+
+
+def test_verdicts_check_needs_the_plans_history(tmp_path):
+    # a plan outside the repository has no commits to show the order of registration and results: --check refuses
+    plan = tmp_path / "experiments_plan.json"
+    plan.write_text((ROOT / "docs" / "experiments_plan.json").read_text())
+    result = run("--check", "--plan", str(plan))
+    assert (
+        result.returncode == 2
+        and "no committed history" in result.stderr
+        and "Traceback" not in result.stderr
+    )
