@@ -123,6 +123,7 @@ def test_a_teacher_equal_to_the_student_gives_zero_and_the_student_does_not_move
     assert cli(out, *distill_overrides(paths, out, paths["policy"], "train.max_steps=2")) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["distill/teacher_kl"] for r in rows] == [0.0, 0.0]
+    assert not any("kl/mean" in r for r in rows)  # no KL to the reference asked for: not read, not logged
     assert all(r["reward/mean"] == 0.0 and r["loss/policy"] == 0.0 for r in rows)
     initial = load_file(str(paths["policy"] / "model.safetensors"))
     final = load_file(str(out / "final" / "model.safetensors"))
@@ -227,3 +228,21 @@ def test_full_reverse_kl_is_refused_with_a_truncating_sampler_and_a_teacher_of_a
     with pytest.raises(ConfigError, match=r"output layer has \d+ entries and the teacher's .* \d+"):
         make_context(load_config(None, args, "distill"))
     make_context(load_config(None, args[:-1], "distill"))  # the sampled reverse_kl reads one log-prob a token
+
+
+@torch.no_grad()
+def test_train_distill_reads_no_reference_unless_a_kl_to_it_is_asked_for(tmp_path):
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths)
+    for extra, read in (((), False), (("online.kl_coef=0.1",), True)):
+        cfg = load_config(None, distill_overrides(paths, tmp_path / "run", teacher_dir, *extra), "distill")
+        ctx = make_context(cfg)
+        calls = []
+        ctx.roles.reference.register_forward_hook(lambda *a: calls.append(1))
+        for parameter in ctx.roles.reference.parameters():  # a reference that reads otherwise than the actor
+            parameter.mul_(1.5)
+        examples = prepare_examples(cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
+        rollout = sample_rollout(ctx, prompt_batch(ctx, examples, 1), step=1, actor_forward=True)
+        assert bool(calls) == read
+        same = torch.equal(rollout.ref_logprobs, rollout.logprobs)
+        assert same != read  # not read: the actor's own (a KL of exactly 0); read: the reference's

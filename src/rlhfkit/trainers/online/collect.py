@@ -44,7 +44,12 @@ from rlhfkit.trainers.online.context import (
     stop_token_ids,
 )
 from rlhfkit.trainers.online.engine_rollout import generate_pieces
-from rlhfkit.trainers.online.layout import micro_batches, old_logprobs_from_update, row_lengths
+from rlhfkit.trainers.online.layout import (
+    micro_batches,
+    old_logprobs_from_update,
+    reads_reference,
+    row_lengths,
+)
 from rlhfkit.trainers.online.sharding import generation_model, is_sharded, reshard
 from rlhfkit.types import Rollout
 
@@ -141,6 +146,7 @@ def sample_rollout(
     teacher_logprobs = zeros() if roles.teacher is not None else None
     if actor_forward is None:  # else the update's own forward gives them (layout.old_logprobs_from_update)
         actor_forward = step is None or not old_logprobs_from_update(ctx, step)
+    reference = reads_reference(ctx.cfg)  # else (distill, no KL to it) the actor's own: a KL of exactly 0
     values = zeros() if roles.critic is not None else None
     for model in (roles.actor, roles.critic):
         if model is not None:
@@ -161,9 +167,10 @@ def sample_rollout(
                     roles.actor, ids, attn, start, ctx.sampling, entropy=True, share_prompts=share_actor
                 )
                 logprobs[rows, :w], entropy[rows, :w] = actor.logprobs, actor.entropy  # (b, w)
-            ref_logprobs[rows, :w] = response_readout(
-                roles.reference, ids, attn, start, ctx.sampling, share_prompts=share
-            ).logprobs
+            if reference:
+                ref_logprobs[rows, :w] = response_readout(
+                    roles.reference, ids, attn, start, ctx.sampling, share_prompts=share
+                ).logprobs
             if teacher_logprobs is not None:  # distillation: the teacher reads the row as the reference does
                 teacher_logprobs[rows, :w] = response_readout(  # untruncated: every sampled token has a
                     roles.teacher, ids, attn, start, untruncated(ctx.sampling), share_prompts=share
@@ -177,7 +184,7 @@ def sample_rollout(
         response_ids=response_ids,
         mask=mask,
         logprobs=fill_masked(logprobs, mask),
-        ref_logprobs=fill_masked(ref_logprobs, mask),
+        ref_logprobs=fill_masked(ref_logprobs if reference else logprobs.clone(), mask),
         values=None if values is None else fill_masked(values, mask),
         group_ids=batch["group_ids"],
         ended=ended,

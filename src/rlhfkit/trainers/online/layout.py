@@ -170,3 +170,13 @@ def teacher_in_rewards(cfg) -> bool:
     if not cfg.online.teacher_model:
         return False
     return cfg.kind != "distill" or cfg.distill.loss == "reverse_kl"
+
+
+def reads_reference(cfg) -> bool:
+    """Whether stage 1 reads the reference's log-probs: always but in `train distill` with no KL to it (kl_coef
+    0, no adaptive target, not in the loss: the kind's default), where nothing uses them. There the rollout's
+    ``ref_logprobs`` are the actor's own (a KL of exactly 0 in the rewards) and no ``kl/*`` is logged; one
+    forward of the policy per rollout is saved (TRL's distillation reads no reference either)."""
+    online = cfg.online
+    unused = online.kl_coef == 0 and online.kl_target is None and not online.kl_in_loss
+    return not (cfg.kind == "distill" and unused)

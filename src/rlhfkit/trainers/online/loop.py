@@ -250,7 +250,7 @@ def train_online(
         ctx.guard.check_agreed(
             step, {k: v for k, v in metrics.items() if k.startswith(("loss/", "grad_norm/"))}
         )
-        if not skip:
+        if not skip and "kl/mean" in metrics:  # not read in `train distill` with no KL to the reference
             ctx.kl_ctl.update(metrics["kl/mean"], train.batch_size * online.group_size)
         step_schedulers(ctx, metrics)
 

@@ -14,6 +14,7 @@ from rlhfkit.trainers.common import micro_batches
 from rlhfkit.trainers.online.collect import Scores, sample_rollout, score_rollout
 from rlhfkit.trainers.online.context import OnlineContext, StatSums, derived_seed
 from rlhfkit.trainers.online.hooks import OnlineHooks
+from rlhfkit.trainers.online.layout import reads_reference
 from rlhfkit.trainers.online.shaping import measured_kl
 from rlhfkit.types import Rollout
 
@@ -45,8 +46,9 @@ def rollout_stats(ctx: OnlineContext, rollout: Rollout, scores: Scores) -> StatS
         for name, values in scores.parts.items():
             known = ~values.isnan()
             s.add_sum(f"score/{name}", values[known].double().sum(), known.sum())
-    s.add_sum("kl/mean", rollout.kl.double().sum(), kept)
-    s.add_sum("kl/per_token", rollout.kl.double().sum(), tokens)
+    if reads_reference(ctx.cfg):  # else (distill, no KL to the reference) it was not read
+        s.add_sum("kl/mean", rollout.kl.double().sum(), kept)
+        s.add_sum("kl/per_token", rollout.kl.double().sum(), tokens)
     s.add_sum("reward/mean", rollout.rewards.double().sum(), kept)
     s.add_sum("entropy/mean", rollout.entropy.double().sum(), tokens)
     s.add_sum("response_length/mean", rollout.response_mask.sum(), rows)
@@ -115,7 +117,8 @@ def evaluate_prompts(ctx: OnlineContext, examples: list[dict], step: int = 0) ->
         _, raw_scores, _, scored, _ = score_rollout(ctx, rollout, batch["records"], batch.get("episodes"))
         kl = measured_kl(ctx, rollout)
         s.add_sum("eval/score/mean", raw_scores[scored].sum(), scored.sum())
-        s.add_sum("eval/kl/mean", kl.sum(), len(chunk))
+        if reads_reference(ctx.cfg):
+            s.add_sum("eval/kl/mean", kl.sum(), len(chunk))
         s.add_sum("eval/response_length/mean", rollout.response_mask.sum(), len(chunk))
         s.add_sum("eval/response/ended_frac", rollout.ended.sum(), len(chunk))
         if rollout.teacher_logprobs is not None:  # distillation: the held-out KL to the teacher
