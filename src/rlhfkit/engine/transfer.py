@@ -45,6 +45,17 @@ def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Param
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
+@torch.no_grad()
+def weights_digest(model: torch.nn.Module) -> float:
+    """A fingerprint of the trained parameters (float64 sums of each tensor and of its squares, in order): equal
+    on two processes that hold the same bits, so a receiver can show which weights it samples with."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, (_, p) in enumerate(trained_parameters(model)):
+        x = p.detach().to("cpu", torch.float64)
+        total += x.sum() + (i + 1) * x.square().sum()
+    return float(total)
+
+
 class WeightSender:
     """Streams a model's trained parameters to other processes without waiting for them: each send holds a
     copy of its tensor until it completes, so the sender may update the model meanwhile. :meth:`wait`

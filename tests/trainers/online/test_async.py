@@ -13,6 +13,7 @@ from rlhfkit.cli import main
 from rlhfkit.config import load_config
 from rlhfkit.data import TokenLimits, prepare_examples
 from rlhfkit.engine.metrics_writer import read_metrics
+from rlhfkit.engine.transfer import weights_digest
 from rlhfkit.models.sampling import processed_logits
 from rlhfkit.trainers.online import async_loop
 from rlhfkit.trainers.online.async_loop import SENT, AsyncTrainer, fresh_samples, sampler_of, sampling_version
@@ -94,7 +95,15 @@ def _sent(ctx, examples, step: int, version: int) -> dict:
     torch.manual_seed(0)
     rollout = sample_rollout(ctx, prompt_batch(ctx, examples, step), StageClock(), step)
     message = {name: getattr(rollout, name).clone() for name in SENT}
-    return {**message, "entropy": rollout.entropy, "step": step, "version": version, "idle_seconds": 0.5}
+    digest = weights_digest(ctx.roles.actor)
+    return {
+        **message,
+        "entropy": rollout.entropy,
+        "step": step,
+        "version": version,
+        "idle_seconds": 0.5,
+        "digest": digest,
+    }
 
 
 def _move(model) -> None:
@@ -109,6 +118,7 @@ def _trainer_stages(ctx, examples, step, message, monkeypatch):
     """Stage 1 of the async trainer (the message received), then scores, advantages and the update."""
     monkeypatch.setattr(async_loop, "recv_object", lambda src: message)
     trainer = AsyncTrainer(ctx)
+    trainer.digests[message["version"]] = message["digest"]  # what the trainer sent as that version
     batch = prompt_batch(ctx, examples, step)
     rollout = trainer.collect(ctx, batch, StageClock(), step)
     take_scores(rollout, score_rollout(ctx, rollout, batch["records"]))
@@ -173,6 +183,18 @@ def test_a_rollout_with_other_prompts_than_its_step_is_refused(tmp_path, monkeyp
         pytest.skip("steps 1 and 2 drew the same prompts")
     with pytest.raises(RuntimeError, match="rollout 1: the generator sent rollout 2"):
         AsyncTrainer(ctx).collect(ctx, batch, StageClock(), 1)
+
+
+def test_samples_drawn_with_weights_the_trainer_never_sent_are_an_error(tmp_path, monkeypatch):
+    ctx, examples = _async_context(tmp_path)
+    message = _sent(ctx, examples, step=2, version=0)
+    monkeypatch.setattr(async_loop, "recv_object", lambda src: message)
+    trainer = AsyncTrainer(ctx)
+    trainer.digests[0] = message["digest"] + 1.0  # version 0 as sent differs from what sampled
+    with pytest.raises(
+        RuntimeError, match="rollout 2: the generator sampled with other weights than the trainer's version 0"
+    ):
+        trainer.collect(ctx, prompt_batch(ctx, examples, 2), StageClock(), 2)
 
 
 def message_rollout(message):

@@ -10,7 +10,8 @@ so the trainer knows a rollout's prompts and checks that the generator answered 
 
 A generator sends the rollout's tokens, masks, its own log-probs of them (the behaviour policy's, at the
 sampling temperature), the reference's, the entropy, the version of its weights and the seconds it waited for
-them (:func:`generate_rollouts`). The trainer (:class:`AsyncTrainer`, stage 1 of
+them, with a fingerprint of those weights that the trainer checks against the version it sent (a transfer
+that did not arrive is an error, not a silently stale generator: verl#7495) (:func:`generate_rollouts`). The trainer (:class:`AsyncTrainer`, stage 1 of
 :func:`rlhfkit.trainers.online.train_online`) keeps only samples at most k versions old: an older sample's mask
 is cleared, so it trains nothing (``async/dropped``); the PPO ratio of the others is taken against the
 behaviour log-probs they carry, never recomputed with the trainer's weights
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from rlhfkit.algos.masked import fill_masked
-from rlhfkit.engine.transfer import WeightSender, recv_object, recv_weights, send_object
+from rlhfkit.engine.transfer import WeightSender, recv_object, recv_weights, send_object, weights_digest
 from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, derived_seed
 from rlhfkit.types import Rollout
@@ -128,7 +129,7 @@ def generate_rollouts(ctx: OnlineContext, examples: list[dict]) -> dict[str, Any
         rollout = sample_rollout(ctx, batch, StageClock(ctx.device), step)
         message = {name: getattr(rollout, name).cpu() for name in SENT}
         message["entropy"] = rollout.entropy.cpu()
-        message.update(step=step, version=version, idle_seconds=idle)
+        message.update(step=step, version=version, idle_seconds=idle, digest=weights_digest(ctx.roles.actor))
         totals["sample_seconds"] += time.perf_counter() - start
         totals["idle_seconds"] += idle
         totals["rollouts"] += 1
@@ -147,9 +148,11 @@ class AsyncTrainer:
         self.g = ctx.cfg.online.generation_processes
         self.sender = WeightSender()
         self.metrics: dict[str, float] = {}
+        self.digests: dict[int, float] = {}  # version -> weights_digest of the weights sent as that version
 
     def start(self) -> None:
         """Send the starting weights (version 0) to every generator."""
+        self.digests[0] = weights_digest(self.ctx.roles.actor)
         for j in range(self.g):
             self.sender.send(self.ctx.roles.actor, 0, 1 + j)
 
@@ -164,6 +167,11 @@ class AsyncTrainer:
                 f"rollout {step}: the generator sent rollout {message['step']} or other prompts than "
                 "(seed, step) give; every process must run the same configuration"
             )
+        if message["digest"] != self.digests.get(int(message["version"])):
+            raise RuntimeError(
+                f"rollout {step}: the generator sampled with other weights than the trainer's version "
+                f"{message['version']} (the weight transfer did not arrive whole)"
+            )
         rollout = received_rollout(message, batch["group_ids"], ctx.device)
         versions = torch.full((rollout.mask.shape[0],), int(message["version"]), dtype=torch.long)
         keep, stats = fresh_samples(versions, step - 1, self.k)
@@ -177,6 +185,7 @@ class AsyncTrainer:
         """After the update of rollout ``step``: the weights are version ``step``; send them to the generator
         that samples rollout ``step + 1 + k`` (none past the last rollout)."""
         if step + 1 + self.k <= self.ctx.cfg.train.max_steps:
+            self.digests[step] = weights_digest(self.ctx.roles.actor)
             self.sender.send(self.ctx.roles.actor, step, 1 + sampler_of(step + 1 + self.k, self.g))
 
     def close(self) -> None:
