@@ -8,7 +8,14 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from rlhfkit.engine.transfer import WeightSender, recv_object, recv_weights, send_object, trained_parameters
+from rlhfkit.engine.transfer import (
+    WeightSender,
+    recv_object,
+    recv_weights,
+    send_object,
+    trained_parameters,
+    weights_digest,
+)
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -64,3 +71,20 @@ def test_an_object_and_two_weight_versions_travel_and_frozen_weights_stay(tmp_pa
 
 def test_trained_parameters_are_the_ones_that_require_grad():
     assert [name for name, _ in trained_parameters(_model(0))] == ["1.weight", "1.bias"]
+
+
+def test_the_digest_follows_the_trained_weights_only():
+    model = _model(0)
+    digest = weights_digest(model)
+    assert weights_digest(_model(0)) == digest
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1.0  # frozen: not what travels
+    assert weights_digest(model) == digest
+    with torch.no_grad():
+        model[1].weight[0, 0] += 1e-3
+    assert weights_digest(model) != digest
+    swapped = _model(0)
+    with torch.no_grad():  # the same values in other tensors: another digest
+        w, b = swapped[1].weight, swapped[1].bias
+        w[0, 0], b[0] = b[0].item(), w[0, 0].item()
+    assert weights_digest(swapped) != digest

@@ -5,6 +5,8 @@ against the log-probs they were drawn with. What a generator sends is built here
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -16,7 +18,14 @@ from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.engine.transfer import weights_digest
 from rlhfkit.models.sampling import processed_logits
 from rlhfkit.trainers.online import async_loop
-from rlhfkit.trainers.online.async_loop import SENT, AsyncTrainer, fresh_samples, sampler_of, sampling_version
+from rlhfkit.trainers.online.async_loop import (
+    SENT,
+    AsyncTrainer,
+    fresh_samples,
+    generator_index,
+    sampler_of,
+    sampling_version,
+)
 from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout, score_rollout, take_scores
 from rlhfkit.trainers.online.context import StageClock
 from rlhfkit.trainers.online.ppo_update import ppo_update
@@ -56,6 +65,23 @@ def test_the_schedule_samples_each_rollout_at_most_k_versions_behind():
     assert [sampler_of(s, 2) for s in range(1, 6)] == [0, 1, 0, 1, 0]
     for k in (1, 2, 3):  # trained after update s - 1: staleness s - 1 - version, at most k, k once it can be
         assert [s - 1 - sampling_version(s, k) for s in range(1, 8)] == [min(s - 1, k) for s in range(1, 8)]
+
+
+def test_the_last_g_processes_generate():
+    cfg = load_config(
+        None,
+        [
+            "output_dir=o",
+            "model.name_or_path=m",
+            "data.train_file=d",
+            "online.reward_model=r",
+            "online.max_staleness=1",
+            "online.generation_processes=2",
+        ],
+        "grpo",
+    )
+    launch = [SimpleNamespace(num_processes=3, process_index=i) for i in range(3)]
+    assert [generator_index(cfg, a) for a in launch] == [None, 0, 1]
 
 
 def test_fresh_samples_keeps_at_most_k_versions_old_and_counts_the_rest():

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from rlhfkit.engine.metrics_writer import read_metrics
+from tests.distributed.test_data_parallel import torchrun
+from tests.distributed.test_faults import _children
 from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
 
 BOUND_S = 150  # a launch and four tiny rollouts take ~30-60 s here (2 shared cores)
@@ -28,28 +29,15 @@ ASYNC = (
 
 
 def launch(side: str, argv: list[str]) -> tuple[int, str, float]:
-    """torchrun 2 processes of ``argv`` with ``side`` killed at rollout 3; (exit code, stderr, seconds)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), os.getcwd()])),
-        "RLHFKIT_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.pop("PYTEST_CURRENT_TEST", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    """torchrun 2 processes of ``argv`` with ``side`` killed at rollout 3; (exit code, stderr, seconds). Past
+    BOUND_S the launch is killed and the test fails."""
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        [*command, "-m", "tests.trainers.online.async_fault_worker", side, "3", *argv],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = torchrun("-m", "tests.trainers.online.async_fault_worker", side, "3", *argv, wait=False)
     try:
         _, err = proc.communicate(timeout=BOUND_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in [*_children(proc.pid), proc.pid]:  # torchrun starts its workers in sessions of their own
+            os.kill(pid, signal.SIGKILL)
         proc.communicate()
         pytest.fail(f"{side} killed: the launch was still running after {BOUND_S} s (a hang)")
     return proc.returncode, err, time.perf_counter() - start
