@@ -17,7 +17,7 @@ from rlhfkit.data import TokenLimits, prepare_examples
 from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.engine.transfer import weights_digest
 from rlhfkit.models.sampling import processed_logits
-from rlhfkit.trainers.online import async_loop
+from rlhfkit.trainers.online import async_loop, loop
 from rlhfkit.trainers.online.async_loop import (
     SENT,
     AsyncTrainer,
@@ -42,6 +42,12 @@ from tests.trainers.online.online_fixtures import (
 def test_staleness_zero_is_the_synchronous_loop_bit_for_bit(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     paths = write_online_problem(tmp_path / "p")
+
+    def untouched(*args, **kwargs):
+        raise AssertionError("the synchronous loop reached the asynchronous one")
+
+    for name in ("AsyncTrainer", "ProcessView", "generate_rollouts", "generator_index"):
+        monkeypatch.setattr(loop, name, untouched)
     runs = {}
     for name, extra in [("plain", ()), ("zero", ("online.max_staleness=0", "online.generation_processes=0"))]:
         out = tmp_path / name
