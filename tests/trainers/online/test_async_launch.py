@@ -23,7 +23,6 @@ ASYNC = (
     "online.generation_processes=1",
     "model.lora_rank=4",
     "model.lora_alpha=8",
-    "train.collective_timeout=60",
     "train.save_steps=100",
 )
 
@@ -67,10 +66,15 @@ def test_every_rollout_is_trained_at_most_one_version_after_its_weights(problem,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("side", "survivor"), [("generator", 0), ("trainer", 1)])
+@pytest.mark.parametrize(("side", "survivor"), [("generator", 0), ("trainer", 1), ("hang", 0)])
 def test_a_killed_side_stops_the_other_with_one_named_line(problem, tmp_path, side, survivor):
+    """Killed: the other side's next transfer fails at once. A generator that hangs: the trainer's receive
+    times out at train.collective_timeout (10 s here), then the launcher's SIGTERM ends the generator."""
     out = tmp_path / "run"
-    code, err, seconds = launch(side, online_cli_args(problem, out, "train.max_steps=6", *ASYNC, kind="grpo"))
+    argv = online_cli_args(
+        problem, out, "train.max_steps=6", *ASYNC, "train.collective_timeout=10", kind="grpo"
+    )
+    code, err, seconds = launch(side, argv)
     assert code != 0
     lines = [line for line in err.splitlines() if line.startswith("rlhfkit: stopped:")]
     assert len(lines) == 1, err[-4000:]
