@@ -213,6 +213,8 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
             )
         if online.generation_backend == "vllm" and online.vllm_max_model_len is not None:
             _check_engine_length(run, fail)
+        if online.max_staleness or online.generation_processes:
+            _check_async(run, kind, fail, sharding)
         responses = train.batch_size * online.group_size
         if responses % online.num_minibatches:
             fail(
@@ -263,6 +265,45 @@ def _check_sharding(run: RunConfig, kind: str, fail, sharding: str) -> None:
         fail(key, f"held-out sampling is not supported with {sharding} yet; remove {key}")
 
 
+ASYNC_LATER = "not supported with online.max_staleness > 0 yet"
+
+
+def _check_async(run: RunConfig, kind: str, fail, sharding: str) -> None:
+    """What rollouts that overlap training (``online.max_staleness`` > 0 on ``online.generation_processes``
+    of their own: :mod:`rlhfkit.trainers.online.async_loop`) cannot be combined with yet, each refused naming
+    the key and the reason."""
+    online = run.online
+    if online.max_staleness and not online.generation_processes:
+        fail(
+            "online.max_staleness",
+            f"{online.max_staleness} needs processes that only sample (online.generation_processes >= 1, "
+            "launched with torchrun --nproc_per_node at least one more); sampling and training in the same "
+            "process overlap nothing, so it is not supported",
+        )
+    if online.generation_processes and not online.max_staleness:
+        fail(
+            "online.generation_processes",
+            f"{online.generation_processes} needs online.max_staleness >= 1 (0 is the synchronous loop, in "
+            "which every process samples and trains); set online.max_staleness=1 or generation_processes=0",
+        )
+    later = [
+        ("online.advantage_estimator", online.advantage_estimator == "gae", "gae (PPO with a critic)"),
+        ("online.generation_backend", online.generation_backend != "hf", online.generation_backend),
+        ("online.tools", bool(online.tools), "tools episodes"),
+        ("online.environment", bool(online.environment), "an environment's episodes"),
+        ("online.dynamic_sampling", online.dynamic_sampling, "dynamic sampling"),
+        ("online.teacher_model", bool(online.teacher_model) or kind == "distill", "distillation"),
+        ("refresh.every", bool(run.refresh.every), "the reward-model refresh"),
+        ("data.eval_file", bool(run.data.eval_file or run.data.eval_split), "held-out evaluation"),
+        ("train.sharding", sharding != "none", f"sharding ({sharding})"),
+    ]
+    for key, asked, what in later:
+        if asked:
+            fail(
+                key, f"{what} is {ASYNC_LATER}; set online.max_staleness=0 and online.generation_processes=0"
+            )
+
+
 def _check_choices(obj: Any, prefix: str, fail) -> None:
     hints = field_types(type(obj))
     for f in dataclasses.fields(obj):
@@ -279,6 +320,21 @@ def check_process_count(cfg: RunConfig, num_processes: int) -> None:
     """ConfigError unless ``train.batch_size`` splits evenly over the processes of the launch (each process
     takes an equal share of every batch; online, whole prompt groups)."""
     batch_size = cfg.train.batch_size
+    generators = cfg.online.generation_processes if cfg.kind in ONLINE_KINDS else 0
+    if generators and generators >= num_processes:
+        raise ConfigError(
+            f"online.generation_processes ({generators}) must be below the launched processes "
+            f"({num_processes}): at least one process trains; launch torchrun --nproc_per_node "
+            f"{generators + 1} or more"
+        )
+    if generators and num_processes - generators > 1:
+        raise ConfigError(
+            f"online.generation_processes ({generators}) leaves {num_processes - generators} training "
+            f"processes of {num_processes}: more than one training process beside generation processes is "
+            f"not supported yet; launch torchrun --nproc_per_node {generators + 1}"
+        )
+    if generators:
+        return  # the one training process takes every batch whole
     if batch_size % num_processes:
         share = (
             "samples whole prompt groups"

@@ -296,6 +296,21 @@ class OnlineConfig:
     rollout_correction_cap: float = option(
         2.0, "The cap C of rollout_correction=tis (Yao et al. 2025).", gt=0
     )
+    max_staleness: int = option(
+        0,
+        "Rollouts that overlap training: 0 = the synchronous loop (every process samples, then trains); k >= 1 "
+        "= the last online.generation_processes processes of the launch only sample, and the trainer takes a "
+        "rollout's samples only when the weights that drew them are at most k updates older than its own "
+        "(older ones are dropped, async/dropped). The PPO ratio is taken against the log-probs the samples "
+        "were drawn with (docs/distributed.md).",
+        ge=0,
+    )
+    generation_processes: int = option(
+        0,
+        "Processes of the launch (the last ones) that only sample, with online.max_staleness >= 1; the first "
+        "process trains. 0 = every process samples and trains (the synchronous loop).",
+        ge=0,
+    )
 
 
 @dataclass

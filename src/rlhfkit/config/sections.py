@@ -196,7 +196,8 @@ class TrainConfig:
     )
     collective_timeout: float = option(
         1800.0,
-        "Seconds a process waits at a collective (all-reduce, all-gather, barrier) for the others of a "
+        "Seconds a process waits at a collective (all-reduce, all-gather, barrier; with online.max_staleness "
+        "> 0 also a generator waiting for weights and the trainer for a rollout) for the others of a "
         "multi-process run before it stops with one line naming the cause (exit 5; the newest complete "
         "checkpoint stays resumable). It bounds the wait when a process hangs or vanishes unnoticed (a lost "
         "node; NCCL); a process that raises or is killed on this machine is noticed at once. It must exceed "

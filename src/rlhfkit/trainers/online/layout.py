@@ -148,7 +148,8 @@ def old_logprobs_from_update(ctx: OnlineContext, step: int) -> bool:
     forward of the actor is saved (``online.old_logprobs_from_update``). Only where nothing reads them before
     the update: the per-token rewards do not (the KL is in the loss, or kl_coef is 0 with no adaptive
     target, and no distillation teacher), the engine's log-prob gap and rollout correction do not (generation_backend=hf), and the actor
-    is trained this rollout (not during the critic warm-up).
+    is trained this rollout (not during the critic warm-up); never with ``online.max_staleness`` > 0, whose old
+    log-probs are the ones the samples were drawn with (:mod:`rlhfkit.trainers.online.async_loop`).
     """
     online = ctx.cfg.online
     return bool(
@@ -157,6 +158,7 @@ def old_logprobs_from_update(ctx: OnlineContext, step: int) -> bool:
         and online.num_minibatches == 1
         and (online.kl_in_loss or (online.kl_coef == 0 and online.kl_target is None))
         and not online.teacher_model  # the teacher's term (and its metric) reads them at stage 3
+        and not online.max_staleness  # asynchronous: they are the behaviour policy's, sampled elsewhere
         and ctx.engine is None
         and step > online.critic_warmup_steps
         and "actor" in ctx.trained

@@ -16,7 +16,7 @@ import torch
 
 from rlhfkit.algos import explained_variance
 from rlhfkit.config import RunConfig
-from rlhfkit.config.checks import check_process_count
+from rlhfkit.config.checks import ASYNC_LATER, check_process_count
 from rlhfkit.data import TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.finite import masked
@@ -27,6 +27,7 @@ from rlhfkit.models.precision import frozen_linears_cast
 from rlhfkit.rollout.preflight import check_scoring
 from rlhfkit.rollout.samples import SamplesWriter, rollout_samples
 from rlhfkit.trainers.common import finish_run, run_tokenizer
+from rlhfkit.trainers.online.async_loop import AsyncTrainer, ProcessView, generate_rollouts, generator_index
 from rlhfkit.trainers.online.checkpoints import resume_state, save, score_or_stop
 from rlhfkit.trainers.online.collect import (
     Scores,
@@ -71,6 +72,9 @@ def train(
         sharding=True, collective_timeout=cfg.train.collective_timeout
     )  # an accelerate FSDP config: the roles sharded here
     check_process_count(cfg, accelerator.num_processes)
+    overlap = cfg.online.max_staleness > 0  # rlhfkit.trainers.online.async_loop
+    if overlap and resume:
+        raise ConfigError(f"--resume: checkpoint and resume are {ASYNC_LATER}")
     if cfg.refresh.every and hooks.refresh_reward_model is None:
         raise ConfigError(
             f"refresh.every={cfg.refresh.every}: nothing refreshes the reward model (a refresh needs a "
@@ -92,9 +96,10 @@ def train(
     )  # rlhfkit:python / rlhfkit:code_tests: bubblewrap present and working, or a named error
     runner = episode_runner(cfg, tokenizer, toolbox)  # tools: the chat template checked with them
     run = open_run(cfg, accelerator, resume, overwrite)
+    generator = generator_index(cfg, accelerator) if overlap else None
     ctx = build_context(
         cfg,
-        accelerator,
+        ProcessView(accelerator, main=generator is None) if overlap else accelerator,
         tokenizer,
         functions,
         train_reward_model=hooks.refresh_reward_model is not None,
@@ -104,9 +109,13 @@ def train(
         raise ConfigError("a reward-model refresh needs online.reward_model")
     # vllm: the engine, once; tools: the episode runner
     ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor, runner), episodes=runner)
+    if generator is not None:  # this process only samples, for the trainer (process 0)
+        run.close()
+        return {"kind": cfg.kind, "generator": generator, **generate_rollouts(ctx, examples)}
+    trainer = AsyncTrainer(ctx) if overlap else None
 
     try:
-        result = train_online(ctx, run, examples, hooks, eval_examples)
+        result = train_online(ctx, run, examples, hooks, eval_examples, trainer)
     finally:  # also when the run stops: a later engine in this process (a resume) needs vLLM's groups gone
         if ctx.engine is not None:
             ctx.engine.close()
@@ -131,8 +140,11 @@ def train_online(
     examples: list[dict],
     hooks: OnlineHooks,
     eval_examples: list[dict] | None = None,
+    trainer: AsyncTrainer | None = None,
 ) -> dict[str, Any]:
-    """The loop: ``train.max_steps`` rollouts of the five stages, with logging, evaluation and checkpoints."""
+    """The loop: ``train.max_steps`` rollouts of the five stages, with logging, evaluation and checkpoints.
+    ``trainer``: rollouts sampled by other processes (``online.max_staleness`` > 0): stage 1 receives them and
+    the weights go back after each update (:mod:`rlhfkit.trainers.online.async_loop`)."""
     cfg, accelerator = ctx.cfg, ctx.accelerator
     online, train = cfg.online, cfg.train
     state = resume_state(ctx, run, hooks)
@@ -146,6 +158,8 @@ def train_online(
         enabled=accelerator.is_main_process and cfg.logging.samples_per_step > 0,
     )
     start_time, step_seconds = time.perf_counter(), []
+    if trainer is not None:
+        trainer.start()
     # a run that has nothing left to train reports its last logged step
     last = logged_at(run.path, state["step"]) if state["step"] == train.max_steps else {}
     for step in run.progress(
@@ -155,7 +169,10 @@ def train_online(
         # 1. generate: sample responses, cut them at the stop token; old and reference log-probs, values
         torch.manual_seed(derived_seed("sampling", cfg.seed, step, accelerator.process_index))
         batch = prompt_batch(ctx, examples, step)
-        rollout = sample_rollout(ctx, batch, clock, step)
+        if trainer is None:
+            rollout = sample_rollout(ctx, batch, clock, step)
+        else:  # sampled by a generation process, its stale samples masked out
+            rollout = trainer.collect(ctx, batch, clock, step)
         engine_gap = check_logprob_gap(ctx, rollout)  # vllm: the engine's weights are the actor's, or a stop
 
         # 2. score: reward model and/or reward functions; the missing-EOS rule; clipping. A response that
@@ -212,6 +229,8 @@ def train_online(
                 if skip
                 else ppo_update(ctx, rollout, step, train_actor=step > online.critic_warmup_steps)
             )
+        if trainer is not None:  # the new weights to the generator that samples with them next
+            trainer.publish(step)
         if old_logprobs_from_update(
             ctx, step
         ):  # the update's forward gave the old log-probs (none if skipped)
@@ -245,6 +264,7 @@ def train_online(
         metrics.update(update.metrics())
         metrics.update(engine_gap)
         metrics.update(ctx.guard.metrics())
+        metrics.update(trainer.metrics if trainer is not None else {})
         # The update's losses and gradient norms, already the same on every process: a non-finite one stops
         # the run before anything is saved from the weights it moved.
         ctx.guard.check_agreed(
@@ -278,6 +298,8 @@ def train_online(
             save(ctx, run, hooks, step, last_eval)
         ctx.guard.stop_if_asked(step)  # SIGTERM / SIGINT: this rollout is checkpointed; exit 128 + signal
     samples.close()
+    if trainer is not None:
+        trainer.close()
     wall = time.perf_counter() - start_time
     summary_keys = (
         "score/mean",

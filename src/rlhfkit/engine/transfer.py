@@ -1,0 +1,101 @@
+"""Point-to-point transfers between the processes of one launch, over the default process group (gloo on CPU):
+a small object (a dict of CPU tensors and numbers) from one process to another (:func:`send_object`,
+:func:`recv_object`), and a model's trained parameters streamed one tensor at a time
+(:class:`WeightSender`, :func:`recv_weights`; under LoRA only the adapters are trained, so only they travel).
+
+Every receive waits at most the process group's timeout (``train.collective_timeout``); a peer that ended
+closes its sockets, and the waiting side raises the error that :func:`rlhfkit.engine.accel.lost_process`
+turns into one line.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from rlhfkit.errors import ConfigError
+
+WEIGHTS_TAG = 7
+OBJECT_TAG = 11
+
+
+def send_object(obj: object, dst: int, tag: int = OBJECT_TAG) -> None:
+    """Send ``obj`` (tensors, numbers, strings, in dicts / lists: what ``torch.load(weights_only=True)``
+    reads back) to process ``dst``: its byte length, then its bytes. Blocks until they are sent."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    torch.distributed.send(torch.tensor([data.numel()], dtype=torch.int64), dst, tag=tag)
+    torch.distributed.send(data, dst, tag=tag)
+
+
+def recv_object(src: int, tag: int = OBJECT_TAG) -> object:
+    """What process ``src`` sent with :func:`send_object`."""
+    size = torch.zeros(1, dtype=torch.int64)
+    torch.distributed.recv(size, src, tag=tag)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    torch.distributed.recv(data, src, tag=tag)
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
+def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters that training moves (``requires_grad``), in the model's order: what a weight transfer
+    streams (LoRA: the adapters only)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def weights_digest(model: torch.nn.Module) -> float:
+    """A fingerprint of the trained parameters (float64 sums of each tensor and of its squares, in order): equal
+    on two processes that hold the same bits, so a receiver can show which weights it samples with."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, (_, p) in enumerate(trained_parameters(model)):
+        x = p.detach().to("cpu", torch.float64)
+        total += x.sum() + (i + 1) * x.square().sum()
+    return float(total)
+
+
+class WeightSender:
+    """Streams a model's trained parameters to other processes without waiting for them: each send holds a
+    copy of its tensor until it completes, so the sender may update the model meanwhile. :meth:`wait`
+    (called by the next :meth:`send` and at the end) waits for the previous sends."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+
+    def send(self, model: torch.nn.Module, version: int, dst: int) -> None:
+        """Send ``version`` and the number of tensors, then each trained parameter in turn, to ``dst``."""
+        self.wait()
+        params = trained_parameters(model)
+        header = torch.tensor([version, len(params)], dtype=torch.int64)
+        self.pending.append((torch.distributed.isend(header, dst, tag=WEIGHTS_TAG), header))
+        for _, p in params:
+            copy = p.detach().to("cpu", copy=True).contiguous()
+            self.pending.append((torch.distributed.isend(copy, dst, tag=WEIGHTS_TAG), copy))
+
+    def wait(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
+
+
+@torch.no_grad()
+def recv_weights(model: torch.nn.Module, src: int) -> int:
+    """Receive what a :class:`WeightSender` sent from ``src`` into ``model``'s trained parameters, in place,
+    one tensor at a time; returns the version. The parameter count must match (the same configuration on
+    both sides), else a named error."""
+    header = torch.zeros(2, dtype=torch.int64)
+    torch.distributed.recv(header, src, tag=WEIGHTS_TAG)
+    version, count = (int(x) for x in header)
+    params = trained_parameters(model)
+    if count != len(params):
+        raise ConfigError(
+            f"weight transfer from process {src}: it sends {count} trained tensors, this process's model has "
+            f"{len(params)}; every process of the launch must run the same configuration"
+        )
+    for _, p in params:
+        buffer = torch.empty(p.shape, dtype=p.dtype)
+        torch.distributed.recv(buffer, src, tag=WEIGHTS_TAG)
+        p.copy_(buffer.to(p.device))
+    return version

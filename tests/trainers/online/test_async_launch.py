@@ -1,0 +1,84 @@
+"""Rollouts that overlap training under torchrun (2 processes on gloo: a trainer and a generator), on the tiny
+online problem with a LoRA actor (only the adapters travel): every rollout is trained at most one version after
+the weights that drew it, and a side that is killed stops the other with one named line, not a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhfkit.engine.metrics_writer import read_metrics
+from tests.distributed.test_data_parallel import torchrun
+from tests.distributed.test_faults import _children
+from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
+
+BOUND_S = 150  # a launch and four tiny rollouts take ~30-60 s here (2 shared cores)
+ASYNC = (
+    "online.max_staleness=1",
+    "online.generation_processes=1",
+    "model.lora_rank=4",
+    "model.lora_alpha=8",
+    "train.save_steps=100",
+)
+
+
+def launch(side: str, argv: list[str]) -> tuple[int, str, float]:
+    """torchrun 2 processes of ``argv`` with ``side`` killed at rollout 3; (exit code, stderr, seconds). Past
+    BOUND_S the launch is killed and the test fails."""
+    start = time.perf_counter()
+    proc = torchrun("-m", "tests.trainers.online.async_fault_worker", side, "3", *argv, wait=False)
+    try:
+        _, err = proc.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        for pid in [*_children(proc.pid), proc.pid]:  # torchrun starts its workers in sessions of their own
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{side} killed: the launch was still running after {BOUND_S} s (a hang)")
+    return proc.returncode, err, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def problem(tmp_path_factory) -> dict[str, Path]:
+    return write_online_problem(tmp_path_factory.mktemp("async"))
+
+
+@pytest.mark.slow
+def test_every_rollout_is_trained_at_most_one_version_after_its_weights(problem, tmp_path):
+    out = tmp_path / "run"
+    code, err, _ = launch("none", online_cli_args(problem, out, "train.max_steps=4", *ASYNC, kind="grpo"))
+    assert code == 0, err[-4000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # rollout 1 from the starting weights, trained by them; from rollout 2 on, one version behind: overlapped
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["async/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["async/dropped"] == 0.0 for r in rows)
+    assert all(r["async/trainer_idle_seconds"] >= 0 and r["async/generator_idle_seconds"] >= 0 for r in rows)
+    # the generator's starting weights are the trainer's: the first ratio is exactly 1
+    assert rows[0]["ratio/first_minibatch_max_logprob_diff"] == 0.0
+    assert (out / "summary.json").exists() and any((out / "final").glob("*.safetensors"))
+    assert "grpo on 2 processes (torchrun, gloo, cpu)" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("side", "survivor"), [("generator", 0), ("trainer", 1), ("hang", 0)])
+def test_a_killed_side_stops_the_other_with_one_named_line(problem, tmp_path, side, survivor):
+    """Killed: the other side's next transfer fails at once. A generator that hangs: the trainer's receive
+    times out at train.collective_timeout (10 s here), then the launcher's SIGTERM ends the generator."""
+    out = tmp_path / "run"
+    argv = online_cli_args(
+        problem, out, "train.max_steps=6", *ASYNC, "train.collective_timeout=10", kind="grpo"
+    )
+    code, err, seconds = launch(side, argv)
+    assert code != 0
+    lines = [line for line in err.splitlines() if line.startswith("rlhfkit: stopped:")]
+    assert len(lines) == 1, err[-4000:]
+    assert lines[0].startswith(
+        f"rlhfkit: stopped: process {survivor} of 2: another process of this run ended or stopped answering"
+    )
+    assert seconds < BOUND_S
