@@ -204,7 +204,7 @@ def default_micro_batch(ctx: OnlineContext, minibatch_rows: int) -> int:
     the same on every process, plus the tokens tools add to a prompt). With a critic (PPO's ``gae``), the
     actor's and the critic's forwards make one loss and one backward, so a row holds both models'
     activations. A model whose read-out is not chunked (:func:`rlhfkit.models.head_chunks.chunkable`)
-    counts its whole logits."""
+    counts its whole logits. GRPO-like estimators read a group's prompt once (:func:`prompts_held`)."""
     prompt = ctx.cfg.data.max_prompt_length
     if ctx.episodes is not None:  # an episode's prompt also holds what the tools add to it, its own per row
         prompt = ctx.episodes.prompt_limit()
@@ -223,11 +223,12 @@ def default_micro_batch(ctx: OnlineContext, minibatch_rows: int) -> int:
         chunked=chunkable(actor),
         group=group_layout(ctx) if ctx.episodes is None else 1,
     )
-    low, high = 1, max(1, minibatch_rows)  # the peak grows with the rows: the largest that fits
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if update_peak_bytes(rows=middle, **shape) <= budget else (low, middle - 1)
-    return low
+    # From the top: with groups the peak is not monotone in the rows (4 rows of a group hold one prompt, 3
+    # rows may straddle two groups).
+    for rows in range(max(1, minibatch_rows), 1, -1):
+        if update_peak_bytes(rows=rows, **shape) <= budget:
+            return rows
+    return 1
 
 
 def micro_batches(
