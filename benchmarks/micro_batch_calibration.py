@@ -189,6 +189,7 @@ def estimate(record: dict) -> int:
         lora=record["lora"],
         critic_config=config if record["critic"] else None,
         group=1 if record["critic"] else GROUP,
+        half=record["dtype"] != "float32",
     )
 
 

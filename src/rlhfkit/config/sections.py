@@ -151,8 +151,9 @@ class TrainConfig:
         "rloo): the most rows of the longest sequence (data.max_prompt_length + online.response_length), up "
         "to the minibatch, whose predicted update peak fits 2 GiB and an eighth of the machine's (or GPU's) "
         "memory: per token and decoder layer a number of bytes per hidden unit fitted to measured peaks "
-        "(LoRA or full fine-tuning; the critic's too, as both models' forwards make one backward), the "
-        "chunked read-out's few float32 blocks and the gradients (docs/performance.md); at least 1.",
+        "(float32 or bf16; LoRA or full fine-tuning; a GRPO group's prompt once; the critic's tokens too, as "
+        "both models' forwards make one backward), the chunked read-out's few float32 blocks and the "
+        "gradients (docs/performance.md); at least 1.",
         gt=0,
     )
     learning_rate: float = option(

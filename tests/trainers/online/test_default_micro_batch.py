@@ -40,6 +40,7 @@ def _estimate(record: dict) -> int:
         lora=record["lora"],
         critic_config=config if record["critic"] else None,
         group=1 if record["critic"] else 4,  # the benchmark's grpo groups, one row per prompt with a critic
+        half=record["dtype"] == "bfloat16",
     )
 
 
@@ -71,7 +72,7 @@ class _Model(torch.nn.Module):
         return iter([SimpleNamespace(numel=lambda: self.trained, requires_grad=True)])
 
 
-def _context(prompt=128, response=48, critic=False, lora=16, trained=0, episodes=None, group=1):
+def _context(prompt=128, response=48, critic=False, lora=16, trained=0, episodes=None, group=1, half=False):
     estimator = "grpo" if group > 1 else "gae"
     cfg = SimpleNamespace(
         data=SimpleNamespace(max_prompt_length=prompt),
@@ -80,14 +81,16 @@ def _context(prompt=128, response=48, critic=False, lora=16, trained=0, episodes
         model=SimpleNamespace(lora_rank=lora),
     )
     roles = SimpleNamespace(actor=_Model(trained), critic=_Model(trained) if critic else None)
+    if half:  # what rlhfkit.models.precision.autocast_forward marks
+        roles.actor.rlhfkit_autocast = torch.bfloat16
     return SimpleNamespace(cfg=cfg, episodes=episodes, roles=roles, device=torch.device("cpu"))
 
 
-def _by_hand(prompt, response, budget, critic=False, lora=True, trained=0, chunked=True, group=1):
+def _by_hand(prompt, response, budget, critic=False, lora=True, trained=0, chunked=True, group=1, half=False):
     """The largest rows whose peak fits ``budget``, from the formula written out (SmolLM2's shape, sdpa): the
     actor's tokens (``rows`` x T + P per prompt held) and the critic's (rows x (P + T)) x 31 x c x 576, the
     read-out (chunked: blocks x 4 V x min(rows x T, chunk), else 12 V x rows x T), g x trained, the overhead."""
-    c = layout.LAYER_BYTES_PER_HIDDEN["lora" if lora else "full"]
+    c = layout.LAYER_BYTES_PER_HIDDEN["16-bit" if half else "float32"]["lora" if lora else "full"]
     chunk = CHUNK_ELEMENTS // 49152
 
     def peak(rows):
@@ -122,6 +125,14 @@ def test_the_default_is_the_largest_micro_batch_within_the_budget(big_machine):
     assert default_micro_batch(_context(128, 48), 4) == 4  # never more than the minibatch
     assert default_micro_batch(_context(128, 48, lora=0), CAP) == _by_hand(128, 48, budget, lora=False)
     assert default_micro_batch(_context(128, 10**6), 32) == 1  # at least one row, however long
+
+
+def test_bf16_autocast_holds_less_per_token(big_machine):
+    """SmolLM2-135M in bf16 with LoRA, GRPO's groups of 4, prompts up to 96 and responses of 48 tokens."""
+    budget = layout.ACTIVATION_BUDGET_BYTES
+    half = default_micro_batch(_context(96, 48, group=4, half=True), 32)
+    assert half == _by_hand(96, 48, budget, group=4, half=True) == 21
+    assert half > default_micro_batch(_context(96, 48, group=4), 32)
 
 
 def test_the_default_micro_batch_counts_the_critics_activations_and_the_gradients(big_machine):
