@@ -1,5 +1,5 @@
 """Peak memory of the online update's forward + backward against the micro-batch, the peaks that
-``rlhfkit.trainers.online.layout.activation_bytes_per_token`` is calibrated on.
+``rlhfkit.trainers.online.layout.update_peak_bytes`` (the default micro-batch's estimate) is fitted to.
 
 Each configuration (model, dtype, LoRA or full fine-tuning, the actor alone or with a critic, rows, prompt and
 response length) runs in a FRESH Python process that builds the run's roles as ``rlhfkit train`` does
@@ -17,12 +17,14 @@ is returned at once and the peak follows the live tensors, not the heap's holes.
 torch's allocations at all.
 
     python benchmarks/smollm2.py                                   # once: .bench/smollm2-135m-instruct
-    python benchmarks/micro_batch_calibration.py --model tiny --out tiny.json
-    python benchmarks/micro_batch_calibration.py --model .bench/smollm2-135m-instruct --out smollm2.json
+    python benchmarks/micro_batch_calibration.py --model tiny --grid preset --out tiny.json
+    python benchmarks/micro_batch_calibration.py --model .bench/smollm2-135m-instruct --threads 1 --out smollm2.json
+    python benchmarks/micro_batch_calibration.py --check tests/trainers/online/micro_batch_peaks.json
 
-``--out`` writes every record (the model's shape, the configuration, the peak, the estimate) as JSON: the
-fixture tests/trainers/online/micro_batch_peaks.json is such a file. Timings are of a shared machine unless
-you made it idle: read them as upper bounds.
+``--out`` writes every record (the model's shape, the configuration, the trained parameters, the peak, the
+update's seconds) as JSON, after each configuration: the fixture tests/trainers/online/micro_batch_peaks.json
+is such files put together. The tables print the estimate beside each peak. Timings are of a shared machine
+unless you made it idle: read them as upper bounds.
 """
 
 from __future__ import annotations
@@ -40,9 +42,8 @@ from memory import PhasePeaks, child_env, prepare, rss_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-GROUP = (
-    4  # responses per prompt of the actor-alone runs (grpo); the critic runs are ppo (gae), one per prompt
-)
+# Responses per prompt of the actor-alone runs (grpo); the critic runs are ppo (gae), one response per prompt.
+GROUP = 4
 
 # (dtype, lora, critic, rows, prompt, response): the grids (--grid full: SmolLM2's 608 positions; preset: the
 # built-in presets' 256; quick: a check that the script runs)
