@@ -13,8 +13,8 @@ The parts, for ``train.sharding=full_shard`` + ``online.generation_backend=vllm`
 - KV cache: 2 (key and value) x layers x key-value heads x head size x dtype bytes per token of the cache;
 - activations of the update: micro-batch rows x sequence x bytes per token of the actor and of the critic
   together (one loss, one backward: ``rlhfkit.trainers.online.ppo_update``), each from
-  :func:`rlhfkit.trainers.online.layout.activation_bytes_per_token`, the estimate that sizes the default
-  micro-batch (the critic without its logits term: a scalar head); with ``attention_scores=False`` less the
+  :func:`activation_bytes_per_token`, Korthikanti et al.'s 16-bit estimate with the float32 logits (the critic
+  without its logits term: a scalar head); with ``attention_scores=False`` less the
   estimate's attention scores (5 x heads x sequence a layer), which a fused attention kernel does not store;
 - gathered units (FSDP2, during the update): the roots of actor and critic (embeddings, final norm, head; a
   trained root stays gathered from forward to backward, :func:`rlhfkit.engine.sharded.shard_model`) and two
@@ -110,11 +110,21 @@ def kv_bytes_per_token(config, dtype: str) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
+def activation_bytes_per_token(config, sequence: int, logits: bool = True) -> int:
+    """Estimated bytes one token of a training forward holds for its backward: per layer 34 h + 5 a s (16-bit
+    activations, no recomputation: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", eq. 1, divided by s b), plus, with ``logits``, the float32 logits, their log-softmax
+    and its gradient (12 V). The default micro-batch used it before it was fitted to peaks measured on a CPU
+    (:func:`rlhfkit.trainers.online.layout.update_peak_bytes`); the plans keep it, unmeasured on a GPU."""
+    hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    read_out = 12 * int(config.vocab_size) if logits else 0
+    return layers * (34 * hidden + 5 * heads * sequence) + read_out
+
+
 def per_gpu_gib(plan: Plan, config, counts: dict[str, int] | None = None) -> dict[str, float]:
     """GiB of each part on one GPU under ``plan`` (the module docstring lists the parts), their ``total`` and
     the ``margin`` left of ``plan.capacity_gib``."""
-    from rlhfkit.trainers.online.layout import activation_bytes_per_token
-
     counts = counts or parameter_counts(config)
     weight = DTYPE_BYTES[plan.dtype]
     trained = counts["causal"] + counts["scalar"]  # actor + critic

@@ -148,10 +148,12 @@ class TrainConfig:
         None,
         "Sequences per forward/backward pass per process; batch_size / (micro_batch_size * processes) "
         "is the number of gradient-accumulation steps. None = batch_size / processes; online (ppo / grpo / "
-        "rloo): the rows of the longest sequence (data.max_prompt_length + online.response_length) whose "
-        "estimated activations fit 2 GiB (Korthikanti et al. 2022: per token and layer 34 h + 5 a s bytes, "
-        "plus 12 bytes per vocabulary entry for the logits; with a critic, its activations too, as both "
-        "models' forwards make one backward), at least 1, at most the minibatch.",
+        "rloo): the most rows of the longest sequence (data.max_prompt_length + online.response_length), up "
+        "to the minibatch, whose predicted update peak fits 2 GiB and an eighth of the machine's (or GPU's) "
+        "memory: per token and decoder layer a number of bytes per hidden unit fitted to measured peaks "
+        "(float32 or bf16; LoRA or full fine-tuning; a GRPO group's prompt once; the critic's tokens too, as "
+        "both models' forwards make one backward), the chunked read-out's few float32 blocks and the "
+        "gradients (docs/performance.md); at least 1.",
         gt=0,
     )
     learning_rate: float = option(

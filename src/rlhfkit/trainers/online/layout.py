@@ -21,8 +21,11 @@ Shapes: ``B`` responses of this process.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from rlhfkit.models.head_chunks import chunk_size, chunkable
 from rlhfkit.models.readout import hf_model
 from rlhfkit.trainers.online.context import OnlineContext, derived_seed
 
@@ -71,46 +74,174 @@ def row_lengths(query_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.
     return query_mask.long().sum(1) + response_mask.long().sum(1)
 
 
-ACTIVATION_BUDGET_BYTES = (
-    2 * 2**30
-)  # estimated activations of one micro-batch under the default micro_batch_size
+# The default micro-batch (:func:`default_micro_batch`): the update's predicted peak above the loaded models
+# stays within ACTIVATION_BUDGET_BYTES and within MEMORY_FRACTION of the machine's (or the GPU's) memory.
+ACTIVATION_BUDGET_BYTES = 2 * 2**30
+MEMORY_FRACTION = 1 / 8
+
+# The terms of :func:`update_peak_bytes`, fitted to the peaks of benchmarks/micro_batch_calibration.py
+# (tests/trainers/online/micro_batch_peaks.json; docs/performance.md): bytes a token holds for the backward,
+# per decoder layer (plus one for the embeddings and the final norm) in units of the hidden size, in float32 or
+# under 16-bit autocast, with LoRA (adapters trained, frozen base) or full fine-tuning. The most measured: 86.2,
+# 83.9, 65.1 and 63.2.
+LAYER_BYTES_PER_HIDDEN = {
+    "float32": {"lora": 94, "full": 92},
+    "16-bit": {"lora": 72, "full": 72},
+}
+# The chunked read-out (rlhfkit.models.head_chunks) holds this many (chunk, V) float32 blocks at once.
+READOUT_BLOCKS = 4
+# Bytes per trained parameter of the update beyond the loaded weights and AdamW's moments: the gradient
+# (float32) and the optimizer step's temporaries.
+GRADIENT_BYTES_PER_PARAMETER = 6
+# What a micro-batch's update holds whatever its size: the loss's small tensors, the allocator's blocks.
+UPDATE_OVERHEAD_BYTES = 8 * 2**20
+# Eager attention keeps the (heads, s, s) scores of every layer: Korthikanti et al. 2022 (eq. 1) count 5 a s
+# bytes per token and layer in 16 bits; 12 a s for float32 scores and softmax (not measured here: the fused
+# kernels, sdpa and flash, keep none).
+EAGER_ATTENTION_BYTES = 12
 
 
-def activation_bytes_per_token(config, sequence: int, logits: bool = True) -> int:
-    """Estimated bytes one token of a training forward holds for its backward: per layer 34 h + 5 a s (16-bit
-    activations, no recomputation: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-    Transformer Models", eq. 1, divided by s b), plus, with ``logits``, the float32 logits, their log-softmax
-    and its gradient (12 V). It errs high: fused kernels and bf16 autocast hold less.
+def _text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def activation_bytes_per_token(config, sequence: int, lora: bool = False, half: bool = False) -> int:
+    """Bytes one token of a training forward holds for its backward in the decoder: (layers + 1) x
+    :data:`LAYER_BYTES_PER_HIDDEN` x the hidden size, plus :data:`EAGER_ATTENTION_BYTES` a s per layer under eager attention. Without
+    the vocabulary read-out (:func:`readout_bytes`).
 
     Args:
-        config: the model's transformers config (``hidden_size``, ``num_hidden_layers``,
-            ``num_attention_heads``, ``vocab_size``).
+        config: the model's transformers config (``hidden_size``, ``num_hidden_layers``, and for eager
+            attention ``num_attention_heads``).
         sequence: s, the tokens of a row (prompt + response).
-        logits: the model reads out the vocabulary (the actor); a critic's scalar head does not.
+        lora: adapters trained on a frozen base (``model.lora_rank``), else full fine-tuning.
+        half: the forward runs under 16-bit autocast (``model.dtype=bfloat16``).
     """
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    config = _text_config(config)
     hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
-    heads = int(getattr(config, "num_attention_heads", 1) or 1)
-    read_out = 12 * int(config.vocab_size) if logits else 0
-    return layers * (34 * hidden + 5 * heads * sequence) + read_out
+    per_layer = LAYER_BYTES_PER_HIDDEN["16-bit" if half else "float32"]["lora" if lora else "full"] * hidden
+    if getattr(config, "_attn_implementation", None) == "eager":
+        per_layer += EAGER_ATTENTION_BYTES * int(getattr(config, "num_attention_heads", 1) or 1) * sequence
+    return (layers + 1) * per_layer
+
+
+def readout_bytes(config, tokens: int, chunked: bool = True) -> int:
+    """Bytes the vocabulary read-out of ``tokens`` response tokens holds: :data:`READOUT_BLOCKS` float32
+    blocks of (min(tokens, chunk), V) for the chunked read-out (:data:`rlhfkit.models.head_chunks.CHUNK_ELEMENTS`
+    per block), else the whole float32 logits, their log-softmax and its gradient (12 V per token)."""
+    vocab = int(_text_config(config).vocab_size)
+    if not chunked:
+        return 12 * vocab * tokens
+    return READOUT_BLOCKS * 4 * vocab * min(tokens, chunk_size(vocab))
+
+
+def prompts_held(rows: int, group: int) -> int:
+    """The most distinct prompts ``rows`` consecutive rows of the layout hold when whole groups of ``group``
+    rows sit together (:func:`group_layout`; 1: no group): ``rows / group`` for micro-batches of whole
+    groups, else the groups a window of ``rows`` rows can touch."""
+    if group <= 1 or rows <= 1:
+        return rows
+    return rows // group if rows % group == 0 else min(rows, (rows - 2) // group + 2)
+
+
+def update_peak_bytes(
+    config,
+    rows: int,
+    prompt: int,
+    response: int,
+    trained_parameters: int,
+    lora: bool = False,
+    critic_config=None,
+    chunked: bool = True,
+    group: int = 1,
+    half: bool = False,
+) -> int:
+    """The predicted peak of one micro-batch's forward, backward and optimizer step above the loaded models
+    (with AdamW's moments), an upper bound of every peak measured (tests/trainers/online/micro_batch_peaks.json).
+
+    The actor's activations of its tokens (``rows`` x ``response``, plus ``prompt`` tokens for each distinct
+    prompt: a group's prompt is read once, :mod:`rlhfkit.models.prompt_cache`), the critic's of ``rows`` whole
+    rows (both forwards make one backward), the actor's read-out of ``rows`` x ``response`` tokens, and
+    :data:`GRADIENT_BYTES_PER_PARAMETER` per trained parameter.
+
+    Args:
+        config, critic_config: the actor's and (None: no critic) the critic's transformers configs.
+        rows: the micro-batch; prompt, response: the tokens of a row's prompt and response (the longest).
+        trained_parameters: of the actor and the critic together.
+        lora: adapters on a frozen base (``model.lora_rank``); chunked: the read-out is chunked; half: under
+            16-bit autocast.
+        group: rows of a group that sit together (:func:`group_layout`).
+    """
+    sequence = prompt + response
+    tokens = prompts_held(rows, group) * prompt + rows * response
+    out = tokens * activation_bytes_per_token(config, sequence, lora, half)
+    if critic_config is not None:
+        out += rows * sequence * activation_bytes_per_token(critic_config, sequence, lora, half)
+    return (
+        out
+        + readout_bytes(config, rows * response, chunked)
+        + GRADIENT_BYTES_PER_PARAMETER * trained_parameters
+        + UPDATE_OVERHEAD_BYTES
+    )
+
+
+def memory_bytes(device: torch.device | str = "cpu") -> int:
+    """The memory of the machine the update runs on: a GPU's own, else the physical memory (or the cgroup's
+    limit, where it is lower): a property of the machine, so a run and its resume agree."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit) as f:
+                total = min(total, int(f.read().strip()))
+        except (OSError, ValueError):  # absent, or "max"
+            continue
+    return total
 
 
 def default_micro_batch(ctx: OnlineContext, minibatch_rows: int) -> int:
-    """Rows per forward / backward when ``train.micro_batch_size`` is unset: as many rows of the longest
-    possible sequence (``data.max_prompt_length`` + ``online.response_length``, the same on every process, plus
-    the tokens tools add to a prompt) as
-    fit :data:`ACTIVATION_BUDGET_BYTES` of :func:`activation_bytes_per_token`, at least 1 and at most the
-    minibatch (a small model takes its whole minibatch in one forward, as before). With a critic (PPO's
-    ``gae``), the actor's and the critic's forwards make one loss and one backward, so a row holds both
-    models' activations."""
-    sequence = ctx.cfg.data.max_prompt_length + ctx.cfg.online.response_length
-    if ctx.episodes is not None:  # an episode's prompt also holds what the tools add to it
-        sequence += ctx.episodes.prompt_limit() - ctx.cfg.data.max_prompt_length
-    per_token = activation_bytes_per_token(hf_model(ctx.roles.actor).config, sequence)
-    if ctx.roles.critic is not None:
-        per_token += activation_bytes_per_token(hf_model(ctx.roles.critic).config, sequence, logits=False)
-    per_row = sequence * per_token
-    return max(1, min(minibatch_rows, ACTIVATION_BUDGET_BYTES // per_row))
+    """Rows per forward / backward when ``train.micro_batch_size`` is unset: the most rows, up to the
+    minibatch, whose :func:`update_peak_bytes` stays within :data:`ACTIVATION_BUDGET_BYTES` and within
+    :data:`MEMORY_FRACTION` of :func:`memory_bytes`, at least 1. Fewer forwards are faster (one thread,
+    SmolLM2-135M: docs/performance.md), so the default takes the largest that fits.
+
+    The rows are of the longest possible sequence (``data.max_prompt_length`` + ``online.response_length``,
+    the same on every process, plus the tokens tools add to a prompt). With a critic (PPO's ``gae``), the
+    actor's and the critic's forwards make one loss and one backward, so a row holds both models'
+    activations. A model whose read-out is not chunked (:func:`rlhfkit.models.head_chunks.chunkable`)
+    counts its whole logits. GRPO-like estimators read a group's prompt once (:func:`prompts_held`). A model
+    under 16-bit autocast (:func:`rlhfkit.models.precision.autocast_forward`) holds less per token. An explicit
+    ``train.micro_batch_size`` is used as it is (:func:`micro_batches`)."""
+    prompt = ctx.cfg.data.max_prompt_length
+    if ctx.episodes is not None:  # an episode's prompt also holds what the tools add to it, its own per row
+        prompt = ctx.episodes.prompt_limit()
+    actor, critic = ctx.roles.actor, ctx.roles.critic
+    trained = sum(
+        p.numel() for m in (actor, critic) if m is not None for p in m.parameters() if p.requires_grad
+    )
+    budget = min(ACTIVATION_BUDGET_BYTES, int(MEMORY_FRACTION * memory_bytes(getattr(ctx, "device", "cpu"))))
+    shape = dict(
+        config=hf_model(actor).config,
+        prompt=prompt,
+        response=ctx.cfg.online.response_length,
+        trained_parameters=trained,
+        lora=bool(ctx.cfg.model.lora_rank),
+        critic_config=None if critic is None else hf_model(critic).config,
+        chunked=chunkable(actor),
+        group=group_layout(ctx) if ctx.episodes is None else 1,
+        half=any(
+            getattr(m, "rlhfkit_autocast", None) not in (None, torch.float32)
+            for m in (actor, hf_model(actor))
+        ),
+    )
+    # From the top: with groups the peak is not monotone in the rows (4 rows of a group hold one prompt, 3
+    # rows may straddle two groups).
+    for rows in range(max(1, minibatch_rows), 1, -1):
+        if update_peak_bytes(rows=rows, **shape) <= budget:
+            return rows
+    return 1
 
 
 def micro_batches(

@@ -1,0 +1,239 @@
+"""The default micro-batch of the online update (rlhfkit.trainers.online.layout.default_micro_batch): the largest
+whose predicted peak fits the budget and the machine's memory, the prediction an upper bound of the peaks that
+benchmarks/micro_batch_calibration.py measured (micro_batch_peaks.json beside this file)."""
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rlhfkit.trainers.online.layout as layout
+from rlhfkit.models.head_chunks import CHUNK_ELEMENTS
+from rlhfkit.trainers.online.layout import (
+    default_micro_batch,
+    memory_bytes,
+    micro_batches,
+    prompts_held,
+    readout_bytes,
+    update_peak_bytes,
+)
+from tests.trainers.online.online_fixtures import make_context, online_config, write_online_problem
+
+CAP = 2048  # the minibatch of most tests: never the bound
+PEAKS = Path(__file__).with_name("micro_batch_peaks.json")
+SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, vocab_size=49152)
+
+
+def _estimate(record: dict) -> int:
+    config = SimpleNamespace(**{k: record[k] for k in SHAPE})
+    return update_peak_bytes(
+        config,
+        record["rows"],
+        record["prompt"],
+        record["response"],
+        record["trained_parameters"],
+        lora=record["lora"],
+        critic_config=config if record["critic"] else None,
+        group=1 if record["critic"] else 4,  # the benchmark's grpo groups, one row per prompt with a critic
+        half=record["dtype"] == "bfloat16",
+    )
+
+
+def test_the_estimate_bounds_every_measured_peak():
+    """Every recorded peak (three architectures; float32 and bf16; LoRA and full; with and without a critic)
+    is at most its estimate, and the estimate of the larger peaks is not far above them (a useful bound)."""
+    records = json.loads(PEAKS.read_text())
+    assert {r["model"] for r in records} >= {"tiny", "smollm2-135m-instruct"}
+    every = {(d, lora) for d in ("float32", "bfloat16") for lora in (True, False)}
+    assert {(r["dtype"], r["lora"]) for r in records if not r["critic"]} >= every
+    assert {(r["lora"], r["critic"]) for r in records} >= {
+        (lora, c) for lora in (True, False) for c in (True, False)
+    }
+    under = [(r, _estimate(r)) for r in records if _estimate(r) < r["peak_bytes"]]
+    assert not under, under
+    large = [r for r in records if r["peak_bytes"] >= 100 * 2**20]
+    assert large and max(_estimate(r) / r["peak_bytes"] for r in large) < 2.5
+
+
+class _Model(torch.nn.Module):
+    """A stand-in whose config has a given shape and which reports ``trained`` trained parameters."""
+
+    def __init__(self, trained: int = 0, **shape):
+        super().__init__()
+        self.config = SimpleNamespace(**(shape or SMOLLM2))
+        self.trained = trained
+
+    def parameters(self, recurse: bool = True):
+        return iter([SimpleNamespace(numel=lambda: self.trained, requires_grad=True)])
+
+
+def _context(prompt=128, response=48, critic=False, lora=16, trained=0, episodes=None, group=1, half=False):
+    estimator = "grpo" if group > 1 else "gae"
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(max_prompt_length=prompt),
+        online=SimpleNamespace(response_length=response, group_size=group, advantage_estimator=estimator),
+        train=SimpleNamespace(micro_batch_size=None),
+        model=SimpleNamespace(lora_rank=lora),
+    )
+    roles = SimpleNamespace(actor=_Model(trained), critic=_Model(trained) if critic else None)
+    if half:  # what rlhfkit.models.precision.autocast_forward marks
+        roles.actor.rlhfkit_autocast = torch.bfloat16
+    return SimpleNamespace(cfg=cfg, episodes=episodes, roles=roles, device=torch.device("cpu"))
+
+
+def _by_hand(prompt, response, budget, critic=False, lora=True, trained=0, chunked=True, group=1, half=False):
+    """The largest rows whose peak fits ``budget``, from the formula written out (SmolLM2's shape, sdpa): the
+    actor's tokens (``rows`` x T + P per prompt held) and the critic's (rows x (P + T)) x 31 x c x 576, the
+    read-out (chunked: blocks x 4 V x min(rows x T, chunk), else 12 V x rows x T), g x trained, the overhead."""
+    c = layout.LAYER_BYTES_PER_HIDDEN["16-bit" if half else "float32"]["lora" if lora else "full"]
+    chunk = CHUNK_ELEMENTS // 49152
+
+    def peak(rows):
+        prompts = rows // group if rows % group == 0 else -(-(rows + group - 1) // group)  # a window
+        tokens = min(prompts, rows) * prompt + rows * response + (rows * (prompt + response) if critic else 0)
+        return (
+            tokens * 31 * c * 576
+            + (
+                layout.READOUT_BLOCKS * 4 * 49152 * min(rows * response, chunk)
+                if chunked
+                else 12 * 49152 * rows * response
+            )
+            + layout.GRADIENT_BYTES_PER_PARAMETER * trained
+            + layout.UPDATE_OVERHEAD_BYTES
+        )
+
+    return max([rows for rows in range(1, CAP + 1) if peak(rows) <= budget] or [1])
+
+
+@pytest.fixture
+def big_machine(monkeypatch):
+    """A machine whose memory does not bind (the budget does); the stand-in models read out in chunks."""
+    monkeypatch.setattr(layout, "memory_bytes", lambda device="cpu": 2**50)
+    monkeypatch.setattr(layout, "chunkable", lambda model: True)
+
+
+def test_the_default_is_the_largest_micro_batch_within_the_budget(big_machine):
+    budget = layout.ACTIVATION_BUDGET_BYTES
+    assert default_micro_batch(_context(128, 48), CAP) == _by_hand(128, 48, budget) == 7
+    # GRPO's groups of 4 on SmolLM2-135M with LoRA, prompts of 96 and responses of 48 tokens (the issue's)
+    assert default_micro_batch(_context(96, 48, group=4), 32) == _by_hand(96, 48, budget, group=4) == 16
+    assert default_micro_batch(_context(128, 48), 4) == 4  # never more than the minibatch
+    assert default_micro_batch(_context(128, 48, lora=0), CAP) == _by_hand(128, 48, budget, lora=False)
+    assert default_micro_batch(_context(128, 10**6), 32) == 1  # at least one row, however long
+
+
+def test_bf16_autocast_holds_less_per_token(big_machine):
+    """SmolLM2-135M in bf16 with LoRA, GRPO's groups of 4, prompts up to 96 and responses of 48 tokens."""
+    budget = layout.ACTIVATION_BUDGET_BYTES
+    half = default_micro_batch(_context(96, 48, group=4, half=True), 32)
+    assert half == _by_hand(96, 48, budget, group=4, half=True) == 21
+    assert half > default_micro_batch(_context(96, 48, group=4), 32)
+
+
+def test_the_default_micro_batch_counts_the_critics_activations_and_the_gradients(big_machine):
+    """PPO's actor and critic forwards make one loss and one backward: a row holds both models' activations
+    (the critic's without the vocabulary read-out); the trained parameters' gradients count once each."""
+    budget = layout.ACTIVATION_BUDGET_BYTES
+    alone = default_micro_batch(_context(64, 32), CAP)
+    both = default_micro_batch(_context(64, 32, critic=True), CAP)
+    assert both == _by_hand(64, 32, budget, critic=True) < alone == _by_hand(64, 32, budget)
+    trained = 100_000_000
+    full = default_micro_batch(_context(64, 32, critic=True, lora=0, trained=trained), CAP)
+    assert full == _by_hand(64, 32, budget, critic=True, lora=False, trained=2 * trained)  # actor and critic
+    assert full < default_micro_batch(_context(64, 32, critic=True, lora=0), CAP)
+
+
+def test_a_model_without_the_chunked_read_out_counts_its_whole_logits(big_machine, monkeypatch):
+    monkeypatch.setattr(layout, "chunkable", lambda model: False)
+    rows = default_micro_batch(_context(128, 48), CAP)
+    assert rows == _by_hand(128, 48, layout.ACTIVATION_BUDGET_BYTES, chunked=False)
+    monkeypatch.setattr(layout, "chunkable", lambda model: True)
+    assert rows < default_micro_batch(_context(128, 48), CAP)
+
+
+def test_the_default_stays_within_a_share_of_the_machines_memory(big_machine, monkeypatch):
+    monkeypatch.setattr(layout, "memory_bytes", lambda device="cpu": 4 * 2**30)  # a budget of 512 MiB
+    rows = default_micro_batch(_context(64, 32), CAP)
+    assert rows == _by_hand(64, 32, 2**29) < _by_hand(64, 32, layout.ACTIVATION_BUDGET_BYTES)
+
+
+@pytest.mark.parametrize(
+    "rows, group, held",
+    [(1, 4, 1), (2, 4, 2), (3, 4, 2), (4, 4, 1), (5, 4, 2), (6, 4, 3), (8, 4, 2), (9, 4, 3), (7, 1, 7)],
+)
+def test_a_micro_batch_holds_the_prompts_of_the_groups_it_touches(rows, group, held):
+    """Rows of a group sit together and micro-batches start at multiples of their size: whole groups when
+    the size is a multiple of the group, else a window that may straddle one more group."""
+    assert prompts_held(rows, group) == held
+
+
+def test_a_groups_prompt_is_counted_once(big_machine):
+    """GRPO reads a group's prompt once (rlhfkit.models.prompt_cache): more rows fit than without groups."""
+    budget = layout.ACTIVATION_BUDGET_BYTES
+    grouped = default_micro_batch(_context(512, 48, group=4), CAP)
+    assert grouped == _by_hand(512, 48, budget, group=4) > default_micro_batch(_context(512, 48), CAP)
+    episodes = SimpleNamespace(prompt_limit=lambda: 512)  # an episode's prompt is its own: no sharing
+    assert default_micro_batch(_context(512, 48, group=4, episodes=episodes), CAP) == _by_hand(
+        512, 48, budget
+    )
+
+
+def test_the_machines_memory_is_read_from_the_system():
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 2**28 < memory_bytes("cpu") <= total
+
+
+def test_tool_episodes_count_the_tokens_their_tools_add_to_a_prompt(big_machine):
+    episodes = SimpleNamespace(prompt_limit=lambda: 128 + 1000)
+    rows = default_micro_batch(_context(128, 48, episodes=episodes), CAP)
+    assert rows == default_micro_batch(_context(1128, 48), CAP) < default_micro_batch(_context(128, 48), CAP)
+
+
+def test_the_read_out_holds_a_few_chunks_or_the_whole_logits():
+    config = SimpleNamespace(**SMOLLM2)
+    chunk = CHUNK_ELEMENTS // 49152
+    assert readout_bytes(config, 10) == layout.READOUT_BLOCKS * 4 * 49152 * 10
+    assert (
+        readout_bytes(config, 10**5)
+        == readout_bytes(config, chunk)
+        == layout.READOUT_BLOCKS * 4 * 49152 * chunk
+    )
+    assert readout_bytes(config, 1000, chunked=False) == 12 * 49152 * 1000
+
+
+def test_default_micro_batches_follow_the_budget_and_an_explicit_size_wins(tmp_path, monkeypatch):
+    paths = write_online_problem(tmp_path, reward_model=False)
+    ctx = make_context(
+        online_config(
+            paths,
+            tmp_path / "run",
+            "train.batch_size=8",
+            "online.group_size=1",
+            "online.num_minibatches=1",
+            "train.micro_batch_size=null",
+            kind="ppo",
+        )
+    )
+    lengths = torch.arange(8)
+    (micros,) = micro_batches(ctx, 1, 0, lengths)
+    assert [len(m) for m in micros] == [8]  # a tiny model: the whole minibatch in one forward
+    trained = sum(p.numel() for m in ctx.trained.values() for p in m.parameters() if p.requires_grad)
+    three = update_peak_bytes(  # the actor's and the critic's activations (one backward)
+        ctx.roles.actor.config,
+        3,
+        ctx.cfg.data.max_prompt_length,
+        ctx.cfg.online.response_length,
+        trained,
+        critic_config=ctx.roles.critic.config,
+    )
+    monkeypatch.setattr(layout, "ACTIVATION_BUDGET_BYTES", three)
+    (micros,) = micro_batches(ctx, 1, 0, lengths)
+    assert [len(m) for m in micros] == [3, 3, 2]
+    explicit = dataclasses.replace(ctx.cfg, train=dataclasses.replace(ctx.cfg.train, micro_batch_size=4))
+    (micros,) = micro_batches(dataclasses.replace(ctx, cfg=explicit), 1, 0, lengths)
+    assert [len(m) for m in micros] == [4, 4]
