@@ -238,7 +238,7 @@ def test_train_distill_reads_no_reference_unless_a_kl_to_it_is_asked_for(tmp_pat
         cfg = load_config(None, distill_overrides(paths, tmp_path / "run", teacher_dir, *extra), "distill")
         ctx = make_context(cfg)
         calls = []
-        ctx.roles.reference.register_forward_hook(lambda *a: calls.append(1))
+        ctx.roles.reference.register_forward_hook(lambda *a, calls=calls: calls.append(1))
         for parameter in ctx.roles.reference.parameters():  # a reference that reads otherwise than the actor
             parameter.mul_(1.5)
         examples = prepare_examples(cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
