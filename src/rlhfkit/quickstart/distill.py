@@ -83,7 +83,7 @@ def _teacher(base: str, model: str, sft: tuple[int, int, float], ppo: tuple[int,
 DISTILL_PRESETS: dict[str, DistillPreset] = {
     "tiny": DistillPreset(
         student="tiny",
-        teacher=_teacher("tiny", "small", (250, 16, 1e-3), (30, 32, 1e-4)),
+        teacher=_teacher("tiny", "small", (120, 16, 1.5e-3), (30, 16, 1e-4)),
         steps=40,
         batch=32,
         lr=5e-4,
@@ -178,7 +178,13 @@ def quickstart_distill(
     t = _stage(
         "task", f"'{task.name}', student {p.model}, teacher {d.teacher.model if teacher is None else teacher}"
     )
-    files = prepare_task_files(task, out / "task", p.model, num_sft_eval=min(256, d.num_eval_prompts))
+    files = prepare_task_files(
+        task,
+        out / "task",
+        p.model,
+        num_sft=min(4096, p.sft_steps * p.sft_batch),  # 4096 as the reviews quickstart's, fewer for smoke
+        num_sft_eval=min(256, d.num_eval_prompts),
+    )
     if teacher is None:
         files["teacher_init"] = out / "task" / "teacher_init"
         tokenizer = task.build_tokenizer(files["teacher_init"])
