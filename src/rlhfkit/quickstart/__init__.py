@@ -9,6 +9,7 @@ code of their own).
   calculator tool over multi-turn episodes (``rlhfkit quickstart --task tools``);
 - :mod:`~rlhfkit.quickstart.distill`: on-policy distillation of the reviews task's PPO policy (the small
   model) into an SFT policy of the tiny model (``rlhfkit quickstart --task distill``);
-- :mod:`~rlhfkit.quickstart.stages`: the SFT stage both share; :mod:`~rlhfkit.quickstart.dpo_stage`: the DPO
-  stage and the policies' comparison table; :mod:`~rlhfkit.quickstart.summary`: the summary table and page.
+- :mod:`~rlhfkit.quickstart.stages`: the SFT stage they share and the summary they write;
+  :mod:`~rlhfkit.quickstart.dpo_stage`: the DPO stage and the policies' comparison table;
+  :mod:`~rlhfkit.quickstart.summary`: the reviews quickstart's summary table and page.
 """

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from rlhfkit.config import config_from
-from rlhfkit.engine.metrics_writer import write_summary_json
 from rlhfkit.quickstart.pipeline import (
     PRESETS,
     HackingMeter,
@@ -44,6 +43,7 @@ from rlhfkit.quickstart.pipeline import (
     sample_pairs,
     sft_settings,
 )
+from rlhfkit.quickstart.stages import write_summary
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _teacher(base: str, model: str, sft: tuple[int, int, float], ppo: tuple[int,
 DISTILL_PRESETS: dict[str, DistillPreset] = {
     "tiny": DistillPreset(
         student="tiny",
-        teacher=_teacher("tiny", "small", (120, 16, 1.5e-3), (30, 16, 1e-4)),
+        teacher=_teacher("tiny", "small", (120, 16, 1.5e-3), (40, 16, 3e-4)),
         steps=40,
         batch=32,
         lr=5e-4,
@@ -238,13 +238,7 @@ def quickstart_distill(
         "stage_seconds": seconds,
         "wall_seconds": time.perf_counter() - start,
     }
-    write_summary_json(out / "summary.json", summary)
-    table = format_distill(summary)
-    (out / "report.md").write_text(
-        f"# rlhfkit quickstart: on-policy distillation\n\n```\n{table}\n```\n", encoding="utf-8"
-    )
-    print(table, flush=True)
-    return summary
+    return write_summary(out, summary, "on-policy distillation", format_distill(summary))
 
 
 def _stage(name: str, detail: str) -> float:
