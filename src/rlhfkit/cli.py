@@ -2,7 +2,6 @@
 
     rlhfkit train {sft,reward,prm,ppo,grpo,rloo,distill,dpo} --config FILE.yaml [--resume | --overwrite] [dotted.key=value ...]
     rlhfkit quickstart [--out DIR] [--preset tiny|small] [--overwrite] [--refresh-steps K]
-    rlhfkit quickstart --task distill [--out DIR] [--preset tiny|smoke] [--seed N] [--teacher POLICY_DIR]
     rlhfkit generate --model DIR --prompts FILE [--greedy | --temperature T] [--out FILE] [--reward-model DIR]
                      [--reward-function FILE.py:FN ...] [--backend hf|vllm]
     rlhfkit label-pairs --model DIR --out DIR [--pairs N] [--eval-pairs N] [--seed S] [--overwrite]
@@ -150,18 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--task",
         choices=("reviews", "arithmetic", "tools", "distill"),
         default="reviews",
-        help="built-in task: reviews (SFT, reward model, PPO) or arithmetic (checkable answers: SFT, PRM, "
-        "GRPO on the exact-match reward, PPO on it with and without the PRM's step rewards, PPO on an ORM) "
-        "or tools (SFT on demonstrations with calculator calls, then GRPO and PPO with the calculator tool) "
-        "or distill (on-policy distillation of the reviews task's PPO policy of the small model into an SFT "
-        "policy of the tiny model) (default: %(default)s)",
+        help="built-in task: reviews (SFT, reward model, PPO), arithmetic (checkable answers: SFT, PRM and ORM, "
+        "GRPO and PPO), tools (GRPO and PPO with a calculator tool) or distill (the reviews task's PPO policy "
+        "of the small model distilled on-policy into a tiny SFT student) (default: %(default)s)",
     )
-    quick.add_argument(
-        "--teacher",
-        metavar="POLICY_DIR",
-        help="--task distill: distil this policy folder (e.g. runs/qs-small/ppo/final of `rlhfkit quickstart "
-        "--preset small`; the reviews task's vocabulary) instead of training the teacher first",
-    )
+    quick.add_argument("--teacher", metavar="DIR", help="--task distill: distil this policy folder")
     quick.add_argument("--overwrite", action="store_true", help="delete DIR's previous quickstart first")
     quick.add_argument(
         "--refresh-steps",
