@@ -159,7 +159,7 @@ def quickstart_command(args: argparse.Namespace) -> int:
     if args.teacher is not None and args.task != "distill":
         raise UserError(f"--teacher is for --task distill (the teacher to distil), not --task {args.task}")
     if args.task == "distill":
-        from rlhfkit.quickstart.distill import DISTILL_PRESETS, quickstart_distill
+        from rlhfkit.quickstart.distillation import DISTILL_PRESETS, quickstart_distill
 
         if args.preset not in DISTILL_PRESETS or args.refresh_steps:
             raise UserError(

@@ -10,7 +10,7 @@ import pytest
 
 from rlhfkit.cli import main
 from rlhfkit.engine.metrics_writer import read_metrics
-from rlhfkit.quickstart.distill import DISTILL_PRESETS, PRESETS, gap_closed
+from rlhfkit.quickstart.distillation import DISTILL_PRESETS, PRESETS, gap_closed
 from rlhfkit.quickstart.pipeline import HackingMeter
 from rlhfkit.tasks import get_task
 from tests.helpers import tiny_tokenizer
