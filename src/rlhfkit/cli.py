@@ -147,13 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--seed", type=int, default=0, help="seeds the task, every model and every sample")
     quick.add_argument(
         "--task",
-        choices=("reviews", "arithmetic", "tools"),
+        choices=("reviews", "arithmetic", "tools", "distill"),
         default="reviews",
-        help="built-in task: reviews (SFT, reward model, PPO) or arithmetic (checkable answers: SFT, PRM, "
-        "GRPO on the exact-match reward, PPO on it with and without the PRM's step rewards, PPO on an ORM) "
-        "or tools (SFT on demonstrations with calculator calls, then GRPO and PPO with the calculator tool) "
-        "(default: %(default)s)",
+        help="built-in task: reviews (SFT, reward model, PPO), arithmetic (checkable answers: SFT, PRM and ORM, "
+        "GRPO and PPO), tools (GRPO and PPO with a calculator tool) or distill (the reviews task's PPO policy "
+        "of the small model distilled on-policy into a tiny SFT student) (default: %(default)s)",
     )
+    quick.add_argument("--teacher", metavar="DIR", help="--task distill: distil this policy folder")
     quick.add_argument("--overwrite", action="store_true", help="delete DIR's previous quickstart first")
     quick.add_argument(
         "--refresh-steps",

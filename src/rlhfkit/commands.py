@@ -156,6 +156,20 @@ def quickstart_command(args: argparse.Namespace) -> int:
         raise UserError(
             f"--refresh-steps must be 0 (off) or a positive number of rollouts, got {args.refresh_steps}"
         )
+    if args.teacher is not None and args.task != "distill":
+        raise UserError(f"--teacher is for --task distill (the teacher to distil), not --task {args.task}")
+    if args.task == "distill":
+        from rlhfkit.quickstart.distillation import DISTILL_PRESETS, quickstart_distill
+
+        if args.preset not in DISTILL_PRESETS or args.refresh_steps:
+            raise UserError(
+                f"--task distill runs the presets {sorted(DISTILL_PRESETS)} and no reward-model refresh"
+            )
+        if args.teacher is not None and not Path(args.teacher).is_dir():
+            raise UserError(f"--teacher: folder not found: {args.teacher}")
+        prepare_output_dir(args.out, overwrite=args.overwrite)
+        quickstart_distill(args.out, args.preset, seed=args.seed, teacher=args.teacher)
+        return 0
     if args.task == "tools":
         from rlhfkit.quickstart.tool_use import TOOLS_PRESETS, quickstart_tools
 

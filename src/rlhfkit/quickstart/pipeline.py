@@ -131,7 +131,6 @@ def quickstart(
     from the current policy, labelled by the task's annotators (:func:`task_refresh`).
     """
     from rlhfkit.quickstart.dpo_stage import DPO_PRESETS, dpo_stage
-    from rlhfkit.rollout.pairs import label_pairs
     from rlhfkit.tasks import get_task
     from rlhfkit.tasks.files import prepare_task_files
     from rlhfkit.trainers import online, reward, sft
@@ -147,60 +146,18 @@ def quickstart(
     seconds["task"] = time.perf_counter() - t
 
     t = _stage(2, "SFT", f"{p.sft_steps} steps of {p.sft_batch} examples")
-    sft_cfg = config_from(
-        "sft",
-        out / "sft",
-        {
-            "seed": seed,
-            **sft_stage(files, p.sft_steps, p.sft_batch, p.sft_lr),
-            "data.max_prompt_length": 32,
-            "data.max_length": 32 + p.response_length,
-            "train.eval_steps": max(1, p.sft_steps // 3),
-            "train.log_steps": 10,
-        },
-    )
-    sft.train(sft_cfg)
+    sft.train(config_from("sft", out / "sft", sft_settings(files, p, seed)))
     sft_dir = out / "sft" / "final"
     seconds["sft"] = time.perf_counter() - t
 
     t = _stage(
         3, "preference pairs", f"{p.num_pairs} pairs from the SFT policy, labelled by noisy annotators"
     )
-    labels = label_pairs(
-        str(sft_dir),
-        out / "pairs",
-        task=task.name,
-        task_seed=seed,
-        num_pairs=p.num_pairs,
-        num_eval_pairs=p.num_eval_pairs,
-        seed=seed,
-        max_new_tokens=p.response_length,
-    )
+    labels = sample_pairs(out / "pairs", task, sft_dir, p, seed)
     seconds["pairs"] = time.perf_counter() - t
 
     t = _stage(4, "reward model", f"{p.rm_steps} steps of {p.rm_batch} pairs")
-    rm_cfg = config_from(
-        "reward",
-        out / "reward",
-        {
-            "seed": seed,
-            "model.name_or_path": sft_dir,
-            "data.train_file": labels["paths"]["train"],
-            "data.eval_file": labels["paths"]["eval"],
-            "data.max_prompt_length": 32,
-            "data.max_length": 32 + p.response_length,
-            "train.max_steps": p.rm_steps,
-            "train.batch_size": p.rm_batch,
-            "train.learning_rate": p.rm_lr,
-            "train.weight_decay": 0.1,
-            # a gentle start keeps the SFT backbone's features (the note above PRESETS)
-            "train.warmup_steps": max(10, p.rm_steps // 5),
-            "train.lr_schedule": "linear",
-            "train.save_steps": p.rm_steps,
-            "train.eval_steps": max(1, p.rm_steps // 4),
-            "train.log_steps": 10,
-        },
-    )
+    rm_cfg = config_from("reward", out / "reward", reward_settings(sft_dir, labels["paths"], p, seed))
     rm_summary = reward.train(rm_cfg)
     rm_dir = out / "reward" / "final"
     seconds["reward_model"] = time.perf_counter() - t
@@ -210,26 +167,7 @@ def quickstart(
         task, sft_dir, rm_dir, files["prompts_eval"], p, seed, meter_prompts=min(64, p.num_eval_prompts)
     )
     ppo_cfg = config_from(
-        "ppo",
-        out / "ppo",
-        {
-            "seed": seed,
-            "model.name_or_path": sft_dir,
-            "data.train_file": files["prompts_train"],
-            "data.max_prompt_length": 32,
-            "online.reward_model": rm_dir,
-            "online.response_length": p.response_length,
-            "train.max_steps": p.ppo_rollouts,
-            "train.batch_size": p.ppo_batch,
-            "train.learning_rate": p.ppo_lr,
-            "online.kl_coef": 0.1,
-            "train.lr_schedule": "linear",
-            "train.save_steps": p.ppo_rollouts,
-            "train.eval_steps": max(1, p.ppo_rollouts // 6),
-            "train.log_steps": 1,
-            "refresh.every": refresh_steps,
-            "refresh.max_new_tokens": p.response_length,
-        },
+        "ppo", out / "ppo", ppo_settings(sft_dir, rm_dir, files["prompts_train"], p, seed, refresh_steps)
     )
     hooks = online.OnlineHooks(evaluate=meter.during_training)
     if refresh_steps:
@@ -277,18 +215,96 @@ def quickstart(
     return summary
 
 
+def sft_settings(files: dict[str, Path], p: Preset, seed: int) -> dict[str, Any]:
+    """The SFT stage's keys: ``p``'s steps, batch and learning rate from the task's initial model."""
+    return {
+        "seed": seed,
+        **sft_stage(files, p.sft_steps, p.sft_batch, p.sft_lr),
+        "data.max_prompt_length": 32,
+        "data.max_length": 32 + p.response_length,
+        "train.eval_steps": max(1, p.sft_steps // 3),
+        "train.log_steps": 10,
+    }
+
+
+def sample_pairs(out: Path, task, sft_dir: Path, p: Preset, seed: int) -> dict[str, Any]:
+    """``p.num_pairs`` (and ``p.num_eval_pairs`` held-out) pairs of samples from the SFT policy in ``out``,
+    labelled by the task's noisy annotators (:func:`rlhfkit.rollout.pairs.label_pairs`'s summary)."""
+    from rlhfkit.rollout.pairs import label_pairs
+
+    return label_pairs(
+        str(sft_dir),
+        out,
+        task=task.name,
+        task_seed=seed,
+        num_pairs=p.num_pairs,
+        num_eval_pairs=p.num_eval_pairs,
+        seed=seed,
+        max_new_tokens=p.response_length,
+    )
+
+
+def reward_settings(sft_dir: Path, pairs: dict[str, Any], p: Preset, seed: int) -> dict[str, Any]:
+    """The reward model's keys: from the SFT policy on the labelled pairs (``pairs``: their ``train`` and
+    ``eval`` files)."""
+    return {
+        "seed": seed,
+        "model.name_or_path": sft_dir,
+        "data.train_file": pairs["train"],
+        "data.eval_file": pairs["eval"],
+        "data.max_prompt_length": 32,
+        "data.max_length": 32 + p.response_length,
+        "train.max_steps": p.rm_steps,
+        "train.batch_size": p.rm_batch,
+        "train.learning_rate": p.rm_lr,
+        "train.weight_decay": 0.1,
+        # a gentle start keeps the SFT backbone's features (the note above PRESETS)
+        "train.warmup_steps": max(10, p.rm_steps // 5),
+        "train.lr_schedule": "linear",
+        "train.save_steps": p.rm_steps,
+        "train.eval_steps": max(1, p.rm_steps // 4),
+        "train.log_steps": 10,
+    }
+
+
+def ppo_settings(
+    sft_dir: Path, rm_dir: Path, prompts: Path, p: Preset, seed: int, refresh_steps: int = 0
+) -> dict[str, Any]:
+    """PPO's keys: from the SFT policy against the reward model (the critic from it too) on the training
+    prompts, ``p.ppo_rollouts`` rollouts of ``p.ppo_batch`` prompts, KL coefficient 0.1."""
+    return {
+        "seed": seed,
+        "model.name_or_path": sft_dir,
+        "data.train_file": prompts,
+        "data.max_prompt_length": 32,
+        "online.reward_model": rm_dir,
+        "online.response_length": p.response_length,
+        "train.max_steps": p.ppo_rollouts,
+        "train.batch_size": p.ppo_batch,
+        "train.learning_rate": p.ppo_lr,
+        "online.kl_coef": 0.1,
+        "train.lr_schedule": "linear",
+        "train.save_steps": p.ppo_rollouts,
+        "train.eval_steps": max(1, p.ppo_rollouts // 6),
+        "train.log_steps": 1,
+        "refresh.every": refresh_steps,
+        "refresh.max_new_tokens": p.response_length,
+    }
+
+
 class HackingMeter:
     """Gold and proxy scores of a policy on held-out prompts: during PPO (a hook) and at the end (SFT vs PPO).
 
     The reward model is the proxy PPO optimises; the task's gold scorer is what the annotators actually
     want. Both are measured on the same samples, with the KL to the SFT policy (k1, nats per response).
+    Without a reward model (``rm_dir`` None) there is no proxy figure.
     """
 
     def __init__(
         self,
         task,
         sft_dir: Path,
-        rm_dir: Path,
+        rm_dir: Path | None,
         prompts_file: Path,
         preset: Preset,
         seed: int,
@@ -304,7 +320,11 @@ class HackingMeter:
             load_causal_lm(str(sft_dir), tokenizer=self.tokenizer, frozen=True).eval().requires_grad_(False)
         )
         self.reward_model = (
-            load_scalar_model(str(rm_dir), tokenizer=self.tokenizer, frozen=True).eval().requires_grad_(False)
+            None
+            if rm_dir is None
+            else load_scalar_model(str(rm_dir), tokenizer=self.tokenizer, frozen=True)
+            .eval()
+            .requires_grad_(False)
         )
         examples = prepare_examples(
             str(prompts_file), "prompts", self.tokenizer, TokenLimits(32, None, "left")
@@ -331,17 +351,34 @@ class HackingMeter:
     def during_training(self, policy, step: int) -> dict[str, float]:
         """The PPO ``evaluate`` hook: ``eval/gold/mean`` beside ``eval/score/mean`` (proxy) and ``eval/kl/mean``."""
         s = self._measure(policy, self.meter_examples).summary()
-        return {
+        figures = {
             "eval/gold/mean": s["gold_mean"],
-            "eval/score/mean": s["proxy_mean"],
             "eval/kl/mean": s["kl_mean"],
             "eval/valid_rate": s["valid_rate"],
             "eval/response_length/mean": s["response_length_mean"],
         }
+        if "proxy_mean" in s:
+            figures["eval/score/mean"] = s["proxy_mean"]
+        return figures
+
+    def sampled(self, policy):
+        """``policy``'s samples on the held-out prompts at the meter's temperature, the global RNG seeded with
+        the meter's seed first: every policy read by :meth:`compare` or :meth:`read` is sampled alike."""
+        import torch
+
+        torch.manual_seed(self.seed)
+        return self._measure(policy, self.examples)
+
+    def read(self, policy_dir: str | Path) -> dict[str, float]:
+        """The held-out figures (``gold_mean``, ``gold_std``, ``valid_rate``, ``kl_mean``, and ``proxy_mean``
+        with a reward model) of the policy saved in ``policy_dir``, sampled as :meth:`compare` samples."""
+        from rlhfkit.models import load_causal_lm
+
+        policy = load_causal_lm(str(policy_dir), tokenizer=self.tokenizer, frozen=True).eval()
+        return self.sampled(policy).summary()
 
     def compare(self, ppo_dir: Path, dpo_dir: Path | None = None) -> dict[str, Any]:
         """SFT, PPO (and DPO) on the held-out prompts, sampled at the training temperature and greedy."""
-        import torch
 
         from rlhfkit.models import load_causal_lm
         from rlhfkit.rollout.evaluate import win_rate
@@ -353,8 +390,7 @@ class HackingMeter:
         out: dict[str, Any] = {}
         samples = {}
         for name, policy in policies.items():
-            torch.manual_seed(self.seed)
-            sampled = self._measure(policy, self.examples)
+            sampled = self.sampled(policy)
             greedy = self._measure(policy, self.examples, greedy=True)
             samples[name] = (sampled, greedy)
             figures = sampled.summary()

@@ -1,6 +1,7 @@
 """What the quickstarts on the built-in tasks share: the SFT stage's keys (the reviews pipeline,
 :mod:`rlhfkit.quickstart.pipeline`; the arithmetic one, :mod:`rlhfkit.quickstart.verifiable`; and the
-experiments that start from an SFT policy of their own)."""
+experiments that start from an SFT policy of their own), and the ``summary.json`` / ``report.md`` that the
+arithmetic, tools and distillation quickstarts end with."""
 
 from __future__ import annotations
 
@@ -23,3 +24,14 @@ def sft_stage(files: dict[str, Path], steps: int, batch: int, lr: float) -> dict
         "train.lr_schedule": "cosine",
         "train.save_steps": steps,
     }
+
+
+def write_summary(out: Path, summary: dict[str, Any], title: str, table: str) -> dict[str, Any]:
+    """A quickstart's last stage: ``summary.json`` and ``report.md`` (``title``, then ``table``) in ``out``, the
+    table printed; returns ``summary``."""
+    from rlhfkit.engine.metrics_writer import write_summary_json
+
+    write_summary_json(out / "summary.json", summary)
+    (out / "report.md").write_text(f"# rlhfkit quickstart: {title}\n\n```\n{table}\n```\n", encoding="utf-8")
+    print(table, flush=True)
+    return summary

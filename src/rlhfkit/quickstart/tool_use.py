@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhfkit.config import config_from
-from rlhfkit.engine.metrics_writer import write_summary_json
-from rlhfkit.quickstart.stages import sft_stage
+from rlhfkit.quickstart.stages import sft_stage, write_summary
 
 TOOL = "rlhfkit.tasks.calculator:calculator"
 REWARD = "rlhfkit.tasks.calculator:correct_answer_reward"
@@ -211,11 +210,7 @@ def quickstart_tools(
         "stage_seconds": seconds,
         "wall_seconds": time.perf_counter() - start,
     }
-    write_summary_json(out / "summary.json", summary)
-    table = format_tools(summary)
-    (out / "report.md").write_text(f"# rlhfkit quickstart: tools\n\n```\n{table}\n```\n", encoding="utf-8")
-    print(table, flush=True)
-    return summary
+    return write_summary(out, summary, "tools", format_tools(summary))
 
 
 def format_tools(summary: dict[str, Any]) -> str:

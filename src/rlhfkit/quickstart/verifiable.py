@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhfkit.config import config_from
-from rlhfkit.engine.metrics_writer import write_summary_json
-from rlhfkit.quickstart.stages import sft_stage
+from rlhfkit.quickstart.stages import sft_stage, write_summary
 
 REWARD = "rlhfkit.tasks.arithmetic:exact_match_reward"
 
@@ -285,13 +284,7 @@ def quickstart_verifiable(
         "stage_seconds": seconds,
         "wall_seconds": time.perf_counter() - start,
     }
-    write_summary_json(out / "summary.json", summary)
-    table = format_verifiable(summary)
-    (out / "report.md").write_text(
-        f"# rlhfkit quickstart: {task.name}\n\n```\n{table}\n```\n", encoding="utf-8"
-    )
-    print(table, flush=True)
-    return summary
+    return write_summary(out, summary, task.name, format_verifiable(summary))
 
 
 def format_verifiable(summary: dict[str, Any]) -> str:
