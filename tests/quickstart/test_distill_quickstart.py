@@ -24,6 +24,21 @@ def write_teacher(folder, seed=5):
     return folder
 
 
+def smoke_argv(teacher, out):
+    """``rlhfkit quickstart --task distill --preset smoke --teacher TEACHER --out OUT``."""
+    return [
+        "quickstart",
+        "--task",
+        "distill",
+        "--preset",
+        "smoke",
+        "--teacher",
+        str(teacher),
+        "--out",
+        str(out),
+    ]
+
+
 def direct_read(out, folder, rm_dir=None):
     """The held-out figures of the policy in ``folder``, by a HackingMeter of the run's own files."""
     d = DISTILL_PRESETS["smoke"]
@@ -43,18 +58,7 @@ def test_quickstart_distill_smoke_with_a_given_teacher(tmp_path, monkeypatch, ca
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     teacher = write_teacher(tmp_path / "teacher")
     out = tmp_path / "qs"
-    argv = [
-        "quickstart",
-        "--task",
-        "distill",
-        "--preset",
-        "smoke",
-        "--teacher",
-        str(teacher),
-        "--out",
-        str(out),
-    ]
-    assert main(argv) == 0
+    assert main(smoke_argv(teacher, out)) == 0
     printed = capsys.readouterr().out
     for stage in ("[task]", "[SFT]", "[distillation]", "[evaluation]"):
         assert stage in printed
@@ -122,18 +126,7 @@ def test_quickstart_distill_refuses_a_teacher_of_another_vocabulary(tmp_path, ca
     teacher = tmp_path / "teacher"
     tiny_tokenizer().save_pretrained(teacher)
     out = tmp_path / "qs"
-    argv = [
-        "quickstart",
-        "--task",
-        "distill",
-        "--preset",
-        "smoke",
-        "--teacher",
-        str(teacher),
-        "--out",
-        str(out),
-    ]
-    assert main(argv) == 2
+    assert main(smoke_argv(teacher, out)) == 2
     err = capsys.readouterr().err
     assert "vocabulary" in err and str(teacher) in err and "Traceback" not in err
     assert not (out / "sft").exists()  # refused before any training
