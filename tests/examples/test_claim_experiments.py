@@ -25,7 +25,7 @@ def _config(folder):
     return yaml.safe_load((folder / "config.yaml").read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, seconds each with the stage fixture: CI's long step (the suite stays under 15 minutes)
 def test_ppo_epochs_logs_each_epochs_drift_and_reports_it(stage, tmp_path):
     ex = load_example("experiments/ppo_epochs")
     s = tiny_sizes(temperature.SIZES["smoke"])
@@ -71,7 +71,7 @@ def test_equal_step_arms_are_paired_with_their_epochs_and_decided_by_the_rule():
     assert ex.equal_step_lines(results, ex.arms_of((4,), ())) == []  # no control arm, no table
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, seconds each with the stage fixture: CI's long step (the suite stays under 15 minutes)
 def test_critic_init_arms_reach_the_critic_and_report_explained_variance(stage, tmp_path):
     ex = load_example("experiments/critic_init")
     s = tiny_sizes(temperature.SIZES["smoke"])
@@ -98,7 +98,7 @@ def test_critic_init_arms_reach_the_critic_and_report_explained_variance(stage, 
     assert (tmp_path / "critic_init.png").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, seconds each with the stage fixture: CI's long step (the suite stays under 15 minutes)
 def test_length_bias_trains_the_penalised_rm_and_runs_the_refresh(stage, tmp_path):
     ex = load_example("experiments/length_bias")
     s = tiny_sizes(temperature.SIZES["smoke"])
@@ -119,7 +119,7 @@ def test_length_bias_trains_the_penalised_rm_and_runs_the_refresh(stage, tmp_pat
     assert (tmp_path / "length_bias.png").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, seconds each with the stage fixture: CI's long step (the suite stays under 15 minutes)
 def test_overfit_reward_trains_on_the_subset_and_measures_its_fit(stage, tmp_path):
     ex = load_example("experiments/overfit_reward")
     s = tiny_sizes(temperature.SIZES["smoke"])

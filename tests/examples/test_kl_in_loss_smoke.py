@@ -13,7 +13,7 @@ import yaml
 from tests.examples.loader import load_example
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, tens of seconds: CI's long step (the suite stays under 15 minutes)
 def test_kl_in_loss_experiment_runs_at_smoke_size(tmp_path, monkeypatch):
     script = load_example("experiments/kl_in_loss")
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")

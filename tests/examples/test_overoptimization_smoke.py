@@ -16,7 +16,7 @@ from tests.examples.loader import load_example
 from tests.helpers import tiny_llama
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, tens of seconds: CI's long step (the suite stays under 15 minutes)
 def test_overoptimization_script_runs_both_runs_fits_and_plots(tmp_path, capsys):
     task = get_task("reviews", seed=0)
     sft, reward = tmp_path / "sft", tmp_path / "reward"

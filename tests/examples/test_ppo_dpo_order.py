@@ -134,7 +134,7 @@ def test_the_grid_by_default_and_the_options():
         ex.dpo_options(["--dpo-lrs", "1e-4", "1e-4"])
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, tens of seconds: CI's long step (the suite stays under 15 minutes)
 def test_the_experiment_end_to_end_at_the_smoke_size(tmp_path, capsys):
     out = tmp_path / "out"
     args = ["--out", str(out), "--size", "smoke", "--seeds", "0"]

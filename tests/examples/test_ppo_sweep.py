@@ -85,7 +85,7 @@ def test_the_child_command_of_a_seed_carries_every_setting_and_bad_values_are_re
             ex.parse_args(["--out", "x", *bad])
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, tens of seconds: CI's long step (the suite stays under 15 minutes)
 def test_both_sweeps_end_to_end_at_the_smoke_size_sharing_one_folder(tmp_path, capsys):
     out = tmp_path / "out"
     assert (

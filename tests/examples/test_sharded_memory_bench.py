@@ -10,7 +10,7 @@ import pytest
 from tests.examples.loader import ROOT, load_example
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, tens of seconds: CI's long step (the suite stays under 15 minutes)
 def test_sharded_processes_hold_half_the_parameters_each(capsys):
     bench = load_example("sharded_memory", ROOT / "benchmarks")
     args = ["--preset", "tiny", "--batch-size", "2", "--response-length", "4", "--configs", "1,2-sharded"]

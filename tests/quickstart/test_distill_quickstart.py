@@ -90,7 +90,7 @@ def test_quickstart_distill_smoke_with_a_given_teacher(tmp_path, monkeypatch, ca
     assert "teacher gold" in report and "gap closed" in report and "distilled student gold" in report
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, tens of seconds: CI's long step (the suite stays under 15 minutes)
 def test_quickstart_distill_smoke_builds_its_teacher(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     out = tmp_path / "qs"

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from rlhfkit.cli import main
 
 
+@pytest.mark.long  # end to end, tens of seconds: CI's long step (the suite stays under 15 minutes)
 def test_quickstart_arithmetic_smoke(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     out = tmp_path / "qs"

@@ -26,7 +26,7 @@ def _gold(policy_dir, tokenizer, examples, task, seed):
     return samples.summary()["gold_mean"]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, tens of seconds: CI's long step (the suite stays under 15 minutes)
 @pytest.mark.learning
 def test_dpo_on_the_task_raises_implicit_reward_accuracy_and_gold(
     tmp_path, learning_seed, learning_figures, monkeypatch

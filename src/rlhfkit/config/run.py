@@ -48,10 +48,12 @@ class RunConfig:
 KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {"online.group_size": 4},
     "rloo": {"online.group_size": 4},
-    # on-policy distillation: the teacher's term is the whole reward, summed to go over the response
-    # (REINFORCE++'s reward-to-go, centred, not whitened), one on-policy update per rollout, no KL to the
-    # initial policy, and a response cut at response_length keeps its tokens' terms
+    # on-policy distillation: the teacher's term is the whole reward, each token's own (gamma 0, Thinking
+    # Machines' recipe; summed to the end at gamma 1 it paid a shorter response: a quickstart student learned to
+    # end at once, docs/quickstart-and-tasks.md), centred, not whitened; one on-policy update per rollout, no KL
+    # to the initial policy, and a response cut at response_length keeps its tokens' terms
     "distill": {
+        "online.gamma": 0.0,
         "online.normalize_advantages": False,
         "online.kl_coef": 0.0,
         "online.ppo_epochs": 1,

@@ -65,7 +65,7 @@ def test_every_rollout_is_trained_at_most_one_version_after_its_weights(problem,
     assert "grpo on 2 processes (torchrun, gloo, cpu)" in err
 
 
-@pytest.mark.slow
+@pytest.mark.long  # end to end, tens of seconds: CI's long step (the suite stays under 15 minutes)
 @pytest.mark.parametrize(("side", "survivor"), [("generator", 0), ("trainer", 1), ("hang", 0)])
 def test_a_killed_side_stops_the_other_with_one_named_line(problem, tmp_path, side, survivor):
     """Killed: the other side's next transfer fails at once. A generator that hangs: the trainer's receive
