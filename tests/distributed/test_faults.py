@@ -53,14 +53,21 @@ def faulty_launch(fault: str, rank: int, argv: list[str]) -> tuple[int, str, flo
         stderr=subprocess.PIPE,
         text=True,
     )
+    err = stderr_or_kill(proc, BOUND_S, f"{fault} in process {rank}")
+    return proc.returncode, err, time.perf_counter() - start
+
+
+def stderr_or_kill(proc: subprocess.Popen, bound_s: float, what: str) -> str:
+    """The launch's stderr once it ends; past ``bound_s`` seconds torchrun and every worker are killed and the
+    test fails, naming ``what`` (a hang)."""
     try:
-        _, err = proc.communicate(timeout=BOUND_S)
+        _, err = proc.communicate(timeout=bound_s)
     except subprocess.TimeoutExpired:
         for pid in [*_children(proc.pid), proc.pid]:  # torchrun starts its workers in sessions of their own
             os.kill(pid, signal.SIGKILL)
         proc.communicate()
-        pytest.fail(f"{fault} in process {rank}: the launch was still running after {BOUND_S} s (a hang)")
-    return proc.returncode, err, time.perf_counter() - start
+        pytest.fail(f"{what}: the launch was still running after {bound_s} s (a hang)")
+    return err
 
 
 def _children(pid: int) -> list[int]:

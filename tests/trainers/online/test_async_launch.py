@@ -4,9 +4,6 @@ the weights that drew it, and a side that is killed stops the other with one nam
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,7 +11,7 @@ import pytest
 
 from rlhfkit.engine.metrics_writer import read_metrics
 from tests.distributed.test_data_parallel import torchrun
-from tests.distributed.test_faults import _children
+from tests.distributed.test_faults import stderr_or_kill
 from tests.trainers.online.online_fixtures import online_cli_args, write_online_problem
 
 BOUND_S = 150  # a launch and four tiny rollouts take ~30-60 s here (2 shared cores)
@@ -32,13 +29,7 @@ def launch(side: str, argv: list[str]) -> tuple[int, str, float]:
     BOUND_S the launch is killed and the test fails."""
     start = time.perf_counter()
     proc = torchrun("-m", "tests.trainers.online.async_fault_worker", side, "3", *argv, wait=False)
-    try:
-        _, err = proc.communicate(timeout=BOUND_S)
-    except subprocess.TimeoutExpired:
-        for pid in [*_children(proc.pid), proc.pid]:  # torchrun starts its workers in sessions of their own
-            os.kill(pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{side} killed: the launch was still running after {BOUND_S} s (a hang)")
+    err = stderr_or_kill(proc, BOUND_S, f"{side} killed")
     return proc.returncode, err, time.perf_counter() - start
 
 

@@ -21,27 +21,17 @@ from rlhfkit.trainers.online.layout import (
     readout_bytes,
     update_peak_bytes,
 )
+from tests.examples.loader import ROOT, load_example
 from tests.trainers.online.online_fixtures import make_context, online_config, write_online_problem
 
 CAP = 2048  # the minibatch of most tests: never the bound
 PEAKS = Path(__file__).with_name("micro_batch_peaks.json")
-SHAPE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, vocab_size=49152)
 
 
 def _estimate(record: dict) -> int:
-    config = SimpleNamespace(**{k: record[k] for k in SHAPE})
-    return update_peak_bytes(
-        config,
-        record["rows"],
-        record["prompt"],
-        record["response"],
-        record["trained_parameters"],
-        lora=record["lora"],
-        critic_config=config if record["critic"] else None,
-        group=1 if record["critic"] else 4,  # the benchmark's grpo groups, one row per prompt with a critic
-        half=record["dtype"] == "bfloat16",
-    )
+    """The estimate for a measured record, as the calibration benchmark's ``--check`` computes it."""
+    return load_example("micro_batch_calibration", ROOT / "benchmarks").estimate(record)
 
 
 def test_the_estimate_bounds_every_measured_peak():

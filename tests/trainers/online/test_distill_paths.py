@@ -1,4 +1,4 @@
-"""On-policy distillation through the online loop's other paths (issue 60, item 2): a LoRA student, bf16,
+"""On-policy distillation through the online loop's other paths: a LoRA student, bf16,
 multi-turn tool episodes, checkpoint and resume, and the report page and headline. The vLLM backend's and the
 multi-process runs' distillation tests sit beside their paths' own tests (test_online_vllm.py,
 tests/distributed/)."""
