@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from tests.examples.loader import ROOT, load_example
@@ -56,6 +59,15 @@ def test_compare_rotates_the_order_and_takes_medians(monkeypatch):
     assert r["trl_beta"] == 0.3 and r["rlhfkit"]["teacher_kl"] == 0.5 and "teacher_kl" not in r["trl"]
     text = bench.report(r)
     assert "**1.80x**" in text and "**0.50x**" in text and "TRL beta=0.3" in text
+
+
+def test_the_teacher_seconds_are_the_windows_mean_per_step():
+    timer = bench.DistillTimer()
+    for teacher in (1.0, 3.0, 4.0, 10.0):  # the teacher's seconds so far at the start of steps 1..4
+        timer.teacher = teacher
+        timer.mark()
+    assert timer.window(1, 3)["teacher_seconds"] == pytest.approx((10.0 - 3.0) / 2)
+    assert timer.window(0, 1)["teacher_seconds"] == pytest.approx(2.0)
 
 
 def test_trl_beta_for_each_loss():
@@ -104,12 +116,13 @@ def test_rlhfkit_worker_times_the_teacher_forces_the_length_and_unpatches(tmp_pa
     folders = write_models(tmp_path)
     work = tmp_path / "inputs"
     bench.grpo.prepare(work, folders["student"])
-    lengths = []
+    lengths, stops = [], []
     generate = generation.generate_responses
 
     def spy(*args, **kwargs):
         out = generate(*args, **kwargs)
         lengths.extend(out.mask.sum(1).tolist())
+        stops.append((list(kwargs["stop_token_ids"]), tuple(kwargs["sampling"].suppress_ids)))
         return out
 
     for info in pkgutil.walk_packages(rlhfkit.trainers.__path__, "rlhfkit.trainers."):
@@ -122,6 +135,10 @@ def test_rlhfkit_worker_times_the_teacher_forces_the_length_and_unpatches(tmp_pa
     result = json.loads(capsys.readouterr().out.split("RESULT ")[-1])
     assert lengths and set(lengths) == {5}  # 3 steps x 2 responses, never stopped early
     assert len(lengths) == 6
+    # because the only stop token is one the sampler never emits (a random model's 5 tokens alone would not show it)
+    pad = tiny_tokenizer(pad="eos").pad_token_id
+    assert all(ids == [pad] and pad in suppressed for ids, suppressed in stops)
+    assert result["peak_rss_mib"] > 0 and result["threads"] == 1 and result["loss"] == "reverse_kl"
     assert 0 < result["teacher_seconds"] <= result["phases"]["no-grad forwards"]
     assert result["teacher_kl"] != 0.0  # another model: the sampled term is not 0
     for phase in bench.PHASES[:-1]:
@@ -141,6 +158,31 @@ def test_a_run_that_trains_nothing_is_an_error(tmp_path, monkeypatch):
     a = worker_args(work, folders, steps=3, prompts=2, response_length=3, micro_batch=2)
     with pytest.raises(SystemExit, match="the student did not move"):
         bench.worker_rlhfkit(a, tmp_path, bench.DistillTimer())
+    # the run had the comparison's settings
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["kind"] == "distill" and config["distill"]["loss"] == "reverse_kl"
+    assert config["model"]["lora_rank"] == 16 and config["model"]["lora_alpha"] == 32
+    assert config["online"]["teacher_model"] == str(folders["student"])
+    assert config["online"]["response_length"] == 3 and config["online"]["temperature"] == 1.0
+    assert config["train"]["batch_size"] == 2 and config["online"]["group_size"] == 1
+    assert config["train"]["lr_schedule"] == "constant" and config["train"]["learning_rate"] == 1e-5
+
+
+def test_a_worker_process_gives_its_result_line_or_its_output():
+    def child(code: str) -> list[str]:
+        return [sys.executable, "-c", "import json, sys; print('noise'); " + code]
+
+    two = child(
+        "print('RESULT ' + json.dumps({'seconds': 1.0})); print('RESULT ' + json.dumps({'seconds': 1.5}))"
+    )
+    assert bench.grpo.run_child(two, dict(os.environ), "ok") == {"seconds": 1.5}  # the last line
+    failing = child("print('half done'); sys.exit('broken here')")
+    with pytest.raises(SystemExit, match="(?s)rlhfkit failed \\(exit 1\\).*half done.*broken here"):
+        bench.grpo.run_child(failing, dict(os.environ), "rlhfkit")
+    # a result line does not hide a process that then fails
+    late = child("print('RESULT ' + json.dumps({'seconds': 1.0})); sys.exit('at exit')")
+    with pytest.raises(SystemExit, match="(?s)trl failed \\(exit 1\\).*at exit"):
+        bench.grpo.run_child(late, dict(os.environ), "trl")
 
 
 def test_the_teacher_is_a_fine_tuned_copy_with_the_students_tokenizer(tmp_path, monkeypatch):
