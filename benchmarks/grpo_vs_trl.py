@@ -98,14 +98,10 @@ def prepare(work: Path, model: Path | None) -> dict:
 # workers: one measurement, one process; print one JSON line
 
 
-def worker_rlhfkit(a, out: Path, timer) -> dict:
-    from rlhfkit.engine.metrics_writer import read_metrics
-    from rlhfkit.models import head_chunks
-
-    readout = head_chunks.chunked_readout
-    head_chunks.chunked_readout = timer.wrap_forward(readout)  # its read-out: the forward's phase
-    responses = a.prompts * a.group
-    overrides = {
+def lora_run(a, out: Path) -> dict:
+    """rlhfkit's keys for the run folder, the model (``a.model``, LoRA r16 / alpha 32, ``a.precision``) and the
+    chat prompts of ``a.work``: the same in every SmolLM2 comparison with TRL."""
+    return {
         "output_dir": out / "run",
         "seed": 0,
         "model.name_or_path": a.model,
@@ -114,6 +110,31 @@ def worker_rlhfkit(a, out: Path, timer) -> dict:
         "model.lora_alpha": LORA["alpha"],
         "data.train_file": Path(a.work) / "prompts.jsonl",
         "data.max_prompt_length": 64,
+    }
+
+
+def trl_lora():
+    """peft's config of the same adapters for TRL: r16 / alpha 32 / dropout 0 on all linear layers of the blocks."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=LORA["r"],
+        lora_alpha=LORA["alpha"],
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+
+
+def worker_rlhfkit(a, out: Path, timer) -> dict:
+    from rlhfkit.engine.metrics_writer import read_metrics
+    from rlhfkit.models import head_chunks
+
+    readout = head_chunks.chunked_readout
+    head_chunks.chunked_readout = timer.wrap_forward(readout)  # its read-out: the forward's phase
+    responses = a.prompts * a.group
+    overrides = {
+        **lora_run(a, out),
         "train.max_steps": a.rollouts,
         "train.batch_size": a.prompts if a.algo == "grpo" else responses,
         "train.learning_rate": LEARNING_RATE,
@@ -152,7 +173,6 @@ def worker_rlhfkit(a, out: Path, timer) -> dict:
 
 def worker_trl(a, out: Path, timer) -> dict:
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -207,13 +227,7 @@ def worker_trl(a, out: Path, timer) -> dict:
         args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
-        peft_config=LoraConfig(
-            r=LORA["r"],
-            lora_alpha=LORA["alpha"],
-            lora_dropout=0.0,
-            target_modules="all-linear",
-            task_type="CAUSAL_LM",
-        ),
+        peft_config=trl_lora(),
     )
     method = GRPOTrainer._get_per_token_logps_and_entropies
     GRPOTrainer._get_per_token_logps_and_entropies = timer.wrap_forward(method)
@@ -246,14 +260,7 @@ def run_worker(a) -> None:
         if a.vllm:  # the syncs of the window's rollouts 2..N-1: the last N-2, each just before its generation
             inside = sync["seconds"][-(len(timer.marks) - 2) :]
             result["weight_sync_seconds"] = sum(inside) / max(len(inside), 1)
-        result.update(
-            system=a.system,
-            algo=a.algo,
-            total_seconds=total,
-            peak_rss_mib=common.peak_rss_mib(),
-            threads=torch.get_num_threads(),
-            matmul_flops=common.matmul_peak(a.threads, a.precision, size=1024, repeats=3),
-        )
+        result.update(system=a.system, algo=a.algo, **process_figures(a, total))
         return result
 
     try:
@@ -266,6 +273,19 @@ def run_worker(a) -> None:
     finally:
         timer.uninstall()
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def process_figures(a, total: float) -> dict:
+    """What a worker reports beside its window: its whole run's seconds, its peak RSS, its thread count and
+    the matmul peak of ``a.threads`` threads in ``a.precision``."""
+    import torch
+
+    return dict(
+        total_seconds=total,
+        peak_rss_mib=common.peak_rss_mib(),
+        threads=torch.get_num_threads(),
+        matmul_flops=common.matmul_peak(a.threads, a.precision, size=1024, repeats=3),
+    )
 
 
 def engine_timers(timer) -> dict:
@@ -323,13 +343,16 @@ def measure(a, system: str, algo: str, **sizes) -> dict:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if system == "trl":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)
-    env.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    return run_child(args, env, f"{system} {algo}")
+
+
+def run_child(args: list[str], env: dict, what: str) -> dict:
+    """Run a worker process; its ``RESULT`` line, or exit with its output's tail."""
+    env = {**env, "TRL_EXPERIMENTAL_SILENCE": env.get("TRL_EXPERIMENTAL_SILENCE", "1")}
     done = subprocess.run(args, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or not lines:
-        sys.exit(
-            f"{system} {algo} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-        )
+        sys.exit(f"{what} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return json.loads(lines[-1][len("RESULT ") :])
 
 
