@@ -7,7 +7,8 @@ all linear layers (the adapters given a non-zero update, as after training; merg
 does) in bf16 autocast or fp32, or on a tiny random Llama when the SmolLM2 folder is missing (``--model tiny``).
 
 A decoding step's time is ``(t(length) - t(1)) / (length - 1)``: a call of ``length`` tokens minus a call of one
-(the prompt's forward), per further token; each the median of ``--repeats`` calls after a warm-up. The compiled
+(the prompt's forward), per further token; each the median of ``--repeats`` calls after a warm-up, the decodes
+timed in turn within each round (alternating). The compiled
 decode's compilation is reported apart (``compile_seconds``: its first call minus a later one), and amortised over
 a run of ``--run-rollouts`` rollouts of one call each. ``floor_seconds`` is the memory-bandwidth floor of a step:
 the bytes a step must read (the weights in the compute dtype and the mean filled cache) over the machine's copy
@@ -19,13 +20,15 @@ bandwidth, measured here (``copy_gbps``).
     python benchmarks/decode_step.py --smoke     # the tiny model, one short cell: checks the script runs
 
 Run it on an otherwise idle machine: the figures are wall times. Output: one JSON line per (decode, batch,
-length), and the whole table in ``--out``/decode_step.json.
+length), and the whole table in ``--out``/decode_step.json, written after every cell; a later call with the same
+``--out`` measures only the cells not there yet, so the grid can be spread over several sittings.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -127,6 +130,8 @@ def vllm_sampler(model, tokenizer, dtype: str, longest: int):
     from rlhfkit.models.sampling import Sampling
     from rlhfkit.rollout.vllm_engine import EngineSettings, VLLMEngine, row_seeds
 
+    # vLLM's CPU worker binds its own OpenMP threads (torch.set_num_threads is skipped there): as many as ours
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{torch.get_num_threads() - 1}")
     engine = VLLMEngine(model, EngineSettings(dtype, 1, "auto", longest))
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     stop = sorted({pad, eos})
@@ -150,42 +155,65 @@ def timed(sample, ids, mask, length: int, repeats: int) -> float:
 
 
 def measure(args) -> list[dict]:
+    """Every (batch, length) cell: each decode warmed up, then ``--repeats`` rounds that time the decodes in
+    turn (alternating, so a slow minute of the machine falls on all of them), each decode's median."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, tokenizer, folder = build(args.model, args.dtype)
     bandwidth = copy_bandwidth_gbps(args.copy_mb)
-    rows_out = []
-    for decode in args.decodes:
-        if decode == "vllm":
-            sample = vllm_sampler(model, tokenizer, args.dtype, 128 + max(args.lengths))
-        else:
-            sample = hf_sampler(model, tokenizer, decode)
-        for batch in args.batches:
-            ids, mask = prompts(tokenizer, batch)
-            for length in args.lengths:
+    samplers = {
+        decode: vllm_sampler(model, tokenizer, args.dtype, 128 + max(args.lengths))
+        if decode == "vllm"
+        else hf_sampler(model, tokenizer, decode)
+        for decode in args.decodes
+    }
+    rows_out = list(args.done)
+    for batch in args.batches:
+        ids, mask = prompts(tokenizer, batch)
+        for length in args.lengths:
+            if all(cell_key(args, d, batch, length) in args.done_keys for d in samplers):
+                continue  # measured by an earlier invocation with the same --out (the grid resumes)
+            first, full, one = {}, {d: [] for d in samplers}, {d: [] for d in samplers}
+            for decode, sample in samplers.items():
                 start = time.perf_counter()
                 sample(ids, mask, length)  # warm-up (the compiled decode compiles here)
-                first = time.perf_counter() - start
+                first[decode] = time.perf_counter() - start
                 sample(ids, mask, 1)  # and for the one-token call's capacity, which may be another shape
-                full = timed(sample, ids, mask, length, args.repeats)
-                one = timed(sample, ids, mask, 1, args.repeats)
-                step = (full - one) / max(1, length - 1)
+            for _ in range(args.repeats):
+                for decode, sample in samplers.items():
+                    full[decode].append(timed(sample, ids, mask, length, 1))
+                    one[decode].append(timed(sample, ids, mask, 1, 1))
+            for decode in samplers:
+                call, single = statistics.median(full[decode]), statistics.median(one[decode])
+                step = (call - single) / max(1, length - 1)
                 floor = step_bytes(model, batch, ids.shape[1], length, args.dtype) / (bandwidth * 1e9 / 2)
                 row = {
                     "decode": decode, "model": folder, "dtype": args.dtype, "batch": batch, "length": length,
-                    "prompt_columns": ids.shape[1], "call_seconds": round(full, 4),
+                    "prompt_columns": ids.shape[1], "call_seconds": round(call, 4),
+                    "calls": [round(x, 3) for x in full[decode]],
                     "step_seconds": round(step, 5), "floor_seconds": round(floor, 5),
                     "copy_gbps": round(bandwidth, 2), "threads": args.threads,
                 }  # fmt: skip
                 if decode == "compiled":
-                    compile_seconds = max(0.0, first - full)
+                    compile_seconds = max(0.0, first[decode] - call)
                     row["compile_seconds"] = round(compile_seconds, 2)
                     row["run_step_seconds"] = round(
                         step + compile_seconds / (args.run_rollouts * max(1, length - 1)), 5
                     )  # compilation amortised over a run of --run-rollouts calls
                 print(json.dumps(row), flush=True)
                 rows_out.append(row)
+            if args.out:  # after every cell, so an interrupted grid keeps what it measured
+                save(args.out, rows_out)
     return rows_out
+
+
+def cell_key(args, decode: str, batch: int, length: int) -> tuple:
+    return (decode, args.dtype, args.threads, batch, length)
+
+
+def save(out: str, rows: list[dict]) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "decode_step.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -199,7 +227,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--run-rollouts", type=int, default=200, help="rollouts the compilation is amortised over")
     p.add_argument("--copy-mb", type=int, default=512, help="size of the copy that measures the bandwidth")
-    p.add_argument("--out", default=None, help="folder for decode_step.json")
+    p.add_argument(
+        "--out", default=None, help="folder for decode_step.json; cells already there are not measured again"
+    )
     p.add_argument("--smoke", action="store_true", help="the tiny model, batch 4, 8 tokens, one repeat")
     args = p.parse_args(argv)
     if args.smoke:
@@ -207,11 +237,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.decodes = args.decodes.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.lengths = [int(n) for n in args.lengths.split(",")]
-    rows = measure(args)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "decode_step.json").write_text(json.dumps(rows, indent=1) + "\n")
-    return rows
+    saved = Path(args.out or "", "decode_step.json")
+    args.done = json.loads(saved.read_text()) if args.out and saved.is_file() else []
+    args.done_keys = {(r["decode"], r["dtype"], r["threads"], r["batch"], r["length"]) for r in args.done}
+    return measure(args)
 
 
 if __name__ == "__main__":

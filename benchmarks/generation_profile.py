@@ -5,11 +5,14 @@ responses x 48 tokens, exactly (the stop token suppressed), temperature 1, LoRA 
 layers (the adapters given a non-zero update, as after training), in fp32 or under bf16 autocast as the trainer
 holds the model. Prints the seconds of each of ``--repeats`` generate calls after one warm-up, and with
 ``--profile`` torch.profiler's table of one more call (operators by self CPU time; ``--shapes`` groups them by
-input shape).
+input shape); with ``--split``, how each call's wall time divides between the model's forward calls, the
+draw (rlhfkit's logits processor: processing and the exact draw) and the rest, ``generate``'s own loop (input
+preparation, cache bookkeeping, stopping criteria), as seconds and shares.
 
     python benchmarks/smollm2.py                               # once: .bench/smollm2-135m-instruct
     python benchmarks/generation_profile.py --dtype bfloat16 --repeats 3
     python benchmarks/generation_profile.py --dtype float32 --profile --shapes
+    python benchmarks/generation_profile.py --dtype float32 --threads 1 --split --response-length 128
 
 Run it on an otherwise idle machine: the figures are wall times.
 """
@@ -70,6 +73,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="also torch.profiler's table of one more call")
     p.add_argument("--shapes", action="store_true", help="the profile grouped by input shape")
+    p.add_argument("--split", action="store_true", help="forward / draw / generate's own loop, per call")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     from rlhfkit.models.sampling import Sampling
@@ -91,6 +95,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     generate()  # warm-up
+    if a.split:
+        split_calls(model, generate, a.repeats)
     seconds = []
     for _ in range(a.repeats):
         start = time.perf_counter()
@@ -108,6 +114,53 @@ def main() -> None:
             generate()
         table = prof.key_averages(group_by_input_shape=a.shapes)
         print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))
+
+
+def split_calls(model, generate, repeats: int) -> None:
+    """Print, for ``repeats`` calls of ``generate``, the seconds in the model's forward calls (hooks on the
+    causal LM under any adapter wrapper), in the draw (:class:`rlhfkit.models.sampler.ExactDraw` calls) and in neither: the share
+    of a step that ``generate``'s own loop costs."""
+    from rlhfkit.models.readout import hf_model
+    from rlhfkit.models.sampler import ExactDraw
+
+    spent = {"forward": 0.0, "draw": 0.0}
+    started: list[float] = []
+
+    def before(*_):
+        started.append(time.perf_counter())
+
+    def after(*_):
+        spent["forward"] += time.perf_counter() - started.pop()
+
+    inner = hf_model(model)  # the causal LM itself: a LoRA wrapper's generate calls it, not the wrapper
+    handles = [inner.register_forward_pre_hook(before), inner.register_forward_hook(after)]
+    original = ExactDraw.__call__
+
+    def timed(self, input_ids, scores):
+        start = time.perf_counter()
+        try:
+            return original(self, input_ids, scores)
+        finally:
+            spent["draw"] += time.perf_counter() - start
+
+    ExactDraw.__call__ = timed
+    try:
+        for _ in range(repeats):
+            spent.update(forward=0.0, draw=0.0)
+            start = time.perf_counter()
+            generate()
+            total = time.perf_counter() - start
+            rest = total - spent["forward"] - spent["draw"]
+            print(
+                f"split: total {total:.3f} s, forward {spent['forward']:.3f} ({spent['forward'] / total:.1%}), "
+                f"draw {spent['draw']:.3f} ({spent['draw'] / total:.1%}), generate's loop and the rest "
+                f"{rest:.3f} ({rest / total:.1%})",
+                flush=True,
+            )
+    finally:
+        ExactDraw.__call__ = original
+        for h in handles:
+            h.remove()
 
 
 if __name__ == "__main__":

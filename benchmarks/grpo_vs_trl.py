@@ -156,6 +156,8 @@ def worker_rlhfkit(a, out: Path, timer) -> dict:
     }
     if a.algo == "grpo":
         overrides["online.group_size"] = a.group
+    if a.rlhfkit_defaults:  # rlhfkit's own micro-batch (layout's calibrated estimate), as a user would run it
+        del overrides["train.micro_batch_size"]
     if a.vllm:
         overrides["online.generation_backend"] = "vllm"
         overrides["online.vllm_kv_cache_gib"] = KV_CACHE_GIB
@@ -335,6 +337,7 @@ def measure(a, system: str, algo: str, **sizes) -> dict:
     args += ["--work", str(a.work), "--model", str(a.model), "--threads", str(a.threads)]
     args += ["--precision", a.precision, "--rollouts", str(a.rollouts), "--micro-batch", str(a.micro_batch)]
     args += ["--epochs", str(a.epochs)] + (["--vllm"] if a.vllm else [])
+    args += ["--rlhfkit-defaults"] if getattr(a, "rlhfkit_defaults", False) else []
     for k, v in sizes.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "RLHFKIT_NUM_THREADS": str(a.threads)}
@@ -386,6 +389,7 @@ def compare(a, names: list[str], prompts: int, group: int, response_length: int)
         sizes, threads=a.threads, precision=a.precision, rounds=a.repeats, responses=prompts * group
     )
     result["micro_batch"] = min(a.micro_batch, prompts * group)
+    result["rlhfkit_defaults"] = getattr(a, "rlhfkit_defaults", False)
     for name, rs in runs.items():
         m = common.median_run(rs)
         m["tokens_per_second"] = tokens / m["seconds"]
@@ -404,7 +408,8 @@ def report(r: dict) -> str:
     names = [n for n in ("rlhfkit", "rlhfkit-ppo", "trl") if n in r]
     lines = [
         f"### {r['prompts']} prompts x {r['group']} responses x {r['response_length']} tokens "
-        f"(micro-batches of {r['micro_batch']}, {r['threads']} threads, {r['precision']}, median of "
+        f"(micro-batches of {r['micro_batch']}{' (TRL; rlhfkit its default)' if r.get('rlhfkit_defaults') else ''}, "
+        f"{r['threads']} threads, {r['precision']}, median of "
         f"{r['rounds']} alternating rounds)",
         "",
         "| system | s / rollout | response tokens/s | peak RSS | runs (s) |",
@@ -540,6 +545,11 @@ def main() -> None:
         default=8,
         help="responses per forward/backward pass in both systems (rlhfkit train.micro_batch_size, TRL "
         "per_device_train_batch_size with gradient accumulation to one optimizer step per rollout)",
+    )
+    p.add_argument(
+        "--rlhfkit-defaults",
+        action="store_true",
+        help="rlhfkit without train.micro_batch_size (its default micro-batch); TRL keeps --micro-batch",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "figures" / "grpo_vs_trl_scaling.png")

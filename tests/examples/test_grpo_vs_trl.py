@@ -9,6 +9,7 @@ and that the figure's stacked phase bars add up to each system's seconds at each
 from __future__ import annotations
 
 import argparse
+import types
 
 import pytest
 
@@ -89,7 +90,6 @@ def test_vllm_mode_times_the_engine_generate_and_each_sync(monkeypatch):
     """``--vllm``: the engine's ``LLM.generate`` is the generation phase and marks a rollout; each system's weight
     sync is timed on its own; everything is put back (fake vLLM and TRL modules: the wrappers, not the engines)."""
     import sys
-    import types
 
     import ppo_vs_trl
 
@@ -130,3 +130,22 @@ def test_compare_takes_the_median_weight_sync(monkeypatch):
     r = bench.compare(a, ["rlhfkit", "trl"], prompts=8, group=4, response_length=48)
     assert sorted([r["rlhfkit"]["weight_sync_seconds"], r["trl"]["weight_sync_seconds"]]) == [0.7, 2.0]
     assert "weight sync" in bench.report(r)
+
+
+@pytest.mark.parametrize("defaults", [False, True])
+def test_rlhfkit_defaults_leaves_the_micro_batch_to_rlhfkit(monkeypatch, tmp_path, defaults):
+    seen = {}
+
+    def run_rlhfkit(algo, config, out):
+        seen.update(config)
+        raise RuntimeError("stop: the configuration is all this test reads")
+
+    monkeypatch.setattr(bench.common, "run_rlhfkit", run_rlhfkit)
+    a = argparse.Namespace(
+        prompts=8, group=4, algo="grpo", rollouts=3, response_length=48, epochs=1, vllm=False, micro_batch=8,
+        rlhfkit_defaults=defaults, model="m", precision="fp32", work=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="stop"):
+        bench.worker_rlhfkit(a, tmp_path, timer=types.SimpleNamespace(wrap_forward=lambda f: f))
+    assert ("micro_batch_size" in seen["train"]) is not defaults
+    assert seen["train"].get("micro_batch_size", 8) == 8
