@@ -5,6 +5,7 @@ against the log-probs they were drawn with. What a generator sends is built here
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -134,6 +135,7 @@ def _sent(ctx, examples, step: int, version: int) -> dict:
         "step": step,
         "version": version,
         "idle_seconds": 0.5,
+        "sample_seconds": 0.25,
         "digest": digest,
     }
 
@@ -185,6 +187,7 @@ def test_the_ratio_of_a_stale_sample_is_taken_against_the_behaviour_policy(tmp_p
     assert mask.any() and trainer.metrics["async/dropped"] == 0
     assert trainer.metrics["async/staleness_max"] == 1.0 and trainer.metrics["async/staleness_mean"] == 1.0
     assert trainer.metrics["async/generator_idle_seconds"] == 0.5
+    assert trainer.metrics["async/generation_seconds"] == 0.25  # the generator's own seconds, as sent
     torch.testing.assert_close(rollout.logprobs, behaviour * mask)  # the old log-probs are the sampler's
     # the first (only) minibatch's ratio is pi_current / pi_behaviour, by hand: not 1
     expected = float(((current - behaviour).abs() * mask).max())
@@ -227,6 +230,28 @@ def test_samples_drawn_with_weights_the_trainer_never_sent_are_an_error(tmp_path
         RuntimeError, match="rollout 2: the generator sampled with other weights than the trainer's version 0"
     ):
         trainer.collect(ctx, prompt_batch(ctx, examples, 2), StageClock(), 2)
+
+
+class _SlowSender:
+    """A :class:`~rlhfkit.engine.transfer.WeightSender` whose send takes 50 ms; records where it sent what."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, int]] = []
+
+    def send(self, model, version: int, dst: int) -> None:
+        time.sleep(0.05)
+        self.sent.append((version, dst))
+
+
+def test_the_weight_transfer_seconds_are_the_trainers_time_in_publish_and_0_when_nothing_is_sent(tmp_path):
+    ctx, _ = _async_context(tmp_path, "train.max_steps=4")
+    trainer = AsyncTrainer(ctx)
+    trainer.sender = _SlowSender()
+    trainer.publish(2)  # version 2 samples rollout 2 + 1 + k = 4, on the one generator (process 1)
+    assert trainer.sender.sent == [(2, 1)]
+    assert 0.05 <= trainer.metrics["async/weight_transfer_seconds"] < 5
+    trainer.publish(3)  # rollout 5 is past train.max_steps: nothing is sent, nothing is timed
+    assert trainer.sender.sent == [(2, 1)] and trainer.metrics["async/weight_transfer_seconds"] == 0.0
 
 
 def message_rollout(message):

@@ -50,6 +50,11 @@ def test_every_rollout_is_trained_at_most_one_version_after_its_weights(problem,
     assert [r["async/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert all(r["async/dropped"] == 0.0 for r in rows)
     assert all(r["async/trainer_idle_seconds"] >= 0 and r["async/generator_idle_seconds"] >= 0 for r in rows)
+    # the phase times: the generator sampled every rollout; the trainer sent weights after updates 1 and 2 only
+    # (rollout s + 2 is sampled with version s: none past rollout 4)
+    assert all(r["async/generation_seconds"] > 0 for r in rows)
+    sent = [r["async/weight_transfer_seconds"] for r in rows]
+    assert sent[0] > 0 and sent[1] > 0 and sent[2:] == [0.0, 0.0]
     # the generator's starting weights are the trainer's: the first ratio is exactly 1
     assert rows[0]["ratio/first_minibatch_max_logprob_diff"] == 0.0
     assert (out / "summary.json").exists() and any((out / "final").glob("*.safetensors"))

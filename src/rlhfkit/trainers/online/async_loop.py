@@ -18,7 +18,9 @@ behaviour log-probs they carry, never recomputed with the trainer's weights
 (:func:`rlhfkit.trainers.online.layout.old_logprobs_from_update` is off). After each update the trainer streams
 its trained parameters (LoRA: the adapters) to the generator that samples with them next
 (:class:`rlhfkit.engine.transfer.WeightSender`); the version of every trained sample is logged as
-``async/staleness_mean`` / ``async/staleness_max``, with each side's idle seconds.
+``async/staleness_mean`` / ``async/staleness_max``, with each side's idle seconds, the generator's seconds
+sampling the rollout (``async/generation_seconds``) and the trainer's seconds sending the update's weights
+(``async/weight_transfer_seconds``): the phase times of the model in docs/distributed.md.
 
 Each side builds its context with a one-process view of the accelerator (:class:`ProcessView`): the trainer's
 update runs alone (no data-parallel wrapper), and nothing of either side is a collective of the whole launch,
@@ -129,8 +131,15 @@ def generate_rollouts(ctx: OnlineContext, examples: list[dict]) -> dict[str, Any
         rollout = sample_rollout(ctx, batch, StageClock(ctx.device), step)
         message = {name: getattr(rollout, name).cpu() for name in SENT}
         message["entropy"] = rollout.entropy.cpu()
-        message.update(step=step, version=version, idle_seconds=idle, digest=weights_digest(ctx.roles.actor))
-        totals["sample_seconds"] += time.perf_counter() - start
+        sampled = time.perf_counter() - start
+        message.update(
+            step=step,
+            version=version,
+            idle_seconds=idle,
+            sample_seconds=sampled,
+            digest=weights_digest(ctx.roles.actor),
+        )
+        totals["sample_seconds"] += sampled
         totals["idle_seconds"] += idle
         totals["rollouts"] += 1
         waited = time.perf_counter()
@@ -178,15 +187,22 @@ class AsyncTrainer:
         drop_samples(rollout, keep.to(ctx.device))
         stats["async/trainer_idle_seconds"] = time.perf_counter() - start
         stats["async/generator_idle_seconds"] = float(message["idle_seconds"])
+        stats["async/generation_seconds"] = float(message["sample_seconds"])
         self.metrics = stats
         return rollout
 
     def publish(self, step: int) -> None:
         """After the update of rollout ``step``: the weights are version ``step``; send them to the generator
-        that samples rollout ``step + 1 + k`` (none past the last rollout)."""
+        that samples rollout ``step + 1 + k`` (none past the last rollout). The seconds this takes the trainer
+        (the weights' fingerprint, waiting for the previous transfer, copying the parameters off the device,
+        posting the sends) go to :attr:`metrics` as ``async/weight_transfer_seconds`` (0 when nothing is sent)."""
+        seconds = 0.0
         if step + 1 + self.k <= self.ctx.cfg.train.max_steps:
+            start = time.perf_counter()
             self.digests[step] = weights_digest(self.ctx.roles.actor)
             self.sender.send(self.ctx.roles.actor, step, 1 + sampler_of(step + 1 + self.k, self.g))
+            seconds = time.perf_counter() - start
+        self.metrics["async/weight_transfer_seconds"] = seconds
 
     def close(self) -> None:
         self.sender.wait()
