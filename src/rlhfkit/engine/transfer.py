@@ -49,11 +49,24 @@ def trained_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Param
 def weights_digest(model: torch.nn.Module) -> float:
     """A fingerprint of the trained parameters (float64 sums of each tensor and of its squares, in order): equal
     on two processes that hold the same bits, so a receiver can show which weights it samples with."""
+    return tensors_digest([p for _, p in trained_parameters(model)])
+
+
+@torch.no_grad()
+def tensors_digest(tensors: list[torch.Tensor]) -> float:
+    """:func:`weights_digest` of a list of tensors (a :func:`snapshot` of the trained parameters)."""
     total = torch.zeros((), dtype=torch.float64)
-    for i, (_, p) in enumerate(trained_parameters(model)):
+    for i, p in enumerate(tensors):
         x = p.detach().to("cpu", torch.float64)
         total += x.sum() + (i + 1) * x.square().sum()
     return float(total)
+
+
+@torch.no_grad()
+def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
+    """CPU copies of the trained parameters, in :func:`trained_parameters`' order: one version of the weights
+    that a :class:`WeightSender` can send (and a checkpoint keep) while the model moves on."""
+    return [p.detach().to("cpu", copy=True).contiguous() for _, p in trained_parameters(model)]
 
 
 class WeightSender:
@@ -64,15 +77,20 @@ class WeightSender:
     def __init__(self) -> None:
         self.pending: list = []
 
-    def send(self, model: torch.nn.Module, version: int, dst: int) -> None:
-        """Send ``version`` and the number of tensors, then each trained parameter in turn, to ``dst``."""
+    def send(self, model: torch.nn.Module, version: int, dst: int) -> list[torch.Tensor]:
+        """Send ``version`` and the number of tensors, then each trained parameter in turn, to ``dst``. Returns
+        the copies sent (:func:`snapshot`), which nothing else writes to."""
+        tensors = snapshot(model)
+        self.send_tensors(tensors, version, dst)
+        return tensors
+
+    def send_tensors(self, tensors: list[torch.Tensor], version: int, dst: int) -> None:
+        """Send a :func:`snapshot` as ``version`` to ``dst`` (a version kept from earlier: a resumed run's)."""
         self.wait()
-        params = trained_parameters(model)
-        header = torch.tensor([version, len(params)], dtype=torch.int64)
+        header = torch.tensor([version, len(tensors)], dtype=torch.int64)
         self.pending.append((torch.distributed.isend(header, dst, tag=WEIGHTS_TAG), header))
-        for _, p in params:
-            copy = p.detach().to("cpu", copy=True).contiguous()
-            self.pending.append((torch.distributed.isend(copy, dst, tag=WEIGHTS_TAG), copy))
+        for t in tensors:
+            self.pending.append((torch.distributed.isend(t, dst, tag=WEIGHTS_TAG), t))
 
     def wait(self) -> None:
         for work, _ in self.pending:

@@ -24,11 +24,11 @@ ASYNC = (
 )
 
 
-def launch(side: str, argv: list[str]) -> tuple[int, str, float]:
-    """torchrun 2 processes of ``argv`` with ``side`` killed at rollout 3; (exit code, stderr, seconds). Past
-    BOUND_S the launch is killed and the test fails."""
+def launch(side: str, argv: list[str], at: int = 3) -> tuple[int, str, float]:
+    """torchrun 2 processes of ``argv`` with ``side`` killed at rollout ``at``; (exit code, stderr, seconds).
+    Past BOUND_S the launch is killed and the test fails."""
     start = time.perf_counter()
-    proc = torchrun("-m", "tests.trainers.online.async_fault_worker", side, "3", *argv, wait=False)
+    proc = torchrun("-m", "tests.trainers.online.async_fault_worker", side, str(at), *argv, wait=False)
     err = stderr_or_kill(proc, BOUND_S, f"{side} killed")
     return proc.returncode, err, time.perf_counter() - start
 

@@ -37,7 +37,16 @@ from typing import Any
 import torch
 
 from rlhfkit.algos.masked import fill_masked
-from rlhfkit.engine.transfer import WeightSender, recv_object, recv_weights, send_object, weights_digest
+from rlhfkit.engine.transfer import (
+    WeightSender,
+    recv_object,
+    recv_weights,
+    send_object,
+    snapshot,
+    tensors_digest,
+    weights_digest,
+)
+from rlhfkit.errors import ConfigError
 from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, derived_seed
 from rlhfkit.types import Rollout
@@ -111,17 +120,23 @@ def sampler_of(step: int, g: int) -> int:
     return (step - 1) % g
 
 
-def generate_rollouts(ctx: OnlineContext, examples: list[dict]) -> dict[str, Any]:
-    """A generator's whole run: sample its rollouts in order, each with the weights of its
-    :func:`sampling_version` (received from the trainer before it is needed, in order), and send each to the
-    trainer. Returns the generator's totals (rollouts, seconds waiting for weights, seconds sampling)."""
+def first_rollout(generator: int, resumed: int, g: int) -> int:
+    """The first rollout after ``resumed`` (0: a fresh run) that generator ``generator`` samples."""
+    return resumed + 1 + (generator - resumed) % g
+
+
+def generate_rollouts(ctx: OnlineContext, examples: list[dict], resumed: int = 0) -> dict[str, Any]:
+    """A generator's whole run: sample its rollouts after rollout ``resumed`` (a resumed run's checkpoint; 0
+    fresh) in order, each with the weights of its :func:`sampling_version` (received from the trainer before it
+    is needed, in order), and send each to the trainer. Returns the generator's totals (rollouts, seconds
+    waiting for weights, seconds sampling)."""
     cfg = ctx.cfg
     g, k = cfg.online.generation_processes, cfg.online.max_staleness
     index = torch.distributed.get_rank() - (torch.distributed.get_world_size() - g)
     waited = time.perf_counter()
-    version = recv_weights(ctx.roles.actor, TRAINER)  # version 0: the trainer's starting weights
+    version = recv_weights(ctx.roles.actor, TRAINER)  # the weights of its first rollout (fresh: version 0)
     totals = {"rollouts": 0, "idle_seconds": 0.0, "sample_seconds": 0.0}
-    for step in range(index + 1, cfg.train.max_steps + 1, g):
+    for step in range(first_rollout(index, resumed, g), cfg.train.max_steps + 1, g):
         while version < sampling_version(step, k):
             version = recv_weights(ctx.roles.actor, TRAINER)
         idle = time.perf_counter() - waited
@@ -149,7 +164,13 @@ def generate_rollouts(ctx: OnlineContext, examples: list[dict]) -> dict[str, Any
 
 class AsyncTrainer:
     """The trainer's side: stage 1 of each rollout is :meth:`collect` (receive it, keep what is fresh enough),
-    and :meth:`publish` after each update sends the new weights where they are sampled with next."""
+    and :meth:`publish` after each update sends the new weights where they are sampled with next.
+
+    A checkpoint after update ``c`` keeps, besides the actor (version ``c``), the versions the rollouts
+    ``c + 1 .. c + k`` are sampled with (:meth:`checkpoint_state`): what the generators held or were sent
+    when the run stopped is lost with them, so a resumed run sends those versions again (:meth:`start`) and
+    samples every rollout with the weights the uninterrupted run sampled it with. The trainer holds them as CPU
+    copies, k versions of the trained parameters (LoRA: the adapters)."""
 
     def __init__(self, ctx: OnlineContext) -> None:
         self.ctx = ctx
@@ -158,12 +179,54 @@ class AsyncTrainer:
         self.sender = WeightSender()
         self.metrics: dict[str, float] = {}
         self.digests: dict[int, float] = {}  # version -> weights_digest of the weights sent as that version
+        self.kept: dict[int, list[torch.Tensor]] = {}  # version -> its snapshot, while a checkpoint needs it
+        self.sent: dict[int, int] = {}  # generator process -> the newest version sent to it
 
-    def start(self) -> None:
-        """Send the starting weights (version 0) to every generator."""
-        self.digests[0] = weights_digest(self.ctx.roles.actor)
+    def needed(self, done: int) -> list[int]:
+        """The versions, older than ``done``, that the rollouts after update ``done`` are sampled with."""
+        last = min(done + self.k, self.ctx.cfg.train.max_steps)
+        return sorted({sampling_version(s, self.k) for s in range(done + 1, last + 1)} - {done})
+
+    def checkpoint_state(self, done: int) -> dict[str, Any]:
+        """The trainer state a checkpoint after update ``done`` adds: ``async_versions``, each needed older
+        version's snapshot (:meth:`needed`)."""
+        return {"async_versions": {str(v): self.kept[v] for v in self.needed(done)}}
+
+    def start(self, resumed: int = 0, state: dict[str, Any] | None = None) -> None:
+        """Send each generator the weights of its first rollout after ``resumed`` (a fresh run: version 0 to
+        every generator), then, in order, the versions that rollouts ``resumed + 1 .. resumed + 1 + k`` are
+        sampled with; later versions go out from :meth:`publish`. ``state``: the resumed checkpoint's trainer
+        state, with the older versions (:meth:`checkpoint_state`); one missing is a named error."""
+        saved = (state or {}).get("async_versions", {})
+        missing = [v for v in self.needed(resumed) if str(v) not in saved]
+        if missing:
+            raise ConfigError(
+                f"--resume: the checkpoint of rollout {resumed} holds no weights of version(s) "
+                f"{', '.join(map(str, missing))}, which online.max_staleness={self.k} samples the next rollouts "
+                "with (it was written by a run with another online.max_staleness, or a synchronous one); resume "
+                "with that run's settings"
+            )
+        self.kept = {int(v): list(tensors) for v, tensors in saved.items()}
+        self.kept[resumed] = snapshot(self.ctx.roles.actor)
+        shapes = [tuple(t.shape) for t in self.kept[resumed]]
+        for v, tensors in self.kept.items():
+            if [tuple(t.shape) for t in tensors] != shapes:
+                raise ConfigError(
+                    f"--resume: the checkpoint's weights of version {v} are not the shape of the actor's trained "
+                    "parameters (another model or LoRA configuration); resume with that run's settings"
+                )
+        self.digests = {v: tensors_digest(t) for v, t in self.kept.items()}
+        last = self.ctx.cfg.train.max_steps
         for j in range(self.g):
-            self.sender.send(self.ctx.roles.actor, 0, 1 + j)
+            first = first_rollout(j, resumed, self.g)  # past the last: it only waits for this one message
+            self._send(min(sampling_version(first, self.k), resumed) if first <= last else resumed, j)
+        for s in range(resumed + 1, min(resumed + 1 + self.k, last) + 1):
+            if sampling_version(s, self.k) > self.sent[sampler_of(s, self.g)]:
+                self._send(sampling_version(s, self.k), sampler_of(s, self.g))
+
+    def _send(self, version: int, generator: int) -> None:
+        self.sender.send_tensors(self.kept[version], version, 1 + generator)
+        self.sent[generator] = version
 
     def collect(self, ctx: OnlineContext, batch: dict[str, Any], clock: StageClock, step: int) -> Rollout:
         """Rollout ``step`` as its generator sampled it, its stale samples masked out; the staleness and idle
@@ -199,9 +262,12 @@ class AsyncTrainer:
         seconds = 0.0
         if step + 1 + self.k <= self.ctx.cfg.train.max_steps:
             start = time.perf_counter()
-            self.digests[step] = weights_digest(self.ctx.roles.actor)
-            self.sender.send(self.ctx.roles.actor, step, 1 + sampler_of(step + 1 + self.k, self.g))
+            self.kept[step] = snapshot(self.ctx.roles.actor)
+            self.digests[step] = tensors_digest(self.kept[step])
+            self._send(step, sampler_of(step + 1 + self.k, self.g))
             seconds = time.perf_counter() - start
+        for v in [v for v in self.kept if v < step - self.k]:  # no checkpoint from here on needs them
+            del self.kept[v]
         self.metrics["async/weight_transfer_seconds"] = seconds
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ when a reward function fails (:func:`score_or_stop`), so that ``--resume`` conti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,11 +35,13 @@ def score_or_stop(
     last_eval: dict[str, float],
     rng_state: dict[str, Any],
     episodes: Episodes | None = None,
+    extra_state: Callable[[int], dict[str, Any]] | None = None,
 ) -> Scores:
     """:func:`score_rollout`, or, when a reward function fails (on any process), a checkpoint of rollout
     ``step - 1`` (unless one exists: the resume point, or a ``save_steps`` multiple) with the RNG as it was when
     that rollout ended, then a RewardFunctionError naming the rollout, so that ``--resume`` continues from there
-    once the function is fixed."""
+    once the function is fixed. ``extra_state``: the checkpoint's further trainer state at a rollout (the
+    asynchronous trainer's kept weight versions)."""
     accelerator = ctx.accelerator
     try:
         result, failure = score_rollout(ctx, rollout, records, episodes), None
@@ -52,7 +55,7 @@ def score_or_stop(
     done = step - 1
     if done >= first_step and done % ctx.cfg.train.save_steps != 0:
         set_rng_state(rng_state)
-        save(ctx, run, hooks, done, last_eval)
+        save(ctx, run, hooks, done, last_eval, extra_state(done) if extra_state is not None else None)
     where = (
         (
             f"the newest checkpoint is rollout {done}; fix the function and run the same command with --resume to "
@@ -74,9 +77,17 @@ def _checkpoint_models(ctx: OnlineContext, hooks: OnlineHooks) -> dict[str, torc
     return models
 
 
-def save(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, step: int, last_eval: dict[str, float]) -> None:
+def save(
+    ctx: OnlineContext,
+    run: RunDir,
+    hooks: OnlineHooks,
+    step: int,
+    last_eval: dict[str, float],
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Write ``checkpoints/step-<step>/`` (main process; the others wait); sharded, also
-    ``step-<step>.sharded/`` (every process its shards, :func:`rlhfkit.engine.sharded.save_roles`)."""
+    ``step-<step>.sharded/`` (every process its shards, :func:`rlhfkit.engine.sharded.save_roles`). ``extra``:
+    more trainer state (plain data and tensors)."""
     accelerator = ctx.accelerator
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process and not is_sharded(ctx):
@@ -85,6 +96,7 @@ def save(ctx: OnlineContext, run: RunDir, hooks: OnlineHooks, step: int, last_ev
         "kl_controller": ctx.kl_ctl.state_dict(),
         "prompts_seen": step * ctx.cfg.train.batch_size,
         "last_eval": last_eval,
+        **(extra or {}),
     }
     if ctx.guard is not None:
         state["guard"] = ctx.guard.state_dict()

@@ -16,7 +16,7 @@ import torch
 
 from rlhfkit.algos import explained_variance
 from rlhfkit.config import RunConfig
-from rlhfkit.config.checks import ASYNC_LATER, check_process_count
+from rlhfkit.config.checks import check_process_count
 from rlhfkit.data import TokenLimits, prepare_run_data
 from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.finite import masked
@@ -73,8 +73,6 @@ def train(
     )  # an accelerate FSDP config: the roles sharded here
     check_process_count(cfg, accelerator.num_processes)
     overlap = cfg.online.max_staleness > 0  # rlhfkit.trainers.online.async_loop
-    if overlap and resume:
-        raise ConfigError(f"--resume: checkpoint and resume are {ASYNC_LATER}")
     if cfg.refresh.every and hooks.refresh_reward_model is None:
         raise ConfigError(
             f"refresh.every={cfg.refresh.every}: nothing refreshes the reward model (a refresh needs a "
@@ -111,7 +109,8 @@ def train(
     ctx = dataclasses.replace(ctx, engine=start_engine(cfg, ctx.roles.actor, runner), episodes=runner)
     if generator is not None:  # this process only samples, for the trainer (process 0)
         run.close()
-        return {"kind": cfg.kind, "generator": generator, **generate_rollouts(ctx, examples)}
+        resumed = run.resume_step if run.resume_checkpoint else 0
+        return {"kind": cfg.kind, "generator": generator, **generate_rollouts(ctx, examples, resumed)}
     trainer = AsyncTrainer(ctx) if overlap else None
 
     try:
@@ -158,8 +157,8 @@ def train_online(
         enabled=accelerator.is_main_process and cfg.logging.samples_per_step > 0,
     )
     start_time, step_seconds = time.perf_counter(), []
-    if trainer is not None:
-        trainer.start()
+    if trainer is not None:  # resumed: the weights the next rollouts were sampled with, sent again
+        trainer.start(state["step"], state)
     # a run that has nothing left to train reports its last logged step
     last = logged_at(run.path, state["step"]) if state["step"] == train.max_steps else {}
     for step in run.progress(
@@ -188,6 +187,7 @@ def train_online(
             first_step=state["step"] + 1,
             last_eval=last_eval,
             rng_state=rng_at_start,
+            extra_state=trainer.checkpoint_state if trainer is not None else None,
         )
         scores = score(rollout, batch["records"], episodes=batch.get("episodes"))
         # grpo / rloo with dynamic sampling: groups that all score the same make way for new prompts' groups
@@ -295,7 +295,7 @@ def train_online(
         if step % train.log_steps == 0 or step == train.max_steps or evaluated:
             run.metrics.log(step, metrics)
         if step % train.save_steps == 0 or step == train.max_steps or ctx.guard.stop_signal:
-            save(ctx, run, hooks, step, last_eval)
+            save(ctx, run, hooks, step, last_eval, trainer.checkpoint_state(step) if trainer else None)
         ctx.guard.stop_if_asked(step)  # SIGTERM / SIGINT: this rollout is checkpointed; exit 128 + signal
     samples.close()
     if trainer is not None:
