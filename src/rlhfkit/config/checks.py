@@ -287,7 +287,6 @@ def _check_async(run: RunConfig, kind: str, fail, sharding: str) -> None:
             "which every process samples and trains); set online.max_staleness=1 or generation_processes=0",
         )
     later = [
-        ("online.advantage_estimator", online.advantage_estimator == "gae", "gae (PPO with a critic)"),
         ("online.generation_backend", online.generation_backend != "hf", online.generation_backend),
         ("online.tools", bool(online.tools), "tools episodes"),
         ("online.environment", bool(online.environment), "an environment's episodes"),

@@ -102,9 +102,9 @@ def test_fresh_samples_keeps_at_most_k_versions_old_and_counts_the_rest():
     assert stats == {"async/staleness_mean": 0.0, "async/staleness_max": 0.0, "async/dropped": 2.0}
 
 
-def _async_context(tmp_path, *extra):
-    """A grpo context of the async trainer (k = 1, one generator) with one epoch of one minibatch and the KL
-    in the loss: the synchronous loop would take the old log-probs from the update's own forward there."""
+def _async_context(tmp_path, *extra, kind: str = "grpo"):
+    """A ``kind`` (grpo) context of the async trainer (k = 1, one generator) with one epoch of one minibatch and
+    the KL in the loss: the synchronous loop would take the old log-probs from the update's own forward there."""
     paths = write_online_problem(tmp_path)
     overrides = online_overrides(
         paths,
@@ -117,7 +117,7 @@ def _async_context(tmp_path, *extra):
         "train.micro_batch_size=8",
         *extra,
     )
-    cfg = load_config(None, overrides, "grpo")
+    cfg = load_config(None, overrides, kind)
     ctx = make_context(cfg)
     examples = prepare_examples(cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
     return ctx, examples
@@ -252,6 +252,32 @@ def test_the_weight_transfer_seconds_are_the_trainers_time_in_publish_and_0_when
     assert 0.05 <= trainer.metrics["async/weight_transfer_seconds"] < 5
     trainer.publish(3)  # rollout 5 is past train.max_steps: nothing is sent, nothing is timed
     assert trainer.sender.sent == [(2, 1)] and trainer.metrics["async/weight_transfer_seconds"] == 0.0
+
+
+def test_with_a_critic_the_trainer_reads_the_values_of_a_received_rollout(tmp_path, monkeypatch):
+    """PPO with a critic: the generator sends no values (it holds no trained critic); the trainer's critic
+    reads them when the rollout arrives, as the synchronous stage 1 would from the same critic."""
+    ctx, examples = _async_context(tmp_path, kind="ppo")
+    assert ctx.roles.critic is not None
+    message = _sent(ctx, examples, step=2, version=0)
+    assert "values" not in message
+    batch = prompt_batch(ctx, examples, 2)
+    torch.manual_seed(0)
+    synchronous = sample_rollout(ctx, batch, StageClock(), 2)  # the same tokens, read in one process
+    assert torch.equal(synchronous.response_ids, message["response_ids"])
+    with torch.no_grad():  # the critic the trainer holds differs from the one the rollout started with
+        for p in ctx.roles.critic.parameters():
+            p.add_(0.01)
+    monkeypatch.setattr(async_loop, "recv_object", lambda src: message)
+    trainer = AsyncTrainer(ctx)
+    trainer.digests[0] = message["digest"]
+    rollout = trainer.collect(ctx, batch, StageClock(), 2)
+    torch.manual_seed(0)
+    now = sample_rollout(ctx, batch, StageClock(), 2)  # the synchronous stage 1 with the moved critic
+    assert rollout.values is not None and rollout.mask.any()
+    torch.testing.assert_close(rollout.values, now.values, rtol=0, atol=0)
+    assert not torch.allclose(rollout.values, synchronous.values)  # the trainer's critic, now
+    assert float(rollout.values[~rollout.mask].abs().sum()) == 0.0
 
 
 def message_rollout(message):

@@ -78,3 +78,14 @@ def test_a_killed_side_stops_the_other_with_one_named_line(problem, tmp_path, si
         f"rlhfkit: stopped: process {survivor} of 2: another process of this run ended or stopped answering"
     )
     assert seconds < BOUND_S
+
+
+@pytest.mark.long  # end to end, tens of seconds: CI's long step
+def test_ppo_with_a_critic_overlaps_with_the_values_read_by_the_trainer(problem, tmp_path):
+    out = tmp_path / "run"
+    code, err, _ = launch("none", online_cli_args(problem, out, "train.max_steps=3", *ASYNC, kind="ppo"))
+    assert code == 0, err[-4000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all("value/explained_variance" in r or "loss/value" in r for r in rows)
+    assert (out / "final_critic").is_dir()

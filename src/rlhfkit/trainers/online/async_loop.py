@@ -31,6 +31,7 @@ side's next transfer raises; the command names that in one line (:func:`rlhfkit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Any
 
@@ -47,7 +48,7 @@ from rlhfkit.engine.transfer import (
     weights_digest,
 )
 from rlhfkit.errors import ConfigError
-from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout
+from rlhfkit.trainers.online.collect import critic_read, prompt_batch, sample_rollout
 from rlhfkit.trainers.online.context import OnlineContext, StageClock, derived_seed
 from rlhfkit.types import Rollout
 
@@ -132,6 +133,8 @@ def generate_rollouts(ctx: OnlineContext, examples: list[dict], resumed: int = 0
     waiting for weights, seconds sampling)."""
     cfg = ctx.cfg
     g, k = cfg.online.generation_processes, cfg.online.max_staleness
+    # the critic is the trainer's (it reads the values when a rollout arrives): never read here
+    ctx = dataclasses.replace(ctx, roles=dataclasses.replace(ctx.roles, critic=None))
     index = torch.distributed.get_rank() - (torch.distributed.get_world_size() - g)
     waited = time.perf_counter()
     version = recv_weights(ctx.roles.actor, TRAINER)  # the weights of its first rollout (fresh: version 0)
@@ -248,6 +251,8 @@ class AsyncTrainer:
         versions = torch.full((rollout.mask.shape[0],), int(message["version"]), dtype=torch.long)
         keep, stats = fresh_samples(versions, step - 1, self.k)
         drop_samples(rollout, keep.to(ctx.device))
+        if ctx.roles.critic is not None:  # PPO with a critic: its values now, by the trainer's critic
+            rollout.values = critic_read(ctx, rollout, step)
         stats["async/trainer_idle_seconds"] = time.perf_counter() - start
         stats["async/generator_idle_seconds"] = float(message["idle_seconds"])
         stats["async/generation_seconds"] = float(message["sample_seconds"])

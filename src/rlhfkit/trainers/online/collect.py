@@ -319,6 +319,25 @@ def episode_samples(rows: list[dict], episodes: Episodes | None) -> list[dict]:
     return [{**row, "turns": record.turns} for row, record in zip(rows, episodes.records, strict=False)]
 
 
+@torch.no_grad()
+def critic_read(ctx: OnlineContext, rollout: Rollout, step: int | None) -> torch.Tensor:
+    """(B, T) the critic's values of ``rollout``'s responses (0 under the mask), read on stage 1's row groups as
+    :func:`sample_rollout` reads them: for a rollout sampled by another process
+    (:mod:`rlhfkit.trainers.online.async_loop`), whose trainer holds the critic."""
+    critic, (n, width) = ctx.roles.critic, rollout.mask.shape
+    critic.eval()
+    values = torch.zeros(n, width, device=ctx.device)
+    size = ctx.cfg.online.rollout_batch_size or n
+    for rows in _forward_rows(ctx, step, rollout.query_mask, rollout.response_mask, size):
+        q, qm, r, rm = (
+            x[rows]
+            for x in (rollout.query_ids, rollout.query_mask, rollout.response_ids, rollout.response_mask)
+        )
+        ids, attn, start, w = model_inputs(q, qm, r, rm)
+        values[rows, :w] = critic_values(critic, ids, attn, start)
+    return fill_masked(values, rollout.mask)
+
+
 def _forward_rows(
     ctx: OnlineContext, step: int | None, query_mask: torch.Tensor, response_mask: torch.Tensor, size: int
 ) -> list[torch.Tensor]:
