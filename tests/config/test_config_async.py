@@ -29,7 +29,6 @@ def test_the_defaults_are_the_synchronous_loop():
         ([*ASYNC, "online.tools=[a.py:f]"], "online.tools", "tools episodes is not supported"),
         ([*ASYNC, "online.dynamic_sampling=true"], "online.dynamic_sampling", "not supported with"),
         ([*ASYNC, "refresh.every=2"], "refresh.every", "not supported with online.max_staleness > 0"),
-        ([*ASYNC, "data.eval_file=e.jsonl"], "data.eval_file", "not supported with"),
         ([*ASYNC, "train.sharding=full_shard"], "train.sharding", "sharding (full_shard) is not supported"),
         ([*ASYNC, "online.teacher_model=t"], "online.teacher_model", "distillation is not supported"),
     ],
@@ -38,6 +37,10 @@ def test_async_combinations_not_supported_are_named(overrides, key, reason):
     with pytest.raises(ConfigError) as err:
         load_config(None, GRPO + overrides, "grpo")
     assert str(err.value).startswith(key) and reason in str(err.value)
+
+
+def test_held_out_evaluation_is_accepted_with_async():
+    assert load_config(None, GRPO + ASYNC + ["data.eval_file=e.jsonl"], "grpo").data.eval_file == "e.jsonl"
 
 
 def test_ppo_with_a_critic_is_accepted_with_async():

@@ -293,7 +293,6 @@ def _check_async(run: RunConfig, kind: str, fail, sharding: str) -> None:
         ("online.dynamic_sampling", online.dynamic_sampling, "dynamic sampling"),
         ("online.teacher_model", bool(online.teacher_model) or kind == "distill", "distillation"),
         ("refresh.every", bool(run.refresh.every), "the reward-model refresh"),
-        ("data.eval_file", bool(run.data.eval_file or run.data.eval_split), "held-out evaluation"),
         ("train.sharding", sharding != "none", f"sharding ({sharding})"),
     ]
     for key, asked, what in later:

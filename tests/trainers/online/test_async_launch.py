@@ -81,11 +81,17 @@ def test_a_killed_side_stops_the_other_with_one_named_line(problem, tmp_path, si
 
 
 @pytest.mark.long  # end to end, tens of seconds: CI's long step
-def test_ppo_with_a_critic_overlaps_with_the_values_read_by_the_trainer(problem, tmp_path):
+def test_ppo_with_a_critic_and_held_out_evaluation_overlaps(problem, tmp_path):
+    """The values are read by the trainer's critic; the trainer evaluates every held-out prompt itself."""
     out = tmp_path / "run"
-    code, err, _ = launch("none", online_cli_args(problem, out, "train.max_steps=3", *ASYNC, kind="ppo"))
+    evaluation = (f"data.eval_file={problem['prompts']}", "train.eval_steps=3")
+    argv = online_cli_args(problem, out, "train.max_steps=3", *ASYNC, *evaluation, kind="ppo")
+    code, err, _ = launch("none", argv)
     assert code == 0, err[-4000:]
     rows = read_metrics(out / "metrics.jsonl")
+    assert "eval/score/mean" in rows[0] and rows[0]["step"] == 0  # the starting weights, evaluated first
+    rows = rows[1:]
     assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
-    assert all("value/explained_variance" in r or "loss/value" in r for r in rows)
+    assert all("loss/value" in r for r in rows)
+    assert "eval/score/mean" in rows[-1] and rows[-1]["eval/response_length/mean"] > 0
     assert (out / "final_critic").is_dir()
