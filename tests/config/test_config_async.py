@@ -30,7 +30,6 @@ def test_the_defaults_are_the_synchronous_loop():
         ([*ASYNC, "online.dynamic_sampling=true"], "online.dynamic_sampling", "not supported with"),
         ([*ASYNC, "refresh.every=2"], "refresh.every", "not supported with online.max_staleness > 0"),
         ([*ASYNC, "train.sharding=full_shard"], "train.sharding", "sharding (full_shard) is not supported"),
-        ([*ASYNC, "online.teacher_model=t"], "online.teacher_model", "distillation is not supported"),
     ],
 )
 def test_async_combinations_not_supported_are_named(overrides, key, reason):

@@ -214,7 +214,7 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
         if online.generation_backend == "vllm" and online.vllm_max_model_len is not None:
             _check_engine_length(run, fail)
         if online.max_staleness or online.generation_processes:
-            _check_async(run, kind, fail, sharding)
+            _check_async(run, fail, sharding)
         responses = train.batch_size * online.group_size
         if responses % online.num_minibatches:
             fail(
@@ -268,7 +268,7 @@ def _check_sharding(run: RunConfig, kind: str, fail, sharding: str) -> None:
 ASYNC_LATER = "not supported with online.max_staleness > 0 yet"
 
 
-def _check_async(run: RunConfig, kind: str, fail, sharding: str) -> None:
+def _check_async(run: RunConfig, fail, sharding: str) -> None:
     """What rollouts that overlap training (``online.max_staleness`` > 0 on ``online.generation_processes``
     of their own: :mod:`rlhfkit.trainers.online.async_loop`) cannot be combined with yet, each refused naming
     the key and the reason."""
@@ -291,7 +291,6 @@ def _check_async(run: RunConfig, kind: str, fail, sharding: str) -> None:
         ("online.tools", bool(online.tools), "tools episodes"),
         ("online.environment", bool(online.environment), "an environment's episodes"),
         ("online.dynamic_sampling", online.dynamic_sampling, "dynamic sampling"),
-        ("online.teacher_model", bool(online.teacher_model) or kind == "distill", "distillation"),
         ("refresh.every", bool(run.refresh.every), "the reward-model refresh"),
         ("train.sharding", sharding != "none", f"sharding ({sharding})"),
     ]

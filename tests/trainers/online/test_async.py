@@ -20,7 +20,6 @@ from rlhfkit.engine.transfer import weights_digest
 from rlhfkit.models.sampling import processed_logits
 from rlhfkit.trainers.online import async_loop, loop
 from rlhfkit.trainers.online.async_loop import (
-    SENT,
     AsyncTrainer,
     fresh_samples,
     generator_index,
@@ -127,11 +126,10 @@ def _sent(ctx, examples, step: int, version: int) -> dict:
     """What the generator of rollout ``step`` sends, sampled from the actor as it stands (version ``version``)."""
     torch.manual_seed(0)
     rollout = sample_rollout(ctx, prompt_batch(ctx, examples, step), StageClock(), step)
-    message = {name: getattr(rollout, name).clone() for name in SENT}
+    message = async_loop.rollout_message(rollout)  # the generator's own
     digest = weights_digest(ctx.roles.actor)
     return {
         **message,
-        "entropy": rollout.entropy,
         "step": step,
         "version": version,
         "idle_seconds": 0.5,
@@ -278,6 +276,35 @@ def test_with_a_critic_the_trainer_reads_the_values_of_a_received_rollout(tmp_pa
     torch.testing.assert_close(rollout.values, now.values, rtol=0, atol=0)
     assert not torch.allclose(rollout.values, synchronous.values)  # the trainer's critic, now
     assert float(rollout.values[~rollout.mask].abs().sum()) == 0.0
+
+
+def test_distillation_overlaps_with_the_teachers_log_probs_read_by_the_generator(tmp_path, monkeypatch):
+    """`train distill`: the generator's teacher reads the sampled tokens as the reference does and the log-probs
+    travel with the rollout; the trainer takes them (a stale sample's cleared with its mask)."""
+    from tests.trainers.online.test_distill import distill_overrides, write_teacher
+
+    paths = write_online_problem(tmp_path / "p")
+    teacher = write_teacher(tmp_path, paths)
+    extra = ("online.max_staleness=1", "online.generation_processes=1")
+    cfg = load_config(None, distill_overrides(paths, tmp_path / "run", teacher, *extra), "distill")
+    ctx = make_context(cfg)
+    examples = prepare_examples(cfg.data.train_file, "prompts", ctx.tokenizer, TokenLimits(16))
+    assert ctx.roles.teacher is not None
+    message = _sent(ctx, examples, step=2, version=0)
+    batch = prompt_batch(ctx, examples, 2)
+    torch.manual_seed(0)
+    synchronous = sample_rollout(ctx, batch, StageClock(), 2)  # the same tokens, read in one process
+    assert torch.equal(message["teacher_logprobs"], synchronous.teacher_logprobs)
+    for step, kept in ((2, True), (3, False)):  # rollout 3 is trained by version 2: 2 versions stale
+        message = _sent(ctx, examples, step=step, version=0)
+        monkeypatch.setattr(async_loop, "recv_object", lambda src, message=message: message)
+        trainer = AsyncTrainer(ctx)
+        trainer.digests[0] = message["digest"]
+        rollout = trainer.collect(ctx, prompt_batch(ctx, examples, step), StageClock(), step)
+        expected = message["teacher_logprobs"] * rollout.mask
+        assert bool(rollout.mask.any()) == kept
+        torch.testing.assert_close(rollout.teacher_logprobs, expected, rtol=0, atol=0)
+        assert kept or float(rollout.teacher_logprobs.abs().sum()) == 0.0
 
 
 def message_rollout(message):

@@ -95,3 +95,17 @@ def test_ppo_with_a_critic_and_held_out_evaluation_overlaps(problem, tmp_path):
     assert all("loss/value" in r for r in rows)
     assert "eval/score/mean" in rows[-1] and rows[-1]["eval/response_length/mean"] > 0
     assert (out / "final_critic").is_dir()
+
+
+@pytest.mark.long  # end to end, tens of seconds: CI's long step
+def test_distillation_overlaps(problem, tmp_path):
+    from tests.trainers.online.test_distill import write_teacher
+
+    out = tmp_path / "run"
+    teacher = write_teacher(tmp_path, problem)
+    argv = online_cli_args(problem, out, "train.max_steps=3", *ASYNC, kind="distill")
+    code, err, _ = launch("none", [*argv, f"online.teacher_model={teacher}"])
+    assert code == 0, err[-4000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["distill/teacher_kl"] != 0 for r in rows)  # a sampled estimate: either sign

@@ -9,7 +9,7 @@ weights that drew it. Prompts stay a function of (seed, step) (:func:`rlhfkit.tr
 so the trainer knows a rollout's prompts and checks that the generator answered those.
 
 A generator sends the rollout's tokens, masks, its own log-probs of them (the behaviour policy's, at the
-sampling temperature), the reference's, the entropy, the version of its weights and the seconds it waited for
+sampling temperature), the reference's (and a distillation teacher's), the entropy, the version of its weights and the seconds it waited for
 them, with a fingerprint of those weights that the trainer checks against the version it sent (a transfer
 that did not arrive is an error, not a silently stale generator: verl#7495) (:func:`generate_rollouts`). The trainer (:class:`AsyncTrainer`, stage 1 of
 :func:`rlhfkit.trainers.online.train_online`) keeps only samples at most k versions old: an older sample's mask
@@ -147,8 +147,7 @@ def generate_rollouts(ctx: OnlineContext, examples: list[dict], resumed: int = 0
         torch.manual_seed(derived_seed("sampling", cfg.seed, step, 0))  # as one synchronous process would
         batch = prompt_batch(ctx, examples, step)
         rollout = sample_rollout(ctx, batch, StageClock(ctx.device), step)
-        message = {name: getattr(rollout, name).cpu() for name in SENT}
-        message["entropy"] = rollout.entropy.cpu()
+        message = rollout_message(rollout)
         sampled = time.perf_counter() - start
         message.update(
             step=step,
@@ -163,6 +162,16 @@ def generate_rollouts(ctx: OnlineContext, examples: list[dict], resumed: int = 0
         waited = time.perf_counter()
         send_object(message, TRAINER)
     return totals
+
+
+def rollout_message(rollout: Rollout) -> dict[str, torch.Tensor]:
+    """What a generator sends of a rollout it sampled, as CPU tensors: the :data:`SENT` fields, the entropy and,
+    under distillation, the teacher's log-probs (the teacher reads the rows here, as the reference does)."""
+    message = {name: getattr(rollout, name).cpu() for name in SENT}
+    message["entropy"] = rollout.entropy.cpu()
+    if rollout.teacher_logprobs is not None:
+        message["teacher_logprobs"] = rollout.teacher_logprobs.cpu()
+    return message
 
 
 class AsyncTrainer:
@@ -282,7 +291,13 @@ class AsyncTrainer:
 def received_rollout(message: dict[str, Any], group_ids: torch.Tensor, device) -> Rollout:
     """A :class:`~rlhfkit.types.Rollout` of what a generator sent, on ``device``."""
     fields = {name: message[name].to(device) for name in SENT}
-    return Rollout(**fields, group_ids=group_ids, entropy=message["entropy"].to(device))
+    teacher = message.get("teacher_logprobs")
+    return Rollout(
+        **fields,
+        group_ids=group_ids,
+        entropy=message["entropy"].to(device),
+        teacher_logprobs=None if teacher is None else teacher.to(device),
+    )
 
 
 def fresh_samples(versions: torch.Tensor, version: int, k: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -311,3 +326,5 @@ def drop_samples(rollout: Rollout, keep: torch.Tensor) -> None:
     rollout.entropy = fill_masked(rollout.entropy, rollout.mask)
     rollout.logprobs = fill_masked(rollout.logprobs, rollout.mask)
     rollout.ref_logprobs = fill_masked(rollout.ref_logprobs, rollout.mask)
+    if rollout.teacher_logprobs is not None:
+        rollout.teacher_logprobs = fill_masked(rollout.teacher_logprobs, rollout.mask)
