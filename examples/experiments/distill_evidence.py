@@ -188,6 +188,7 @@ def gold_read(policy: Path, root: Path, files: dict[str, Path], d, seed: int, ev
         "length": sum(got.lengths) / len(got.lengths),
         "ended": sum(got.ended) / len(got.ended),
         "prompts": len(examples),
+        "responses": len(got.gold),
         "samples_per_prompt": SAMPLES_PER_PROMPT,
     }
 
