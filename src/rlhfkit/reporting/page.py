@@ -324,3 +324,29 @@ def examples_block(examples: list[dict[str, Any]]) -> str:
     return (
         f'<table id="examples-table"><tr><th>prompt (held out)</th>{head}</tr>{rows}</table>' if rows else ""
     )
+
+
+def side_by_side_steps(rows: list[dict[str, Any]]) -> list[int | None]:
+    """The steps of ``teacher_samples.jsonl`` rows that the report shows: the first and the last."""
+    steps = sorted({r["step"] for r in rows if r["step"] is not None})
+    return steps[:1] + steps[1:][-1:] if steps else [None]
+
+
+def side_by_side_block(rows: list[dict[str, Any]]) -> str:
+    """A distillation run's ``teacher_samples.jsonl``: per prompt, the student's response beside the teacher's,
+    both sampled at the run's temperature, at the first and the last step it was written."""
+    shown = [r for step in side_by_side_steps(rows) for r in rows if r["step"] == step]
+    body = "".join(
+        f'<tr><td class=num>{e(str(r["step"]))}</td><td class="text prompt">{e(printable(r["prompt"]))}</td>'
+        f'<td class="text student">{e(printable(r["student"]))}</td>'
+        f'<td class="text teacher">{e(printable(r["teacher"]))}</td></tr>'
+        for r in shown
+    )
+    where = "held-out" if all(r["split"] == "eval" for r in rows) else "training"
+    return (
+        f'<p class="muted">The student (the policy as trained up to that step) and the teacher '
+        f"(<code>online.teacher_model</code>), each sampled once on the same {where} prompts at the run's "
+        f"temperature; every evaluation's rows are in <code>teacher_samples.jsonl</code>.</p>"
+        f'<table id="side-by-side-table"><tr><th>step</th><th>prompt ({where})</th><th>student</th>'
+        f"<th>teacher</th></tr>{body}</table>"
+    )

@@ -3,8 +3,9 @@
 ``rlhfkit report RUN_DIR`` writes, into ``RUN_DIR``: ``report/*.png`` (one figure per group of metrics the
 run logged), ``report.md`` that shows them beside the summary figures, and ``report.html``: the same
 figures inline, the warning signs of an online run marked on them (:mod:`rlhfkit.reporting.health`: each
-a stated rule), the reward model's calibration and held-out score histograms, and a browser over the run's
-``samples.jsonl``. Every trainer calls :func:`write_report` at its end, so a finished run always has them.
+a stated rule), the reward model's calibration and held-out score histograms, a browser over the run's
+``samples.jsonl`` and, in a run with a distillation teacher (``online.teacher_model``), the student's and the
+teacher's responses to the same few prompts side by side (``teacher_samples.jsonl``). Every trainer calls :func:`write_report` at its end, so a finished run always has them.
 
 ``rlhfkit report RUN_A RUN_B ...`` also writes one page with the runs side by side (curves overlaid,
 summaries in one table): ``compare.html`` in the folder that holds them, or ``--out FILE``.
@@ -72,6 +73,8 @@ def write_report(run_dir: str | Path) -> Path:
         nav.append(("reward-model", "Reward model"))
     if run.online or run.samples.samples:
         nav.append(("samples", "Samples"))
+    if run.side_by_side:
+        nav.append(("student-teacher", "Student and teacher"))
     out.write_text(
         page.page(
             f"rlhfkit report: {run.name}",
@@ -111,6 +114,11 @@ def run_blocks(
         ]
     if run.online or run.samples.samples:
         blocks += [page.heading(level, "Samples", prefix + "samples"), page.samples_block([run])]
+    if run.side_by_side:  # a distillation run: the student's responses beside the teacher's
+        blocks += [
+            page.heading(level, "Student and teacher", prefix + "student-teacher"),
+            page.side_by_side_block(run.side_by_side),
+        ]
     blocks.append(page.last_step_block(run))
     return blocks
 
@@ -277,7 +285,31 @@ def _markdown(run: Run, figs: list[Plot], warnings: list[health.HealthWarning]) 
     for p in figs:
         lines += [f"## {p.title}", "", f"![{p.title}](report/{p.name}.png)", ""]
     lines += samples_section(run.path)
+    lines += side_by_side_section(run.side_by_side)
     return "\n".join(lines)
+
+
+def side_by_side_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown for a distillation run's ``teacher_samples.jsonl``: the student's and the teacher's response to
+    each prompt, at the first and the last step written (:func:`rlhfkit.reporting.page.side_by_side_block`)."""
+    if not rows:
+        return []
+    lines = [
+        "## Student and teacher",
+        "",
+        "From `teacher_samples.jsonl`: each prompt sampled once by the student and once by the teacher, at the "
+        "run's temperature.",
+        "",
+        "| step | split | prompt | student | teacher |",
+        "|---|---|---|---|---|",
+    ]
+    for step in page.side_by_side_steps(rows):
+        lines += [
+            f"| {r['step']} | {r['split']} | {_cell(r['prompt'])} | {_cell(r['student'])} | {_cell(r['teacher'])} |"
+            for r in rows
+            if r["step"] == step
+        ]
+    return [*lines, ""]
 
 
 def samples_section(run: Path, count: int = 3) -> list[str]:

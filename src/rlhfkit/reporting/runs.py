@@ -11,7 +11,7 @@ from typing import Any
 from rlhfkit.config import read_run_info
 from rlhfkit.engine.metrics_writer import flatten_dict, read_metrics
 from rlhfkit.errors import UserError
-from rlhfkit.reporting.sample_file import SampleFile, read_samples
+from rlhfkit.reporting.sample_file import TEACHER_SAMPLES_FILE, SampleFile, read_samples, read_side_by_side
 from rlhfkit.rollout.scoring import function_names
 
 ONLINE_KINDS = ("ppo", "grpo", "rloo", "distill")
@@ -119,6 +119,7 @@ class Run:
     summary: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     samples: SampleFile = field(default_factory=lambda: SampleFile([]))
+    side_by_side: list[dict[str, Any]] = field(default_factory=list)  # a teacher's run: teacher_samples.jsonl
     heldout_scores: list[dict[str, Any]] = field(default_factory=list)
     run_info: dict[str, Any] = field(default_factory=dict)  # config.yaml's run line (how it was launched)
 
@@ -280,6 +281,7 @@ def load_run(run_dir: str | Path, name: str | None = None) -> Run:
         summary=summary,
         config=config,
         samples=read_samples(path / "samples.jsonl"),
+        side_by_side=read_side_by_side(path / TEACHER_SAMPLES_FILE),
         heldout_scores=_jsonl(path / HELDOUT_SCORES),
         run_info=run_info,
     )

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+TEACHER_SAMPLES_FILE = "teacher_samples.jsonl"  # a distillation run's student and teacher side by side
 KNOWN = ("step", "prompt", "response", "score", "gold", "kl", "length", "ended", "turns")
 PART_KEYS = ("parts", "reward_parts", "rewards")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
@@ -109,6 +110,34 @@ def _sample(row: dict[str, Any]) -> Sample:
         parts=parts,
         turns=read_turns(row.get("turns")),
     )
+
+
+def read_side_by_side(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a distillation run's ``teacher_samples.jsonl`` (missing file: none): ``step`` (int or
+    None), ``split`` (``eval``: held-out prompts; ``train``: training prompts), ``prompt``, ``student`` and
+    ``teacher`` as text, each response's length and whether it ended (None where missing). A line that is not
+    a JSON object is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(row, dict):
+            continue
+        step = row.get("step")
+        read = {"step": step if isinstance(step, int) and not isinstance(step, bool) else None}
+        read["split"] = "eval" if row.get("split") == "eval" else "train"
+        read.update({key: as_text(row.get(key)) for key in ("prompt", "student", "teacher")})
+        for who in ("student", "teacher"):
+            length, ended = row.get(f"{who}_length"), row.get(f"{who}_ended")
+            read[f"{who}_length"] = int(length) if _number(length) is not None else None
+            read[f"{who}_ended"] = ended if isinstance(ended, bool) else None
+        rows.append(read)
+    return rows
 
 
 def read_turns(value: Any) -> list[dict[str, str | None]] | None:

@@ -60,7 +60,9 @@ reward function's own ``score/<name>``, ``score/penalised_frac``, ``kl/mean``, `
 ``response_length/mean``, ``advantages/mean``, ``time/*``, ``tokens_per_second``, with a distillation
 teacher ``distill/teacher_kl`` (and ``eval/distill/teacher_kl`` held out), ...),
 ``samples.jsonl`` (``logging.samples_per_step`` responses of each rollout with their scores:
-:mod:`rlhfkit.rollout.samples`), ``checkpoints/step-N/`` (actor, critic, both optimizers and schedules, the KL controller, RNG states; the
+:mod:`rlhfkit.rollout.samples`), with a distillation teacher ``teacher_samples.jsonl`` (the student's and the
+teacher's responses to a few prompts at each evaluation: :mod:`rlhfkit.trainers.online.side_by_side`),
+``checkpoints/step-N/`` (actor, critic, both optimizers and schedules, the KL controller, RNG states; the
 data position is the step), ``final/`` (the policy as a Hugging Face folder) and ``final_critic/`` beside it
 (the critic, an ``AutoModelForSequenceClassification`` folder; gae only), ``summary.json``.
 

@@ -48,6 +48,7 @@ from rlhfkit.trainers.online.metrics import evaluate, rollout_stats
 from rlhfkit.trainers.online.ppo_update import UpdateResult, ppo_update
 from rlhfkit.trainers.online.shaping import estimate_advantages, group_stats, measured_kl, shape_rollout
 from rlhfkit.trainers.online.sharding import final_models
+from rlhfkit.trainers.online.side_by_side import SideBySideWriter
 from rlhfkit.types import Rollout
 
 CRITIC_DIR = "final_critic"
@@ -148,9 +149,13 @@ def train_online(
     online, train = cfg.online, cfg.train
     state = resume_state(ctx, run, hooks)
     last_eval: dict[str, float] = dict(state.get("last_eval", {}))
+    side_by_side = SideBySideWriter(
+        ctx, run, examples, eval_examples
+    )  # a teacher's samples beside the student's
     if state["step"] == 0 and hooks.evaluate_at_start and (hooks.evaluate or eval_examples):
         last_eval = evaluate(ctx, hooks, eval_examples, 0)
         run.metrics.log(0, last_eval)
+        side_by_side(0)
     samples = SamplesWriter(
         run.path / "samples.jsonl",
         keep_until=run.resume_step if run.resume_checkpoint else -1,
@@ -291,6 +296,8 @@ def train_online(
         if evaluated:
             last_eval = evaluate(ctx, hooks, eval_examples, step)
             metrics.update(last_eval)
+        if evaluated or step == train.max_steps:
+            side_by_side(step)
         last = metrics
         if step % train.log_steps == 0 or step == train.max_steps or evaluated:
             run.metrics.log(step, metrics)
@@ -298,6 +305,7 @@ def train_online(
             save(ctx, run, hooks, step, last_eval, trainer.checkpoint_state(step) if trainer else None)
         ctx.guard.stop_if_asked(step)  # SIGTERM / SIGINT: this rollout is checkpointed; exit 128 + signal
     samples.close()
+    side_by_side.close()
     if trainer is not None:
         trainer.close()
     wall = time.perf_counter() - start_time
