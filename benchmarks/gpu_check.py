@@ -15,6 +15,11 @@ parts, each in its own process:
 - ``fsdp_nccl``: PPO under ``torchrun --nproc_per_node 1`` with ``train.sharding=full_shard`` (FSDP2; the
   process group's backend, NCCL on a GPU, is read from the run's own start-up line);
 - ``lora``: PPO with ``model.lora_rank=16``;
+- ``async``: rollouts that overlap training: GRPO with LoRA r16 under ``torchrun --nproc_per_node 2`` on the one
+  device, process 0 training and process 1 sampling (``online.max_staleness=1 online.generation_processes=1``;
+  the backend, NCCL on a GPU, read from the run's start-up line), with the largest staleness and the drops
+  over the run and, over the timed steps (medians), each side's idle seconds, the generator's seconds sampling
+  a rollout and the trainer's seconds sending an update's weights (over the updates that send any);
 - ``distill``: on-policy distillation (``rlhfkit train distill``) of a LoRA r16 student from a bf16 teacher (the
   policy's own folder: the path's cost, not its learning) with ``distill.loss=full_reverse_kl``, the two heads
   read a chunk of positions at a time (:mod:`rlhfkit.models.distill_readout`);
@@ -39,9 +44,9 @@ and the critic's values 2*N_s*T, and per PPO epoch the actor's and the critic's 
 LoRA: no weight gradients for the frozen base); the actor's recomputed old log-probs are not counted, as in
 benchmarks/ppo_vs_trl.py. A DPO step counts 6*N*T for the policy and 2*N*T for the reference.
 
-``--smoke`` runs the same parts on the CPU with a tiny Llama and a couple of steps (the FSDP2 part over
-gloo; the cuda tests skip without a device), in well under a minute; tests/examples/test_gpu_check.py runs
-it, so the check cannot rot.
+``--smoke`` runs the same parts on the CPU with a tiny Llama and a couple of steps (the FSDP2 and async parts
+over gloo, started at once beside the others, which run one after another in this process; the cuda tests
+skip without a device), in about a minute; tests/examples/test_gpu_check.py runs it, so the check cannot rot.
 
     python benchmarks/gpu_check.py                         # on a GPU machine: gpu_check.json
     python benchmarks/gpu_check.py --out /tmp/check.json --budget-s 420 --parts ppo,dpo
@@ -51,6 +56,7 @@ it, so the check cannot rot.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import platform
@@ -67,7 +73,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("cuda_tests", "ppo", "grpo", "dpo", "fsdp_nccl", "lora", "distill", "vllm", "sampler")
+PARTS = ("cuda_tests", "ppo", "grpo", "dpo", "fsdp_nccl", "lora", "async", "distill", "vllm", "sampler")
 
 # Dense bfloat16 peaks (TFLOPS, without sparsity) from NVIDIA's data sheets, matched against
 # torch.cuda.get_device_name() in this order (an SXM H100 reports "NVIDIA H100 80GB HBM3").
@@ -106,8 +112,12 @@ MODEL_SHAPES = {
 
 # Work per part: prompt and response tokens, prompts (online) or pairs (dpo) per step, steps.
 SIZES = {
-    "full": dict(prompt=64, response=128, batch=32, group=4, micro=8, steps=3, fsdp_steps=2, pairs=16),
-    "smoke": dict(prompt=6, response=4, batch=2, group=2, micro=2, steps=2, fsdp_steps=2, pairs=2),
+    "full": dict(
+        prompt=64, response=128, batch=32, group=4, micro=8, steps=3, fsdp_steps=2, async_steps=4, pairs=16
+    ),
+    "smoke": dict(
+        prompt=6, response=4, batch=2, group=2, micro=2, steps=2, fsdp_steps=2, async_steps=3, pairs=2
+    ),
 }
 
 # A part is not started with less of the budget left than this (a 0.5B part takes about a minute on a GPU).
@@ -320,6 +330,18 @@ def part_runs(mode: str, paths: dict) -> dict[str, tuple[str, list[str], int]]:
             [*online_overrides(mode, paths, "ppo"), "model.lora_rank=16", "model.lora_alpha=32"],
             0,
         ),
+        "async": (
+            "grpo",
+            [
+                *online_overrides(mode, paths, "grpo"),
+                "online.max_staleness=1",
+                "online.generation_processes=1",
+                "model.lora_rank=16",
+                "model.lora_alpha=32",
+                f"train.max_steps={s['async_steps']}",
+            ],
+            2,
+        ),
         "distill": ("distill", online_overrides(mode, paths, "distill"), 0),
         "vllm": ("grpo", [*online_overrides(mode, paths, "grpo"), "online.generation_backend=vllm"], 0),
     }
@@ -428,6 +450,31 @@ def training_figures(part: str, mode: str, model: dict, metrics: list[dict], pea
     }
 
 
+def async_figures(metrics: list[dict]) -> dict:
+    """The overlap's own figures from the trainer's metrics.jsonl: the largest staleness and the drops over the
+    run; each side's idle seconds and the generator's seconds per rollout, medians over the steps after the
+    first; the trainer's seconds sending an update's weights, median over the updates that sent any (the last
+    k send nothing)."""
+    steps = [m for m in metrics if "async/staleness_max" in m]
+    if not steps:
+        return {"async_error": "no async/ metrics in metrics.jsonl"}
+    timed = steps[1:] or steps
+    sent = [m["async/weight_transfer_seconds"] for m in steps if m["async/weight_transfer_seconds"] > 0]
+
+    def median(name: str) -> float:
+        return statistics.median(m[name] for m in timed)
+
+    return {
+        "staleness_max": max(m["async/staleness_max"] for m in steps),
+        "dropped": sum(m["async/dropped"] for m in steps),
+        "trainer_idle_seconds": median("async/trainer_idle_seconds"),
+        "generator_idle_seconds": median("async/generator_idle_seconds"),
+        "generation_seconds": median("async/generation_seconds"),
+        "weight_transfer_seconds": statistics.median(sent) if sent else None,
+        "weight_transfers": len(sent),
+    }
+
+
 def run_training(part: str, mode: str, work: Path, paths: dict, model: dict, peak, timeout: float) -> dict:
     """One training part in its own process (under --smoke, torchrun's part only; the others in this one)."""
     kind, overrides, nproc = part_runs(mode, paths)[part]
@@ -504,9 +551,14 @@ def finish_training(
     for name in ("distill/teacher_kl", "loss/distill"):  # distillation: what it trained, at the last step
         if metrics and name in metrics[-1]:
             record[name.replace("/", "_")] = metrics[-1][name]
+    if part == "async":
+        record.update(async_figures(metrics))
     record["status"] = "ok" if record.get("steps_logged") else "failed"
     if record["status"] == "failed":
         record["error"] = f"no step in {out / 'metrics.jsonl'}"
+    elif part == "async" and not record.get("staleness_max", 2) <= 1:  # online.max_staleness=1
+        record["status"] = "failed"
+        record["error"] = record.get("async_error") or f"staleness {record['staleness_max']} > 1"
     return record
 
 
@@ -651,6 +703,22 @@ def run_sampler_check(mode: str) -> dict:
     return record
 
 
+def run_part(part: str, mode: str, work: Path, paths: dict, model: dict, peak, limit: float) -> dict:
+    """One part's record, with its seconds; a part that raises is recorded as failed, with its error."""
+    part_start = time.perf_counter()
+    try:
+        if part == "cuda_tests":
+            record = run_cuda_tests(work, limit)
+        elif part == "sampler":
+            record = run_sampler_check(mode)
+        else:
+            record = run_training(part, mode, work, paths, model, peak, limit)
+    except Exception as e:  # noqa: BLE001 - one part's failure must not stop the others
+        record = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+    record["seconds"] = time.perf_counter() - part_start
+    return record
+
+
 def skip_reason(part: str, mode: str, cuda: bool) -> str | None:
     """Why ``part`` does not run here, or None."""
     if part == "vllm":
@@ -717,38 +785,44 @@ def main(argv: list[str] | None = None) -> int:
             rewards=str(work / "rewards.py"),
             config=str(work / "config.yaml"),
         )
-        for part in parts:
-            left = args.budget_s - (time.perf_counter() - start)
+        peak = device["bf16_peak_tflops"]
+
+        def why_not(part: str, left: float) -> str | None:
             reason = skip_reason(part, mode, device["cuda"])
             if reason is None and "error" in report["model"]:
                 reason = f"the inputs could not be built: {report['model']['error']}"
             if reason is None and left < MIN_PART_SECONDS[mode]:
                 reason = f"time budget: {max(left, 0):.0f} s left of --budget-s {args.budget_s:.0f}"
-            if reason is not None:
-                report["parts"][part] = {"status": "skipped", "reason": reason}
-            else:
-                part_start = time.perf_counter()
-                try:
+            return reason
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(PARTS)) as pool:
+            # --smoke: the torchrun parts start at once, beside the parts that run in this process (one thread):
+            # their processes spend most of their time importing, on a core that would otherwise wait
+            torchrun = {name for name, (_, _, nproc) in part_runs(mode, paths).items() if nproc}
+            early = {
+                part: pool.submit(
+                    run_part, part, mode, work, paths, report["model"], peak, args.part_timeout_s
+                )
+                for part in parts
+                if mode == "smoke" and part in torchrun and why_not(part, args.budget_s) is None
+            }
+            for part in parts:
+                left = args.budget_s - (time.perf_counter() - start)
+                reason = None if part in early else why_not(part, left)
+                if reason is not None:
+                    report["parts"][part] = {"status": "skipped", "reason": reason}
+                elif part in early:
+                    report["parts"][part] = early[part].result()
+                else:
                     limit = min(left, args.part_timeout_s)
-                    if part == "cuda_tests":
-                        record = run_cuda_tests(work, limit)
-                    elif part == "sampler":
-                        record = run_sampler_check(mode)
-                    else:
-                        record = run_training(
-                            part, mode, work, paths, report["model"], device["bf16_peak_tflops"], limit
-                        )
-                except Exception as e:  # noqa: BLE001 - one part's failure must not stop the others
-                    record = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
-                record["seconds"] = time.perf_counter() - part_start
-                report["parts"][part] = record
-            report["wall_seconds"] = time.perf_counter() - start
-            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-            line = report["parts"][part]
-            print(
-                f"{part}: {line['status']} {line.get('reason') or line.get('error') or ''}".rstrip(),
-                flush=True,
-            )
+                    report["parts"][part] = run_part(part, mode, work, paths, report["model"], peak, limit)
+                report["wall_seconds"] = time.perf_counter() - start
+                Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+                line = report["parts"][part]
+                print(
+                    f"{part}: {line['status']} {line.get('reason') or line.get('error') or ''}".rstrip(),
+                    flush=True,
+                )
     text = json.dumps(report, indent=2)
     Path(args.out).write_text(text + "\n")
     print(text)

@@ -51,6 +51,17 @@ def test_the_smoke_run_runs_every_part_or_says_why_not(tmp_path):
         1,
     )
     assert parts["ppo"]["run"]["sharding"] == "none" and parts["ppo"]["run"]["device"] == "cpu"
+    # overlapping rollouts: a trainer and a generator under torchrun (gloo here), 3 rollouts of which the last
+    # two were sampled one version behind; one update's weights were sent (the last one samples nothing)
+    run, overlap = parts["async"]["run"], parts["async"]
+    assert (run["launcher"], run["backend"], run["world_size"]) == ("torchrun", "gloo", 2)
+    assert overlap["command"] == "rlhfkit train grpo under torchrun --nproc_per_node 2"
+    assert overlap["steps_logged"] == 3 and overlap["steps_timed"] == 2
+    assert overlap["seconds_per_step"] > 0 and overlap["tokens_per_second"] > 0
+    assert overlap["staleness_max"] == 1.0 and overlap["dropped"] == 0.0
+    assert overlap["trainer_idle_seconds"] >= 0 and overlap["generator_idle_seconds"] >= 0
+    assert overlap["generation_seconds"] > 0
+    assert overlap["weight_transfers"] == 1 and overlap["weight_transfer_seconds"] > 0
     # LoRA's update computes no weight gradients for the base: 4 N T instead of 6 N T per epoch
     assert parts["lora"]["model_flops_per_step"] < parts["ppo"]["model_flops_per_step"]
     # distillation: the teacher read the student's tokens (a sampled estimate: any sign) and the full-vocabulary
@@ -121,6 +132,59 @@ def test_a_failing_part_is_recorded_and_the_next_runs_and_the_budget_skips_the_r
     assert bench.main([*args[:-1], "dpo,lora", "--budget-s", "0"]) == 0
     parts = json.loads(out.read_text())["parts"]
     assert ran == [] and all(p["reason"].startswith("time budget") for p in parts.values())
+
+
+def test_the_async_figures_by_hand_and_a_staleness_over_1_fails_the_part(tmp_path):
+    bench = load_example("gpu_check", ROOT / "benchmarks")
+
+    def row(step, staleness, dropped, trainer_idle, generation, sent):
+        return {
+            "step": step,
+            "async/staleness_max": staleness,
+            "async/dropped": dropped,
+            "async/trainer_idle_seconds": trainer_idle,
+            "async/generator_idle_seconds": 0.1 * step,
+            "async/generation_seconds": generation,
+            "async/weight_transfer_seconds": sent,
+        }
+
+    metrics = [
+        row(1, 0.0, 0.0, 9.0, 9.0, 0.5),
+        row(2, 1.0, 2.0, 1.0, 2.0, 0.25),
+        row(3, 1.0, 1.0, 3.0, 4.0, 0.0),
+        row(4, 1.0, 0.0, 2.0, 3.0, 0.0),
+    ]
+    got = bench.async_figures(metrics)
+    # the first step left out of the medians; the transfers: the two updates that sent weights
+    assert got == {
+        "staleness_max": 1.0,
+        "dropped": 3.0,
+        "trainer_idle_seconds": 2.0,
+        "generator_idle_seconds": pytest.approx(0.3),
+        "generation_seconds": 3.0,
+        "weight_transfer_seconds": 0.375,
+        "weight_transfers": 2,
+    }
+    assert "async_error" in bench.async_figures([{"step": 1, "time/step_seconds": 1.0}])
+    # a run whose trainer took a sample two versions old (online.max_staleness=1) fails the part
+    out = tmp_path / "run"
+    out.mkdir()
+    timing = {"time/step_seconds": 1.0, "tokens_per_second": 8.0, "response_length/mean": 4.0}
+    metrics[2]["async/staleness_max"] = 2.0
+    (out / "metrics.jsonl").write_text("".join(json.dumps({**m, **timing}) + "\n" for m in metrics))
+    (tmp_path / "result.json").write_text(json.dumps({"exit_code": 0}))
+    model = {"policy": {"matmul_parameters": 10}, "reward": {"matmul_parameters": 10}}
+    done = subprocess.CompletedProcess([], 0, "", "")
+    record = bench.finish_training(
+        "async", "smoke", out, tmp_path / "result.json", model, None, done, "grpo", 2
+    )
+    assert record["status"] == "failed" and record["error"] == "staleness 2.0 > 1"
+    metrics[2]["async/staleness_max"] = 1.0
+    (out / "metrics.jsonl").write_text("".join(json.dumps({**m, **timing}) + "\n" for m in metrics))
+    record = bench.finish_training(
+        "async", "smoke", out, tmp_path / "result.json", model, None, done, "grpo", 2
+    )
+    assert record["status"] == "ok" and record["staleness_max"] == 1.0
 
 
 def test_the_error_line_is_rlhfkits_own_or_the_tracebacks_last():
