@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from rlhfkit.engine.transfer import (
     WeightSender,
+    open_transfers,
     recv_object,
     recv_weights,
     send_object,
     trained_parameters,
+    transfer_group,
     weights_digest,
 )
 
@@ -25,8 +28,26 @@ def _model(seed: int) -> torch.nn.Module:
     return model
 
 
-def _worker(rank: int, init: str, folder: str) -> None:
+def _beside_nccl() -> list:
+    """Make the default group look like NCCL to :func:`open_transfers` (it is gloo here, on a CPU) and record the
+    group of every point-to-point call after it: each must be the transfers' own gloo group."""
+    groups = []
+    torch.distributed.get_backend = lambda group=None: "nccl" if group is None else "gloo"
+    for name in ("send", "recv", "isend"):
+        call = getattr(torch.distributed, name)
+
+        def spy(*args, call=call, **kwargs):
+            groups.append(kwargs.get("group"))
+            return call(*args, **kwargs)
+
+        setattr(torch.distributed, name, spy)
+    open_transfers(30)
+    return groups
+
+
+def _worker(rank: int, init: str, folder: str, beside_nccl: bool = False) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    groups = _beside_nccl() if beside_nccl else None
     try:
         if rank == 0:
             send_object({"step": 3, "ids": torch.arange(6).view(2, 3), "note": "x"}, 1)
@@ -37,6 +58,7 @@ def _worker(rank: int, init: str, folder: str) -> None:
             sender.send(model, 2, dst=1)
             sender.wait()
             torch.save(("sender", dict(model.state_dict())), f"{folder}/0.pt")
+            _check_groups(groups)
         else:
             message = recv_object(0)
             model = _model(1)
@@ -46,13 +68,22 @@ def _worker(rank: int, init: str, folder: str) -> None:
             second = recv_weights(model, 0)
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
             torch.save(("receiver", message, first, second, once, frozen, weights), f"{folder}/1.pt")
+            _check_groups(groups)
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_an_object_and_two_weight_versions_travel_and_frozen_weights_stay(tmp_path):
+def _check_groups(groups: list | None) -> None:
+    if groups is not None:  # every transfer went over the gloo group of its own, none over the default group
+        assert groups and all(g is not None and g is transfer_group() for g in groups), groups
+
+
+@pytest.mark.parametrize("beside_nccl", [False, True])
+def test_an_object_and_two_weight_versions_travel_and_frozen_weights_stay(tmp_path, beside_nccl):
+    """Over the default gloo group, and over a gloo group of their own where the default one is NCCL."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    mp.spawn(_worker, args=(f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=2, join=True)
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(_worker, args=(init, str(tmp_path), beside_nccl), nprocs=2, join=True)
     found = [torch.load(tmp_path / f"{rank}.pt", weights_only=True) for rank in (0, 1)]
     got = {r[0]: r[1:] for r in found}
     (sent,) = got["sender"]

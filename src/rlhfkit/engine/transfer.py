@@ -1,4 +1,5 @@
-"""Point-to-point transfers between the processes of one launch, over the default process group (gloo on CPU):
+"""Point-to-point transfers between the processes of one launch, over gloo (:func:`open_transfers`: the default
+process group on CPU, a gloo group of the launch beside NCCL on GPUs):
 a small object (a dict of CPU tensors and numbers) from one process to another (:func:`send_object`,
 :func:`recv_object`), and a model's trained parameters streamed one tensor at a time
 (:class:`WeightSender`, :func:`recv_weights`; under LoRA only the adapters are trained, so only they travel).
@@ -11,6 +12,7 @@ turns into one line.
 from __future__ import annotations
 
 import io
+from datetime import timedelta
 
 import torch
 
@@ -18,6 +20,25 @@ from rlhfkit.errors import ConfigError
 
 WEIGHTS_TAG = 7
 OBJECT_TAG = 11
+_group = None  # the process group of the transfers (:func:`open_transfers`); None: the default group
+
+
+def open_transfers(timeout_seconds: float | None = None) -> None:
+    """Make this launch's transfers travel over gloo, which carries CPU tensors: with a default process group of
+    another backend (NCCL on GPUs, which carries only device tensors) a gloo group of every process, whose
+    receives wait at most ``timeout_seconds`` (``train.collective_timeout``), else the default group. Every
+    process calls it once, in the same order, before any transfer (a collective)."""
+    global _group
+    if torch.distributed.get_backend() == "gloo":
+        _group = None
+        return
+    timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
+    _group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+
+
+def transfer_group():
+    """The process group the transfers use (:func:`open_transfers`; None: the default group)."""
+    return _group
 
 
 def send_object(obj: object, dst: int, tag: int = OBJECT_TAG) -> None:
@@ -26,16 +47,16 @@ def send_object(obj: object, dst: int, tag: int = OBJECT_TAG) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    torch.distributed.send(torch.tensor([data.numel()], dtype=torch.int64), dst, tag=tag)
-    torch.distributed.send(data, dst, tag=tag)
+    torch.distributed.send(torch.tensor([data.numel()], dtype=torch.int64), dst, group=_group, tag=tag)
+    torch.distributed.send(data, dst, group=_group, tag=tag)
 
 
 def recv_object(src: int, tag: int = OBJECT_TAG) -> object:
     """What process ``src`` sent with :func:`send_object`."""
     size = torch.zeros(1, dtype=torch.int64)
-    torch.distributed.recv(size, src, tag=tag)
+    torch.distributed.recv(size, src, group=_group, tag=tag)
     data = torch.empty(int(size), dtype=torch.uint8)
-    torch.distributed.recv(data, src, tag=tag)
+    torch.distributed.recv(data, src, group=_group, tag=tag)
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
 
@@ -88,9 +109,9 @@ class WeightSender:
         """Send a :func:`snapshot` as ``version`` to ``dst`` (a version kept from earlier: a resumed run's)."""
         self.wait()
         header = torch.tensor([version, len(tensors)], dtype=torch.int64)
-        self.pending.append((torch.distributed.isend(header, dst, tag=WEIGHTS_TAG), header))
+        self.pending.append((torch.distributed.isend(header, dst, group=_group, tag=WEIGHTS_TAG), header))
         for t in tensors:
-            self.pending.append((torch.distributed.isend(t, dst, tag=WEIGHTS_TAG), t))
+            self.pending.append((torch.distributed.isend(t, dst, group=_group, tag=WEIGHTS_TAG), t))
 
     def wait(self) -> None:
         for work, _ in self.pending:
@@ -104,7 +125,7 @@ def recv_weights(model: torch.nn.Module, src: int) -> int:
     one tensor at a time; returns the version. The parameter count must match (the same configuration on
     both sides), else a named error."""
     header = torch.zeros(2, dtype=torch.int64)
-    torch.distributed.recv(header, src, tag=WEIGHTS_TAG)
+    torch.distributed.recv(header, src, group=_group, tag=WEIGHTS_TAG)
     version, count = (int(x) for x in header)
     params = trained_parameters(model)
     if count != len(params):
@@ -114,6 +135,6 @@ def recv_weights(model: torch.nn.Module, src: int) -> int:
         )
     for _, p in params:
         buffer = torch.empty(p.shape, dtype=p.dtype)
-        torch.distributed.recv(buffer, src, tag=WEIGHTS_TAG)
+        torch.distributed.recv(buffer, src, group=_group, tag=WEIGHTS_TAG)
         p.copy_(buffer.to(p.device))
     return version

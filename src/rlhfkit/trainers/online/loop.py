@@ -22,6 +22,7 @@ from rlhfkit.engine.accel import make_accelerator
 from rlhfkit.engine.finite import masked
 from rlhfkit.engine.folder import RunDir, logged_at, open_run
 from rlhfkit.engine.seed import get_rng_state, seed_everything
+from rlhfkit.engine.transfer import open_transfers
 from rlhfkit.errors import ConfigError
 from rlhfkit.models.precision import frozen_linears_cast
 from rlhfkit.rollout.preflight import check_scoring
@@ -74,6 +75,8 @@ def train(
     )  # an accelerate FSDP config: the roles sharded here
     check_process_count(cfg, accelerator.num_processes)
     overlap = cfg.online.max_staleness > 0  # rlhfkit.trainers.online.async_loop
+    if overlap:  # its transfers go over gloo (a group of their own beside NCCL), opened by every process
+        open_transfers(cfg.train.collective_timeout)
     if cfg.refresh.every and hooks.refresh_reward_model is None:
         raise ConfigError(
             f"refresh.every={cfg.refresh.every}: nothing refreshes the reward model (a refresh needs a "
