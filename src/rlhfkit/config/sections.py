@@ -305,6 +305,6 @@ class LoggingConfig:
     samples_per_step: int = option(
         8,
         "Online runs: responses per rollout written to samples.jsonl (prompt, response, score and its parts, "
-        "KL, length, ended with a stop token); 0 = none.",
+        "KL, length, ended with a stop token); 0 = none, nor a distillation's teacher_samples.jsonl.",
         ge=0,
     )

@@ -10,7 +10,8 @@ the same per-row random stream for both, seeded from (seed, step). The rows go t
     {"step": 40, "split": "eval", "prompt": "...", "student": "...", "teacher": "...",
      "student_length": 12, "teacher_length": 9, "student_ended": true, "teacher_ended": true}
 
-A few prompts, one generation call per model: cheap beside a rollout. Every process samples the same prompts
+A few prompts, one generation call per model: cheap beside a rollout; none with ``logging.samples_per_step``
+0, which turns every sample file off. Every process samples the same prompts
 (a sharded actor is gathered by all of them); the main process writes. On ``--resume`` the rows after the
 checkpoint are dropped, as in ``samples.jsonl``.
 """
@@ -96,7 +97,8 @@ class SideBySideWriter:
         self, ctx: OnlineContext, run: RunDir, examples: list[dict], eval_examples: list[dict] | None
     ):
         self.ctx = ctx
-        self.enabled = ctx.roles.teacher is not None
+        # with a teacher, unless sample logging is off (logging.samples_per_step 0: a benchmark's runs)
+        self.enabled = ctx.roles.teacher is not None and ctx.cfg.logging.samples_per_step > 0
         self.split = "eval" if eval_examples else "train"
         self.prompts = (eval_examples or examples)[:SIDE_BY_SIDE_PROMPTS]
         self.samples = SamplesWriter(
