@@ -1,0 +1,335 @@
+"""The central claims of docs/experiments.md at 20 seeds, as registered in docs/experiments_plan.json (family
+``central``): one resumable runner, one claim at a time.
+
+``overopt-central`` (overoptimization and the KL defence). The reviews task; the SFT policy and the pool of labelled
+pairs of ``overoptimization_quality.py`` (shared by every seed: trained once in ``OUT/shared``); per seed, that
+script's 256-pair ("weak") reward model (the first 256 pairs of the pool, 150 steps at batch 32, lr 5e-4 linear);
+then PPO from the SFT policy against it at kl_coef 0 and at kl_coef 0.05, at a CONSTANT learning rate of 1e-4,
+16 prompts × 48 tokens a rollout at T = 0.7, for ``ROLLOUTS`` rollouts (the pilot below). Every checkpoint
+(every ``--eval-every`` = 5 rollouts, the SFT policy at rollout 0 and the last rollout) is read with the 4-sample
+read: 4 responses at T = 0.7 to each of the 384 held-out prompts, one evaluation seed per training seed. Per seed
+and arm, the peak checkpoint (rollout > 0) is the one whose gold is highest on held-out prompts 0-191; the peak
+gold and the end gold are then read on prompts 192-383, so the drop (peak − end) is not the largest of several
+noisy reads. The registered comparisons (b − a, per seed):
+
+- ``drop-kl0``: gold at the peak − gold at the end (prompts 192-383), kl_coef 0;
+- ``defence-end``: end gold (all 384 prompts), kl_coef 0.05 − kl_coef 0;
+- ``defence-drop``: peak − end gold (as in drop-kl0), kl_coef 0.05 − kl_coef 0.
+
+The pilot that fixed ``ROLLOUTS`` ("long enough that gold peaks and falls at kl_coef 0 in a pilot"): seeds 100
+and 101 (not among the registered 0-19), kl_coef 0 only, every checkpoint read as above::
+
+    RLHFKIT_NUM_THREADS=1 nice -n 19 python examples/experiments/central_claims.py --out runs/central \\
+        --seeds 100 101 --arms kl0 --rollouts 60 --jobs 2
+
+PILOT_RESULT
+
+Layout: ``OUT/shared`` (SFT policy, pool), ``OUT/seed-N/rm256`` (the reward model), ``OUT/seed-N/sft_meter.json``
+(the SFT policy's read), ``OUT/seed-N/overopt-central/ARM`` (the PPO run, a checkpoint every read),
+``ARM-reads/rollout-NNNNN.json`` (each checkpoint's read), ``ARM.json`` (the arm's figures), and
+``OUT/seed-N/overopt-central.json`` (the seed's figures, with the commit they were run at). A finished stage is
+not rerun; an interrupted PPO run resumes from its newest checkpoint and reuses every read already written.
+``--report-only`` prints each registered comparison (rlhfkit.reporting.paired: ``paired``, ``describe``, and
+``decide`` with Holm's correction over the plan's ``central`` family, members without data at p = 1)::
+
+    RLHFKIT_NUM_THREADS=1 nice -n 19 python examples/experiments/central_claims.py --out runs/central   # seeds 0-19
+    python examples/experiments/central_claims.py --out runs/central --report-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stages and the meter beside this script
+import overoptimization_quality as oq  # noqa: E402
+import ppo_arms  # noqa: E402
+from ppo_sweep import Meter  # noqa: E402
+from temperature import add_size_arguments, ppo_config, sizes_of  # noqa: E402
+
+PLAN = Path(__file__).resolve().parents[2] / "docs" / "experiments_plan.json"
+FAMILY = "central"
+SEEDS = list(range(20))  # the seeds the plan registers
+ROLLOUTS = 40  # chosen by the pilot (the module's docstring)
+SIZES = {
+    "default": replace(oq.SIZES["default"], rollouts=ROLLOUTS),
+    "smoke": replace(oq.SIZES["smoke"], rollouts=3),
+}
+WEAK_PAIRS = {"default": 256, "smoke": 8}  # the weak reward model's training pairs (the pool's first)
+# Per claim: its arms (name -> kl_coef) and, per registered comparison, the (arm, figure) of a and of b.
+CLAIMS = {
+    "overopt-central": {
+        "arms": {"kl0": 0.0, "kl0.05": 0.05},
+        "comparisons": {
+            "drop-kl0": (("kl0", "end_gold_read"), ("kl0", "peak_gold_read")),
+            "defence-end": (("kl0", "end_gold"), ("kl0.05", "end_gold")),
+            "defence-drop": (("kl0", "drop"), ("kl0.05", "drop")),
+        },
+    },
+}
+
+
+def split_read(gold: list[float], repeats: int, select: int) -> dict[str, float]:
+    """A read's gold: ``repeats`` consecutive samples per prompt; ``gold`` over every prompt, ``gold_select`` over
+    the first ``select`` prompts (where the peak is chosen), ``gold_read`` over the rest (where it is read)."""
+    if repeats < 1 or len(gold) % repeats:
+        raise ValueError(f"{len(gold)} gold values are not {repeats} per prompt")
+    prompts = [statistics.fmean(gold[i : i + repeats]) for i in range(0, len(gold), repeats)]
+    if not 0 < select < len(prompts):
+        raise ValueError(f"select {select} must leave prompts on both sides of {len(prompts)}")
+    return {
+        "gold": statistics.fmean(prompts),
+        "gold_select": statistics.fmean(prompts[:select]),
+        "gold_read": statistics.fmean(prompts[select:]),
+    }
+
+
+def read(meter: Meter, policy) -> dict[str, float]:
+    """The 4-sample read of ``policy`` (``meter``'s final read, its sampling seed), its gold split in two halves
+    of the held-out prompts (:func:`split_read`), with proxy, KL, length and validity over every prompt."""
+    from rlhfkit.rollout.evaluate import prompt_standard_error
+
+    samples, prompts, repeats = meter.samples(policy, final=True)
+    s = samples.summary()
+    return {
+        **split_read(samples.gold, repeats, len(prompts) // 2),
+        "gold_se": prompt_standard_error(samples.gold, repeats),
+        "proxy": s["proxy_mean"],
+        "kl": s["kl_mean"],
+        "length": s["response_length_mean"],
+        "valid_rate": s.get("valid_rate"),
+        "prompts": len(prompts),
+        "select_prompts": len(prompts) // 2,
+        "samples": repeats,
+    }
+
+
+def peak_and_end(reads: list[dict]) -> dict[str, float]:
+    """Of an arm's reads (rollout 0, the SFT policy, first): the peak checkpoint (rollout > 0, the first of the
+    highest ``gold_select``), its gold and the end's on the other prompts (``gold_read``), their difference, and
+    the end's gold on every prompt."""
+    reads = sorted(reads, key=lambda r: r["rollout"])
+    trained = [r for r in reads if r["rollout"] > 0]
+    if not trained:
+        raise ValueError("no checkpoint after rollout 0")
+    peak, end = max(trained, key=lambda r: r["gold_select"]), trained[-1]
+    return {
+        "peak_rollout": peak["rollout"],
+        "peak_gold_read": peak["gold_read"],
+        "end_gold_read": end["gold_read"],
+        "drop": peak["gold_read"] - end["gold_read"],
+        "end_gold": end["gold"],
+        "end_kl": end["kl"],
+    }
+
+
+def checkpoints(rollouts: int, every: int) -> list[int]:
+    """The rollouts read along a run: 0 (the SFT policy), every ``every``-th, and the last."""
+    return sorted({0, *range(every, rollouts + 1, every), rollouts})
+
+
+def arm_run(root: Path, name: str, kl_coef: float, stage: dict, sft: dict, seed: int, s) -> dict:
+    """One arm: PPO at ``kl_coef`` in ``root/name`` (resumed from its newest checkpoint when interrupted), each
+    checkpoint read once (``root/name-reads``); the arm's figures, cached in ``root/name.json``."""
+    from rlhfkit.trainers import online
+
+    done = root / f"{name}.json"
+    if done.is_file():
+        record = json.loads(done.read_text())
+        if (record["rollouts"], record["eval_every"]) != (s.rollouts, s.eval_every):
+            raise SystemExit(
+                f"{done} ran {record['rollouts']} rollouts read every {record['eval_every']}, not the asked "
+                f"{s.rollouts} every {s.eval_every}: use another --out"
+            )
+        return record
+    reads_dir = root / f"{name}-reads"
+    reads_dir.mkdir(parents=True, exist_ok=True)
+    wanted = checkpoints(s.rollouts, s.eval_every)
+    clock, meter = time.process_time(), None
+
+    def path(step: int) -> Path:
+        return reads_dir / f"rollout-{step:05d}.json"
+
+    def hook(policy, step):
+        nonlocal meter
+        if step == 0:
+            figures = sft
+        elif path(step).is_file():
+            figures = json.loads(path(step).read_text())
+        else:
+            meter = meter or Meter(stage, s, seed)
+            figures = {"rollout": step, **read(meter, policy)}
+            path(step).write_text(json.dumps(figures, indent=1))
+        return {"eval/gold/mean": figures["gold"], "eval/score/mean": figures["proxy"]}
+
+    if not all(path(k).is_file() for k in wanted if k):
+        print(
+            f"seed {seed}: PPO kl_coef {kl_coef:g}, {s.rollouts} rollouts, read every {s.eval_every}",
+            flush=True,
+        )
+        cfg = ppo_config(
+            root / name,
+            seed,
+            stage,
+            s,
+            s.rollouts,
+            oq.EVAL_TEMPERATURE,
+            kl_coef,
+            **{
+                "train.lr_schedule": "constant",
+                "train.save_steps": s.eval_every,
+                "train.keep_last_checkpoints": 2,
+            },
+        )
+        online.train(cfg, resume=True, hooks=online.OnlineHooks(evaluate=hook))
+    reads = [{**sft, "rollout": 0}] + [json.loads(path(k).read_text()) for k in wanted if k]
+    record = {"kl_coef": kl_coef, "rollouts": s.rollouts, "eval_every": s.eval_every, "reads": reads}
+    record.update(peak_and_end(reads), cpu_seconds=time.process_time() - clock)
+    done.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def shared_args(args) -> argparse.Namespace:
+    """What ``overoptimization_quality``'s stages read of the command line: its SFT policy and pool (task seed 0,
+    no quickstart), the weak reward model's subset, 1.5 epochs of reward-model training, nothing overwritten."""
+    quality = WEAK_PAIRS[args.size]
+    return argparse.Namespace(
+        out=args.out, child=False, quickstart=None, task_seed=0, overwrite=False, qualities=[quality],
+        size=args.size, rm_epochs=1.5,
+    )  # fmt: skip
+
+
+def run_seed(seed: int, args) -> dict | None:
+    """One seed's stages and arms (``--report-only``: only what is cached); its figures, also in
+    ``OUT/seed-N/overopt-central.json``; None when nothing of it has run."""
+    root, claim = args.out / f"seed-{seed}", "overopt-central"
+    figures_file = root / f"{claim}.json"
+    if args.report_only:
+        return json.loads(figures_file.read_text()) if figures_file.is_file() else None
+    s, sa = sizes_of(args, SIZES), shared_args(args)
+    shared = oq.shared_stage(sa, s)
+    quality = WEAK_PAIRS[args.size]
+    stage, rm = oq.reward_stage(
+        root, f"rm{quality}", shared, shared["subsets"][quality], quality, seed, s, sa
+    )
+    sft_file = root / "sft_meter.json"  # the SFT policy's read (rollout 0 of every arm)
+    if not sft_file.is_file():
+        meter = Meter(stage, s, seed)
+        sft_file.write_text(json.dumps({"rollout": 0, **read(meter, meter.reference)}, indent=1))
+    sft = json.loads(sft_file.read_text())
+    old = json.loads(figures_file.read_text()) if figures_file.is_file() else {}
+    arms = dict(old.get("arms", {}))
+    for name in args.arms:
+        arms[name] = arm_run(root / claim, name, CLAIMS[claim]["arms"][name], stage, sft, seed, s)
+    out = {"seed": seed, "claim": claim, "commit": args.commit, **rm, "sft": sft, "arms": arms}
+    figures_file.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def values_of(results: list[dict], claim: str, cid: str) -> tuple[list[int], list[float], list[float]]:
+    """The seeds that have both arms of a comparison, and a's and b's figure per seed, in seed order."""
+    (arm_a, fig_a), (arm_b, fig_b) = CLAIMS[claim]["comparisons"][cid]
+    have = sorted((r for r in results if arm_a in r["arms"] and arm_b in r["arms"]), key=lambda r: r["seed"])
+    return (
+        [r["seed"] for r in have],
+        [r["arms"][arm_a][fig_a] for r in have],
+        [r["arms"][arm_b][fig_b] for r in have],
+    )
+
+
+def report(results: list[dict], claims, plan_path: Path = PLAN) -> str:
+    """Each registered comparison of ``claims``: the per-seed differences b − a (``describe``), the exact p after
+    Holm's correction over the plan's ``central`` family (registered members without data count at p = 1), and
+    ``decide``'s verdict under the plan's direction and margin."""
+    from rlhfkit.reporting.paired import Claim, decide, describe, holm, paired
+    from rlhfkit.reporting.plan import load_plan
+
+    plan = load_plan(plan_path)
+    data = {}
+    for claim in claims:
+        for cid in CLAIMS[claim]["comparisons"]:
+            seeds, a, b = values_of(results, claim, cid)
+            if seeds:
+                data[f"{claim}.{cid}"] = (seeds, paired(a, b))
+    members = plan.family_members()[FAMILY]
+    adjusted = dict(
+        zip(members, holm([data[k][1].exact_p if k in data else 1.0 for k in members]), strict=True)
+    )
+    lines = []
+    for claim in claims:
+        for cid in CLAIMS[claim]["comparisons"]:
+            key, planned = f"{claim}.{cid}", plan.comparisons[f"{claim}.{cid}"]
+            head = f"{key}: b − a = ({planned.b}) − ({planned.a})"
+            if key not in data:
+                lines.append(f"{head}: no seed has run")
+                continue
+            seeds, p = data[key]
+            word = decide(p, Claim(planned.direction, planned.margin), adjusted[key])
+            note = "" if len(seeds) == planned.n else f" (the plan registers {planned.n}: not its test yet)"
+            lines.append(
+                f"{head}\n  seeds {seeds[0]}-{seeds[-1]}, n = {len(seeds)}{note}: {describe(p)}\n"
+                f"  Holm over '{FAMILY}': p = {adjusted[key]:.3g}; claimed direction {planned.direction:+d}: {word}"
+            )
+    return "\n".join(lines)
+
+
+def git_commit() -> str | None:
+    """The commit of this script's checkout, or None outside a git checkout."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
+    p.add_argument("--claims", nargs="+", choices=sorted(CLAIMS), default=sorted(CLAIMS))
+    p.add_argument("--arms", nargs="+", choices=["kl0", "kl0.05"], default=["kl0", "kl0.05"],
+                   help="overopt-central's arms to run (the pilot: kl0)")  # fmt: skip
+    add_size_arguments(p, SIZES)
+    p.add_argument(
+        "--jobs", type=int, default=2, help="seeds run at once, each in its own one-thread process"
+    )
+    p.add_argument("--commit", help="the commit the runs record (default: this checkout's HEAD)")
+    p.add_argument("--report-only", action="store_true", help="only the comparisons, from OUT")
+    p.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.overwrite = False  # ppo_arms.run_seeds reads it; a finished stage is never rerun here
+    args.commit = args.commit or git_commit()
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:  # the shared stage once, before the seeds' jobs start
+        from rlhfkit.engine.threads import set_num_threads
+
+        set_num_threads()
+        oq.shared_stage(shared_args(args), sizes_of(args, SIZES))
+    results = ppo_arms.run_seeds(__file__, [*argv, "--commit", str(args.commit)], args, run_seed)
+    if results is None:
+        return 1
+    if not args.no_report:
+        print(report([r for r in results if r is not None], args.claims), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
