@@ -1,0 +1,154 @@
+"""examples/experiments/central_claims.py: the split read, the peak and the drop by hand, the checkpoints read,
+the pairing by seed, the report's Holm correction over the plan's ``central`` family, and the runner end to end at
+the smoke size (every checkpoint read, an interrupted arm resumed to the same figures, --report-only). The figures
+themselves come from the 20-seed run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from rlhfkit.reporting.paired import holm, sign_flip_p
+from rlhfkit.reporting.plan import load_plan
+from tests.examples.loader import load_example
+
+ex = load_example("experiments/central_claims")
+
+
+def test_the_split_read_averages_each_prompt_then_each_half():
+    gold = [1.0, 3.0, 0.0, 0.0, -1.0, 1.0, 4.0, 2.0]  # 4 prompts x 2 samples: prompt means 2, 0, 0, 3
+    assert ex.split_read(gold, 2, 2) == pytest.approx({"gold": 1.25, "gold_select": 1.0, "gold_read": 1.5})
+    assert ex.split_read(gold, 2, 1) == pytest.approx({"gold": 1.25, "gold_select": 2.0, "gold_read": 1.0})
+    with pytest.raises(ValueError):
+        ex.split_read(gold, 3, 1)  # not 3 per prompt
+    with pytest.raises(ValueError):
+        ex.split_read(gold, 2, 4)  # nothing left to read on
+
+
+def _read(rollout, select, read, gold=0.0, kl=1.0):
+    return {"rollout": rollout, "gold_select": select, "gold_read": read, "gold": gold, "kl": kl}
+
+
+def test_the_peak_is_chosen_on_the_first_half_and_read_on_the_second():
+    reads = [
+        _read(10, 0.9, 0.2),
+        _read(0, 5.0, 5.0),  # the SFT policy: never the peak, whatever it reads
+        _read(5, 0.4, 0.8),  # the highest read on the second half is not chosen
+        _read(15, 0.9, 0.1),  # a tie on the first half: the first checkpoint is the peak
+        _read(20, 0.1, -0.3, gold=0.25, kl=7.0),
+    ]
+    got = ex.peak_and_end(reads)
+    assert got == pytest.approx(
+        {
+            "peak_rollout": 10,
+            "peak_gold_read": 0.2,
+            "end_gold_read": -0.3,
+            "drop": 0.5,
+            "end_gold": 0.25,
+            "end_kl": 7.0,
+        }
+    )
+    assert ex.peak_and_end([_read(0, 1.0, 1.0), _read(5, 0.2, 0.3)])["drop"] == 0.0  # the peak is the end
+    with pytest.raises(ValueError):
+        ex.peak_and_end([_read(0, 1.0, 1.0)])
+
+
+def test_every_checkpoint_and_the_last_rollout_are_read():
+    assert ex.checkpoints(40, 5) == [0, 5, 10, 15, 20, 25, 30, 35, 40]
+    assert ex.checkpoints(12, 5) == [0, 5, 10, 12]
+
+
+def _seed(seed, kl0, kl005):
+    arms = {}
+    for name, (peak, end, end_all) in (("kl0", kl0), ("kl0.05", kl005)):
+        if peak is not None:
+            arms[name] = {
+                "peak_gold_read": peak,
+                "end_gold_read": end,
+                "drop": peak - end,
+                "end_gold": end_all,
+            }
+    return {"seed": seed, "arms": arms}
+
+
+def test_the_comparisons_pair_each_seed_with_itself_and_skip_a_seed_without_both_arms():
+    results = [
+        _seed(2, (1.0, 0.5, 0.4), (1.1, 1.0, 0.9)),
+        _seed(0, (0.8, 0.1, 0.2), (0.7, 0.6, 0.5)),
+        _seed(1, (0.9, 0.3, 0.3), (None, None, None)),
+    ]
+    assert ex.values_of(results, "overopt-central", "drop-kl0") == (
+        [0, 1, 2],
+        [0.1, 0.3, 0.5],
+        [0.8, 0.9, 1.0],
+    )
+    seeds, a, b = ex.values_of(results, "overopt-central", "defence-end")
+    assert (seeds, a, b) == ([0, 2], [0.2, 0.4], [0.5, 0.9])
+    seeds, a, b = ex.values_of(results, "overopt-central", "defence-drop")
+    assert seeds == [0, 2] and a == pytest.approx([0.7, 0.5]) and b == pytest.approx([0.1, 0.1])
+
+
+def test_the_report_corrects_over_the_whole_central_family_of_the_plan():
+    # 20 seeds: every drop at kl_coef 0 is positive, the penalty's end gain is positive in 19 seeds of 20
+    results = [
+        _seed(k, (1.0 + 0.01 * k, 0.2, 0.1), (0.9, 0.8 - 0.01 * k, 0.6 if k else 0.05)) for k in range(20)
+    ]
+    text = ex.report(results, ["overopt-central"])
+    members = load_plan(ex.PLAN).family_members()["central"]
+    assert len(members) == 9  # the seven claims' directional comparisons; grpo-ppo claims no difference
+    drop = [1.0 + 0.01 * k - 0.2 for k in range(20)]
+    end = [(0.6 if k else 0.05) - 0.1 for k in range(20)]
+    ps = {"overopt-central.drop-kl0": sign_flip_p(drop), "overopt-central.defence-end": sign_flip_p(end)}
+    ps["overopt-central.defence-drop"] = sign_flip_p(
+        [(0.9 - (0.8 - 0.01 * k)) - d for k, d in enumerate(drop)]
+    )
+    expected = dict(zip(members, holm([ps.get(k, 1.0) for k in members]), strict=True))
+    blocks = dict(
+        zip(("drop-kl0", "defence-end", "defence-drop"), text.split("overopt-central.")[1:], strict=True)
+    )
+    for cid, block in blocks.items():
+        key = f"overopt-central.{cid}"
+        assert f"p = {expected[key]:.3g};" in block and "n = 20:" in block
+        assert expected[key] > ps[key]  # the correction is over nine members, not three
+    assert blocks["drop-kl0"].rstrip().endswith("holds")
+    assert blocks["defence-end"].rstrip().endswith("holds")
+    assert blocks["defence-drop"].rstrip().endswith("holds")  # the drop is smaller with the penalty: -1 holds
+    assert "(+0.80 / +0.81 / +0.82 / " in blocks["drop-kl0"]  # each seed b − a, in seed order
+    few = ex.report(results[:5], ["overopt-central"])
+    assert "n = 5 (the plan registers 20: not its test yet)" in few and "holds" not in few
+
+
+@pytest.mark.long
+def test_the_runner_end_to_end_at_the_smoke_size_resumes_an_interrupted_arm(tmp_path, capsys):
+    out = tmp_path / "central"
+    argv = ["--out", str(out), "--size", "smoke", "--seeds", "0", "--jobs", "1", "--commit", "abc1234"]
+    assert ex.main(argv) == 0
+    root = out / "seed-0" / "overopt-central"
+    figures = json.loads((out / "seed-0" / "overopt-central.json").read_text())
+    assert figures["commit"] == "abc1234" and set(figures["arms"]) == {"kl0", "kl0.05"}
+    for name, kl_coef in (("kl0", 0.0), ("kl0.05", 0.05)):
+        arm = figures["arms"][name]
+        assert [r["rollout"] for r in arm["reads"]] == [0, 1, 2, 3] and arm["kl_coef"] == kl_coef
+        assert all(r["prompts"] == 6 and r["samples"] == 2 and r["select_prompts"] == 3 for r in arm["reads"])
+        assert arm["drop"] == pytest.approx(arm["peak_gold_read"] - arm["end_gold_read"])
+    # an interruption after rollout 2's checkpoint: what came after it is lost, the run resumes from rollout 2
+    first = json.loads((root / "kl0.json").read_text())
+    (root / "kl0.json").unlink()
+    (root / "kl0-reads" / "rollout-00003.json").unlink()
+    shutil.rmtree(root / "kl0" / "checkpoints" / "step-3")
+    shutil.rmtree(root / "kl0" / "final")
+    kept = (root / "kl0-reads" / "rollout-00002.json").stat().st_mtime_ns
+    checkpoint = (root / "kl0" / "checkpoints" / "step-2").stat().st_mtime_ns
+    assert ex.main(argv) == 0
+    # resumed, not run again: rollout 2's checkpoint is the one it started from, and rollout 3's is back
+    assert (root / "kl0" / "checkpoints" / "step-2").stat().st_mtime_ns == checkpoint
+    assert (root / "kl0" / "checkpoints" / "step-3").is_dir()
+    again = json.loads((root / "kl0.json").read_text())
+    assert again["reads"] == first["reads"]  # the resumed run reads the same policy at rollout 3
+    assert (root / "kl0-reads" / "rollout-00002.json").stat().st_mtime_ns == kept
+    capsys.readouterr()
+    assert ex.main([*argv, "--report-only"]) == 0
+    text = capsys.readouterr().out
+    assert "overopt-central.defence-drop" in text and "seeds 0-0, n = 1" in text
