@@ -62,17 +62,28 @@ SIZES = {
     "smoke": replace(oq.SIZES["smoke"], rollouts=3),
 }
 WEAK_PAIRS = {"default": 256, "smoke": 8}  # the weak reward model's training pairs (the pool's first)
-# Per claim: its arms (name -> kl_coef) and, per registered comparison, the (arm, figure) of a and of b.
+REFRESH_EVERY = {"default": 5, "smoke": 1}  # overoptimization_quality.py's --refresh-steps
+# Per claim: its arms in the order they run (name -> kl_coef; "refresh": the online refresh of the weak reward
+# model; "reward": "own-pairs", the offline reward model on the weak one's pairs and the refresh arm's labelled
+# pairs), and per registered comparison the (arm, figure) of a and of b.
 CLAIMS = {
     "overopt-central": {
-        "arms": {"kl0": 0.0, "kl0.05": 0.05},
+        "arms": {"kl0": {"kl_coef": 0.0}, "kl0.05": {"kl_coef": 0.05}},
         "comparisons": {
             "drop-kl0": (("kl0", "end_gold_read"), ("kl0", "peak_gold_read")),
             "defence-end": (("kl0", "end_gold"), ("kl0.05", "end_gold")),
             "defence-drop": (("kl0", "drop"), ("kl0.05", "drop")),
         },
     },
+    "refresh-own-pairs": {
+        "arms": {
+            "refresh": {"kl_coef": 0.0, "refresh": True},
+            "own-pairs": {"kl_coef": 0.0, "reward": "own-pairs"},
+        },
+        "comparisons": {"end": (("own-pairs", "end_gold"), ("refresh", "end_gold"))},
+    },
 }
+ARMS = [name for claim in CLAIMS.values() for name in claim["arms"]]
 
 
 def split_read(gold: list[float], repeats: int, select: int) -> dict[str, float]:
@@ -134,9 +145,14 @@ def checkpoints(rollouts: int, every: int) -> list[int]:
     return sorted({0, *range(every, rollouts + 1, every), rollouts})
 
 
-def arm_run(root: Path, name: str, kl_coef: float, stage: dict, sft: dict, seed: int, s) -> dict:
+def arm_run(
+    root: Path, name: str, kl_coef: float, stage: dict, sft: dict, seed: int, s, refresh: dict | None = None
+) -> dict:
     """One arm: PPO at ``kl_coef`` in ``root/name`` (resumed from its newest checkpoint when interrupted), each
-    checkpoint read once (``root/name-reads``); the arm's figures, cached in ``root/name.json``."""
+    checkpoint read once (``root/name-reads``); the arm's figures, cached in ``root/name.json``. ``refresh``:
+    ``{"every": K, "pairs": the reward model's training pairs}``, the online refresh of
+    ``overoptimization_quality.py`` (its defaults); the pairs it labels are kept in ``root/name-pairs.jsonl``."""
+    from rlhfkit.quickstart.pipeline import task_refresh
     from rlhfkit.trainers import online
 
     done = root / f"{name}.json"
@@ -151,7 +167,15 @@ def arm_run(root: Path, name: str, kl_coef: float, stage: dict, sft: dict, seed:
     reads_dir = root / f"{name}-reads"
     reads_dir.mkdir(parents=True, exist_ok=True)
     wanted = checkpoints(s.rollouts, s.eval_every)
-    clock, meter = time.process_time(), None
+    clock, meter, refresher = time.process_time(), None, None
+    pairs_file = root / f"{name}-pairs.jsonl"
+    hooks, settings = online.OnlineHooks(), {}
+    if (
+        refresh is not None
+    ):  # the refresh re-points the meter's proxy at the refreshed reward model: a meter now
+        meter = Meter(stage, s, seed)
+        refresher = task_refresh(stage["task"], meter, refresh["pairs"], s, seed)
+        hooks.refresh_reward_model, settings["refresh.every"] = refresher, refresh["every"]
 
     def path(step: int) -> Path:
         return reads_dir / f"rollout-{step:05d}.json"
@@ -168,11 +192,9 @@ def arm_run(root: Path, name: str, kl_coef: float, stage: dict, sft: dict, seed:
             path(step).write_text(json.dumps(figures, indent=1))
         return {"eval/gold/mean": figures["gold"], "eval/score/mean": figures["proxy"]}
 
-    if not all(path(k).is_file() for k in wanted if k):
-        print(
-            f"seed {seed}: PPO kl_coef {kl_coef:g}, {s.rollouts} rollouts, read every {s.eval_every}",
-            flush=True,
-        )
+    hooks.evaluate = hook
+    if not all(path(k).is_file() for k in wanted if k) or (refresh is not None and not pairs_file.is_file()):
+        print(f"seed {seed}: PPO {name}, {s.rollouts} rollouts, read every {s.eval_every}", flush=True)
         cfg = ppo_config(
             root / name,
             seed,
@@ -185,11 +207,16 @@ def arm_run(root: Path, name: str, kl_coef: float, stage: dict, sft: dict, seed:
                 "train.lr_schedule": "constant",
                 "train.save_steps": s.eval_every,
                 "train.keep_last_checkpoints": 2,
+                **settings,
             },
         )
-        online.train(cfg, resume=True, hooks=online.OnlineHooks(evaluate=hook))
+        online.train(cfg, resume=True, hooks=hooks)
+        if refresher is not None:  # its state (the pairs it labelled) comes back with a resumed checkpoint
+            pairs_file.write_text("".join(json.dumps(r) + "\n" for r in refresher.state_dict()["pairs"]))
     reads = [{**sft, "rollout": 0}] + [json.loads(path(k).read_text()) for k in wanted if k]
     record = {"kl_coef": kl_coef, "rollouts": s.rollouts, "eval_every": s.eval_every, "reads": reads}
+    if refresh is not None:
+        record.update(refresh_every=refresh["every"], refresh_labels=len(pairs_file.read_text().splitlines()))
     record.update(peak_and_end(reads), cpu_seconds=time.process_time() - clock)
     done.write_text(json.dumps(record, indent=1))
     return record
@@ -205,37 +232,60 @@ def shared_args(args) -> argparse.Namespace:
     )  # fmt: skip
 
 
-def run_seed(seed: int, args) -> dict | None:
-    """One seed's stages and arms (``--report-only``: only what is cached); its figures, also in
-    ``OUT/seed-N/overopt-central.json``; None when nothing of it has run."""
-    root, claim = args.out / f"seed-{seed}", "overopt-central"
-    figures_file = root / f"{claim}.json"
+def run_seed(seed: int, args) -> list[dict]:
+    """One seed's stages and the arms of ``args.arms`` in ``args.claims`` (``--report-only``: only what is
+    cached); per claim that has run, its figures, also in ``OUT/seed-N/CLAIM.json``."""
+    root = args.out / f"seed-{seed}"
+    files = {claim: root / f"{claim}.json" for claim in args.claims}
     if args.report_only:
-        return json.loads(figures_file.read_text()) if figures_file.is_file() else None
+        return [json.loads(f.read_text()) for f in files.values() if f.is_file()]
     s, sa = sizes_of(args, SIZES), shared_args(args)
     shared = oq.shared_stage(sa, s)
     quality = WEAK_PAIRS[args.size]
-    stage, rm = oq.reward_stage(
-        root, f"rm{quality}", shared, shared["subsets"][quality], quality, seed, s, sa
-    )
+    weak = shared["subsets"][quality]
+    stage, rm = oq.reward_stage(root, f"rm{quality}", shared, weak, quality, seed, s, sa)
     sft_file = root / "sft_meter.json"  # the SFT policy's read (rollout 0 of every arm)
     if not sft_file.is_file():
         meter = Meter(stage, s, seed)
         sft_file.write_text(json.dumps({"rollout": 0, **read(meter, meter.reference)}, indent=1))
     sft = json.loads(sft_file.read_text())
-    old = json.loads(figures_file.read_text()) if figures_file.is_file() else {}
-    arms = dict(old.get("arms", {}))
-    for name in args.arms:
-        arms[name] = arm_run(root / claim, name, CLAIMS[claim]["arms"][name], stage, sft, seed, s)
-    out = {"seed": seed, "claim": claim, "commit": args.commit, **rm, "sft": sft, "arms": arms}
-    figures_file.write_text(json.dumps(out, indent=1))
+    out = []
+    for claim, figures_file in files.items():
+        old = json.loads(figures_file.read_text()) if figures_file.is_file() else {}
+        arms, rms = dict(old.get("arms", {})), {**old.get("reward_models", {}), "weak": rm}
+        for name, arm in CLAIMS[claim]["arms"].items():
+            if name not in args.arms:
+                continue
+            view, refresh = stage, None
+            if arm.get("refresh"):
+                refresh = {"every": REFRESH_EVERY[args.size], "pairs": weak}
+            if arm.get("reward") == "own-pairs":
+                view, rms["own-pairs"] = own_pairs_stage(root / claim, shared, weak, seed, s, sa)
+            arms[name] = arm_run(root / claim, name, arm["kl_coef"], view, sft, seed, s, refresh)
+        if not arms:  # none of its arms asked (the pilot's kl0 alone), none run before
+            continue
+        record = {"seed": seed, "claim": claim, "commit": args.commit, "reward_models": rms, "sft": sft}
+        out.append({**record, "arms": arms})
+        figures_file.write_text(json.dumps(out[-1], indent=1))
     return out
+
+
+def own_pairs_stage(root: Path, shared: dict, weak: Path, seed: int, s, sa) -> tuple[dict, dict]:
+    """The offline reward model of refresh-own-pairs, trained once as the weak one is (1.5 epochs, at least
+    ``s.rm_steps`` steps) on the weak one's pairs and, after them, every pair the refresh arm labelled
+    (``root/refresh-pairs.jsonl``): the refresh's own pairs and labels, all at once from the start."""
+    lines = weak.read_text().splitlines() + (root / "refresh-pairs.jsonl").read_text().splitlines()
+    pairs = root / "own-pairs.jsonl"
+    if not pairs.is_file():
+        pairs.write_text("\n".join(lines) + "\n")
+    return oq.reward_stage(root, "rm-own-pairs", shared, pairs, len(lines), seed, s, sa)
 
 
 def values_of(results: list[dict], claim: str, cid: str) -> tuple[list[int], list[float], list[float]]:
     """The seeds that have both arms of a comparison, and a's and b's figure per seed, in seed order."""
     (arm_a, fig_a), (arm_b, fig_b) = CLAIMS[claim]["comparisons"][cid]
-    have = sorted((r for r in results if arm_a in r["arms"] and arm_b in r["arms"]), key=lambda r: r["seed"])
+    mine = (r for r in results if r["claim"] == claim and arm_a in r["arms"] and arm_b in r["arms"])
+    have = sorted(mine, key=lambda r: r["seed"])
     return (
         [r["seed"] for r in have],
         [r["arms"][arm_a][fig_a] for r in have],
@@ -298,9 +348,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
-    p.add_argument("--claims", nargs="+", choices=sorted(CLAIMS), default=sorted(CLAIMS))
-    p.add_argument("--arms", nargs="+", choices=["kl0", "kl0.05"], default=["kl0", "kl0.05"],
-                   help="overopt-central's arms to run (the pilot: kl0)")  # fmt: skip
+    p.add_argument("--claims", nargs="+", choices=list(CLAIMS), default=list(CLAIMS))
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=ARMS,
+                   help="the arms to run, of the claims asked (the pilot: kl0)")  # fmt: skip
     add_size_arguments(p, SIZES)
     p.add_argument(
         "--jobs", type=int, default=2, help="seeds run at once, each in its own one-thread process"
@@ -323,11 +373,12 @@ def main(argv=None) -> int:
 
         set_num_threads()
         oq.shared_stage(shared_args(args), sizes_of(args, SIZES))
-    results = ppo_arms.run_seeds(__file__, [*argv, "--commit", str(args.commit)], args, run_seed)
+    commit = ["--commit", args.commit] if args.commit else []
+    results = ppo_arms.run_seeds(__file__, [*argv, *commit], args, run_seed)
     if results is None:
         return 1
     if not args.no_report:
-        print(report([r for r in results if r is not None], args.claims), flush=True)
+        print(report([r for seed in results for r in seed], args.claims), flush=True)
     return 0
 
 

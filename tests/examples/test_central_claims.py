@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+import yaml
 
 from rlhfkit.reporting.paired import holm, sign_flip_p
 from rlhfkit.reporting.plan import load_plan
@@ -70,7 +71,7 @@ def _seed(seed, kl0, kl005):
                 "drop": peak - end,
                 "end_gold": end_all,
             }
-    return {"seed": seed, "arms": arms}
+    return {"seed": seed, "claim": "overopt-central", "arms": arms}
 
 
 def test_the_comparisons_pair_each_seed_with_itself_and_skip_a_seed_without_both_arms():
@@ -79,6 +80,7 @@ def test_the_comparisons_pair_each_seed_with_itself_and_skip_a_seed_without_both
         _seed(0, (0.8, 0.1, 0.2), (0.7, 0.6, 0.5)),
         _seed(1, (0.9, 0.3, 0.3), (None, None, None)),
     ]
+    results.append({"seed": 3, "claim": "refresh-own-pairs", "arms": {"refresh": {}, "own-pairs": {}}})
     assert ex.values_of(results, "overopt-central", "drop-kl0") == (
         [0, 1, 2],
         [0.1, 0.3, 0.5],
@@ -128,6 +130,21 @@ def test_the_runner_end_to_end_at_the_smoke_size_resumes_an_interrupted_arm(tmp_
     root = out / "seed-0" / "overopt-central"
     figures = json.loads((out / "seed-0" / "overopt-central.json").read_text())
     assert figures["commit"] == "abc1234" and set(figures["arms"]) == {"kl0", "kl0.05"}
+    # refresh-own-pairs: the offline reward model trained on the weak one's pairs, then the refresh's own
+    own = json.loads((out / "seed-0" / "refresh-own-pairs.json").read_text())
+    claim = out / "seed-0" / "refresh-own-pairs"
+    labelled = (claim / "refresh-pairs.jsonl").read_text().splitlines()
+    weak = (out / "shared" / "pairs" / "pairs_train_8.jsonl").read_text().splitlines()
+    assert own["arms"]["refresh"]["refresh_labels"] == len(labelled) > 0
+    assert all(set(json.loads(r)) >= {"prompt", "chosen", "rejected"} for r in labelled)
+    assert (claim / "own-pairs.jsonl").read_text().splitlines() == weak + labelled
+    config = yaml.safe_load((claim / "rm-own-pairs" / "config.yaml").read_text())
+    assert config["data"]["train_file"] == str(claim / "own-pairs.jsonl")
+    assert own["reward_models"]["own-pairs"]["labels"] == len(weak) + len(labelled)
+    ppo = yaml.safe_load((claim / "own-pairs" / "config.yaml").read_text())
+    assert ppo["online"]["reward_model"] == str(claim / "rm-own-pairs" / "final")
+    assert ppo["online"]["kl_coef"] == 0.0 and ppo["train"]["lr_schedule"] == "constant"
+    assert yaml.safe_load((claim / "refresh" / "config.yaml").read_text())["refresh"]["every"] == 1
     for name, kl_coef in (("kl0", 0.0), ("kl0.05", 0.05)):
         arm = figures["arms"][name]
         assert [r["rollout"] for r in arm["reads"]] == [0, 1, 2, 3] and arm["kl_coef"] == kl_coef
@@ -152,3 +169,4 @@ def test_the_runner_end_to_end_at_the_smoke_size_resumes_an_interrupted_arm(tmp_
     assert ex.main([*argv, "--report-only"]) == 0
     text = capsys.readouterr().out
     assert "overopt-central.defence-drop" in text and "seeds 0-0, n = 1" in text
+    assert "refresh-own-pairs.end: b − a = (PPO with the reward model refreshed online)" in text
