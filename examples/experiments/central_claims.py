@@ -107,16 +107,16 @@ def read(meter: Meter, policy) -> dict[str, float]:
     from rlhfkit.rollout.evaluate import prompt_standard_error
 
     samples, prompts, repeats = meter.samples(policy, final=True)
-    s = samples.summary()
+    s, select = samples.summary(), len(prompts) // 2
     return {
-        **split_read(samples.gold, repeats, len(prompts) // 2),
+        **split_read(samples.gold, repeats, select),
         "gold_se": prompt_standard_error(samples.gold, repeats),
         "proxy": s["proxy_mean"],
         "kl": s["kl_mean"],
         "length": s["response_length_mean"],
         "valid_rate": s.get("valid_rate"),
         "prompts": len(prompts),
-        "select_prompts": len(prompts) // 2,
+        "select_prompts": select,
         "samples": repeats,
     }
 

@@ -170,3 +170,10 @@ def test_the_runner_end_to_end_at_the_smoke_size_resumes_an_interrupted_arm(tmp_
     text = capsys.readouterr().out
     assert "overopt-central.defence-drop" in text and "seeds 0-0, n = 1" in text
     assert "refresh-own-pairs.end: b − a = (PPO with the reward model refreshed online)" in text
+
+
+def test_the_runs_record_the_commit_of_this_checkout():
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ex.PLAN.parent, capture_output=True, text=True)
+    assert ex.git_commit() == head.stdout.strip() and len(ex.git_commit()) == 40
