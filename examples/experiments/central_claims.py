@@ -5,7 +5,7 @@
 pairs of ``overoptimization_quality.py`` (shared by every seed: trained once in ``OUT/shared``); per seed, that
 script's 256-pair ("weak") reward model (the first 256 pairs of the pool, 150 steps at batch 32, lr 5e-4 linear);
 then PPO from the SFT policy against it at kl_coef 0 and at kl_coef 0.05, at a CONSTANT learning rate of 1e-4,
-16 prompts × 48 tokens a rollout at T = 0.7, for ``ROLLOUTS`` rollouts (the pilot below). Every checkpoint
+16 prompts × 48 tokens a rollout at T = 0.7, for as many rollouts as the pilot below chose. Every checkpoint
 (every ``--eval-every`` = 5 rollouts, the SFT policy at rollout 0 and the last rollout) is read with the 4-sample
 read: 4 responses at T = 0.7 to each of the 384 held-out prompts, one evaluation seed per training seed. Per seed
 and arm, the peak checkpoint (rollout > 0) is the one whose gold is highest on held-out prompts 0-191; the peak
@@ -16,18 +16,29 @@ noisy reads. The registered comparisons (b − a, per seed):
 - ``defence-end``: end gold (all 384 prompts), kl_coef 0.05 − kl_coef 0;
 - ``defence-drop``: peak − end gold (as in drop-kl0), kl_coef 0.05 − kl_coef 0.
 
-The pilot that fixed ``ROLLOUTS`` ("long enough that gold peaks and falls at kl_coef 0 in a pilot"): seeds 100
-and 101 (not among the registered 0-19), kl_coef 0 only, every checkpoint read as above::
+``refresh-own-pairs`` (as overopt-central at kl_coef 0): ``refresh``, PPO with overoptimization_quality.py's
+online refresh of the weak reward model every 5 rollouts (RefreshConfig's defaults: 128 pairs sampled from the
+current policy and labelled by the task's annotators, 16 steps, the weak model's own pairs replayed), keeping the
+pairs it labelled (``refresh-pairs.jsonl``); then ``own-pairs``, PPO without a refresh against an offline reward
+model trained once as the weak one is (from the SFT policy, 1.5 epochs, at least 150 steps) on the weak one's 256
+pairs followed by exactly the refresh's labelled pairs. Comparison ``end``: end gold (all 384 prompts), refresh −
+own-pairs. The other central claims of the plan (overfit-central, orm-prm, grpo-ppo, reversed-k3-penalty,
+length-indifferent) are not in this runner.
 
-    RLHFKIT_NUM_THREADS=1 nice -n 19 python examples/experiments/central_claims.py --out runs/central \\
-        --seeds 100 101 --arms kl0 --rollouts 60 --jobs 2
+The length ("long enough that gold peaks and falls at kl_coef 0 in a pilot") is fixed by a pilot: seeds 100 and
+101 (not among the registered 0-19), kl_coef 0 only, ``PILOT_ROLLOUTS`` = 60 rollouts, every checkpoint read as
+above, and a rule written down before the pilot ran (:func:`choose_rollouts`): the first checkpoint at which, in
+every pilot seed, gold (all 384 prompts) is at least ``FALL`` = 0.2 below an earlier checkpoint's that was above
+the SFT policy's. The pilot prints its curves and writes them with its choice to ``OUT/pilot.json`` (it exits 3,
+and the runs do not start, when no checkpoint meets the rule); the runs then take that choice (``--rollouts``
+overrides it)::
 
-PILOT_RESULT
+    RLHFKIT_NUM_THREADS=1 nice -n 19 python examples/experiments/central_claims.py --out runs/central --pilot
 
 Layout: ``OUT/shared`` (SFT policy, pool), ``OUT/seed-N/rm256`` (the reward model), ``OUT/seed-N/sft_meter.json``
-(the SFT policy's read), ``OUT/seed-N/overopt-central/ARM`` (the PPO run, a checkpoint every read),
+(the SFT policy's read), ``OUT/seed-N/CLAIM/ARM`` (the PPO run, a checkpoint every read),
 ``ARM-reads/rollout-NNNNN.json`` (each checkpoint's read), ``ARM.json`` (the arm's figures), and
-``OUT/seed-N/overopt-central.json`` (the seed's figures, with the commit they were run at). A finished stage is
+``OUT/seed-N/CLAIM.json`` (the seed's figures of a claim, with the commit they were run at). A finished stage is
 not rerun; an interrupted PPO run resumes from its newest checkpoint and reuses every read already written.
 ``--report-only`` prints each registered comparison (rlhfkit.reporting.paired: ``paired``, ``describe``, and
 ``decide`` with Holm's correction over the plan's ``central`` family, members without data at p = 1)::
@@ -56,9 +67,10 @@ from temperature import add_size_arguments, ppo_config, sizes_of  # noqa: E402
 PLAN = Path(__file__).resolve().parents[2] / "docs" / "experiments_plan.json"
 FAMILY = "central"
 SEEDS = list(range(20))  # the seeds the plan registers
-ROLLOUTS = 40  # chosen by the pilot (the module's docstring)
+PILOT_SEEDS, PILOT_ROLLOUTS = [100, 101], 60  # the pilot: kl_coef 0 only, seeds outside the registered ones
+FALL = 0.2  # gold; the pilot's rule (:func:`choose_rollouts`): "fallen" is at least this far below the peak
 SIZES = {
-    "default": replace(oq.SIZES["default"], rollouts=ROLLOUTS),
+    "default": oq.SIZES["default"],  # its rollouts: the pilot's choice (OUT/pilot.json)
     "smoke": replace(oq.SIZES["smoke"], rollouts=3),
 }
 WEAK_PAIRS = {"default": 256, "smoke": 8}  # the weak reward model's training pairs (the pool's first)
@@ -138,6 +150,36 @@ def peak_and_end(reads: list[dict]) -> dict[str, float]:
         "end_gold": end["gold"],
         "end_kl": end["kl"],
     }
+
+
+def choose_rollouts(curves: dict[int, list[dict]], fall: float = FALL) -> int | None:
+    """The pilot's rule, fixed before it ran: the first checkpoint c at which, in every pilot seed, gold (the
+    4-sample read, all held-out prompts; ``curves``: per seed, its reads) is at least ``fall`` below an earlier
+    checkpoint's (0 < c' < c) that was above the SFT policy's (rollout 0): gold has peaked and fallen in every
+    seed. None when no checkpoint of the pilot is such."""
+    gold = {k: {r["rollout"]: r["gold"] for r in reads} for k, reads in curves.items()}
+    common = sorted(set.intersection(*(set(g) for g in gold.values())) - {0})
+
+    def fallen(g: dict, c: int) -> bool:
+        return any(g[0] < g[e] and g[e] - g[c] >= fall for e in common if e < c)
+
+    return next((c for c in common if all(fallen(g, c) for g in gold.values())), None)
+
+
+def pilot_report(out: Path, results: list[dict], command: list[str]) -> tuple[str, int | None]:
+    """The pilot's curves (gold per checkpoint and seed, kl_coef 0) and its choice, also in ``OUT/pilot.json``."""
+    curves = {r["seed"]: r["arms"]["kl0"]["reads"] for r in results if "kl0" in r["arms"]}
+    choice = choose_rollouts(curves) if curves else None
+    record = {"command": command, "fall": FALL, "choice": choice}
+    record["curves"] = {k: [(r["rollout"], r["gold"], r["kl"]) for r in reads] for k, reads in curves.items()}
+    (out / "pilot.json").write_text(json.dumps(record, indent=1))
+    lines = [
+        f"pilot, kl_coef 0: gold (4-sample read, {len(curves)} seeds) at each checkpoint (rollout: gold, KL)"
+    ]
+    for k, points in record["curves"].items():
+        lines.append(f"  seed {k}: " + "; ".join(f"{c}: {g:+.2f}, {kl:.1f}" for c, g, kl in points))
+    lines.append(f"choice (gold {FALL} below an earlier peak above SFT in every seed): {choice} rollouts")
+    return "\n".join(lines), choice
 
 
 def checkpoints(rollouts: int, every: int) -> list[int]:
@@ -347,7 +389,11 @@ def git_commit() -> str | None:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
+    p.add_argument(
+        "--seeds", type=int, nargs="+", help=f"default {SEEDS[0]}-{SEEDS[-1]}; the pilot's {PILOT_SEEDS}"
+    )
+    p.add_argument("--pilot", action="store_true",
+                   help=f"the pilot: kl0 alone, {PILOT_ROLLOUTS} rollouts; writes OUT/pilot.json")  # fmt: skip
     p.add_argument("--claims", nargs="+", choices=list(CLAIMS), default=list(CLAIMS))
     p.add_argument("--arms", nargs="+", choices=ARMS, default=ARMS,
                    help="the arms to run, of the claims asked (the pilot: kl0)")  # fmt: skip
@@ -360,6 +406,15 @@ def parse_args(argv):
     p.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.overwrite = False  # ppo_arms.run_seeds reads it; a finished stage is never rerun here
+    args.seeds = args.seeds or (PILOT_SEEDS if args.pilot else SEEDS)
+    if args.pilot:
+        args.claims, args.arms, args.rollouts = ["overopt-central"], ["kl0"], args.rollouts or PILOT_ROLLOUTS
+    elif args.size == "default" and args.rollouts is None and not args.report_only:
+        pilot = args.out / "pilot.json"  # the length the pilot chose
+        choice = json.loads(pilot.read_text()).get("choice") if pilot.is_file() else None
+        if choice is None:
+            p.error(f"{pilot}: no choice of rollouts; run the pilot first (--pilot), or give --rollouts")
+        args.rollouts = int(choice)
     args.commit = args.commit or git_commit()
     return args
 
@@ -377,6 +432,10 @@ def main(argv=None) -> int:
     results = ppo_arms.run_seeds(__file__, [*argv, *commit], args, run_seed)
     if results is None:
         return 1
+    if args.pilot and not args.no_report:
+        text, choice = pilot_report(args.out, [r for seed in results for r in seed], [sys.argv[0], *argv])
+        print(text, flush=True)
+        return 0 if choice is not None else 3
     if not args.no_report:
         print(report([r for seed in results for r in seed], args.claims), flush=True)
     return 0

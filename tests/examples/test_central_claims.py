@@ -177,3 +177,44 @@ def test_the_runs_record_the_commit_of_this_checkout():
 
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ex.PLAN.parent, capture_output=True, text=True)
     assert ex.git_commit() == head.stdout.strip() and len(ex.git_commit()) == 40
+
+
+def _curve(points):
+    return [{"rollout": c, "gold": g, "kl": 0.0} for c, g in points]
+
+
+def test_the_pilot_chooses_the_first_checkpoint_where_every_seed_has_peaked_and_fallen():
+    a = _curve([(0, 0.5), (5, 0.9), (10, 1.0), (15, 0.85), (20, 0.7)])  # falls 0.15 by 15, 0.3 by 20
+    b = _curve([(0, 0.5), (5, 0.6), (10, 0.65), (15, 0.7), (20, 0.45), (25, 0.4)])  # falls 0.25 by 20
+    assert ex.choose_rollouts({100: a, 101: b}) == 20
+    assert ex.choose_rollouts({100: a}) == 20 and ex.choose_rollouts({101: b}) == 20
+    assert ex.choose_rollouts({100: a, 101: b}, fall=0.3) is None  # seed 101 falls 0.25 only
+    assert ex.choose_rollouts({100: a}, fall=0.15) == 15
+    below_sft = _curve([(0, 2.0), (5, 1.5), (10, 1.0)])  # falls from the start: no peak above the SFT policy
+    assert ex.choose_rollouts({100: a, 102: below_sft}) is None
+
+
+def test_the_pilot_writes_its_choice_and_the_runs_take_it(tmp_path):
+    results = [
+        {
+            "seed": 100,
+            "claim": "overopt-central",
+            "arms": {"kl0": {"reads": _curve([(0, 0.5), (5, 0.9), (10, 0.6)])}},
+        }
+    ]
+    text, choice = ex.pilot_report(tmp_path, results, ["central_claims.py", "--pilot"])
+    assert choice == 10 and "seed 100: 0: +0.50, 0.0; 5: +0.90, 0.0; 10: +0.60, 0.0" in text
+    assert json.loads((tmp_path / "pilot.json").read_text())["choice"] == 10
+    args = ex.parse_args(["--out", str(tmp_path)])
+    assert (
+        args.rollouts == 10 and args.seeds == list(range(20)) and ex.sizes_of(args, ex.SIZES).rollouts == 10
+    )
+    pilot = ex.parse_args(["--out", str(tmp_path / "new"), "--pilot"])
+    assert (pilot.seeds, pilot.arms, pilot.rollouts, pilot.claims) == (
+        [100, 101],
+        ["kl0"],
+        60,
+        ["overopt-central"],
+    )
+    with pytest.raises(SystemExit):  # no pilot there yet
+        ex.parse_args(["--out", str(tmp_path / "new")])
