@@ -190,7 +190,7 @@ def test_the_pilot_chooses_the_first_checkpoint_where_every_seed_has_peaked_and_
     assert ex.choose_rollouts({100: a}) == 20 and ex.choose_rollouts({101: b}) == 20
     assert ex.choose_rollouts({100: a, 101: b}, fall=0.3) is None  # seed 101 falls 0.25 only
     assert ex.choose_rollouts({100: a}, fall=0.15) == 15
-    below_sft = _curve([(0, 2.0), (5, 1.5), (10, 1.0)])  # falls from the start: no peak above the SFT policy
+    below_sft = _curve([(0, 2.0), (5, 1.5), (10, 1.2), (15, 1.0), (20, 0.8)])  # no peak above the SFT policy
     assert ex.choose_rollouts({100: a, 102: below_sft}) is None
 
 
