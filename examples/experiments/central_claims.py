@@ -22,8 +22,14 @@ current policy and labelled by the task's annotators, 16 steps, the weak model's
 pairs it labelled (``refresh-pairs.jsonl``); then ``own-pairs``, PPO without a refresh against an offline reward
 model trained once as the weak one is (from the SFT policy, 1.5 epochs, at least 150 steps) on the weak one's 256
 pairs followed by exactly the refresh's labelled pairs. Comparison ``end``: end gold (all 384 prompts), refresh −
-own-pairs. The other central claims of the plan (overfit-central, orm-prm, grpo-ppo, reversed-k3-penalty,
-length-indifferent) are not in this runner.
+own-pairs.
+
+``overfit-central`` (as overopt-central at kl_coef 0): PPO against overfit_reward.py's two reward models, here
+from the shared SFT policy and pool: ``usual``, on the pool's first 1,024 pairs as temperature.py trains it (150
+steps of 64, lr 5e-4 linear, weight decay 0.1), and ``overfit``, on the first 768 of those for 450 steps of 32
+without weight decay or the best checkpoint. Comparison ``end``: end gold (all 384 prompts), overfit − usual.
+The other central claims of the plan (orm-prm, grpo-ppo, reversed-k3-penalty, length-indifferent) are not in this
+runner.
 
 The length ("long enough that gold peaks and falls at kl_coef 0 in a pilot") is fixed by a pilot: seeds 100 and
 101 (not among the registered 0-19), kl_coef 0 only, ``PILOT_ROLLOUTS`` = 60 rollouts, every checkpoint read as
@@ -74,6 +80,8 @@ SIZES = {
     "smoke": replace(oq.SIZES["smoke"], rollouts=3),
 }
 WEAK_PAIRS = {"default": 256, "smoke": 8}  # the weak reward model's training pairs (the pool's first)
+USUAL_PAIRS = {"default": 1024, "smoke": 8}  # overfit_reward.py's usual reward model: the pool's first 1,024
+OVERFIT = {"default": (768, 450), "smoke": (6, 4)}  # its over-fitted one: the usual one's first pairs, steps
 REFRESH_EVERY = {"default": 5, "smoke": 1}  # overoptimization_quality.py's --refresh-steps
 # Per claim: its arms in the order they run (name -> kl_coef; "refresh": the online refresh of the weak reward
 # model; "reward": "own-pairs", the offline reward model on the weak one's pairs and the refresh arm's labelled
@@ -93,6 +101,13 @@ CLAIMS = {
             "own-pairs": {"kl_coef": 0.0, "reward": "own-pairs"},
         },
         "comparisons": {"end": (("own-pairs", "end_gold"), ("refresh", "end_gold"))},
+    },
+    "overfit-central": {
+        "arms": {
+            "usual": {"kl_coef": 0.0, "reward": "usual"},
+            "overfit": {"kl_coef": 0.0, "reward": "overfit"},
+        },
+        "comparisons": {"end": (("usual", "end_gold"), ("overfit", "end_gold"))},
     },
 }
 ARMS = [name for claim in CLAIMS.values() for name in claim["arms"]]
@@ -267,10 +282,11 @@ def arm_run(
 def shared_args(args) -> argparse.Namespace:
     """What ``overoptimization_quality``'s stages read of the command line: its SFT policy and pool (task seed 0,
     no quickstart), the weak reward model's subset, 1.5 epochs of reward-model training, nothing overwritten."""
-    quality = WEAK_PAIRS[args.size]
+    qualities = sorted({WEAK_PAIRS[args.size], USUAL_PAIRS[args.size]})
+    pairs, steps = OVERFIT[args.size]
     return argparse.Namespace(
-        out=args.out, child=False, quickstart=None, task_seed=0, overwrite=False, qualities=[quality],
-        size=args.size, rm_epochs=1.5,
+        out=args.out, child=False, quickstart=None, task_seed=0, overwrite=False, qualities=qualities,
+        size=args.size, rm_epochs=1.5, overfit_pairs=pairs, overfit_steps=steps, overfit_lr=5e-4,
     )  # fmt: skip
 
 
@@ -303,6 +319,8 @@ def run_seed(seed: int, args) -> list[dict]:
                 refresh = {"every": REFRESH_EVERY[args.size], "pairs": weak}
             if arm.get("reward") == "own-pairs":
                 view, rms["own-pairs"] = own_pairs_stage(root / claim, shared, weak, seed, s, sa)
+            if arm.get("reward") in ("usual", "overfit"):
+                view, rms[arm["reward"]] = overfit_stage(root / claim, arm["reward"], shared, seed, s, sa)
             arms[name] = arm_run(root / claim, name, arm["kl_coef"], view, sft, seed, s, refresh)
         if not arms:  # none of its arms asked (the pilot's kl0 alone), none run before
             continue
@@ -321,6 +339,35 @@ def own_pairs_stage(root: Path, shared: dict, weak: Path, seed: int, s, sa) -> t
     if not pairs.is_file():
         pairs.write_text("\n".join(lines) + "\n")
     return oq.reward_stage(root, "rm-own-pairs", shared, pairs, len(lines), seed, s, sa)
+
+
+def overfit_stage(root: Path, kind: str, shared: dict, seed: int, s, sa) -> tuple[dict, dict]:
+    """overfit_reward.py's reward models from the shared SFT policy: ``usual``, on the pool's first 1,024 pairs
+    as ``temperature.py`` trains it (150 steps of 64, weight decay 0.1), or ``overfit``, on the first 768 of
+    those for 450 steps of 32 without weight decay or the best checkpoint (``overfit_reward.overfit_settings``)."""
+    from overfit_reward import overfit_settings
+    from temperature import SIZES as RM_SIZES
+    from temperature import train_reward_model
+
+    usual, folder = shared["subsets"][USUAL_PAIRS[sa.size]], root / f"rm-{kind}"
+    eval_file = shared["pool"] / "pairs_eval.jsonl"
+    if kind == "usual":
+        train_file = usual
+        train_reward_model(folder, shared["sft"], usual, eval_file, seed, RM_SIZES[sa.size], sa)
+    else:
+        train_file = root / f"pairs_first{sa.overfit_pairs}.jsonl"
+        if not train_file.is_file():
+            train_file.write_text("\n".join(usual.read_text().splitlines()[: sa.overfit_pairs]) + "\n")
+        stage = {"sft": shared["sft"], "pairs": {"eval": eval_file}}
+        ppo_arms.train_reward_variant(
+            folder, stage, train_file, seed, RM_SIZES[sa.size], sa, **overfit_settings(sa)
+        )
+    summary = json.loads((folder / "summary.json").read_text())
+    rm = {
+        "rm_accuracy": summary.get("heldout_gold_accuracy"),
+        "labels": len(train_file.read_text().splitlines()),
+    }
+    return {**shared, "reward": folder / "final"}, rm
 
 
 def values_of(results: list[dict], claim: str, cid: str) -> tuple[list[int], list[float], list[float]]:

@@ -145,6 +145,29 @@ def test_the_runner_end_to_end_at_the_smoke_size_resumes_an_interrupted_arm(tmp_
     assert ppo["online"]["reward_model"] == str(claim / "rm-own-pairs" / "final")
     assert ppo["online"]["kl_coef"] == 0.0 and ppo["train"]["lr_schedule"] == "constant"
     assert yaml.safe_load((claim / "refresh" / "config.yaml").read_text())["refresh"]["every"] == 1
+    # overfit-central: the usual reward model on the pool's first 8 pairs, the over-fitted one on the first 6
+    claim = out / "seed-0" / "overfit-central"
+    usual = yaml.safe_load((claim / "rm-usual" / "config.yaml").read_text())
+    overfit = yaml.safe_load((claim / "rm-overfit" / "config.yaml").read_text())
+    assert usual["data"]["train_file"] == str(out / "shared" / "pairs" / "pairs_train_8.jsonl")
+    assert (claim / "pairs_first6.jsonl").read_text().splitlines() == weak[:6]
+    assert overfit["data"]["train_file"] == str(claim / "pairs_first6.jsonl")
+    assert (
+        overfit["train"]["max_steps"],
+        overfit["train"]["weight_decay"],
+        overfit["reward"]["keep_best"],
+    ) == (
+        4,
+        0.0,
+        False,
+    )
+    assert usual["train"]["weight_decay"] == 0.1 and usual["train"]["max_steps"] == 2
+    for name in ("usual", "overfit"):
+        ppo = yaml.safe_load((claim / name / "config.yaml").read_text())
+        assert (
+            ppo["online"]["reward_model"] == str(claim / f"rm-{name}" / "final")
+            and ppo["online"]["kl_coef"] == 0
+        )
     for name, kl_coef in (("kl0", 0.0), ("kl0.05", 0.05)):
         arm = figures["arms"][name]
         assert [r["rollout"] for r in arm["reads"]] == [0, 1, 2, 3] and arm["kl_coef"] == kl_coef
@@ -170,6 +193,7 @@ def test_the_runner_end_to_end_at_the_smoke_size_resumes_an_interrupted_arm(tmp_
     text = capsys.readouterr().out
     assert "overopt-central.defence-drop" in text and "seeds 0-0, n = 1" in text
     assert "refresh-own-pairs.end: b − a = (PPO with the reward model refreshed online)" in text
+    assert "overfit-central.end: b − a = (the over-fitted reward model) − (the usual reward model)" in text
 
 
 def test_the_runs_record_the_commit_of_this_checkout():
