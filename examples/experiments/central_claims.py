@@ -84,8 +84,9 @@ USUAL_PAIRS = {"default": 1024, "smoke": 8}  # overfit_reward.py's usual reward 
 OVERFIT = {"default": (768, 450), "smoke": (6, 4)}  # its over-fitted one: the usual one's first pairs, steps
 REFRESH_EVERY = {"default": 5, "smoke": 1}  # overoptimization_quality.py's --refresh-steps
 # Per claim: its arms in the order they run (name -> kl_coef; "refresh": the online refresh of the weak reward
-# model; "reward": "own-pairs", the offline reward model on the weak one's pairs and the refresh arm's labelled
-# pairs), and per registered comparison the (arm, figure) of a and of b.
+# model; "reward": the reward model when not the weak one: "own-pairs", the offline one on the weak one's pairs
+# and the refresh arm's labelled pairs, or overfit_reward.py's "usual" and "overfit"), and per registered
+# comparison the (arm, figure) of a and of b.
 CLAIMS = {
     "overopt-central": {
         "arms": {"kl0": {"kl_coef": 0.0}, "kl0.05": {"kl_coef": 0.05}},
