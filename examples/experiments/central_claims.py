@@ -291,6 +291,22 @@ def shared_args(args) -> argparse.Namespace:
     )  # fmt: skip
 
 
+def shared_view(sa) -> dict:
+    """The shared stage that :func:`main` trained (``oq.shared_stage``), read without writing anything: a seed's
+    job runs beside others, and ``oq.shared_stage`` rewrites the task's files that they read."""
+    from rlhfkit.tasks import get_task
+
+    root = sa.out / "shared"
+    files = {n: root / "task" / f"{n}.jsonl" for n in ("prompts_train", "prompts_eval")}
+    pool = root / "pairs"
+    subsets = {n: pool / f"pairs_train_{n}.jsonl" for n in sa.qualities}
+    missing = [p for p in (*files.values(), root / "sft" / "final", *subsets.values()) if not p.exists()]
+    if missing:
+        raise SystemExit(f"the shared stage is not finished: {missing[0]} is missing")
+    task = get_task("reviews", seed=sa.task_seed)
+    return {"task": task, "files": files, "sft": root / "sft" / "final", "pool": pool, "subsets": subsets}
+
+
 def run_seed(seed: int, args) -> list[dict]:
     """One seed's stages and the arms of ``args.arms`` in ``args.claims`` (``--report-only``: only what is
     cached); per claim that has run, its figures, also in ``OUT/seed-N/CLAIM.json``."""
@@ -299,7 +315,7 @@ def run_seed(seed: int, args) -> list[dict]:
     if args.report_only:
         return [json.loads(f.read_text()) for f in files.values() if f.is_file()]
     s, sa = sizes_of(args, SIZES), shared_args(args)
-    shared = oq.shared_stage(sa, s)
+    shared = shared_view(sa)
     quality = WEAK_PAIRS[args.size]
     weak = shared["subsets"][quality]
     stage, rm = oq.reward_stage(root, f"rm{quality}", shared, weak, quality, seed, s, sa)

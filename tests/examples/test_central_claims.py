@@ -242,3 +242,20 @@ def test_the_pilot_writes_its_choice_and_the_runs_take_it(tmp_path):
     )
     with pytest.raises(SystemExit):  # no pilot there yet
         ex.parse_args(["--out", str(tmp_path / "new")])
+
+
+def test_a_seed_reads_the_shared_stage_without_writing_it(tmp_path):
+    args = ex.parse_args(["--out", str(tmp_path), "--size", "smoke"])
+    sa = ex.shared_args(args)
+    with pytest.raises(SystemExit, match="not finished"):
+        ex.shared_view(sa)
+    shared = tmp_path / "shared"
+    for path in ("task/prompts_train.jsonl", "task/prompts_eval.jsonl", "pairs/pairs_train_8.jsonl"):
+        (shared / path).parent.mkdir(parents=True, exist_ok=True)
+        (shared / path).write_text("{}\n")
+    (shared / "sft" / "final").mkdir(parents=True)
+    before = {p: (p.stat().st_mtime_ns, p.read_text()) for p in shared.rglob("*.jsonl")}
+    view = ex.shared_view(sa)
+    assert view["files"]["prompts_eval"] == shared / "task" / "prompts_eval.jsonl"
+    assert view["subsets"] == {8: shared / "pairs" / "pairs_train_8.jsonl"} and view["task"].name == "reviews"
+    assert {p: (p.stat().st_mtime_ns, p.read_text()) for p in shared.rglob("*.jsonl")} == before
