@@ -41,6 +41,17 @@ overrides it)::
 
     RLHFKIT_NUM_THREADS=1 nice -n 19 python examples/experiments/central_claims.py --out runs/central --pilot
 
+The pilot, measured 2026-12-07 with that command (at commit 4f50cc4, whose rule is this file's) on the 2-core
+machine, one torch thread per seed, two seeds at a time, other jobs on the machine (25 minutes wall, not a
+timing; CPU per seed: 54 s for the reward model, 300-339 s for the 60 rollouts and their 12 reads). Gold (all
+384 prompts, 4 samples each) at rollouts 0, 5, 10, ..., 60, kl_coef 0:
+
+- seed 100: 0.57 0.72 0.77 0.49 −0.30 −0.60 −0.85 −0.11 0.03 −0.18 −0.12 −0.33 −2.14 (KL 1.1 at 10, 33 at 60)
+- seed 101: 0.61 0.81 0.87 0.71 −1.00 −0.83 −1.47 −1.65 −1.71 −1.67 −2.29 −2.81 −3.00 (KL 0.8 at 10, 46 at 60)
+
+Both peak at rollout 10; at 15 they are 0.28 and 0.17 below it, at 20 more than 1 below: the rule chose 20
+rollouts, the length of every run of the claims below.
+
 Layout: ``OUT/shared`` (SFT policy, pool), ``OUT/seed-N/rm256`` (the reward model), ``OUT/seed-N/sft_meter.json``
 (the SFT policy's read), ``OUT/seed-N/CLAIM/ARM`` (the PPO run, a checkpoint every read),
 ``ARM-reads/rollout-NNNNN.json`` (each checkpoint's read), ``ARM.json`` (the arm's figures), and
@@ -76,7 +87,7 @@ SEEDS = list(range(20))  # the seeds the plan registers
 PILOT_SEEDS, PILOT_ROLLOUTS = [100, 101], 60  # the pilot: kl_coef 0 only, seeds outside the registered ones
 FALL = 0.2  # gold; the pilot's rule (:func:`choose_rollouts`): "fallen" is at least this far below the peak
 SIZES = {
-    "default": oq.SIZES["default"],  # its rollouts: the pilot's choice (OUT/pilot.json)
+    "default": oq.SIZES["default"],  # its rollouts: the pilot's choice (OUT/pilot.json: 20)
     "smoke": replace(oq.SIZES["smoke"], rollouts=3),
 }
 WEAK_PAIRS = {"default": 256, "smoke": 8}  # the weak reward model's training pairs (the pool's first)
