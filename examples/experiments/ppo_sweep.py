@@ -105,7 +105,8 @@ class Meter:
         self.examples = examples[: s.eval_prompts]
         self.final_examples = examples[: s.final_prompts] if s.final_prompts else examples
 
-    def measure(self, policy, final: bool = False) -> dict[str, float]:
+    def samples(self, policy, final: bool = False):
+        """The read's ``PolicySamples`` (each prompt's samples side by side) and ``(prompts, repeats)``."""
         import torch
 
         from rlhfkit.rollout.evaluate import sample_and_score
@@ -124,6 +125,10 @@ class Meter:
             gold_score=self.stage["task"].gold_score,
             is_valid=self.stage["task"].is_valid,
         )
+        return samples, prompts, repeats
+
+    def measure(self, policy, final: bool = False) -> dict[str, float]:
+        samples, prompts, repeats = self.samples(policy, final)
         s = samples.summary()
         figures = {
             "gold": s["gold_mean"],
