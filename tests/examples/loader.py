@@ -19,3 +19,28 @@ def load_example(name: str, folder: Path = EXAMPLES) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def spy_generate(monkeypatch) -> tuple[list[list[int]], list[tuple[list[int], tuple[int, ...]]]]:
+    """Record every ``generate_responses`` call of the online trainer, wherever a module of
+    ``rlhfkit.trainers`` imported it: per call, the responses' lengths and (stop ids, suppressed ids)."""
+    import importlib
+    import pkgutil
+
+    import rlhfkit.trainers
+    from rlhfkit.rollout import generation
+
+    lengths, stops = [], []
+    generate = generation.generate_responses
+
+    def spy(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        lengths.append(out.mask.sum(1).tolist())
+        stops.append((list(kwargs["stop_token_ids"]), tuple(kwargs["sampling"].suppress_ids)))
+        return out
+
+    for info in pkgutil.walk_packages(rlhfkit.trainers.__path__, "rlhfkit.trainers."):
+        module = importlib.import_module(info.name)
+        if getattr(module, "generate_responses", None) is generate:
+            monkeypatch.setattr(module, "generate_responses", spy)
+    return lengths, stops

@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.examples.loader import ROOT, load_example
+from tests.examples.loader import ROOT, load_example, spy_generate
 from tests.helpers import tiny_llama, tiny_tokenizer
 
 bench = load_example("distill_vs_trl", ROOT / "benchmarks")
@@ -105,34 +105,18 @@ def worker_args(work, folders, **sizes) -> argparse.Namespace:
 
 
 def test_rlhfkit_worker_times_the_teacher_forces_the_length_and_unpatches(tmp_path, monkeypatch, capsys):
-    import importlib
-    import pkgutil
-
-    import rlhfkit.trainers
     from rlhfkit.models import head_chunks
-    from rlhfkit.rollout import generation
     from rlhfkit.trainers.online import context
 
     folders = write_models(tmp_path)
     work = tmp_path / "inputs"
     bench.grpo.prepare(work, folders["student"])
-    lengths, stops = [], []
-    generate = generation.generate_responses
-
-    def spy(*args, **kwargs):
-        out = generate(*args, **kwargs)
-        lengths.extend(out.mask.sum(1).tolist())
-        stops.append((list(kwargs["stop_token_ids"]), tuple(kwargs["sampling"].suppress_ids)))
-        return out
-
-    for info in pkgutil.walk_packages(rlhfkit.trainers.__path__, "rlhfkit.trainers."):
-        module = importlib.import_module(info.name)
-        if getattr(module, "generate_responses", None) is generate:
-            monkeypatch.setattr(module, "generate_responses", spy)
+    calls, stops = spy_generate(monkeypatch)
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     before = (head_chunks.chunked_readout, context.build_roles)
     bench.run_worker(worker_args(work, folders, steps=3, prompts=2, response_length=5, micro_batch=2))
     result = json.loads(capsys.readouterr().out.split("RESULT ")[-1])
+    lengths = [n for call in calls for n in call]
     assert lengths and set(lengths) == {5}  # 3 steps x 2 responses, never stopped early
     assert len(lengths) == 6
     # because the only stop token is one the sampler never emits (a random model's 5 tokens alone would not show it)

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.examples.loader import ROOT, load_example
+from tests.examples.loader import ROOT, load_example, spy_generate
 
 bench = load_example("ppo_vs_trl", ROOT / "benchmarks")
 
@@ -42,26 +42,7 @@ def test_non_embedding_parameters_of_the_tiny_preset(tmp_path):
 def test_rlhfkit_ppo_worker_forces_the_length_and_times_every_phase(tmp_path, monkeypatch, capsys):
     work = tmp_path / "inputs"
     bench.prepare(work, "tiny", num_pairs=64)
-    lengths, stops = [], []
-    import importlib
-    import pkgutil
-
-    import rlhfkit.trainers
-    from rlhfkit.rollout import generation
-
-    generate = generation.generate_responses
-
-    def spy(*args, **kwargs):
-        out = generate(*args, **kwargs)
-        lengths.append(out.mask.sum(1).tolist())
-        stops.append((list(kwargs["stop_token_ids"]), tuple(kwargs["sampling"].suppress_ids)))
-        return out
-
-    # wherever the online loop imports it
-    for info in pkgutil.walk_packages(rlhfkit.trainers.__path__, "rlhfkit.trainers."):
-        module = importlib.import_module(info.name)
-        if getattr(module, "generate_responses", None) is generate:
-            monkeypatch.setattr(module, "generate_responses", spy)
+    lengths, stops = spy_generate(monkeypatch)  # wherever the online loop imports it
     monkeypatch.setattr(bench.sys, "argv", ["ppo_vs_trl.py"])
     bench.run_worker(rlhfkit_ppo_worker(work, response_length=6))
     result = json.loads(capsys.readouterr().out.split("RESULT ")[-1])
