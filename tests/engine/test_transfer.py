@@ -14,6 +14,7 @@ from rlhfkit.engine.transfer import (
     recv_object,
     recv_weights,
     send_object,
+    snapshot,
     trained_parameters,
     transfer_group,
     weights_digest,
@@ -51,10 +52,10 @@ def _worker(rank: int, init: str, folder: str, beside_nccl: bool = False) -> Non
         if rank == 0:
             send_object({"step": 3, "ids": torch.arange(6).view(2, 3), "note": "x"}, 1)
             model, sender = _model(0), WeightSender()
-            sender.send(model, 1, dst=1)
+            sender.send(snapshot(model), 1, dst=1)
             with torch.no_grad():  # the sender moves on before the receiver has read: the copies travel
                 model[1].weight.add_(1.0)
-            sender.send(model, 2, dst=1)
+            sender.send(snapshot(model), 2, dst=1)
             sender.wait()
             torch.save(("sender", dict(model.state_dict())), f"{folder}/0.pt")
             _check_groups(groups)

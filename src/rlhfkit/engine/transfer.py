@@ -91,22 +91,16 @@ def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 class WeightSender:
-    """Streams a model's trained parameters to other processes without waiting for them: each send holds a
-    copy of its tensor until it completes, so the sender may update the model meanwhile. :meth:`wait`
-    (called by the next :meth:`send` and at the end) waits for the previous sends."""
+    """Streams snapshots of a model's trained parameters to other processes without waiting for them: each send
+    holds its tensors until it completes (a :func:`snapshot` is a copy, so the model may move meanwhile).
+    :meth:`wait` (called by the next :meth:`send` and at the end) waits for the previous sends."""
 
     def __init__(self) -> None:
         self.pending: list = []
 
-    def send(self, model: torch.nn.Module, version: int, dst: int) -> list[torch.Tensor]:
-        """Send ``version`` and the number of tensors, then each trained parameter in turn, to ``dst``. Returns
-        the copies sent (:func:`snapshot`), which nothing else writes to."""
-        tensors = snapshot(model)
-        self.send_tensors(tensors, version, dst)
-        return tensors
-
-    def send_tensors(self, tensors: list[torch.Tensor], version: int, dst: int) -> None:
-        """Send a :func:`snapshot` as ``version`` to ``dst`` (a version kept from earlier: a resumed run's)."""
+    def send(self, tensors: list[torch.Tensor], version: int, dst: int) -> None:
+        """Send ``version`` and the number of tensors, then each tensor of a :func:`snapshot` of the trained
+        parameters in turn, to ``dst``."""
         self.wait()
         header = torch.tensor([version, len(tensors)], dtype=torch.int64)
         self.pending.append((torch.distributed.isend(header, dst, group=_group, tag=WEIGHTS_TAG), header))

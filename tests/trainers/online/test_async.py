@@ -236,7 +236,7 @@ class _SlowSender:
     def __init__(self) -> None:
         self.sent: list[tuple[int, int]] = []
 
-    def send_tensors(self, tensors, version: int, dst: int) -> None:
+    def send(self, tensors, version: int, dst: int) -> None:
         time.sleep(0.05)
         self.sent.append((version, dst))
 

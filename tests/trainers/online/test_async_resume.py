@@ -45,7 +45,7 @@ class Protocol:
         def record(sender, tensors, version, dst):
             self.messages[dst - 1].append((version, float(tensors[0])))
 
-        monkeypatch.setattr(async_loop.WeightSender, "send_tensors", record)
+        monkeypatch.setattr(async_loop.WeightSender, "send", record)
         self.trainer = AsyncTrainer(self.ctx)
 
     def at(self, version: int) -> None:

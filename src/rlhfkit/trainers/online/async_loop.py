@@ -237,7 +237,7 @@ class AsyncTrainer:
                 self._send(sampling_version(s, self.k), sampler_of(s, self.g))
 
     def _send(self, version: int, generator: int) -> None:
-        self.sender.send_tensors(self.kept[version], version, 1 + generator)
+        self.sender.send(self.kept[version], version, 1 + generator)
         self.sent[generator] = version
 
     def collect(self, ctx: OnlineContext, batch: dict[str, Any], clock: StageClock, step: int) -> Rollout:
