@@ -61,6 +61,13 @@ class Responses:
     sampled_logprobs: torch.Tensor | None = None
 
 
+def decode_responses(tokenizer, response_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """The text of each row's response: ``response_ids`` (B, R) up to ``mask`` (B, R) bool, special tokens
+    (the stop token, pads) left out."""
+    rows = [row[m].tolist() for row, m in zip(response_ids, mask, strict=True)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
 def truncate_at_stop(
     response_ids: torch.Tensor,
     stop_token_ids: list[int] | tuple[int, ...],

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from rlhfkit.engine.atomic import atomic_write_text
+from rlhfkit.rollout.generation import decode_responses
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -60,13 +61,7 @@ def rollout_samples(
         return []
     response_mask = rollout.response_mask
     if responses is None:
-        responses = tokenizer.batch_decode(
-            [
-                row[m].tolist()
-                for row, m in zip(rollout.response_ids[:shown], response_mask[:shown], strict=True)
-            ],
-            skip_special_tokens=True,
-        )
+        responses = decode_responses(tokenizer, rollout.response_ids[:shown], response_mask[:shown])
     scores, kl = rollout.scores[:shown].tolist(), rollout.kl[:shown].sum(1).tolist()
     trained = rollout.mask[:shown].any(1).tolist()
     lengths, ended = response_mask[:shown].sum(1).tolist(), rollout.ended[:shown].tolist()

@@ -28,7 +28,7 @@ from rlhfkit.engine.seed import get_rng_state, seed_everything, set_rng_state
 from rlhfkit.models.sampler import RowStreams
 from rlhfkit.reporting.sample_file import TEACHER_SAMPLES_FILE
 from rlhfkit.rollout import generate_responses
-from rlhfkit.rollout.generation import Responses
+from rlhfkit.rollout.generation import decode_responses
 from rlhfkit.rollout.samples import SamplesWriter
 from rlhfkit.trainers.online.context import OnlineContext, derived_seed
 from rlhfkit.trainers.online.sharding import generation_model
@@ -67,7 +67,10 @@ def side_by_side(ctx: OnlineContext, examples: list[dict], step: int, split: str
         teacher = generate_responses(ctx.roles.teacher, ids, mask, **common)
     finally:
         set_rng_state(saved)
-    texts = {name: _decode(ctx, r) for name, r in (("student", student), ("teacher", teacher))}
+    texts = {
+        name: decode_responses(ctx.tokenizer, r.response_ids, r.mask)
+        for name, r in (("student", student), ("teacher", teacher))
+    }
     return [
         {
             "step": int(step),
@@ -82,11 +85,6 @@ def side_by_side(ctx: OnlineContext, examples: list[dict], step: int, split: str
         }
         for i, record in enumerate(b["records"])
     ]
-
-
-def _decode(ctx: OnlineContext, responses: Responses) -> list[str]:
-    rows = [row[m].tolist() for row, m in zip(responses.response_ids, responses.mask, strict=True)]
-    return ctx.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
 class SideBySideWriter:
