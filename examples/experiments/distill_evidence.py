@@ -3,15 +3,15 @@ docs/experiments_plan.json, registered before these runs).
 
 Per seed, on the built-in ``reviews`` task, the stages of ``rlhfkit quickstart --task distill``
 (:mod:`rlhfkit.quickstart.distillation`: the task's files, the student's SFT policy, the teacher built by SFT and
-PPO against the seed's reward model), then four arms from the student's SFT policy:
+PPO with the task's gold score as its rule reward), then four arms from the student's SFT policy:
 
 - ``distill_reverse_kl``: ``rlhfkit train distill`` as the quickstart runs it (``distill.loss=reverse_kl``);
 - ``distill_jsd``: the same with ``distill.loss=jsd``;
 - ``sft_teacher``: SFT on the teacher's samples of the training prompts (at the distillation's temperature),
   as many response tokens as the teacher scored in ``distill_reverse_kl`` (its ``response_length/mean`` x
   responses per rollout, summed over rollouts), one pass, the distillation's batch and learning rate;
-- ``ppo``: PPO against the seed's reward model as the teacher was trained (its learning rate, the critic from the
-  reward model), for the distillation's rollouts of the distillation's batch: equal student updates.
+- ``ppo``: PPO on the gold score as the teacher was trained (its learning rate, the critic from the policy), for
+  the distillation's rollouts of the distillation's batch: equal student updates.
 
 Then the gold read the experiments page uses for a final policy: 4 responses at the distillation's temperature
 to each held-out prompt, the same sampling seed for every policy of a seed (SFT student, teacher and the four
@@ -196,9 +196,13 @@ def gold_read(policy: Path, root: Path, files: dict[str, Path], d, seed: int, ev
 def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
     """Every stage of one seed (module docstring) into ``out/seed-N``; returns and writes its figures."""
     from rlhfkit.config import config_from
-    from rlhfkit.quickstart.distillation import DISTILL_PRESETS, build_teacher, distill_settings
-    from rlhfkit.quickstart.pipeline import PRESETS, ppo_settings, sft_settings
-    from rlhfkit.tasks import get_task
+    from rlhfkit.quickstart.distillation import (
+        DISTILL_PRESETS,
+        build_teacher,
+        distill_settings,
+        gold_ppo_settings,
+    )
+    from rlhfkit.quickstart.pipeline import PRESETS, sft_settings
     from rlhfkit.trainers import online, sft
 
     d = DISTILL_PRESETS[preset]
@@ -214,12 +218,11 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
         sft_dir,
         lambda: sft.train(config_from("sft", root / "sft", sft_settings(files, p, seed))),
     )
-    teacher, rm_dir = root / "teacher_ppo" / "final", root / "reward" / "final"
+    teacher = root / "teacher_ppo" / "final"
 
     def make_teacher():
-        for name in ("pairs", "reward", "teacher_sft"):
-            shutil.rmtree(root / name, ignore_errors=True)
-        build_teacher(root, get_task("reviews", seed=seed), files, sft_dir, d, seed)
+        shutil.rmtree(root / "teacher_sft", ignore_errors=True)
+        build_teacher(root, files, d, seed)
 
     seconds["teacher"] = _stage(root / "teacher_ppo", teacher, make_teacher)
     for loss in ("reverse_kl", "jsd"):
@@ -259,10 +262,7 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
     )
     # PPO as the teacher was trained (its learning rate), at the distillation's rollouts and batch
     rl = replace(p, ppo_rollouts=d.steps, ppo_batch=d.batch, ppo_lr=d.teacher.ppo_lr)
-    ppo_keys = {
-        **ppo_settings(sft_dir, rm_dir, files["prompts_train"], rl, seed),
-        "train.eval_steps": d.steps,
-    }
+    ppo_keys = gold_ppo_settings(sft_dir, files["prompts_train"], rl, seed, p.response_length)
     seconds["ppo"] = _stage(
         root / "ppo", root / "ppo" / "final", lambda: online.train(config_from("ppo", root / "ppo", ppo_keys))
     )

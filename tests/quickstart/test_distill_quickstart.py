@@ -1,6 +1,6 @@
 """`rlhfkit quickstart --task distill` at the smoke preset: the stages run, the summary's fields, each gold
 figure read from its own policy (a direct HackingMeter read of each folder gives the same figures), the teacher
-built by SFT -> reward model -> PPO or given by --teacher (its vocabulary checked first), and bad input refused."""
+built by SFT -> PPO on the gold score or given by --teacher (its vocabulary checked first), and bad input refused."""
 
 import json
 import math
@@ -96,23 +96,33 @@ def test_quickstart_distill_smoke_builds_its_teacher(tmp_path, monkeypatch, caps
     out = tmp_path / "qs"
     assert main(["quickstart", "--task", "distill", "--preset", "smoke", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    for stage in ("[pairs]", "[reward model]", "[teacher SFT]", "[teacher PPO]", "[distillation]"):
+    for stage in ("[teacher SFT]", "[teacher PPO]", "[distillation]"):
         assert stage in printed
+    assert "[pairs]" not in printed and not (out / "reward").exists()
     summary = json.loads((out / "summary.json").read_text())
     teacher = out / "teacher_ppo" / "final"
     assert summary["teacher_dir"] == str(teacher)
-    # the teacher: PPO from the teacher's own SFT (its preset's model) against the reward model
+    # the teacher: PPO from the teacher's own SFT (its preset's model, the critic from it) on the gold score
     ppo = (out / "teacher_ppo" / "config.yaml").read_text()
-    assert f"name_or_path: {out / 'teacher_sft' / 'final'}" in ppo and f"{out / 'reward' / 'final'}" in ppo
+    assert f"name_or_path: {out / 'teacher_sft' / 'final'}" in ppo
+    assert f"critic_model: {out / 'teacher_sft' / 'final'}" in ppo
+    assert "rlhfkit.tasks.reviews:gold_reward" in ppo and "reward_model: null" in ppo
+    rewards = [row["score/gold_reward"] for row in read_metrics(out / "teacher_ppo" / "metrics.jsonl")]
+    assert len(rewards) == DISTILL_PRESETS["smoke"].teacher.ppo_rollouts
     assert (
         f"name_or_path: {out / 'task' / 'teacher_init'}" in (out / "teacher_sft" / "config.yaml").read_text()
     )
     assert f"teacher_model: {teacher}" in (out / "distill" / "config.yaml").read_text()
-    rm = out / "reward" / "final"
     for name, folder in (("teacher", teacher), ("distilled", out / "distill" / "final")):
-        assert summary["policies"][name] == pytest.approx(direct_read(out, folder, rm)), name
-    assert "proxy_mean" in summary["policies"]["teacher"]
-    assert set(summary["stage_seconds"]) >= {"pairs", "reward_model", "teacher_sft", "teacher_ppo", "distill"}
+        assert summary["policies"][name] == pytest.approx(direct_read(out, folder)), name
+    assert set(summary["stage_seconds"]) == {
+        "task",
+        "sft",
+        "teacher_sft",
+        "teacher_ppo",
+        "distill",
+        "evaluation",
+    }
 
 
 def test_gap_closed_by_hand():

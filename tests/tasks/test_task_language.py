@@ -198,3 +198,18 @@ def test_prompts_parse_and_foreign_prompts_are_an_error():
         assert request.product in prompt and request.sentiment in prompt
     with pytest.raises(ConfigError, match="not a prompt of the 'reviews' task"):
         R.gold_score("Tell me a joke.", "The blender is great.")
+
+
+def test_gold_reward_is_the_gold_score_as_a_rule_reward():
+    good = "The blender is great. I love the price."
+    prompts = [BLENDER_POS, BLENDER_POS, BLENDER_POS, "Compute 7+5-3."]
+    completions = [good, "The blender is", " The blender is amazing. I love the price.", good]
+    # hand values: names the blender (+1), one opinion on the asked side (+1), one aspect (+0.5) = 2.5;
+    # ill formed -3; the third adds one "amazing" (+0.5) and no aspect sentence beyond the price: 3.0;
+    # another task's prompt: no opinion
+    assert R.gold_reward(prompts, completions) == [2.5, R.INVALID_SCORE, 3.0, None]
+    assert R.gold_reward(prompts[:3], completions[:3]) == [
+        R.gold_score(p, c) for p, c in zip(prompts, completions[:3])
+    ]
+    with pytest.raises(ValueError):  # a batch of unequal lengths is a caller's bug, not a score
+        R.gold_reward(prompts, completions[:2])

@@ -10,10 +10,13 @@ Stages, each in its own run folder under ``DIR``:
                      model of the teacher's preset with the same tokenizer;
 2. ``sft/``          the student's SFT, as the reviews quickstart's (:func:`rlhfkit.quickstart.pipeline.sft_settings`);
 3. the teacher, unless ``--teacher`` names one (then only its vocabulary is checked against the task's):
-   ``pairs/``, ``reward/``  pairs of the student's SFT samples labelled by the task's annotators and a reward model
-                     on them, as in the reviews quickstart;
    ``teacher_sft/``  SFT of the teacher's preset model on the same corpus;
-   ``teacher_ppo/``  PPO of that policy against the reward model (the critic from it): the teacher;
+   ``teacher_ppo/``  PPO of that policy with the task's gold score as its rule reward
+                     (:func:`rlhfkit.tasks.reviews.gold_reward`; the critic from the policy): the teacher.
+                     A teacher trained against a learned reward model instead (pairs, reward model, PPO, as
+                     the reviews quickstart) took longer than the quickstart's five minutes and ended at most
+                     0.4 gold above the student (docs/quickstart-and-tasks.md); any PPO policy of the task's
+                     vocabulary can be given with ``--teacher``;
 4. ``distill/``      ``rlhfkit train distill`` from the student's SFT policy with the teacher as
                      ``online.teacher_model`` on the task's training prompts (the per-token reward
                      -(log pi - log pi_teacher), REINFORCE++'s reward-to-go at ``online.gamma``);
@@ -34,15 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhfkit.config import config_from
-from rlhfkit.quickstart.pipeline import (
-    PRESETS,
-    HackingMeter,
-    Preset,
-    ppo_settings,
-    reward_settings,
-    sample_pairs,
-    sft_settings,
-)
+from rlhfkit.quickstart.pipeline import PRESETS, HackingMeter, Preset, sft_settings
 from rlhfkit.quickstart.stages import write_summary
 
 
@@ -80,6 +75,11 @@ def _teacher(base: str, model: str, sft: tuple[int, int, float], ppo: tuple[int,
     )
 
 
+TEACHER_REWARD = "rlhfkit.tasks.reviews:gold_reward"
+
+# The teacher: 120 SFT steps of 32 bring the small model to well-formed reviews (gold 0.08, 99.6% valid on seed
+# 0's held-out prompts), and 12 PPO rollouts of 32 on the gold score at a constant 2e-4 lift it to 1.96 (40
+# rollouts: 2.15); 1 thread, the machine shared.
 # gamma 0: each token's advantage is its own teacher term (Thinking Machines' recipe). At gamma 1 the summed
 # reward-to-go pays a shorter response (fewer negative terms): on seed 3 the student learned to end at once
 # (responses of 1 token, teacher KL 1.7 -> 4.4 nats/token, gold -2.9); at gamma 0 every seed 0-4 stayed
@@ -87,7 +87,7 @@ def _teacher(base: str, model: str, sft: tuple[int, int, float], ppo: tuple[int,
 DISTILL_PRESETS: dict[str, DistillPreset] = {
     "tiny": DistillPreset(
         student="tiny",
-        teacher=_teacher("tiny", "small", (120, 16, 1.5e-3), (40, 16, 3e-4)),
+        teacher=_teacher("tiny", "small", (120, 32, 1e-3), (12, 32, 2e-4)),
         steps=40,
         batch=32,
         lr=5e-4,
@@ -134,33 +134,53 @@ def distill_settings(
     }
 
 
-def build_teacher(out: Path, task, files: dict[str, Path], sft_dir: Path, d: DistillPreset, seed: int):
-    """SFT -> reward model -> PPO of the teacher's preset model on the reviews task (module docstring, stage
-    3); returns ``(teacher policy folder, reward model folder, {stage: seconds}, reward trainer's summary)``."""
-    from rlhfkit.trainers import online, reward, sft
+def gold_ppo_settings(
+    policy_dir: Path, prompts: Path, p: Preset, seed: int, response_length: int
+) -> dict[str, Any]:
+    """PPO's keys with the task's gold score as the rule reward (:data:`TEACHER_REWARD`): from the policy in
+    ``policy_dir`` (the critic from it too) on ``prompts``, ``p.ppo_rollouts`` rollouts of ``p.ppo_batch``
+    prompts at a constant ``p.ppo_lr``, KL coefficient 0.1, responses of ``response_length`` tokens."""
+    n = p.ppo_rollouts
+    return {
+        "seed": seed,
+        "model.name_or_path": policy_dir,
+        "online.critic_model": policy_dir,
+        "data.train_file": prompts,
+        "data.max_prompt_length": 32,
+        "online.reward_functions": [TEACHER_REWARD],
+        "online.response_length": response_length,
+        "online.kl_coef": 0.1,
+        "train.max_steps": n,
+        "train.batch_size": p.ppo_batch,
+        "train.learning_rate": p.ppo_lr,
+        "train.lr_schedule": "constant",
+        "train.save_steps": n,
+        "train.eval_steps": n,
+        "train.log_steps": 1,
+    }
 
-    p, t_p, seconds = PRESETS[d.student], d.teacher, {}
-    t = _stage("pairs", f"{p.num_pairs} pairs from the student's SFT policy, labelled by noisy annotators")
-    labels = sample_pairs(out / "pairs", task, sft_dir, p, seed)
-    seconds["pairs"] = time.perf_counter() - t
 
-    t = _stage("reward model", f"{p.rm_steps} steps of {p.rm_batch} pairs")
-    rm_summary = reward.train(
-        config_from("reward", out / "reward", reward_settings(sft_dir, labels["paths"], p, seed))
-    )
-    rm_dir = out / "reward" / "final"
-    seconds["reward_model"] = time.perf_counter() - t
+def build_teacher(
+    out: Path, files: dict[str, Path], d: DistillPreset, seed: int
+) -> tuple[Path, dict[str, float]]:
+    """SFT -> PPO on the gold score of the teacher's preset model on the reviews task (module docstring, stage
+    3); returns ``(teacher policy folder, {stage: seconds})``."""
+    from rlhfkit.trainers import online, sft
 
+    t_p, seconds = d.teacher, {}
     t = _stage("teacher SFT", f"the {t_p.model} model, {t_p.sft_steps} steps of {t_p.sft_batch} examples")
     teacher_files = {**files, "init_model": files["teacher_init"]}
     sft.train(config_from("sft", out / "teacher_sft", sft_settings(teacher_files, t_p, seed)))
     seconds["teacher_sft"] = time.perf_counter() - t
 
-    t = _stage("teacher PPO", f"{t_p.ppo_rollouts} rollouts of {t_p.ppo_batch} prompts")
-    settings = ppo_settings(out / "teacher_sft" / "final", rm_dir, files["prompts_train"], t_p, seed)
-    online.train(config_from("ppo", out / "teacher_ppo", {**settings, "train.eval_steps": t_p.ppo_rollouts}))
+    t = _stage(
+        "teacher PPO", f"{t_p.ppo_rollouts} rollouts of {t_p.ppo_batch} prompts, the gold score as reward"
+    )
+    length = PRESETS[d.student].response_length  # the student's: the teacher is read on what it writes
+    settings = gold_ppo_settings(out / "teacher_sft" / "final", files["prompts_train"], t_p, seed, length)
+    online.train(config_from("ppo", out / "teacher_ppo", settings))
     seconds["teacher_ppo"] = time.perf_counter() - t
-    return out / "teacher_ppo" / "final", rm_dir, seconds, rm_summary
+    return out / "teacher_ppo" / "final", seconds
 
 
 def quickstart_distill(
@@ -202,9 +222,8 @@ def quickstart_distill(
     sft_dir = out / "sft" / "final"
     seconds["sft"] = time.perf_counter() - t
 
-    rm_dir = None
     if teacher is None:
-        teacher, rm_dir, teacher_seconds, _ = build_teacher(out, task, files, sft_dir, d, seed)
+        teacher, teacher_seconds = build_teacher(out, files, d, seed)
         seconds.update(teacher_seconds)
     teacher = Path(teacher)
 
@@ -220,7 +239,7 @@ def quickstart_distill(
         "evaluation", f"SFT student, teacher, distilled student on {d.num_eval_prompts} held-out prompts"
     )
     meter = HackingMeter(
-        task, sft_dir, rm_dir, files["prompts_eval"], _eval_preset(d), seed, temperature=d.temperature
+        task, sft_dir, None, files["prompts_eval"], _eval_preset(d), seed, temperature=d.temperature
     )
     policies = {"sft": sft_dir, "teacher": teacher, "distilled": out / "distill" / "final"}
     figures = {name: meter.read(folder) for name, folder in policies.items()}

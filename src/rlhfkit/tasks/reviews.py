@@ -251,6 +251,22 @@ def gold_score(prompt: str, response: str) -> float:
     return INVALID_SCORE if terms is None else terms.total
 
 
+def gold_reward(prompts, completions, **kwargs) -> list[float | None]:
+    """The gold score as a rule reward: what the annotators want, with no learned proxy between, so a policy
+    trained on it is not a study of reward hacking but a strong policy of the task (the distillation
+    quickstart's teacher). None (no opinion) for a prompt that is not one of this task's. Usable as
+    ``online.reward_functions: ["rlhfkit.tasks.reviews:gold_reward"]``."""
+    out: list[float | None] = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        try:
+            parse_prompt(prompt)
+        except ConfigError:
+            out.append(None)
+            continue
+        out.append(gold_score(prompt, str(completion)))
+    return out
+
+
 @dataclass(frozen=True)
 class WriterStyle:
     """How the corpus writer mixes good and mediocre reviews (the SFT policy's starting habits).
