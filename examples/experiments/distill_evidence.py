@@ -55,7 +55,7 @@ COMPARISONS = {
 SAMPLES_PER_PROMPT = 4
 
 
-def _stage(folder: Path, done: Path, run) -> float:
+def cached_stage(folder: Path, done: Path, run) -> float:
     """Run ``run()`` unless ``done`` exists; a ``folder`` left by a run cut short is removed first. Seconds."""
     if done.exists():
         return 0.0
@@ -155,21 +155,31 @@ def teacher_samples(out: Path, teacher: Path, prompts: Path, budget: int, d, see
 
 
 def gold_read(policy: Path, root: Path, files: dict[str, Path], d, seed: int, eval_prompts: int) -> dict:
-    """The page's 4-sample read: ``SAMPLES_PER_PROMPT`` responses to each held-out prompt (the first
-    ``eval_prompts``; 0: all) at the distillation's temperature, one sampling seed per training seed."""
+    """The page's 4-sample read of ``policy`` (:func:`four_sample_read`) at the distillation's temperature."""
+    from rlhfkit.quickstart.pipeline import PRESETS
+
+    return four_sample_read(
+        policy, files["prompts_eval"], seed, d.temperature, PRESETS[d.student].response_length, eval_prompts
+    )
+
+
+def four_sample_read(
+    policy: Path, prompts: Path, seed: int, temperature: float, max_new_tokens: int, eval_prompts: int = 0
+) -> dict:
+    """The page's 4-sample read: ``SAMPLES_PER_PROMPT`` responses to each held-out prompt of ``prompts`` (the
+    first ``eval_prompts``; 0: all) at ``temperature``, scored by the reviews task's gold scorer, one sampling
+    seed per training seed (``seed``), so every policy of a seed is read on the same prompts with the same
+    seed; with the standard error over prompts."""
     import torch
 
     from rlhfkit.data import TokenLimits, prepare_examples
     from rlhfkit.models import load_causal_lm, load_tokenizer
-    from rlhfkit.quickstart.pipeline import PRESETS
     from rlhfkit.rollout.evaluate import prompt_standard_error, sample_and_score
     from rlhfkit.tasks import get_task
 
     task = get_task("reviews", seed=seed)
     tokenizer = load_tokenizer(str(policy))
-    examples = prepare_examples(
-        str(files["prompts_eval"]), "prompts", tokenizer, TokenLimits(32, None, "left")
-    )
+    examples = prepare_examples(str(prompts), "prompts", tokenizer, TokenLimits(32, None, "left"))
     examples = examples[:eval_prompts] if eval_prompts else examples
     repeated = [x for x in examples for _ in range(SAMPLES_PER_PROMPT)]  # a prompt's samples side by side
     torch.manual_seed(10_000 + seed)  # the same sampling seed for every policy of this seed
@@ -178,8 +188,8 @@ def gold_read(policy: Path, root: Path, files: dict[str, Path], d, seed: int, ev
             load_causal_lm(str(policy), frozen=True).eval(),
             tokenizer,
             repeated,
-            temperature=d.temperature,
-            max_new_tokens=PRESETS[d.student].response_length,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
             gold_score=task.gold_score,
         )
     return {
@@ -213,7 +223,7 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
     start = time.perf_counter()
     files = task_files(root, seed, d)
     sft_dir = root / "sft" / "final"
-    seconds["sft"] = _stage(
+    seconds["sft"] = cached_stage(
         root / "sft",
         sft_dir,
         lambda: sft.train(config_from("sft", root / "sft", sft_settings(files, p, seed))),
@@ -224,19 +234,19 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
         shutil.rmtree(root / "teacher_sft", ignore_errors=True)
         build_teacher(root, files, d, seed)
 
-    seconds["teacher"] = _stage(root / "teacher_ppo", teacher, make_teacher)
+    seconds["teacher"] = cached_stage(root / "teacher_ppo", teacher, make_teacher)
     for loss in ("reverse_kl", "jsd"):
         folder = root / f"distill_{loss}"
         settings = {
             **distill_settings(sft_dir, teacher, files["prompts_train"], d, seed),
             "distill.loss": loss,
         }
-        seconds[folder.name] = _stage(
+        seconds[folder.name] = cached_stage(
             folder, folder / "final", lambda f=folder, s=settings: online.train(config_from("distill", f, s))
         )
     budget = teacher_scored_tokens(root / "distill_reverse_kl")
     samples = root / "teacher_samples"
-    seconds["teacher_samples"] = _stage(
+    seconds["teacher_samples"] = cached_stage(
         samples,
         samples / "done.json",
         lambda: teacher_samples(samples, teacher, files["prompts_train"], budget, d, seed),
@@ -255,7 +265,7 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
         "train.save_steps": max(1, math.ceil(made["rows"] / d.batch)),
         "train.log_steps": 10,
     }
-    seconds["sft_teacher"] = _stage(
+    seconds["sft_teacher"] = cached_stage(
         root / "sft_teacher",
         root / "sft_teacher" / "final",
         lambda: sft.train(config_from("sft", root / "sft_teacher", sft_keys)),
@@ -263,7 +273,7 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
     # PPO as the teacher was trained (its learning rate), at the distillation's rollouts and batch
     rl = replace(p, ppo_rollouts=d.steps, ppo_batch=d.batch, ppo_lr=d.teacher.ppo_lr)
     ppo_keys = gold_ppo_settings(sft_dir, files["prompts_train"], rl, seed, p.response_length)
-    seconds["ppo"] = _stage(
+    seconds["ppo"] = cached_stage(
         root / "ppo", root / "ppo" / "final", lambda: online.train(config_from("ppo", root / "ppo", ppo_keys))
     )
     policies = {"sft": sft_dir, "teacher": teacher, **{arm: root / arm / "final" for arm in ARMS}}
@@ -278,7 +288,7 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
     figures = {
         "seed": seed,
         "preset": preset,
-        "commit": _commit(),
+        "commit": run_commit(),
         "reads": reads,
         "teacher_scored_tokens": budget,
         "sft_teacher_tokens": made["tokens"],
@@ -290,11 +300,11 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
     return figures
 
 
-def _commit() -> str | None:
-    """The commit the figures were made at: ``$DISTILL_EVIDENCE_COMMIT`` (a copy of the code outside git), else
-    the repository's HEAD."""
-    if os.environ.get("DISTILL_EVIDENCE_COMMIT"):
-        return os.environ["DISTILL_EVIDENCE_COMMIT"]
+def run_commit(env: str = "DISTILL_EVIDENCE_COMMIT") -> str | None:
+    """The commit the figures were made at: ``$env`` (a copy of the code outside git), else the repository's
+    HEAD."""
+    if os.environ.get(env):
+        return os.environ[env]
     done = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, check=False
     )
