@@ -203,6 +203,20 @@ def four_sample_read(
     }
 
 
+def cached_reads(root: Path, policies: dict[str, Path], read) -> dict[str, dict]:
+    """``read(policy)`` of each of ``policies`` (name -> folder), in order, each cached in
+    ``root/reads/NAME.json``."""
+    reads = {}
+    for name, policy in policies.items():
+        path = root / "reads" / f"{name}.json"
+        if not path.is_file():
+            print(f"[{root.name}] gold read of {name}", flush=True)
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(json.dumps(read(policy)))
+        reads[name] = json.loads(path.read_text())
+    return reads
+
+
 def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
     """Every stage of one seed (module docstring) into ``out/seed-N``; returns and writes its figures."""
     from rlhfkit.config import config_from
@@ -277,14 +291,7 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
         root / "ppo", root / "ppo" / "final", lambda: online.train(config_from("ppo", root / "ppo", ppo_keys))
     )
     policies = {"sft": sft_dir, "teacher": teacher, **{arm: root / arm / "final" for arm in ARMS}}
-    reads = {}
-    for name in READS:
-        path = root / "reads" / f"{name}.json"
-        if not path.is_file():
-            print(f"[seed-{seed}] gold read of {name}", flush=True)
-            path.parent.mkdir(exist_ok=True)
-            path.write_text(json.dumps(gold_read(policies[name], root, files, d, seed, eval_prompts)))
-        reads[name] = json.loads(path.read_text())
+    reads = cached_reads(root, policies, lambda policy: gold_read(policy, root, files, d, seed, eval_prompts))
     figures = {
         "seed": seed,
         "preset": preset,
@@ -311,6 +318,16 @@ def run_commit(env: str = "DISTILL_EVIDENCE_COMMIT") -> str | None:
     return done.stdout.strip() or None
 
 
+def gold_table(results: list[dict], gold: dict[str, list[float]]) -> list[str]:
+    """The lines of the per-policy table of a report: ``gold`` per policy, one value per seed of ``results``."""
+    lines = [f"Seeds {[r['seed'] for r in results]}: held-out gold, 4 samples per prompt.", ""]
+    lines += ["| policy | gold, mean | per seed |", "|---|---|---|"]
+    return lines + [
+        f"| {name} | {sum(v) / len(v):.3f} | {' / '.join(f'{x:.2f}' for x in v)} |"
+        for name, v in gold.items()
+    ]
+
+
 def report(results: list[dict], plan_path: Path = DOCS / "experiments_plan.json") -> str:
     """The three comparisons over the seeds given: per-seed gold of each arm, then each comparison's paired
     difference (:func:`rlhfkit.reporting.paired.describe`) and the page's verdict under the plan (Holm over the
@@ -321,12 +338,7 @@ def report(results: list[dict], plan_path: Path = DOCS / "experiments_plan.json"
     plan = load_plan(plan_path)
     results = sorted(results, key=lambda r: r["seed"])
     gold = {name: [r["reads"][name]["gold"] for r in results] for name in READS}
-    lines = [f"Seeds {[r['seed'] for r in results]}: held-out gold, 4 samples per prompt.", ""]
-    lines += ["| policy | gold, mean | per seed |", "|---|---|---|"]
-    lines += [
-        f"| {name} | {sum(v) / len(v):.3f} | {' / '.join(f'{x:.2f}' for x in v)} |"
-        for name, v in gold.items()
-    ]
+    lines = gold_table(results, gold)
     compared = {cid: paired(gold[a], gold[b]) for cid, (a, b) in COMPARISONS.items()}
     directional = [cid for cid in COMPARISONS if plan.comparisons[f"distill.{cid}"].direction != 0]
     corrected = dict(zip(directional, holm([compared[c].exact_p for c in directional]), strict=True))
@@ -340,12 +352,21 @@ def report(results: list[dict], plan_path: Path = DOCS / "experiments_plan.json"
 
 
 def main(argv: list[str] | None = None) -> int:
+    return evidence_main(argv, __doc__, run_seed, report, "distill_evidence.md")
+
+
+def evidence_main(argv: list[str] | None, doc: str, run_seed, report, name: str, smoke: str = "") -> int:
+    """The command line of a registered runner: ``run_seed(out, seed, preset, eval_prompts)`` for each seed
+    (unless ``--report-only``), then ``report(results)`` of the seeds whose ``figures.json`` exists, printed and
+    written to ``OUT/name``. ``smoke``: what ``--smoke`` changes besides the quickstart's smoke preset."""
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", type=Path, required=True, help="output folder (one folder per seed in it)")
     p.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
-    p.add_argument("--smoke", action="store_true", help="the quickstart's smoke preset, 8 held-out prompts")
+    p.add_argument(
+        "--smoke", action="store_true", help=f"the quickstart's smoke preset{smoke}, 8 held-out prompts"
+    )
     p.add_argument(
         "--eval-prompts", type=int, default=None, help="held-out prompts read (default: all; smoke 8)"
     )
@@ -365,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no finished seed in {args.out}", file=sys.stderr)
         return 1
     text = report(results)
-    (args.out / "distill_evidence.md").write_text(text, encoding="utf-8")
+    (args.out / name).write_text(text, encoding="utf-8")
     print(text, flush=True)
     return 0
 
