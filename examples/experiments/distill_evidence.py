@@ -55,7 +55,7 @@ COMPARISONS = {
 SAMPLES_PER_PROMPT = 4
 
 
-def _stage(folder: Path, done: Path, run) -> float:
+def cached_stage(folder: Path, done: Path, run) -> float:
     """Run ``run()`` unless ``done`` exists; a ``folder`` left by a run cut short is removed first. Seconds."""
     if done.exists():
         return 0.0
@@ -155,21 +155,31 @@ def teacher_samples(out: Path, teacher: Path, prompts: Path, budget: int, d, see
 
 
 def gold_read(policy: Path, root: Path, files: dict[str, Path], d, seed: int, eval_prompts: int) -> dict:
-    """The page's 4-sample read: ``SAMPLES_PER_PROMPT`` responses to each held-out prompt (the first
-    ``eval_prompts``; 0: all) at the distillation's temperature, one sampling seed per training seed."""
+    """The page's 4-sample read of ``policy`` (:func:`four_sample_read`) at the distillation's temperature."""
+    from rlhfkit.quickstart.pipeline import PRESETS
+
+    return four_sample_read(
+        policy, files["prompts_eval"], seed, d.temperature, PRESETS[d.student].response_length, eval_prompts
+    )
+
+
+def four_sample_read(
+    policy: Path, prompts: Path, seed: int, temperature: float, max_new_tokens: int, eval_prompts: int = 0
+) -> dict:
+    """The page's 4-sample read: ``SAMPLES_PER_PROMPT`` responses to each held-out prompt of ``prompts`` (the
+    first ``eval_prompts``; 0: all) at ``temperature``, scored by the reviews task's gold scorer, one sampling
+    seed per training seed (``seed``), so every policy of a seed is read on the same prompts with the same
+    seed; with the standard error over prompts."""
     import torch
 
     from rlhfkit.data import TokenLimits, prepare_examples
     from rlhfkit.models import load_causal_lm, load_tokenizer
-    from rlhfkit.quickstart.pipeline import PRESETS
     from rlhfkit.rollout.evaluate import prompt_standard_error, sample_and_score
     from rlhfkit.tasks import get_task
 
     task = get_task("reviews", seed=seed)
     tokenizer = load_tokenizer(str(policy))
-    examples = prepare_examples(
-        str(files["prompts_eval"]), "prompts", tokenizer, TokenLimits(32, None, "left")
-    )
+    examples = prepare_examples(str(prompts), "prompts", tokenizer, TokenLimits(32, None, "left"))
     examples = examples[:eval_prompts] if eval_prompts else examples
     repeated = [x for x in examples for _ in range(SAMPLES_PER_PROMPT)]  # a prompt's samples side by side
     torch.manual_seed(10_000 + seed)  # the same sampling seed for every policy of this seed
@@ -178,8 +188,8 @@ def gold_read(policy: Path, root: Path, files: dict[str, Path], d, seed: int, ev
             load_causal_lm(str(policy), frozen=True).eval(),
             tokenizer,
             repeated,
-            temperature=d.temperature,
-            max_new_tokens=PRESETS[d.student].response_length,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
             gold_score=task.gold_score,
         )
     return {
@@ -191,6 +201,20 @@ def gold_read(policy: Path, root: Path, files: dict[str, Path], d, seed: int, ev
         "responses": len(got.gold),
         "samples_per_prompt": SAMPLES_PER_PROMPT,
     }
+
+
+def cached_reads(root: Path, policies: dict[str, Path], read) -> dict[str, dict]:
+    """``read(policy)`` of each of ``policies`` (name -> folder), in order, each cached in
+    ``root/reads/NAME.json``."""
+    reads = {}
+    for name, policy in policies.items():
+        path = root / "reads" / f"{name}.json"
+        if not path.is_file():
+            print(f"[{root.name}] gold read of {name}", flush=True)
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(json.dumps(read(policy)))
+        reads[name] = json.loads(path.read_text())
+    return reads
 
 
 def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
@@ -213,7 +237,7 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
     start = time.perf_counter()
     files = task_files(root, seed, d)
     sft_dir = root / "sft" / "final"
-    seconds["sft"] = _stage(
+    seconds["sft"] = cached_stage(
         root / "sft",
         sft_dir,
         lambda: sft.train(config_from("sft", root / "sft", sft_settings(files, p, seed))),
@@ -224,19 +248,19 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
         shutil.rmtree(root / "teacher_sft", ignore_errors=True)
         build_teacher(root, files, d, seed)
 
-    seconds["teacher"] = _stage(root / "teacher_ppo", teacher, make_teacher)
+    seconds["teacher"] = cached_stage(root / "teacher_ppo", teacher, make_teacher)
     for loss in ("reverse_kl", "jsd"):
         folder = root / f"distill_{loss}"
         settings = {
             **distill_settings(sft_dir, teacher, files["prompts_train"], d, seed),
             "distill.loss": loss,
         }
-        seconds[folder.name] = _stage(
+        seconds[folder.name] = cached_stage(
             folder, folder / "final", lambda f=folder, s=settings: online.train(config_from("distill", f, s))
         )
     budget = teacher_scored_tokens(root / "distill_reverse_kl")
     samples = root / "teacher_samples"
-    seconds["teacher_samples"] = _stage(
+    seconds["teacher_samples"] = cached_stage(
         samples,
         samples / "done.json",
         lambda: teacher_samples(samples, teacher, files["prompts_train"], budget, d, seed),
@@ -255,7 +279,7 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
         "train.save_steps": max(1, math.ceil(made["rows"] / d.batch)),
         "train.log_steps": 10,
     }
-    seconds["sft_teacher"] = _stage(
+    seconds["sft_teacher"] = cached_stage(
         root / "sft_teacher",
         root / "sft_teacher" / "final",
         lambda: sft.train(config_from("sft", root / "sft_teacher", sft_keys)),
@@ -263,22 +287,15 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
     # PPO as the teacher was trained (its learning rate), at the distillation's rollouts and batch
     rl = replace(p, ppo_rollouts=d.steps, ppo_batch=d.batch, ppo_lr=d.teacher.ppo_lr)
     ppo_keys = gold_ppo_settings(sft_dir, files["prompts_train"], rl, seed, p.response_length)
-    seconds["ppo"] = _stage(
+    seconds["ppo"] = cached_stage(
         root / "ppo", root / "ppo" / "final", lambda: online.train(config_from("ppo", root / "ppo", ppo_keys))
     )
     policies = {"sft": sft_dir, "teacher": teacher, **{arm: root / arm / "final" for arm in ARMS}}
-    reads = {}
-    for name in READS:
-        path = root / "reads" / f"{name}.json"
-        if not path.is_file():
-            print(f"[seed-{seed}] gold read of {name}", flush=True)
-            path.parent.mkdir(exist_ok=True)
-            path.write_text(json.dumps(gold_read(policies[name], root, files, d, seed, eval_prompts)))
-        reads[name] = json.loads(path.read_text())
+    reads = cached_reads(root, policies, lambda policy: gold_read(policy, root, files, d, seed, eval_prompts))
     figures = {
         "seed": seed,
         "preset": preset,
-        "commit": _commit(),
+        "commit": run_commit(),
         "reads": reads,
         "teacher_scored_tokens": budget,
         "sft_teacher_tokens": made["tokens"],
@@ -290,15 +307,25 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
     return figures
 
 
-def _commit() -> str | None:
-    """The commit the figures were made at: ``$DISTILL_EVIDENCE_COMMIT`` (a copy of the code outside git), else
-    the repository's HEAD."""
-    if os.environ.get("DISTILL_EVIDENCE_COMMIT"):
-        return os.environ["DISTILL_EVIDENCE_COMMIT"]
+def run_commit(env: str = "DISTILL_EVIDENCE_COMMIT") -> str | None:
+    """The commit the figures were made at: ``$env`` (a copy of the code outside git), else the repository's
+    HEAD."""
+    if os.environ.get(env):
+        return os.environ[env]
     done = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, check=False
     )
     return done.stdout.strip() or None
+
+
+def gold_table(results: list[dict], gold: dict[str, list[float]]) -> list[str]:
+    """The lines of the per-policy table of a report: ``gold`` per policy, one value per seed of ``results``."""
+    lines = [f"Seeds {[r['seed'] for r in results]}: held-out gold, 4 samples per prompt.", ""]
+    lines += ["| policy | gold, mean | per seed |", "|---|---|---|"]
+    return lines + [
+        f"| {name} | {sum(v) / len(v):.3f} | {' / '.join(f'{x:.2f}' for x in v)} |"
+        for name, v in gold.items()
+    ]
 
 
 def report(results: list[dict], plan_path: Path = DOCS / "experiments_plan.json") -> str:
@@ -311,12 +338,7 @@ def report(results: list[dict], plan_path: Path = DOCS / "experiments_plan.json"
     plan = load_plan(plan_path)
     results = sorted(results, key=lambda r: r["seed"])
     gold = {name: [r["reads"][name]["gold"] for r in results] for name in READS}
-    lines = [f"Seeds {[r['seed'] for r in results]}: held-out gold, 4 samples per prompt.", ""]
-    lines += ["| policy | gold, mean | per seed |", "|---|---|---|"]
-    lines += [
-        f"| {name} | {sum(v) / len(v):.3f} | {' / '.join(f'{x:.2f}' for x in v)} |"
-        for name, v in gold.items()
-    ]
+    lines = gold_table(results, gold)
     compared = {cid: paired(gold[a], gold[b]) for cid, (a, b) in COMPARISONS.items()}
     directional = [cid for cid in COMPARISONS if plan.comparisons[f"distill.{cid}"].direction != 0]
     corrected = dict(zip(directional, holm([compared[c].exact_p for c in directional]), strict=True))
@@ -330,12 +352,21 @@ def report(results: list[dict], plan_path: Path = DOCS / "experiments_plan.json"
 
 
 def main(argv: list[str] | None = None) -> int:
+    return evidence_main(argv, __doc__, run_seed, report, "distill_evidence.md")
+
+
+def evidence_main(argv: list[str] | None, doc: str, run_seed, report, name: str, smoke: str = "") -> int:
+    """The command line of a registered runner: ``run_seed(out, seed, preset, eval_prompts)`` for each seed
+    (unless ``--report-only``), then ``report(results)`` of the seeds whose ``figures.json`` exists, printed and
+    written to ``OUT/name``. ``smoke``: what ``--smoke`` changes besides the quickstart's smoke preset."""
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", type=Path, required=True, help="output folder (one folder per seed in it)")
     p.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
-    p.add_argument("--smoke", action="store_true", help="the quickstart's smoke preset, 8 held-out prompts")
+    p.add_argument(
+        "--smoke", action="store_true", help=f"the quickstart's smoke preset{smoke}, 8 held-out prompts"
+    )
     p.add_argument(
         "--eval-prompts", type=int, default=None, help="held-out prompts read (default: all; smoke 8)"
     )
@@ -355,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no finished seed in {args.out}", file=sys.stderr)
         return 1
     text = report(results)
-    (args.out / "distill_evidence.md").write_text(text, encoding="utf-8")
+    (args.out / name).write_text(text, encoding="utf-8")
     print(text, flush=True)
     return 0
 

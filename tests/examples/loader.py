@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +20,17 @@ def load_example(name: str, folder: Path = EXAMPLES) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def smoke_seed(script: ModuleType, out: Path) -> dict:
+    """Seed 0 of a registered runner (``main`` with ``--smoke``) into ``out``: its ``figures.json``, whose
+    4-sample reads are checked to be 4 samples of each of 8 held-out prompts."""
+    assert script.main(["--out", str(out), "--seeds", "0", "--smoke"]) == 0
+    figures = json.loads((out / "seed-0" / "figures.json").read_text())
+    for read in figures["reads"].values():
+        assert read["prompts"] == 8 and read["samples_per_prompt"] == 4 and read["responses"] == 32
+        assert -10 < read["gold"] < 10
+    return figures
 
 
 def spy_generate(monkeypatch) -> tuple[list[list[int]], list[tuple[list[int], tuple[int, ...]]]]:

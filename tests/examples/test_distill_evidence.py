@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from tests.examples.loader import load_example
+from tests.examples.loader import load_example, smoke_seed
 
 
 def results(gold_by_seed):
@@ -51,9 +51,8 @@ def test_distill_evidence_runs_at_smoke_size_and_reuses_its_stages(tmp_path, mon
     script = load_example("experiments/distill_evidence")
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     out = tmp_path / "evidence"
-    assert script.main(["--out", str(out), "--seeds", "0", "--smoke"]) == 0
+    figures = smoke_seed(script, out)
     seed = out / "seed-0"
-    figures = json.loads((seed / "figures.json").read_text())
     assert set(figures["reads"]) == {
         "sft",
         "teacher",
@@ -62,13 +61,6 @@ def test_distill_evidence_runs_at_smoke_size_and_reuses_its_stages(tmp_path, mon
         "sft_teacher",
         "ppo",
     }
-    for read in figures["reads"].values():
-        assert (
-            read["prompts"] == 8
-            and read["samples_per_prompt"] == 4
-            and read["responses"] == 32
-            and -10 < read["gold"] < 10
-        )
     configs = {
         a: yaml.safe_load((seed / a / "config.yaml").read_text())
         for a in ("distill_reverse_kl", "distill_jsd", "ppo")
