@@ -21,9 +21,9 @@ experimental IW-OPD trainer is another objective), so:
   reward of a policy gradient (REINFORCE++ reward-to-go, one on-policy epoch) against TRL's full-vocabulary
   reverse KL (``beta=1``). Not the same loss: rlhfkit reads the log-prob of the sampled token from each model
   (both heads are still projected over the whole vocabulary, in chunks, for the normaliser), TRL the whole
-  distributions. rlhfkit also runs two forwards TRL does not: the student's no-grad read-out of its old
-  log-probs (the reward reads them before the update) and the reference's (the student with the adapter off;
-  ``train distill`` has ``kl_coef`` 0, and the reference is still read).
+  distributions. rlhfkit also runs a forward TRL does not: the student's no-grad read-out of its old
+  log-probs (the reward reads them before the update). It reads no reference (``train distill`` has no KL to
+  one: ``rlhfkit.trainers.online.layout.reads_reference``).
 - ``--loss full_reverse_kl``: the same divergence in both (TRL ``beta=1``).
 - ``--loss jsd --jsd-beta B``: the same divergence in both (TRL ``beta=B``).
 
