@@ -94,10 +94,13 @@ WEAK_PAIRS = {"default": 256, "smoke": 8}  # the weak reward model's training pa
 USUAL_PAIRS = {"default": 1024, "smoke": 8}  # overfit_reward.py's usual reward model: the pool's first 1,024
 OVERFIT = {"default": (768, 450), "smoke": (6, 4)}  # its over-fitted one: the usual one's first pairs, steps
 REFRESH_EVERY = {"default": 5, "smoke": 1}  # overoptimization_quality.py's --refresh-steps
+GROUP = 4  # grpo-ppo: GRPO's responses per prompt, over a quarter of PPO's prompts per rollout
 # Per claim: its arms in the order they run (name -> kl_coef; "refresh": the online refresh of the weak reward
 # model; "reward": the reward model when not the weak one: "own-pairs", the offline one on the weak one's pairs
-# and the refresh arm's labelled pairs, or overfit_reward.py's "usual" and "overfit"), and per registered
-# comparison the (arm, figure) of a and of b.
+# and the refresh arm's labelled pairs, or overfit_reward.py's "usual" and "overfit"; "same_as": (claim, arm),
+# another claim's arm that this one is, run and read once in that claim's folder; "kind": grpo, `train grpo` in
+# groups of GROUP; "kl_estimator": the penalty's; "exact_kl": its reads record the exact KL to the SFT policy),
+# and per registered comparison the (arm, figure) of a and of b.
 CLAIMS = {
     "overopt-central": {
         "arms": {"kl0": {"kl_coef": 0.0}, "kl0.05": {"kl_coef": 0.05}},
@@ -121,8 +124,22 @@ CLAIMS = {
         },
         "comparisons": {"end": (("usual", "end_gold"), ("overfit", "end_gold"))},
     },
+    "grpo-ppo": {
+        "arms": {
+            "ppo": {"same_as": ("overopt-central", "kl0.05")},
+            "grpo": {"kl_coef": 0.05, "kind": "grpo"},
+        },
+        "comparisons": {"end": (("ppo", "end_gold"), ("grpo", "end_gold"))},
+    },
+    "reversed-k3-penalty": {
+        "arms": {
+            "k3": {"kl_coef": 0.05, "kl_estimator": "k3", "exact_kl": True},
+            "k3-reversed": {"kl_coef": 0.05, "kl_estimator": "k3_reversed", "exact_kl": True},
+        },
+        "comparisons": {"kl": (("k3", "end_kl_exact"), ("k3-reversed", "end_kl_exact"))},
+    },
 }
-ARMS = [name for claim in CLAIMS.values() for name in claim["arms"]]
+ARMS = list(dict.fromkeys(name for claim in CLAIMS.values() for name in claim["arms"]))
 
 
 def split_read(gold: list[float], repeats: int, select: int) -> dict[str, float]:
@@ -140,14 +157,18 @@ def split_read(gold: list[float], repeats: int, select: int) -> dict[str, float]
     }
 
 
-def read(meter: Meter, policy) -> dict[str, float]:
+def read(meter: Meter, policy, exact_kl: bool = False) -> dict[str, float]:
     """The 4-sample read of ``policy`` (``meter``'s final read, its sampling seed), its gold split in two halves
-    of the held-out prompts (:func:`split_read`), with proxy, KL, length and validity over every prompt."""
+    of the held-out prompts (:func:`split_read`), with proxy, KL (k1 summed per response), length and validity
+    over every prompt; ``exact_kl``: also ``kl_exact``, the exact per-token KL to the SFT policy over the whole
+    vocabulary summed per response, mean over every sample (the same samples: nothing else changes)."""
     from rlhfkit.rollout.evaluate import prompt_standard_error
 
-    samples, prompts, repeats = meter.samples(policy, final=True)
+    samples, prompts, repeats = meter.samples(policy, final=True, exact_kl=exact_kl)
     s, select = samples.summary(), len(prompts) // 2
+    exact = {"kl_exact": s["kl_exact_mean"]} if exact_kl else {}
     return {
+        **exact,
         **split_read(samples.gold, repeats, select),
         "gold_se": prompt_standard_error(samples.gold, repeats),
         "proxy": s["proxy_mean"],
@@ -163,12 +184,13 @@ def read(meter: Meter, policy) -> dict[str, float]:
 def peak_and_end(reads: list[dict]) -> dict[str, float]:
     """Of an arm's reads (rollout 0, the SFT policy, first): the peak checkpoint (rollout > 0, the first of the
     highest ``gold_select``), its gold and the end's on the other prompts (``gold_read``), their difference, and
-    the end's gold on every prompt."""
+    the end's gold and KL on every prompt (and its exact KL where the reads have it)."""
     reads = sorted(reads, key=lambda r: r["rollout"])
     trained = [r for r in reads if r["rollout"] > 0]
     if not trained:
         raise ValueError("no checkpoint after rollout 0")
     peak, end = max(trained, key=lambda r: r["gold_select"]), trained[-1]
+    exact = {"end_kl_exact": end["kl_exact"]} if "kl_exact" in end else {}
     return {
         "peak_rollout": peak["rollout"],
         "peak_gold_read": peak["gold_read"],
@@ -176,6 +198,7 @@ def peak_and_end(reads: list[dict]) -> dict[str, float]:
         "drop": peak["gold_read"] - end["gold_read"],
         "end_gold": end["gold"],
         "end_kl": end["kl"],
+        **exact,
     }
 
 
@@ -215,12 +238,24 @@ def checkpoints(rollouts: int, every: int) -> list[int]:
 
 
 def arm_run(
-    root: Path, name: str, kl_coef: float, stage: dict, sft: dict, seed: int, s, refresh: dict | None = None
+    root: Path,
+    name: str,
+    kl_coef: float,
+    stage: dict,
+    sft: dict,
+    seed: int,
+    s,
+    refresh: dict | None = None,
+    kind: str = "ppo",
+    exact_kl: bool = False,
+    keys: dict | None = None,
 ) -> dict:
     """One arm: PPO at ``kl_coef`` in ``root/name`` (resumed from its newest checkpoint when interrupted), each
     checkpoint read once (``root/name-reads``); the arm's figures, cached in ``root/name.json``. ``refresh``:
     ``{"every": K, "pairs": the reward model's training pairs}``, the online refresh of
-    ``overoptimization_quality.py`` (its defaults); the pairs it labels are kept in ``root/name-pairs.jsonl``."""
+    ``overoptimization_quality.py`` (its defaults); the pairs it labels are kept in ``root/name-pairs.jsonl``.
+    ``kind``: the command (``grpo``); ``exact_kl``: each read records the exact KL too (:func:`read`); ``keys``:
+    other dotted keys of the run (left out, the run is overopt-central's, key for key)."""
     from rlhfkit.quickstart.pipeline import task_refresh
     from rlhfkit.trainers import online
 
@@ -257,7 +292,7 @@ def arm_run(
             figures = json.loads(path(step).read_text())
         else:
             meter = meter or Meter(stage, s, seed)
-            figures = {"rollout": step, **read(meter, policy)}
+            figures = {"rollout": step, **read(meter, policy, exact_kl)}
             path(step).write_text(json.dumps(figures, indent=1))
         return {"eval/gold/mean": figures["gold"], "eval/score/mean": figures["proxy"]}
 
@@ -272,18 +307,26 @@ def arm_run(
             s.rollouts,
             oq.EVAL_TEMPERATURE,
             kl_coef,
+            kind=kind,
             **{
                 "train.lr_schedule": "constant",
                 "train.save_steps": s.eval_every,
                 "train.keep_last_checkpoints": 2,
                 **settings,
+                **(keys or {}),
             },
         )
         online.train(cfg, resume=True, hooks=hooks)
         if refresher is not None:  # its state (the pairs it labelled) comes back with a resumed checkpoint
             pairs_file.write_text("".join(json.dumps(r) + "\n" for r in refresher.state_dict()["pairs"]))
     reads = [{**sft, "rollout": 0}] + [json.loads(path(k).read_text()) for k in wanted if k]
+    if exact_kl and any("kl_exact" not in r for r in reads[1:]):
+        raise SystemExit(
+            f"{reads_dir}: a read without the exact KL (kl_exact): move that folder away to reread"
+        )
     record = {"kl_coef": kl_coef, "rollouts": s.rollouts, "eval_every": s.eval_every, "reads": reads}
+    if kind != "ppo" or keys:
+        record.update(kind=kind, keys=keys or {})
     if refresh is not None:
         record.update(refresh_every=refresh["every"], refresh_labels=len(pairs_file.read_text().splitlines()))
     record.update(peak_and_end(reads), cpu_seconds=time.process_time() - clock)
@@ -342,6 +385,11 @@ def run_seed(seed: int, args) -> list[dict]:
         for name, arm in CLAIMS[claim]["arms"].items():
             if name not in args.arms:
                 continue
+            if "same_as" in arm:  # another claim's arm, run (or reused) in its folder as that claim runs it
+                other, other_arm = arm["same_as"]
+                kl_coef = CLAIMS[other]["arms"][other_arm]["kl_coef"]
+                arms[name] = arm_run(root / other, other_arm, kl_coef, stage, sft, seed, s)
+                continue
             view, refresh = stage, None
             if arm.get("refresh"):
                 refresh = {"every": REFRESH_EVERY[args.size], "pairs": weak}
@@ -349,13 +397,31 @@ def run_seed(seed: int, args) -> list[dict]:
                 view, rms["own-pairs"] = own_pairs_stage(root / claim, shared, weak, seed, s, sa)
             if arm.get("reward") in ("usual", "overfit"):
                 view, rms[arm["reward"]] = overfit_stage(root / claim, arm["reward"], shared, seed, s, sa)
-            arms[name] = arm_run(root / claim, name, arm["kl_coef"], view, sft, seed, s, refresh)
+            kind, keys = arm.get("kind", "ppo"), {}
+            if kind == "grpo":
+                keys = grpo_keys(s)
+            if "kl_estimator" in arm:
+                keys["online.kl_estimator"] = arm["kl_estimator"]
+            exact = arm.get("exact_kl", False)
+            arms[name] = arm_run(
+                root / claim, name, arm["kl_coef"], view, sft, seed, s, refresh, kind, exact, keys or None
+            )
         if not arms:  # none of its arms asked (the pilot's kl0 alone), none run before
             continue
         record = {"seed": seed, "claim": claim, "commit": args.commit, "reward_models": rms, "sft": sft}
         out.append({**record, "arms": arms})
         figures_file.write_text(json.dumps(out[-1], indent=1))
     return out
+
+
+def grpo_keys(s) -> dict:
+    """grpo-ppo's GRPO arm: groups of ``GROUP`` responses to a quarter of PPO's prompts per rollout, so that
+    both arms sample the same number of responses per rollout (PPO's ``s.ppo_batch``)."""
+    if s.ppo_batch % GROUP:
+        raise SystemExit(
+            f"--ppo-batch {s.ppo_batch}: grpo-ppo needs a multiple of {GROUP} (groups of {GROUP})"
+        )
+    return {"train.batch_size": s.ppo_batch // GROUP, "online.group_size": GROUP}
 
 
 def own_pairs_stage(root: Path, shared: dict, weak: Path, seed: int, s, sa) -> tuple[dict, dict]:
@@ -413,7 +479,9 @@ def values_of(results: list[dict], claim: str, cid: str) -> tuple[list[int], lis
 def report(results: list[dict], claims, plan_path: Path = PLAN) -> str:
     """Each registered comparison of ``claims``: the per-seed differences b − a (``describe``), the exact p after
     Holm's correction over the plan's ``central`` family (registered members without data count at p = 1), and
-    ``decide``'s verdict under the plan's direction and margin."""
+    ``decide``'s verdict under the plan's direction and margin. A no-difference comparison (direction 0: grpo-ppo)
+    is no member of the family (the page's rule corrects directional comparisons only): its 90% interval against
+    ±margin decides it, uncorrected, as on the page."""
     from rlhfkit.reporting.paired import Claim, decide, describe, holm, paired
     from rlhfkit.reporting.plan import load_plan
 
@@ -437,11 +505,18 @@ def report(results: list[dict], claims, plan_path: Path = PLAN) -> str:
                 lines.append(f"{head}: no seed has run")
                 continue
             seeds, p = data[key]
-            word = decide(p, Claim(planned.direction, planned.margin), adjusted[key])
+            word = decide(p, Claim(planned.direction, planned.margin), adjusted.get(key))
             note = "" if len(seeds) == planned.n else f" (the plan registers {planned.n}: not its test yet)"
+            if key in adjusted:
+                rule = (
+                    f"Holm over '{FAMILY}': p = {adjusted[key]:.3g}; claimed direction {planned.direction:+d}"
+                )
+            else:  # no difference claimed: equivalence within the margin, outside the family's correction
+                ci90 = p.interval(0.90)
+                where = "no interval" if ci90 is None else f"90% t-interval [{ci90[0]:+.2f}, {ci90[1]:+.2f}]"
+                rule = f"no difference claimed, margin ±{planned.margin:g} ({planned.margin_key}): {where}"
             lines.append(
-                f"{head}\n  seeds {seeds[0]}-{seeds[-1]}, n = {len(seeds)}{note}: {describe(p)}\n"
-                f"  Holm over '{FAMILY}': p = {adjusted[key]:.3g}; claimed direction {planned.direction:+d}: {word}"
+                f"{head}\n  seeds {seeds[0]}-{seeds[-1]}, n = {len(seeds)}{note}: {describe(p)}\n  {rule}: {word}"
             )
     return "\n".join(lines)
 

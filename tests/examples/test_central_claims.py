@@ -259,3 +259,121 @@ def test_a_seed_reads_the_shared_stage_without_writing_it(tmp_path):
     assert view["files"]["prompts_eval"] == shared / "task" / "prompts_eval.jsonl"
     assert view["subsets"] == {8: shared / "pairs" / "pairs_train_8.jsonl"} and view["task"].name == "reviews"
     assert {p: (p.stat().st_mtime_ns, p.read_text()) for p in shared.rglob("*.jsonl")} == before
+
+
+def _pair(claim, seed, a, b):
+    (arm_a, fig_a), (arm_b, fig_b) = ex.CLAIMS[claim]["comparisons"][
+        next(iter(ex.CLAIMS[claim]["comparisons"]))
+    ]
+    return {"seed": seed, "claim": claim, "arms": {arm_a: {fig_a: a}, arm_b: {fig_b: b}}}
+
+
+def test_the_new_claims_report_b_minus_a_under_the_registered_rule():
+    # reversed-k3-penalty: the reversed penalty's end exact KL below k3's in every seed (b − a < 0, claimed -1)
+    reversed_k3 = [_pair("reversed-k3-penalty", k, 3.0 + 0.1 * k, 2.0 + 0.05 * k) for k in range(20)]
+    # grpo-ppo: GRPO's end gold within a few hundredths of PPO's (no difference claimed, margin 0.1 gold)
+    grpo = [_pair("grpo-ppo", k, 0.5, 0.5 + (0.03 if k % 2 else 0.01)) for k in range(20)]
+    text = ex.report(reversed_k3 + grpo, ["grpo-ppo", "reversed-k3-penalty"])
+    head, block = text.split("reversed-k3-penalty.kl: ")
+    assert block.startswith("b − a = (reversed k3 penalty) − (k3 penalty)")
+    assert "(-1.00 / -1.05 / -1.10 / " in block and "n = 20:" in block
+    members = load_plan(ex.PLAN).family_members()["central"]
+    diffs = [(2.0 + 0.05 * k) - (3.0 + 0.1 * k) for k in range(20)]
+    p = holm([sign_flip_p(diffs) if m == "reversed-k3-penalty.kl" else 1.0 for m in members])
+    assert (
+        f"Holm over 'central': p = {p[members.index('reversed-k3-penalty.kl')]:.3g}; claimed direction -1"
+        in block
+    )
+    assert block.rstrip().endswith("holds")
+    assert head.startswith("grpo-ppo.end: b − a = (GRPO's group baseline) − (PPO with a critic)")
+    assert "grpo-ppo.end" not in members  # no difference claimed: decided by its 90% interval, uncorrected
+    assert "no difference claimed, margin ±0.1 (gold-0.1): 90% t-interval [+0.02, +0.02]" in head
+    assert head.rstrip().endswith("no difference (within ±0.1)")
+
+
+def _mtimes(folder):
+    return {p: p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_grpo_ppo_reuses_the_kl_penalty_arm_and_runs_grpo_in_groups_at_the_smoke_size(tmp_path, capsys):
+    out = tmp_path / "central"
+    argv = ["--out", str(out), "--size", "smoke", "--seeds", "0", "--jobs", "1", "--commit", "abc1234"]
+    assert ex.main([*argv, "--claims", "grpo-ppo"]) == 0
+    seed = out / "seed-0"
+    figures = json.loads((seed / "grpo-ppo.json").read_text())
+    assert set(figures["arms"]) == {"ppo", "grpo"} and figures["commit"] == "abc1234"
+    # the PPO arm is overopt-central's kl_coef 0.05 arm, run where that claim runs it, with its settings
+    assert not (seed / "grpo-ppo" / "ppo").exists()
+    assert figures["arms"]["ppo"] == json.loads((seed / "overopt-central" / "kl0.05.json").read_text())
+    ppo = yaml.safe_load((seed / "overopt-central" / "kl0.05" / "config.yaml").read_text())
+    grpo = yaml.safe_load((seed / "grpo-ppo" / "grpo" / "config.yaml").read_text())
+    assert (ppo["kind"], ppo["online"]["advantage_estimator"], ppo["online"]["group_size"]) == (
+        "ppo",
+        "gae",
+        1,
+    )
+    # GRPO: groups of 4 over a quarter of PPO's prompts, so as many responses a rollout (4 at the smoke size)
+    assert (grpo["kind"], grpo["online"]["advantage_estimator"], grpo["online"]["group_size"]) == (
+        "grpo",
+        "grpo",
+        4,
+    )
+    assert grpo["train"]["batch_size"] * 4 == ppo["train"]["batch_size"] == 4
+    for key in ("kl_coef", "kl_estimator", "kl_in_loss", "temperature", "response_length", "reward_model"):
+        assert grpo["online"][key] == ppo["online"][key], key
+    for key in ("learning_rate", "lr_schedule", "max_steps", "save_steps"):
+        assert grpo["train"][key] == ppo["train"][key], key
+    assert ppo["online"]["kl_coef"] == 0.05 and ppo["train"]["lr_schedule"] == "constant"
+    assert [r["rollout"] for r in figures["arms"]["grpo"]["reads"]] == [0, 1, 2, 3]
+    rows = [
+        json.loads(line) for line in (seed / "grpo-ppo" / "grpo" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert any("groups/zero_std_fraction" in r for r in rows)  # the group baseline was computed
+    # a second call, with overopt-central's arm asked too: nothing runs again, the two claims share the arm
+    before = _mtimes(seed)
+    capsys.readouterr()
+    assert ex.main([*argv, "--claims", "overopt-central", "grpo-ppo", "--arms", "kl0.05", "ppo", "grpo"]) == 0
+    changed = {p for p, t in _mtimes(seed).items() if before.get(p) != t}
+    assert changed == {seed / "overopt-central.json", seed / "grpo-ppo.json"}  # only the claims' summaries
+    overopt = json.loads((seed / "overopt-central.json").read_text())
+    assert overopt["arms"]["kl0.05"] == json.loads((seed / "grpo-ppo.json").read_text())["arms"]["ppo"]
+    text = capsys.readouterr().out
+    assert "grpo-ppo.end: b − a = (GRPO's group baseline) − (PPO with a critic)" in text
+    assert "no difference claimed, margin ±0.1 (gold-0.1)" in text
+
+
+def test_reversed_k3_penalty_runs_both_penalties_and_reads_the_exact_kl_at_the_smoke_size(tmp_path, capsys):
+    out = tmp_path / "central"
+    argv = f"--out {out} --size smoke --seeds 0 --jobs 1 --claims reversed-k3-penalty".split()
+    assert ex.main(argv) == 0
+    seed = out / "seed-0"
+    figures = json.loads((seed / "reversed-k3-penalty.json").read_text())
+    for name, estimator in (("k3", "k3"), ("k3-reversed", "k3_reversed")):
+        config = yaml.safe_load((seed / "reversed-k3-penalty" / name / "config.yaml").read_text())
+        assert (config["kind"], config["online"]["kl_estimator"], config["online"]["kl_coef"]) == (
+            "ppo",
+            estimator,
+            0.05,
+        )
+        assert config["online"]["kl_in_loss"] is False and config["train"]["lr_schedule"] == "constant"
+        arm = figures["arms"][name]
+        reads = arm["reads"]
+        assert [r["rollout"] for r in reads] == [0, 1, 2, 3]
+        assert all(r["kl_exact"] > 0 for r in reads[1:])  # every trained checkpoint's exact KL to SFT
+        assert arm["end_kl_exact"] == reads[-1]["kl_exact"] and arm["end_kl"] == reads[-1]["kl"]
+    # the penalties differ: the two arms' logged KL is each its own estimator's
+    logged = {}
+    for name in ("k3", "k3-reversed"):
+        rows = (seed / "reversed-k3-penalty" / name / "metrics.jsonl").read_text().splitlines()
+        logged[name] = [json.loads(r)["kl/mean"] for r in rows if "kl/mean" in json.loads(r)]
+    # rollout 1 (the SFT policy: both 0) trains alike in both arms, so rollout 2 samples the same responses
+    # from the same policy: two estimates of one KL, each arm's own estimator
+    assert logged["k3"][0] == logged["k3-reversed"][0] == 0
+    assert 0 < logged["k3"][1] != logged["k3-reversed"][1] > 0
+    before = _mtimes(seed)
+    capsys.readouterr()
+    assert ex.main(argv) == 0
+    assert {p for p, t in _mtimes(seed).items() if before.get(p) != t} == {seed / "reversed-k3-penalty.json"}
+    text = capsys.readouterr().out
+    assert "reversed-k3-penalty.kl: b − a = (reversed k3 penalty) − (k3 penalty)" in text
+    assert "claimed direction -1" in text
