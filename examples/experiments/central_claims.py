@@ -28,8 +28,29 @@ own-pairs.
 from the shared SFT policy and pool: ``usual``, on the pool's first 1,024 pairs as temperature.py trains it (150
 steps of 64, lr 5e-4 linear, weight decay 0.1), and ``overfit``, on the first 768 of those for 450 steps of 32
 without weight decay or the best checkpoint. Comparison ``end``: end gold (all 384 prompts), overfit − usual.
-The other central claims of the plan (orm-prm, grpo-ppo, reversed-k3-penalty, length-indifferent) are not in this
-runner.
+``grpo-ppo`` (as overopt-central at kl_coef 0.05, the same reward model, as many responses a rollout):
+``ppo`` IS overopt-central's kl0.05 arm (PPO with a critic, 16 prompts a rollout): reused from
+``OUT/seed-N/overopt-central`` when that claim has run, otherwise run there by the same function with the same
+settings, so its figures are the same either way; ``grpo``, ``rlhfkit train grpo`` (``kind: grpo``: the group
+baseline, no critic) in groups of ``GROUP`` = 4 responses to 4 prompts a rollout (16 responses, as PPO's 16; 320
+over the 20 rollouts, as PPO's 320), everything else as the PPO arm. The KL stays where PPO puts it, -0.05 × k1
+per token in the reward (each response's summed reward enters the group baseline): rlhfkit's config checks allow
+that for grpo, and the KL-in-loss placement of Shao et al. 2024 would change a second thing at once. Comparison
+``end``: end gold (all 384 prompts), grpo − ppo; no difference is claimed (direction 0, margin gold-0.1), so
+it is no member of the Holm family: its 90% interval inside ±0.1 decides it, as on the page.
+
+``reversed-k3-penalty`` (as overopt-central at kl_coef 0.05): ``k3``, the penalty ``online.kl_estimator=k3``
+(r − 1 − log r, r = π_ref / π), and ``k3-reversed``, ``online.kl_estimator=k3_reversed`` (the ratio the other way
+round, π / π_ref: it estimates χ² − KL, biased; rlhfkit.algos.kl_k3_reversed). Neither arm is overopt-central's
+kl0.05, whose penalty is k1. Every read of these arms also records ``kl_exact``: the exact per-token
+KL(π(·|prefix) ‖ π_SFT(·|prefix)) over the whole vocabulary, both at the read's T = 0.7, summed per response,
+mean over the 4 × 384 samples (the mean over the prompts of their 4-sample means), on the read's own samples
+(``sample_and_score(exact_kl=True)``; the other figures of a read are unchanged by it). Comparison ``kl``: end
+exact KL, k3-reversed − k3. Choices the registration leaves open: both arms keep the rest of overopt-central
+(k1 is not an arm: the registration names the two k3 forms), and the KL is the read's sampling distribution at
+T = 0.7, as the read's k1 KL is.
+
+The central claims orm-prm and length-indifferent are not in this runner.
 
 The length ("long enough that gold peaks and falls at kl_coef 0 in a pilot") is fixed by a pilot: seeds 100 and
 101 (not among the registered 0-19), kl_coef 0 only, ``PILOT_ROLLOUTS`` = 60 rollouts, every checkpoint read as
@@ -53,7 +74,7 @@ Both peak at rollout 10; at 15 they are 0.28 and 0.17 below it, at 20 more than 
 rollouts, the length of every run of the claims below.
 
 Layout: ``OUT/shared`` (SFT policy, pool), ``OUT/seed-N/rm256`` (the reward model), ``OUT/seed-N/sft_meter.json``
-(the SFT policy's read), ``OUT/seed-N/CLAIM/ARM`` (the PPO run, a checkpoint every read),
+(the SFT policy's read), ``OUT/seed-N/CLAIM/ARM`` (the PPO or GRPO run, a checkpoint every read),
 ``ARM-reads/rollout-NNNNN.json`` (each checkpoint's read), ``ARM.json`` (the arm's figures), and
 ``OUT/seed-N/CLAIM.json`` (the seed's figures of a claim, with the commit they were run at). A finished stage is
 not rerun; an interrupted PPO run resumes from its newest checkpoint and reuses every read already written.
@@ -62,6 +83,11 @@ not rerun; an interrupted PPO run resumes from its newest checkpoint and reuses 
 
     RLHFKIT_NUM_THREADS=1 nice -n 19 python examples/experiments/central_claims.py --out runs/central   # seeds 0-19
     python examples/experiments/central_claims.py --out runs/central --report-only
+
+``--claims`` picks claims (default: all five), e.g. the two that reuse a finished overopt-central run's seeds::
+
+    RLHFKIT_NUM_THREADS=1 nice -n 19 python examples/experiments/central_claims.py --out runs/central \
+        --claims grpo-ppo reversed-k3-penalty
 """
 
 from __future__ import annotations
