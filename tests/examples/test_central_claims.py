@@ -261,18 +261,28 @@ def test_a_seed_reads_the_shared_stage_without_writing_it(tmp_path):
     assert {p: (p.stat().st_mtime_ns, p.read_text()) for p in shared.rglob("*.jsonl")} == before
 
 
-def _pair(claim, seed, a, b):
-    (arm_a, fig_a), (arm_b, fig_b) = ex.CLAIMS[claim]["comparisons"][
-        next(iter(ex.CLAIMS[claim]["comparisons"]))
-    ]
-    return {"seed": seed, "claim": claim, "arms": {arm_a: {fig_a: a}, arm_b: {fig_b: b}}}
+def _pair(claim, seed, arms):
+    """One seed's figures of a claim, named by arm and figure as the runner writes them (not read from CLAIMS)."""
+    return {"seed": seed, "claim": claim, "arms": {arm: {figure: x} for arm, (figure, x) in arms.items()}}
 
 
 def test_the_new_claims_report_b_minus_a_under_the_registered_rule():
     # reversed-k3-penalty: the reversed penalty's end exact KL below k3's in every seed (b − a < 0, claimed -1)
-    reversed_k3 = [_pair("reversed-k3-penalty", k, 3.0 + 0.1 * k, 2.0 + 0.05 * k) for k in range(20)]
+    reversed_k3 = [
+        _pair(
+            "reversed-k3-penalty",
+            k,
+            {"k3": ("end_kl_exact", 3.0 + 0.1 * k), "k3-reversed": ("end_kl_exact", 2.0 + 0.05 * k)},
+        )
+        for k in range(20)
+    ]
     # grpo-ppo: GRPO's end gold within a few hundredths of PPO's (no difference claimed, margin 0.1 gold)
-    grpo = [_pair("grpo-ppo", k, 0.5, 0.5 + (0.03 if k % 2 else 0.01)) for k in range(20)]
+    grpo = [
+        _pair(
+            "grpo-ppo", k, {"ppo": ("end_gold", 0.5), "grpo": ("end_gold", 0.5 + (0.03 if k % 2 else 0.01))}
+        )
+        for k in range(20)
+    ]
     text = ex.report(reversed_k3 + grpo, ["grpo-ppo", "reversed-k3-penalty"])
     head, block = text.split("reversed-k3-penalty.kl: ")
     assert block.startswith("b − a = (reversed k3 penalty) − (k3 penalty)")
