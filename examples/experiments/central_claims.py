@@ -28,10 +28,12 @@ own-pairs.
 from the shared SFT policy and pool: ``usual``, on the pool's first 1,024 pairs as temperature.py trains it (150
 steps of 64, lr 5e-4 linear, weight decay 0.1), and ``overfit``, on the first 768 of those for 450 steps of 32
 without weight decay or the best checkpoint. Comparison ``end``: end gold (all 384 prompts), overfit − usual.
+
 ``grpo-ppo`` (as overopt-central at kl_coef 0.05, the same reward model, as many responses a rollout):
 ``ppo`` IS overopt-central's kl0.05 arm (PPO with a critic, 16 prompts a rollout): reused from
 ``OUT/seed-N/overopt-central`` when that claim has run, otherwise run there by the same function with the same
-settings, so its figures are the same either way; ``grpo``, ``rlhfkit train grpo`` (``kind: grpo``: the group
+settings, so its figures are the same either way (start it once no overopt-central job runs that seed: two
+jobs would train the one folder); ``grpo``, ``rlhfkit train grpo`` (``kind: grpo``: the group
 baseline, no critic) in groups of ``GROUP`` = 4 responses to 4 prompts a rollout (16 responses, as PPO's 16; 320
 over the 20 rollouts, as PPO's 320), everything else as the PPO arm. The KL stays where PPO puts it, -0.05 × k1
 per token in the reward (each response's summed reward enters the group baseline): rlhfkit's config checks allow

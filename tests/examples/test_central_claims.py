@@ -56,6 +56,16 @@ def test_the_peak_is_chosen_on_the_first_half_and_read_on_the_second():
         ex.peak_and_end([_read(0, 1.0, 1.0)])
 
 
+def test_the_end_exact_kl_is_the_last_reads_where_the_reads_have_it():
+    reads = [_read(0, 0.0, 0.0), _read(5, 0.9, 0.2, kl=2.0), _read(10, 0.1, 0.1, kl=3.0)]
+    reads[1]["kl_exact"], reads[2]["kl_exact"] = 1.5, 2.5  # the peak is rollout 5, the end rollout 10
+    got = ex.peak_and_end(reads)
+    assert (got["peak_rollout"], got["end_kl"], got["end_kl_exact"]) == (5, 3.0, 2.5)
+    assert "end_kl_exact" not in ex.peak_and_end(
+        [{k: v for k, v in r.items() if k != "kl_exact"} for r in reads]
+    )
+
+
 def test_every_checkpoint_and_the_last_rollout_are_read():
     assert ex.checkpoints(40, 5) == [0, 5, 10, 15, 20, 25, 30, 35, 40]
     assert ex.checkpoints(12, 5) == [0, 5, 10, 12]
