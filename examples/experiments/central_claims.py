@@ -42,15 +42,18 @@ that for grpo, and the KL-in-loss placement of Shao et al. 2024 would change a s
 it is no member of the Holm family: its 90% interval inside ±0.1 decides it, as on the page.
 
 ``reversed-k3-penalty`` (as overopt-central at kl_coef 0.05): ``k3``, the penalty ``online.kl_estimator=k3``
-(r − 1 − log r, r = π_ref / π), and ``k3-reversed``, ``online.kl_estimator=k3_reversed`` (the ratio the other way
-round, π / π_ref: it estimates χ² − KL, biased; rlhfkit.algos.kl_k3_reversed). Neither arm is overopt-central's
-kl0.05, whose penalty is k1. Every read of these arms also records ``kl_exact``: the exact per-token
-KL(π(·|prefix) ‖ π_SFT(·|prefix)) over the whole vocabulary, both at the read's T = 0.7, summed per response,
-mean over the 4 × 384 samples (the mean over the prompts of their 4-sample means), on the read's own samples
-(``sample_and_score(exact_kl=True)``; the other figures of a read are unchanged by it). Comparison ``kl``: end
-exact KL, k3-reversed − k3. Choices the registration leaves open: both arms keep the rest of overopt-central
-(k1 is not an arm: the registration names the two k3 forms), and the KL is the read's sampling distribution at
-T = 0.7, as the read's k1 KL is.
+(r − 1 − log r, r = π_ref / π), and ``k3-reversed``, k3 with the ratio the other way round, r' − 1 − log r' with
+r' = π / π_ref per token (:func:`kl_k3_reversed`: it estimates χ² − KL, biased). rlhfkit offers no such estimator,
+so this runner patches it in: the k3-reversed arm's config says ``online.kl_estimator=k3``, and while that arm
+trains (and when it resumes) :func:`reversed_k3_penalty` puts :func:`kl_k3_reversed` in the place of rlhfkit's k3,
+restored after; the arm's record (``ARM.json`` and ``CLAIM.json``: ``penalty``) says so, and its logged ``kl`` is
+the reversed estimate. Neither arm is overopt-central's kl0.05, whose penalty is k1. Every read of these arms also
+records ``kl_exact``: the exact per-token KL(π(·|prefix) ‖ π_SFT(·|prefix)) over the whole vocabulary, both at
+the read's T = 0.7, summed per response, mean over the 4 × 384 samples (the mean over the prompts of their
+4-sample means), on the read's own samples (``sample_and_score(exact_kl=True)``; the other figures of a read are
+unchanged by it). Comparison ``kl``: end exact KL, k3-reversed − k3. Choices the registration leaves open: both
+arms keep the rest of overopt-central (k1 is not an arm: the registration names the two k3 forms), and the KL is
+the read's sampling distribution at T = 0.7, as the read's k1 KL is.
 
 The central claims orm-prm and length-indifferent are not in this runner.
 
@@ -100,8 +103,12 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stages and the meter beside this script
 import overoptimization_quality as oq  # noqa: E402
@@ -127,8 +134,9 @@ GROUP = 4  # grpo-ppo: GRPO's responses per prompt, over a quarter of PPO's prom
 # model; "reward": the reward model when not the weak one: "own-pairs", the offline one on the weak one's pairs
 # and the refresh arm's labelled pairs, or overfit_reward.py's "usual" and "overfit"; "same_as": (claim, arm),
 # another claim's arm that this one is, run and read once in that claim's folder; "kind": grpo, `train grpo` in
-# groups of GROUP; "kl_estimator": the penalty's; "exact_kl": its reads record the exact KL to the SFT policy),
-# and per registered comparison the (arm, figure) of a and of b.
+# groups of GROUP; "kl_estimator": the penalty's; "reversed_k3": that k3 penalty with its ratio reversed, patched
+# in by :func:`reversed_k3_penalty`; "exact_kl": its reads record the exact KL to the SFT policy), and per
+# registered comparison the (arm, figure) of a and of b.
 CLAIMS = {
     "overopt-central": {
         "arms": {"kl0": {"kl_coef": 0.0}, "kl0.05": {"kl_coef": 0.05}},
@@ -162,12 +170,51 @@ CLAIMS = {
     "reversed-k3-penalty": {
         "arms": {
             "k3": {"kl_coef": 0.05, "kl_estimator": "k3", "exact_kl": True},
-            "k3-reversed": {"kl_coef": 0.05, "kl_estimator": "k3_reversed", "exact_kl": True},
+            "k3-reversed": {"kl_coef": 0.05, "kl_estimator": "k3", "reversed_k3": True, "exact_kl": True},
         },
         "comparisons": {"kl": (("k3", "end_kl_exact"), ("k3-reversed", "end_kl_exact"))},
     },
 }
 ARMS = list(dict.fromkeys(name for claim in CLAIMS.values() for name in claim["arms"]))
+REVERSED_K3 = (  # the record of an arm trained under reversed_k3_penalty
+    "k3 with the ratio reversed, r' - 1 - log r' with r' = pi_theta / pi_ref per token (central_claims.py "
+    "kl_k3_reversed), patched by the runner in the place of rlhfkit's k3 while the arm trained: the config's "
+    "online.kl_estimator says k3, the penalty (and the logged kl) was the reversed k3"
+)
+
+
+def kl_k3_reversed(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """The k3-reversed arm's penalty per token: ``r' - 1 - log r'`` with the ratio REVERSED, ``r' = pi_theta /
+    pi_ref`` (k3 takes ``pi_ref / pi_theta``; Schulman, "Approximating KL divergence", 2020). ``logprobs``,
+    ``ref_logprobs``: ``(B, T)`` log pi_theta and log pi_ref of the sampled tokens -> ``(B, T)``.
+
+    On samples from pi_theta it averages to chi^2(pi_theta || pi_ref) - KL(pi_theta || pi_ref), not the KL: a
+    biased KL estimate (docs/algorithms.md), which rlhfkit does not offer; the claim measures what training on
+    it does. ``expm1``, as rlhfkit's k3: exactly 0 where the two log-probs agree, and >= 0."""
+    log_r = logprobs - ref_logprobs  # (B, T) log pi_theta / pi_ref
+    return torch.expm1(log_r) - log_r
+
+
+@contextmanager
+def reversed_k3_penalty():
+    """While open, rlhfkit's ``k3`` KL estimator is :func:`kl_k3_reversed`: ``shape_rewards`` looks
+    ``online.kl_estimator`` up in ``rlhfkit.algos.kl.KL_ESTIMATORS`` at each call, so a run configured with ``k3``
+    in this process trains on (and logs) the reversed penalty. Restored on exit, also on an exception. Yields a
+    namespace whose ``calls`` counts the penalty's calls, for the caller to check that the trainer used it."""
+    from rlhfkit.algos import kl
+
+    used = SimpleNamespace(calls=0)
+
+    def patched(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+        used.calls += 1
+        return kl_k3_reversed(logprobs, ref_logprobs)
+
+    original = kl.KL_ESTIMATORS["k3"]
+    kl.KL_ESTIMATORS["k3"] = patched
+    try:
+        yield used
+    finally:
+        kl.KL_ESTIMATORS["k3"] = original
 
 
 def split_read(gold: list[float], repeats: int, select: int) -> dict[str, float]:
@@ -277,23 +324,31 @@ def arm_run(
     kind: str = "ppo",
     exact_kl: bool = False,
     keys: dict | None = None,
+    reversed_k3: bool = False,
 ) -> dict:
     """One arm: PPO at ``kl_coef`` in ``root/name`` (resumed from its newest checkpoint when interrupted), each
     checkpoint read once (``root/name-reads``); the arm's figures, cached in ``root/name.json``. ``refresh``:
     ``{"every": K, "pairs": the reward model's training pairs}``, the online refresh of
     ``overoptimization_quality.py`` (its defaults); the pairs it labels are kept in ``root/name-pairs.jsonl``.
     ``kind``: the command (``grpo``); ``exact_kl``: each read records the exact KL too (:func:`read`); ``keys``:
-    other dotted keys of the run (left out, the run is overopt-central's, key for key)."""
+    other dotted keys of the run (left out, the run is overopt-central's, key for key); ``reversed_k3``: the
+    run, resumed too, trains under :func:`reversed_k3_penalty` (its config says k3), and its record says so
+    (``penalty``)."""
+    from rlhfkit.engine.checkpoint import checkpoint_step, latest_checkpoint
     from rlhfkit.quickstart.pipeline import task_refresh
     from rlhfkit.trainers import online
 
-    done = root / f"{name}.json"
+    done, penalty = root / f"{name}.json", REVERSED_K3 if reversed_k3 else None
     if done.is_file():
         record = json.loads(done.read_text())
         if (record["rollouts"], record["eval_every"]) != (s.rollouts, s.eval_every):
             raise SystemExit(
                 f"{done} ran {record['rollouts']} rollouts read every {record['eval_every']}, not the asked "
                 f"{s.rollouts} every {s.eval_every}: use another --out"
+            )
+        if record.get("penalty") != penalty:
+            raise SystemExit(
+                f"{done} was trained with the penalty {record.get('penalty')!r}, not {penalty!r}"
             )
         return record
     reads_dir = root / f"{name}-reads"
@@ -344,7 +399,15 @@ def arm_run(
                 **(keys or {}),
             },
         )
-        online.train(cfg, resume=True, hooks=hooks)
+        newest = latest_checkpoint(root / name / "checkpoints")
+        start = checkpoint_step(newest) if newest is not None else 0  # where the resume starts, or later
+        with reversed_k3_penalty() if reversed_k3 else nullcontext() as patched:
+            online.train(cfg, resume=True, hooks=hooks)
+        if patched is not None and patched.calls == 0 and start < s.rollouts:
+            raise SystemExit(
+                f"{root / name}: the trainer never called the patched reversed k3, so it trained on plain k3; "
+                "move that folder and its reads away"
+            )
         if refresher is not None:  # its state (the pairs it labelled) comes back with a resumed checkpoint
             pairs_file.write_text("".join(json.dumps(r) + "\n" for r in refresher.state_dict()["pairs"]))
     reads = [{**sft, "rollout": 0}] + [json.loads(path(k).read_text()) for k in wanted if k]
@@ -355,6 +418,8 @@ def arm_run(
     record = {"kl_coef": kl_coef, "rollouts": s.rollouts, "eval_every": s.eval_every, "reads": reads}
     if kind != "ppo" or keys:
         record.update(kind=kind, keys=keys or {})
+    if penalty is not None:
+        record["penalty"] = penalty
     if refresh is not None:
         record.update(refresh_every=refresh["every"], refresh_labels=len(pairs_file.read_text().splitlines()))
     record.update(peak_and_end(reads), cpu_seconds=time.process_time() - clock)
@@ -432,8 +497,9 @@ def run_seed(seed: int, args) -> list[dict]:
                 keys["online.kl_estimator"] = arm["kl_estimator"]
             exact = arm.get("exact_kl", False)
             arms[name] = arm_run(
-                root / claim, name, arm["kl_coef"], view, sft, seed, s, refresh, kind, exact, keys or None
-            )
+                root / claim, name, arm["kl_coef"], view, sft, seed, s, refresh, kind, exact, keys or None,
+                reversed_k3=arm.get("reversed_k3", False),
+            )  # fmt: skip
         if not arms:  # none of its arms asked (the pilot's kl0 alone), none run before
             continue
         record = {"seed": seed, "claim": claim, "commit": args.commit, "reward_models": rms, "sft": sft}
