@@ -75,7 +75,7 @@ def test_help(capsys):
         assert command in out
     assert cli.main(["train", "ppo", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "--resume" in out and "online.kl_estimator (k1|k2|k3|k3_reversed, default: 'k1')" in out
+    assert "--resume" in out and "online.kl_estimator (k1|k2|k3, default: 'k1')" in out
     assert cli.main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     assert "grpo: model, data, train, online, logging" in out and "online.kl_estimator" not in out

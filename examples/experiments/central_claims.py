@@ -189,8 +189,8 @@ def kl_k3_reversed(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.
     ``ref_logprobs``: ``(B, T)`` log pi_theta and log pi_ref of the sampled tokens -> ``(B, T)``.
 
     On samples from pi_theta it averages to chi^2(pi_theta || pi_ref) - KL(pi_theta || pi_ref), not the KL: a
-    biased KL estimate (docs/algorithms.md), which rlhfkit does not offer; the claim measures what training on
-    it does. ``expm1``, as rlhfkit's k3: exactly 0 where the two log-probs agree, and >= 0."""
+    biased KL estimate (docs/experiments.md, "KL estimators"), which rlhfkit does not offer; the claim measures
+    what training on it does. ``expm1``, as rlhfkit's k3: exactly 0 where the two log-probs agree, and >= 0."""
     log_r = logprobs - ref_logprobs  # (B, T) log pi_theta / pi_ref
     return torch.expm1(log_r) - log_r
 

@@ -18,7 +18,6 @@ from rlhfkit.algos import (
     kl_k1,
     kl_k2,
     kl_k3,
-    kl_k3_reversed,
     shape_rewards,
 )
 
@@ -35,18 +34,15 @@ def test_estimators_hand_computed():
     torch.testing.assert_close(kl_k1(lp, ref), torch.tensor([[ln2]]))
     torch.testing.assert_close(kl_k2(lp, ref), torch.tensor([[0.5 * ln2**2]]))
     torch.testing.assert_close(kl_k3(lp, ref), torch.tensor([[0.5 - 1.0 + ln2]]))  # r - 1 - log r, r = 1/2
-    # the ratio reversed: r' = pi / pi_ref = 2, so 2 - 1 - ln 2
-    torch.testing.assert_close(kl_k3_reversed(lp, ref), torch.tensor([[2.0 - 1.0 - ln2]]))
 
 
 def test_estimator_names_match_the_literal():
-    assert tuple(KL_ESTIMATORS) == KLEstimator.__args__ == ("k1", "k2", "k3", "k3_reversed")
+    assert tuple(KL_ESTIMATORS) == KLEstimator.__args__ == ("k1", "k2", "k3")
     assert KL_ESTIMATORS["k1"] is kl_k1 and KL_ESTIMATORS["k2"] is kl_k2 and KL_ESTIMATORS["k3"] is kl_k3
-    assert KL_ESTIMATORS["k3_reversed"] is kl_k3_reversed
 
 
 # --- step-0 sanity ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["k1", "k2", "k3", "k3_reversed"])
+@pytest.mark.parametrize("name", ["k1", "k2", "k3"])
 def test_zero_when_policy_equals_reference(name):
     lp = torch.randn(4, 7, generator=torch.Generator().manual_seed(0)) - 3.0
     assert torch.equal(KL_ESTIMATORS[name](lp, lp.clone()), torch.zeros(4, 7))
@@ -57,9 +53,7 @@ def test_zero_when_policy_equals_reference(name):
 def test_k2_and_k3_are_never_negative(seed, scale):
     gen = torch.Generator().manual_seed(seed)
     lp, ref = torch.randn(8, 16, generator=gen) * scale, torch.randn(8, 16, generator=gen) * scale
-    assert (
-        (kl_k2(lp, ref) >= 0).all() and (kl_k3(lp, ref) >= 0).all() and (kl_k3_reversed(lp, ref) >= 0).all()
-    )
+    assert (kl_k2(lp, ref) >= 0).all() and (kl_k3(lp, ref) >= 0).all()
 
 
 # --- KL direction: Monte-Carlo on a categorical ------------------------------------------------------------
@@ -80,41 +74,6 @@ def test_k1_and_k3_estimate_kl_policy_to_reference_not_the_reverse():
     # the widely copied k3 with the ratio upside down (pi_theta / pi_ref) estimates something else
     flipped = torch.expm1(lp - ref) - (lp - ref)
     assert abs(float(flipped.mean()) - forward) > 30 * float(flipped.std() / math.sqrt(n))
-
-
-def test_reversed_k3_estimates_chi2_minus_kl():
-    # under the policy, E[pi / pi_ref - 1 - log(pi / pi_ref)] = chi^2(pi || pi_ref) - KL(pi || pi_ref)
-    p = torch.tensor([0.9, 0.05, 0.05], dtype=torch.float64)  # policy
-    q = torch.tensor([0.3, 0.3, 0.4], dtype=torch.float64)  # reference
-    kl = float((p * (p / q).log()).sum())  # 0.795
-    chi2 = float((p * p / q).sum()) - 1.0  # 1.7306
-    n = 200_000
-    y = torch.multinomial(p, n, replacement=True, generator=torch.Generator().manual_seed(1))
-    lp, ref = p.log()[y], q.log()[y]
-    estimate = kl_k3_reversed(lp, ref)
-    mean, se = float(estimate.mean()), float(estimate.std() / math.sqrt(n))
-    assert abs(mean - (chi2 - kl)) < 3 * se, (mean, chi2 - kl, se)
-    assert abs(mean - kl) > 30 * se  # not the KL it is used in place of
-    assert torch.equal(estimate, kl_k3(ref, lp))  # k3 with the two log-probs swapped
-
-
-@settings(max_examples=40, deadline=None)
-@given(batch=batches(max_t=30))
-def test_reversed_k3_penalty_matches_a_float64_loop_and_ignores_masked_positions(batch):
-    gen, B, T, mask = batch
-    lp, ref = -torch.rand(B, T, generator=gen) * 4, -torch.rand(B, T, generator=gen) * 4
-    scores = torch.randn(B, generator=gen)
-    rewards, kl = shape_rewards(scores, lp, ref, mask, 0.05, "k3_reversed")
-    junk = shape_rewards(scores, add_junk(gen, lp, mask), add_junk(gen, ref, mask), mask, 0.05, "k3_reversed")
-    assert torch.equal(junk[0], rewards) and torch.equal(junk[1], kl)
-    for b in range(B):
-        valid = [t for t in range(T) if mask[b, t]]
-        for t in range(T):
-            x = float(lp[b, t].double()) - float(ref[b, t].double())  # log pi / pi_ref
-            k = math.exp(x) - 1.0 - x if t in valid else 0.0
-            r = -0.05 * k + (float(scores[b]) if valid and t == valid[-1] else 0.0)
-            assert kl[b, t].item() == pytest.approx(k, rel=1e-5, abs=1e-6)
-            assert rewards[b, t].item() == pytest.approx(r, rel=1e-5, abs=1e-6)
 
 
 # --- shape_rewards --------------------------------------------------------------------------------------
@@ -148,7 +107,7 @@ def test_dense_scores_land_where_given_and_rows_without_tokens_get_nothing():
 
 
 @settings(max_examples=40, deadline=None)
-@given(batch=batches(max_t=30), name=st.sampled_from(["k1", "k2", "k3", "k3_reversed"]), dense=st.booleans())
+@given(batch=batches(max_t=30), name=st.sampled_from(["k1", "k2", "k3"]), dense=st.booleans())
 def test_shape_rewards_matches_reference_loop(batch, name, dense):
     gen, B, T, mask = batch
     lp, ref = -torch.rand(B, T, generator=gen) * 3, -torch.rand(B, T, generator=gen) * 3

@@ -9,9 +9,7 @@ estimate KL(pi_theta || pi_ref)::
     k3 = exp(log_r) - 1 - log_r unbiased, low variance, >= 0
 
 (The ratio in k3 is pi_ref / pi_theta; a widely copied snippet takes it the other way round, which
-estimates a different quantity: ``k3_reversed = r' - 1 - log r'`` with ``r' = pi_theta / pi_ref`` averages to
-chi^2(pi_theta || pi_ref) - KL(pi_theta || pi_ref) under pi_theta. It is kept, biased, as a penalty to compare
-against k3, as ``kl_loss_estimator: k3`` is kept; docs/algorithms.md.) ``shape_rewards`` is the per-token KL penalty of Ziegler et al. 2019
+estimates a different quantity.) ``shape_rewards`` is the per-token KL penalty of Ziegler et al. 2019
 and Stiennon et al. 2020 (torchtune ``rlhf/rewards.py`` ``get_rewards_ppo`` has the same shape); the
 adaptive controller is Ziegler et al. 2019, section 2.2.
 
@@ -47,7 +45,7 @@ def importance_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
-KLEstimator = Literal["k1", "k2", "k3", "k3_reversed"]
+KLEstimator = Literal["k1", "k2", "k3"]
 """The names of the KL estimators (a config field uses this ``Literal``)."""
 
 
@@ -70,29 +68,15 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.expm1(log_r) - log_r
 
 
-def kl_k3_reversed(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """``r' - 1 - log r'`` with the ratio REVERSED, ``r' = pi_theta / pi_ref``, per token: the k3 of the widely
-    copied snippet, kept to compare against :func:`kl_k3`. ``(B, T)``, ``(B, T)`` -> ``(B, T)``.
-
-    BIASED as a KL estimate: on samples from pi_theta it averages to ``E[pi_theta / pi_ref] - 1 - KL =
-    chi^2(pi_theta || pi_ref) - KL(pi_theta || pi_ref)``, which agrees with KL to second order near pi_theta =
-    pi_ref and exceeds it as they part (its samples are heavy-tailed: pi_theta / pi_ref is unbounded). It is
-    >= 0, and 0 exactly when the policies agree (``expm1``, as in :func:`kl_k3`).
-    """
-    log_r = logprobs - ref_logprobs  # log pi_theta / pi_ref
-    return torch.expm1(log_r) - log_r
-
-
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "k1": kl_k1,
     "k2": kl_k2,
     "k3": kl_k3,
-    "k3_reversed": kl_k3_reversed,
 }
 
 
 def kl_estimator(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The estimator called ``name`` (``k1``, ``k2``, ``k3`` or ``k3_reversed``); ValueError names the choices."""
+    """The estimator called ``name`` (``k1``, ``k2`` or ``k3``); ValueError names the choices."""
     try:
         return KL_ESTIMATORS[name]
     except KeyError:
@@ -239,8 +223,7 @@ def shape_rewards(
         ref_logprobs: ``(B, T)`` log pi_ref of the same tokens.
         mask: ``(B, T)`` 1 on valid response tokens.
         kl_coef: the KL coefficient (a float or a 0-d tensor, e.g. a controller's ``value``).
-        estimator: ``k1``, ``k2`` or ``k3`` (Schulman 2020), or the biased ``k3_reversed`` (to compare); the
-            one that is logged as well.
+        estimator: ``k1``, ``k2`` or ``k3`` (Schulman 2020), the one that is logged as well.
 
     Returns:
         ``(rewards, kl)``, both ``(B, T)`` and 0 at masked positions. ``kl`` is the per-token estimate.

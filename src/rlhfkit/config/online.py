@@ -120,8 +120,7 @@ class OnlineConfig:
     kl_coef: float = option(0.05, "Initial coefficient of the per-token KL penalty in the reward.", ge=0)
     kl_estimator: KLEstimator = option(
         "k1",
-        "Per-token KL estimator (Schulman, 'Approximating KL divergence'), used in the reward and logged; "
-        "k3_reversed is k3 with the ratio pi / pi_ref, biased (it estimates chi^2 - KL), kept to compare.",
+        "Per-token KL estimator (Schulman, 'Approximating KL divergence'), used in the reward and logged.",
     )
     kl_in_loss: bool = option(
         False,
