@@ -209,7 +209,7 @@ def test_gold_reward_is_the_gold_score_as_a_rule_reward():
     # another task's prompt: no opinion
     assert R.gold_reward(prompts, completions) == [2.5, R.INVALID_SCORE, 3.0, None]
     assert R.gold_reward(prompts[:3], completions[:3]) == [
-        R.gold_score(p, c) for p, c in zip(prompts, completions[:3])
+        R.gold_score(p, c) for p, c in zip(prompts[:3], completions[:3], strict=True)
     ]
     with pytest.raises(ValueError):  # a batch of unequal lengths is a caller's bug, not a score
         R.gold_reward(prompts, completions[:2])
