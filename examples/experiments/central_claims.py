@@ -28,8 +28,34 @@ own-pairs.
 from the shared SFT policy and pool: ``usual``, on the pool's first 1,024 pairs as temperature.py trains it (150
 steps of 64, lr 5e-4 linear, weight decay 0.1), and ``overfit``, on the first 768 of those for 450 steps of 32
 without weight decay or the best checkpoint. Comparison ``end``: end gold (all 384 prompts), overfit − usual.
-The other central claims of the plan (orm-prm, grpo-ppo, reversed-k3-penalty, length-indifferent) are not in this
-runner.
+
+``grpo-ppo`` (as overopt-central at kl_coef 0.05, the same reward model, as many responses a rollout):
+``ppo`` IS overopt-central's kl0.05 arm (PPO with a critic, 16 prompts a rollout): reused from
+``OUT/seed-N/overopt-central`` when that claim has run, otherwise run there by the same function with the same
+settings, so its figures are the same either way (start it once no overopt-central job runs that seed: two
+jobs would train the one folder); ``grpo``, ``rlhfkit train grpo`` (``kind: grpo``: the group
+baseline, no critic) in groups of ``GROUP`` = 4 responses to 4 prompts a rollout (16 responses, as PPO's 16; 320
+over the 20 rollouts, as PPO's 320), everything else as the PPO arm. The KL stays where PPO puts it, -0.05 × k1
+per token in the reward (each response's summed reward enters the group baseline): rlhfkit's config checks allow
+that for grpo, and the KL-in-loss placement of Shao et al. 2024 would change a second thing at once. Comparison
+``end``: end gold (all 384 prompts), grpo − ppo; no difference is claimed (direction 0, margin gold-0.1), so
+it is no member of the Holm family: its 90% interval inside ±0.1 decides it, as on the page.
+
+``reversed-k3-penalty`` (as overopt-central at kl_coef 0.05): ``k3``, the penalty ``online.kl_estimator=k3``
+(r − 1 − log r, r = π_ref / π), and ``k3-reversed``, k3 with the ratio the other way round, r' − 1 − log r' with
+r' = π / π_ref per token (:func:`kl_k3_reversed`: it estimates χ² − KL, biased). rlhfkit offers no such estimator,
+so this runner patches it in: the k3-reversed arm's config says ``online.kl_estimator=k3``, and while that arm
+trains (and when it resumes) :func:`reversed_k3_penalty` puts :func:`kl_k3_reversed` in the place of rlhfkit's k3,
+restored after; the arm's record (``ARM.json`` and ``CLAIM.json``: ``penalty``) says so, and its logged ``kl`` is
+the reversed estimate. Neither arm is overopt-central's kl0.05, whose penalty is k1. Every read of these arms also
+records ``kl_exact``: the exact per-token KL(π(·|prefix) ‖ π_SFT(·|prefix)) over the whole vocabulary, both at
+the read's T = 0.7, summed per response, mean over the 4 × 384 samples (the mean over the prompts of their
+4-sample means), on the read's own samples (``sample_and_score(exact_kl=True)``; the other figures of a read are
+unchanged by it). Comparison ``kl``: end exact KL, k3-reversed − k3. Choices the registration leaves open: both
+arms keep the rest of overopt-central (k1 is not an arm: the registration names the two k3 forms), and the KL is
+the read's sampling distribution at T = 0.7, as the read's k1 KL is.
+
+The central claims orm-prm and length-indifferent are not in this runner.
 
 The length ("long enough that gold peaks and falls at kl_coef 0 in a pilot") is fixed by a pilot: seeds 100 and
 101 (not among the registered 0-19), kl_coef 0 only, ``PILOT_ROLLOUTS`` = 60 rollouts, every checkpoint read as
@@ -53,7 +79,7 @@ Both peak at rollout 10; at 15 they are 0.28 and 0.17 below it, at 20 more than 
 rollouts, the length of every run of the claims below.
 
 Layout: ``OUT/shared`` (SFT policy, pool), ``OUT/seed-N/rm256`` (the reward model), ``OUT/seed-N/sft_meter.json``
-(the SFT policy's read), ``OUT/seed-N/CLAIM/ARM`` (the PPO run, a checkpoint every read),
+(the SFT policy's read), ``OUT/seed-N/CLAIM/ARM`` (the PPO or GRPO run, a checkpoint every read),
 ``ARM-reads/rollout-NNNNN.json`` (each checkpoint's read), ``ARM.json`` (the arm's figures), and
 ``OUT/seed-N/CLAIM.json`` (the seed's figures of a claim, with the commit they were run at). A finished stage is
 not rerun; an interrupted PPO run resumes from its newest checkpoint and reuses every read already written.
@@ -62,6 +88,11 @@ not rerun; an interrupted PPO run resumes from its newest checkpoint and reuses 
 
     RLHFKIT_NUM_THREADS=1 nice -n 19 python examples/experiments/central_claims.py --out runs/central   # seeds 0-19
     python examples/experiments/central_claims.py --out runs/central --report-only
+
+``--claims`` picks claims (default: all five), e.g. the two that reuse a finished overopt-central run's seeds::
+
+    RLHFKIT_NUM_THREADS=1 nice -n 19 python examples/experiments/central_claims.py --out runs/central \
+        --claims grpo-ppo reversed-k3-penalty
 """
 
 from __future__ import annotations
@@ -72,8 +103,12 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stages and the meter beside this script
 import overoptimization_quality as oq  # noqa: E402
@@ -94,10 +129,14 @@ WEAK_PAIRS = {"default": 256, "smoke": 8}  # the weak reward model's training pa
 USUAL_PAIRS = {"default": 1024, "smoke": 8}  # overfit_reward.py's usual reward model: the pool's first 1,024
 OVERFIT = {"default": (768, 450), "smoke": (6, 4)}  # its over-fitted one: the usual one's first pairs, steps
 REFRESH_EVERY = {"default": 5, "smoke": 1}  # overoptimization_quality.py's --refresh-steps
+GROUP = 4  # grpo-ppo: GRPO's responses per prompt, over a quarter of PPO's prompts per rollout
 # Per claim: its arms in the order they run (name -> kl_coef; "refresh": the online refresh of the weak reward
 # model; "reward": the reward model when not the weak one: "own-pairs", the offline one on the weak one's pairs
-# and the refresh arm's labelled pairs, or overfit_reward.py's "usual" and "overfit"), and per registered
-# comparison the (arm, figure) of a and of b.
+# and the refresh arm's labelled pairs, or overfit_reward.py's "usual" and "overfit"; "same_as": (claim, arm),
+# another claim's arm that this one is, run and read once in that claim's folder; "kind": grpo, `train grpo` in
+# groups of GROUP; "kl_estimator": the penalty's; "reversed_k3": that k3 penalty with its ratio reversed, patched
+# in by :func:`reversed_k3_penalty`; "exact_kl": its reads record the exact KL to the SFT policy), and per
+# registered comparison the (arm, figure) of a and of b.
 CLAIMS = {
     "overopt-central": {
         "arms": {"kl0": {"kl_coef": 0.0}, "kl0.05": {"kl_coef": 0.05}},
@@ -121,8 +160,61 @@ CLAIMS = {
         },
         "comparisons": {"end": (("usual", "end_gold"), ("overfit", "end_gold"))},
     },
+    "grpo-ppo": {
+        "arms": {
+            "ppo": {"same_as": ("overopt-central", "kl0.05")},
+            "grpo": {"kl_coef": 0.05, "kind": "grpo"},
+        },
+        "comparisons": {"end": (("ppo", "end_gold"), ("grpo", "end_gold"))},
+    },
+    "reversed-k3-penalty": {
+        "arms": {
+            "k3": {"kl_coef": 0.05, "kl_estimator": "k3", "exact_kl": True},
+            "k3-reversed": {"kl_coef": 0.05, "kl_estimator": "k3", "reversed_k3": True, "exact_kl": True},
+        },
+        "comparisons": {"kl": (("k3", "end_kl_exact"), ("k3-reversed", "end_kl_exact"))},
+    },
 }
-ARMS = [name for claim in CLAIMS.values() for name in claim["arms"]]
+ARMS = list(dict.fromkeys(name for claim in CLAIMS.values() for name in claim["arms"]))
+REVERSED_K3 = (  # the record of an arm trained under reversed_k3_penalty
+    "k3 with the ratio reversed, r' - 1 - log r' with r' = pi_theta / pi_ref per token (central_claims.py "
+    "kl_k3_reversed), patched by the runner in the place of rlhfkit's k3 while the arm trained: the config's "
+    "online.kl_estimator says k3, the penalty (and the logged kl) was the reversed k3"
+)
+
+
+def kl_k3_reversed(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """The k3-reversed arm's penalty per token: ``r' - 1 - log r'`` with the ratio REVERSED, ``r' = pi_theta /
+    pi_ref`` (k3 takes ``pi_ref / pi_theta``; Schulman, "Approximating KL divergence", 2020). ``logprobs``,
+    ``ref_logprobs``: ``(B, T)`` log pi_theta and log pi_ref of the sampled tokens -> ``(B, T)``.
+
+    On samples from pi_theta it averages to chi^2(pi_theta || pi_ref) - KL(pi_theta || pi_ref), not the KL: a
+    biased KL estimate (docs/experiments.md, "KL estimators"), which rlhfkit does not offer; the claim measures
+    what training on it does. ``expm1``, as rlhfkit's k3: exactly 0 where the two log-probs agree, and >= 0."""
+    log_r = logprobs - ref_logprobs  # (B, T) log pi_theta / pi_ref
+    return torch.expm1(log_r) - log_r
+
+
+@contextmanager
+def reversed_k3_penalty():
+    """While open, rlhfkit's ``k3`` KL estimator is :func:`kl_k3_reversed`: ``shape_rewards`` looks
+    ``online.kl_estimator`` up in ``rlhfkit.algos.kl.KL_ESTIMATORS`` at each call, so a run configured with ``k3``
+    in this process trains on (and logs) the reversed penalty. Restored on exit, also on an exception. Yields a
+    namespace whose ``calls`` counts the penalty's calls, for the caller to check that the trainer used it."""
+    from rlhfkit.algos import kl
+
+    used = SimpleNamespace(calls=0)
+
+    def patched(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+        used.calls += 1
+        return kl_k3_reversed(logprobs, ref_logprobs)
+
+    original = kl.KL_ESTIMATORS["k3"]
+    kl.KL_ESTIMATORS["k3"] = patched
+    try:
+        yield used
+    finally:
+        kl.KL_ESTIMATORS["k3"] = original
 
 
 def split_read(gold: list[float], repeats: int, select: int) -> dict[str, float]:
@@ -140,14 +232,18 @@ def split_read(gold: list[float], repeats: int, select: int) -> dict[str, float]
     }
 
 
-def read(meter: Meter, policy) -> dict[str, float]:
+def read(meter: Meter, policy, exact_kl: bool = False) -> dict[str, float]:
     """The 4-sample read of ``policy`` (``meter``'s final read, its sampling seed), its gold split in two halves
-    of the held-out prompts (:func:`split_read`), with proxy, KL, length and validity over every prompt."""
+    of the held-out prompts (:func:`split_read`), with proxy, KL (k1 summed per response), length and validity
+    over every prompt; ``exact_kl``: also ``kl_exact``, the exact per-token KL to the SFT policy over the whole
+    vocabulary summed per response, mean over every sample (the same samples: nothing else changes)."""
     from rlhfkit.rollout.evaluate import prompt_standard_error
 
-    samples, prompts, repeats = meter.samples(policy, final=True)
+    samples, prompts, repeats = meter.samples(policy, final=True, exact_kl=exact_kl)
     s, select = samples.summary(), len(prompts) // 2
+    exact = {"kl_exact": s["kl_exact_mean"]} if exact_kl else {}
     return {
+        **exact,
         **split_read(samples.gold, repeats, select),
         "gold_se": prompt_standard_error(samples.gold, repeats),
         "proxy": s["proxy_mean"],
@@ -163,12 +259,13 @@ def read(meter: Meter, policy) -> dict[str, float]:
 def peak_and_end(reads: list[dict]) -> dict[str, float]:
     """Of an arm's reads (rollout 0, the SFT policy, first): the peak checkpoint (rollout > 0, the first of the
     highest ``gold_select``), its gold and the end's on the other prompts (``gold_read``), their difference, and
-    the end's gold on every prompt."""
+    the end's gold and KL on every prompt (and its exact KL where the reads have it)."""
     reads = sorted(reads, key=lambda r: r["rollout"])
     trained = [r for r in reads if r["rollout"] > 0]
     if not trained:
         raise ValueError("no checkpoint after rollout 0")
     peak, end = max(trained, key=lambda r: r["gold_select"]), trained[-1]
+    exact = {"end_kl_exact": end["kl_exact"]} if "kl_exact" in end else {}
     return {
         "peak_rollout": peak["rollout"],
         "peak_gold_read": peak["gold_read"],
@@ -176,6 +273,7 @@ def peak_and_end(reads: list[dict]) -> dict[str, float]:
         "drop": peak["gold_read"] - end["gold_read"],
         "end_gold": end["gold"],
         "end_kl": end["kl"],
+        **exact,
     }
 
 
@@ -215,22 +313,42 @@ def checkpoints(rollouts: int, every: int) -> list[int]:
 
 
 def arm_run(
-    root: Path, name: str, kl_coef: float, stage: dict, sft: dict, seed: int, s, refresh: dict | None = None
+    root: Path,
+    name: str,
+    kl_coef: float,
+    stage: dict,
+    sft: dict,
+    seed: int,
+    s,
+    refresh: dict | None = None,
+    kind: str = "ppo",
+    exact_kl: bool = False,
+    keys: dict | None = None,
+    reversed_k3: bool = False,
 ) -> dict:
     """One arm: PPO at ``kl_coef`` in ``root/name`` (resumed from its newest checkpoint when interrupted), each
     checkpoint read once (``root/name-reads``); the arm's figures, cached in ``root/name.json``. ``refresh``:
     ``{"every": K, "pairs": the reward model's training pairs}``, the online refresh of
-    ``overoptimization_quality.py`` (its defaults); the pairs it labels are kept in ``root/name-pairs.jsonl``."""
+    ``overoptimization_quality.py`` (its defaults); the pairs it labels are kept in ``root/name-pairs.jsonl``.
+    ``kind``: the command (``grpo``); ``exact_kl``: each read records the exact KL too (:func:`read`); ``keys``:
+    other dotted keys of the run (left out, the run is overopt-central's, key for key); ``reversed_k3``: the
+    run, resumed too, trains under :func:`reversed_k3_penalty` (its config says k3), and its record says so
+    (``penalty``)."""
+    from rlhfkit.engine.checkpoint import checkpoint_step, latest_checkpoint
     from rlhfkit.quickstart.pipeline import task_refresh
     from rlhfkit.trainers import online
 
-    done = root / f"{name}.json"
+    done, penalty = root / f"{name}.json", REVERSED_K3 if reversed_k3 else None
     if done.is_file():
         record = json.loads(done.read_text())
         if (record["rollouts"], record["eval_every"]) != (s.rollouts, s.eval_every):
             raise SystemExit(
                 f"{done} ran {record['rollouts']} rollouts read every {record['eval_every']}, not the asked "
                 f"{s.rollouts} every {s.eval_every}: use another --out"
+            )
+        if record.get("penalty") != penalty:
+            raise SystemExit(
+                f"{done} was trained with the penalty {record.get('penalty')!r}, not {penalty!r}"
             )
         return record
     reads_dir = root / f"{name}-reads"
@@ -257,7 +375,7 @@ def arm_run(
             figures = json.loads(path(step).read_text())
         else:
             meter = meter or Meter(stage, s, seed)
-            figures = {"rollout": step, **read(meter, policy)}
+            figures = {"rollout": step, **read(meter, policy, exact_kl)}
             path(step).write_text(json.dumps(figures, indent=1))
         return {"eval/gold/mean": figures["gold"], "eval/score/mean": figures["proxy"]}
 
@@ -272,18 +390,36 @@ def arm_run(
             s.rollouts,
             oq.EVAL_TEMPERATURE,
             kl_coef,
+            kind=kind,
             **{
                 "train.lr_schedule": "constant",
                 "train.save_steps": s.eval_every,
                 "train.keep_last_checkpoints": 2,
                 **settings,
+                **(keys or {}),
             },
         )
-        online.train(cfg, resume=True, hooks=hooks)
+        newest = latest_checkpoint(root / name / "checkpoints")
+        start = checkpoint_step(newest) if newest is not None else 0  # where the resume starts, or later
+        with reversed_k3_penalty() if reversed_k3 else nullcontext() as patched:
+            online.train(cfg, resume=True, hooks=hooks)
+        if patched is not None and patched.calls == 0 and start < s.rollouts:
+            raise SystemExit(
+                f"{root / name}: the trainer never called the patched reversed k3, so it trained on plain k3; "
+                "move that folder and its reads away"
+            )
         if refresher is not None:  # its state (the pairs it labelled) comes back with a resumed checkpoint
             pairs_file.write_text("".join(json.dumps(r) + "\n" for r in refresher.state_dict()["pairs"]))
     reads = [{**sft, "rollout": 0}] + [json.loads(path(k).read_text()) for k in wanted if k]
+    if exact_kl and any("kl_exact" not in r for r in reads[1:]):
+        raise SystemExit(
+            f"{reads_dir}: a read without the exact KL (kl_exact): move that folder away to reread"
+        )
     record = {"kl_coef": kl_coef, "rollouts": s.rollouts, "eval_every": s.eval_every, "reads": reads}
+    if kind != "ppo" or keys:
+        record.update(kind=kind, keys=keys or {})
+    if penalty is not None:
+        record["penalty"] = penalty
     if refresh is not None:
         record.update(refresh_every=refresh["every"], refresh_labels=len(pairs_file.read_text().splitlines()))
     record.update(peak_and_end(reads), cpu_seconds=time.process_time() - clock)
@@ -342,6 +478,11 @@ def run_seed(seed: int, args) -> list[dict]:
         for name, arm in CLAIMS[claim]["arms"].items():
             if name not in args.arms:
                 continue
+            if "same_as" in arm:  # another claim's arm, run (or reused) in its folder as that claim runs it
+                other, other_arm = arm["same_as"]
+                kl_coef = CLAIMS[other]["arms"][other_arm]["kl_coef"]
+                arms[name] = arm_run(root / other, other_arm, kl_coef, stage, sft, seed, s)
+                continue
             view, refresh = stage, None
             if arm.get("refresh"):
                 refresh = {"every": REFRESH_EVERY[args.size], "pairs": weak}
@@ -349,13 +490,32 @@ def run_seed(seed: int, args) -> list[dict]:
                 view, rms["own-pairs"] = own_pairs_stage(root / claim, shared, weak, seed, s, sa)
             if arm.get("reward") in ("usual", "overfit"):
                 view, rms[arm["reward"]] = overfit_stage(root / claim, arm["reward"], shared, seed, s, sa)
-            arms[name] = arm_run(root / claim, name, arm["kl_coef"], view, sft, seed, s, refresh)
+            kind, keys = arm.get("kind", "ppo"), {}
+            if kind == "grpo":
+                keys = grpo_keys(s)
+            if "kl_estimator" in arm:
+                keys["online.kl_estimator"] = arm["kl_estimator"]
+            exact = arm.get("exact_kl", False)
+            arms[name] = arm_run(
+                root / claim, name, arm["kl_coef"], view, sft, seed, s, refresh, kind, exact, keys or None,
+                reversed_k3=arm.get("reversed_k3", False),
+            )  # fmt: skip
         if not arms:  # none of its arms asked (the pilot's kl0 alone), none run before
             continue
         record = {"seed": seed, "claim": claim, "commit": args.commit, "reward_models": rms, "sft": sft}
         out.append({**record, "arms": arms})
         figures_file.write_text(json.dumps(out[-1], indent=1))
     return out
+
+
+def grpo_keys(s) -> dict:
+    """grpo-ppo's GRPO arm: groups of ``GROUP`` responses to a quarter of PPO's prompts per rollout, so that
+    both arms sample the same number of responses per rollout (PPO's ``s.ppo_batch``)."""
+    if s.ppo_batch % GROUP:
+        raise SystemExit(
+            f"--ppo-batch {s.ppo_batch}: grpo-ppo needs a multiple of {GROUP} (groups of {GROUP})"
+        )
+    return {"train.batch_size": s.ppo_batch // GROUP, "online.group_size": GROUP}
 
 
 def own_pairs_stage(root: Path, shared: dict, weak: Path, seed: int, s, sa) -> tuple[dict, dict]:
@@ -413,7 +573,9 @@ def values_of(results: list[dict], claim: str, cid: str) -> tuple[list[int], lis
 def report(results: list[dict], claims, plan_path: Path = PLAN) -> str:
     """Each registered comparison of ``claims``: the per-seed differences b − a (``describe``), the exact p after
     Holm's correction over the plan's ``central`` family (registered members without data count at p = 1), and
-    ``decide``'s verdict under the plan's direction and margin."""
+    ``decide``'s verdict under the plan's direction and margin. A no-difference comparison (direction 0: grpo-ppo)
+    is no member of the family (the page's rule corrects directional comparisons only): its 90% interval against
+    ±margin decides it, uncorrected, as on the page."""
     from rlhfkit.reporting.paired import Claim, decide, describe, holm, paired
     from rlhfkit.reporting.plan import load_plan
 
@@ -437,11 +599,18 @@ def report(results: list[dict], claims, plan_path: Path = PLAN) -> str:
                 lines.append(f"{head}: no seed has run")
                 continue
             seeds, p = data[key]
-            word = decide(p, Claim(planned.direction, planned.margin), adjusted[key])
+            word = decide(p, Claim(planned.direction, planned.margin), adjusted.get(key))
             note = "" if len(seeds) == planned.n else f" (the plan registers {planned.n}: not its test yet)"
+            if key in adjusted:
+                rule = (
+                    f"Holm over '{FAMILY}': p = {adjusted[key]:.3g}; claimed direction {planned.direction:+d}"
+                )
+            else:  # no difference claimed: equivalence within the margin, outside the family's correction
+                ci90 = p.interval(0.90)
+                where = "no interval" if ci90 is None else f"90% t-interval [{ci90[0]:+.2f}, {ci90[1]:+.2f}]"
+                rule = f"no difference claimed, margin ±{planned.margin:g} ({planned.margin_key}): {where}"
             lines.append(
-                f"{head}\n  seeds {seeds[0]}-{seeds[-1]}, n = {len(seeds)}{note}: {describe(p)}\n"
-                f"  Holm over '{FAMILY}': p = {adjusted[key]:.3g}; claimed direction {planned.direction:+d}: {word}"
+                f"{head}\n  seeds {seeds[0]}-{seeds[-1]}, n = {len(seeds)}{note}: {describe(p)}\n  {rule}: {word}"
             )
     return "\n".join(lines)
 

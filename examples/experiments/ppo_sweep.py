@@ -105,8 +105,9 @@ class Meter:
         self.examples = examples[: s.eval_prompts]
         self.final_examples = examples[: s.final_prompts] if s.final_prompts else examples
 
-    def samples(self, policy, final: bool = False):
-        """The read's ``PolicySamples`` (each prompt's samples side by side) and ``(prompts, repeats)``."""
+    def samples(self, policy, final: bool = False, exact_kl: bool = False):
+        """The read's ``PolicySamples`` (each prompt's samples side by side) and ``(prompts, repeats)``;
+        ``exact_kl``: with the exact KL to the SFT policy as well (``sample_and_score``'s ``kl_exact``)."""
         import torch
 
         from rlhfkit.rollout.evaluate import sample_and_score
@@ -124,6 +125,7 @@ class Meter:
             reference=self.reference,
             gold_score=self.stage["task"].gold_score,
             is_valid=self.stage["task"].is_valid,
+            exact_kl=exact_kl,
         )
         return samples, prompts, repeats
 

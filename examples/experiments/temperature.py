@@ -267,12 +267,22 @@ class Evaluator:
 
 
 def ppo_config(
-    folder: Path, seed: int, stage: dict, s: Sizes, rollouts: int, temperature: float, kl_coef: float, **extra
+    folder: Path,
+    seed: int,
+    stage: dict,
+    s: Sizes,
+    rollouts: int,
+    temperature: float,
+    kl_coef: float,
+    *,
+    kind: str = "ppo",
+    **extra,
 ):
     """The PPO run of an experiment: the quickstart's tiny PPO from this seed's SFT policy and reward model
-    (``stage``), at the given length, sampling temperature and KL coefficient; ``extra``: other dotted keys."""
+    (``stage``), at the given length, sampling temperature and KL coefficient; ``extra``: other dotted keys;
+    ``kind``: the command (``grpo``: the same run without a critic, ``train.batch_size`` prompts in groups)."""
     return config_from(
-        "ppo",
+        kind,
         folder,
         {
             "seed": seed,

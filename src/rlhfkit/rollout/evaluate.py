@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlhfkit.algos import kl_k1
+from rlhfkit.algos import kl_k1, masked_sum
 from rlhfkit.data import PromptCollator
-from rlhfkit.models import response_logprobs, sampling_for, sequence_scores
+from rlhfkit.models import response_logprobs, sampling_for, sequence_scores, teacher_divergence
 from rlhfkit.models.sampler import RowStreams, sampler_of
 from rlhfkit.rollout.generation import Responses, generate_responses
 from rlhfkit.rollout.scoring import reward_normalization
@@ -36,13 +36,15 @@ class PolicySamples:
     gold: list[float] = field(default_factory=list)
     proxy: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
+    kl_exact: list[float] = field(default_factory=list)  # the exact KL summed per response (``exact_kl``)
     valid: list[bool] = field(default_factory=list)
     response_ids: list[list[int]] = field(default_factory=list)  # up to and including the stop token
 
     def summary(self) -> dict[str, float]:
-        """Means of every figure that was measured (``gold_mean``, ``proxy_mean``, ``kl_mean``, ...)."""
+        """Means of every figure that was measured (``gold_mean``, ``proxy_mean``, ``kl_mean``, ``kl_exact_mean``,
+        ...)."""
         out = {"response_length_mean": _mean(self.lengths), "ended_rate": _mean(self.ended)}
-        for name in ("gold", "proxy", "kl"):
+        for name in ("gold", "proxy", "kl", "kl_exact"):
             values = getattr(self, name)
             if values:
                 out[f"{name}_mean"] = _mean(values)
@@ -114,6 +116,7 @@ def sample_and_score(
     is_valid: Callable[[str], bool] | None = None,
     batch_size: int = 64,
     generate: Callable[..., Responses] = generate_responses,
+    exact_kl: bool = False,
 ) -> PolicySamples:
     """Sample one response per prompt example and measure it.
 
@@ -126,6 +129,10 @@ def sample_and_score(
             uses it) at the last response token.
         reference: when given, ``kl`` = sum over the response of k1 = log pi - log pi_ref (nats per
             response, at ``temperature``; greedy samples are not from the policy, so no KL then).
+        exact_kl: with ``reference``, also ``kl_exact`` = sum over the response of the exact per-token
+            KL(pi(.|prefix) || pi_ref(.|prefix)) over the whole vocabulary, both distributions as sampled
+            (:func:`rlhfkit.models.teacher_divergence`, ``full_reverse_kl``); it draws no random numbers, so
+            every other figure is the same with or without it.
         gold_score: ``(prompt, response) -> float``, the task's gold scorer.
         is_valid: ``response -> bool``, the task's validity check.
         generate: what samples (:func:`response_batches`); every figure is read from ``policy`` itself.
@@ -155,6 +162,17 @@ def sample_and_score(
                 reference, r.input_ids, r.attention_mask, r.response_start, sampling
             )  # (B, R)
             out.kl += (kl_k1(logprobs, ref) * r.mask).sum(1).tolist()
+            if exact_kl:
+                per_token = teacher_divergence(
+                    policy,
+                    reference,
+                    r.input_ids,
+                    r.attention_mask,
+                    r.response_start,
+                    sampling,
+                    "full_reverse_kl",
+                )  # (B, R)
+                out.kl_exact += masked_sum(per_token, r.mask, dim=1).tolist()
         if gold_score is not None:
             out.gold += [float(gold_score(p, t)) for p, t in zip(prompts, texts, strict=True)]
         if is_valid is not None:
