@@ -456,6 +456,7 @@ def _mtimes(folder):
     return {p: p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.long  # end to end at the smoke size: CI's long step (the suite stays under 15 minutes)
 def test_grpo_ppo_reuses_the_kl_penalty_arm_and_runs_grpo_in_groups_at_the_smoke_size(tmp_path, capsys):
     out = tmp_path / "central"
     argv = ["--out", str(out), "--size", "smoke", "--seeds", "0", "--jobs", "1", "--commit", "abc1234"]
@@ -540,6 +541,7 @@ def _trained_on(call) -> str:
     return "neither"
 
 
+@pytest.mark.long  # end to end at the smoke size: CI's long step (the suite stays under 15 minutes)
 def test_reversed_k3_penalty_trains_each_arm_on_its_own_penalty_resumed_too_at_the_smoke_size(
     tmp_path, capsys, monkeypatch
 ):

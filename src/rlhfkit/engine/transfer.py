@@ -92,16 +92,19 @@ def snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
 
 class WeightSender:
     """Streams snapshots of a model's trained parameters to other processes without waiting for them: each send
-    holds its tensors until it completes (a :func:`snapshot` is a copy, so the model may move meanwhile).
-    :meth:`wait` (called by the next :meth:`send` and at the end) waits for the previous sends."""
+    holds its tensors until it completes (a :func:`snapshot` is a copy, so the model may move meanwhile), and
+    the sends to one process arrive in the order they were posted. :meth:`send` never waits for an earlier
+    send: a generator k rollouts ahead takes a version only before the rollout that needs it, and meanwhile
+    blocks sending the trainer its rollouts, so a sender that waited for the previous version to arrive before
+    posting the next deadlocked both sides (k >= 2). :meth:`wait` (at the end) waits for every send."""
 
     def __init__(self) -> None:
         self.pending: list = []
 
     def send(self, tensors: list[torch.Tensor], version: int, dst: int) -> None:
-        """Send ``version`` and the number of tensors, then each tensor of a :func:`snapshot` of the trained
-        parameters in turn, to ``dst``."""
-        self.wait()
+        """Post ``version`` and the number of tensors, then each tensor of a :func:`snapshot` of the trained
+        parameters in turn, to ``dst``; returns at once (the sends that completed are let go)."""
+        self.pending = [(work, t) for work, t in self.pending if not work.is_completed()]
         header = torch.tensor([version, len(tensors)], dtype=torch.int64)
         self.pending.append((torch.distributed.isend(header, dst, group=_group, tag=WEIGHTS_TAG), header))
         for t in tensors:

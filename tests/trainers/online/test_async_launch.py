@@ -61,6 +61,26 @@ def test_every_rollout_is_trained_at_most_one_version_after_its_weights(problem,
     assert "grpo on 2 processes (torchrun, gloo, cpu)" in err
 
 
+@pytest.mark.long  # end to end, ~30 s: CI's long step (the suite stays under 15 minutes)
+def test_with_k2_a_generator_two_rollouts_ahead_does_not_deadlock_the_weight_sends(problem, tmp_path):
+    """k = 2, one generator: rollouts 1-3 are sampled with version 0, so the generator sends rollout 3 before it
+    receives version 1, while the trainer, after update 2, posts version 2. A sender that waited for version 1 to
+    arrive before posting version 2 deadlocked here (each side blocked in a send); killed at BOUND_S, it fails."""
+    out = tmp_path / "run"
+    argv = online_cli_args(
+        problem, out, "train.max_steps=5", *ASYNC, "online.max_staleness=2", "train.collective_timeout=60",
+        kind="grpo",
+    )  # fmt: skip
+    code, err, _ = launch("none", argv)
+    assert code == 0, err[-4000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    # rollout s is sampled with version max(0, s - 3) and trained after update s - 1
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert all(r["async/dropped"] == 0.0 for r in rows)
+    sent = [r["async/weight_transfer_seconds"] for r in rows]  # versions 1 and 2 only (for rollouts 4 and 5)
+    assert sent[0] > 0 and sent[1] > 0 and sent[2:] == [0.0, 0.0, 0.0]
+
+
 @pytest.mark.long  # end to end, tens of seconds: CI's long step (the suite stays under 15 minutes)
 @pytest.mark.parametrize(("side", "survivor"), [("generator", 0), ("trainer", 1), ("hang", 0)])
 def test_a_killed_side_stops_the_other_with_one_named_line(problem, tmp_path, side, survivor):

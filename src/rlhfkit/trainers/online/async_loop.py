@@ -271,8 +271,7 @@ class AsyncTrainer:
     def publish(self, step: int) -> None:
         """After the update of rollout ``step``: the weights are version ``step``; send them to the generator
         that samples rollout ``step + 1 + k`` (none past the last rollout). The seconds this takes the trainer
-        (the weights' fingerprint, waiting for the previous transfer, copying the parameters off the device,
-        posting the sends) go to :attr:`metrics` as ``async/weight_transfer_seconds`` (0 when nothing is sent)."""
+        (the weights' fingerprint, copying the parameters off the device, posting the sends) go to :attr:`metrics` as ``async/weight_transfer_seconds`` (0 when nothing is sent)."""
         seconds = 0.0
         if step + 1 + self.k <= self.ctx.cfg.train.max_steps:
             start = time.perf_counter()
