@@ -213,3 +213,7 @@ def test_gold_reward_is_the_gold_score_as_a_rule_reward():
     ]
     with pytest.raises(ValueError):  # a batch of unequal lengths is a caller's bug, not a score
         R.gold_reward(prompts, completions[:2])
+    # TRL's conversational form: the last user message of the prompt, the assistant's reply
+    chat_prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": BLENDER_POS}]
+    chat_completion = [{"role": "assistant", "content": good}]
+    assert R.gold_reward([chat_prompt], [chat_completion]) == [2.5]

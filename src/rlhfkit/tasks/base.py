@@ -16,6 +16,18 @@ from rlhfkit.tasks.presets import build_causal_lm, model_config
 from rlhfkit.tasks.tokenizer import save_tokenizer, train_tokenizer
 
 
+def message_text(value) -> str:
+    """A rule reward's prompt or completion as text: the last user message of a prompt conversation, the last
+    assistant message of a completion conversation (TRL's conversational form), or the string itself."""
+    if isinstance(value, list):
+        for role in ("assistant", "user"):
+            contents = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == role]
+            if contents:
+                return str(contents[-1])
+        return ""
+    return str(value)
+
+
 class Task:
     """A built-in offline task. Subclasses set ``name`` and implement the five methods that raise.
 

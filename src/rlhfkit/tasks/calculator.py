@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhfkit.errors import ConfigError
-from rlhfkit.tasks.base import Task
+from rlhfkit.tasks.base import Task, message_text
 from rlhfkit.tasks.tokenizer import save_tokenizer, train_tokenizer
 
 PROMPT_TEMPLATE = "What is {a}*{b}?"
@@ -140,21 +140,9 @@ class Problem:
         return f"{self.a}*{self.b}"
 
 
-def _text(value) -> str:
-    """A prompt or completion as text: the last user message of a prompt conversation, the last assistant
-    message of a completion conversation (TRL's conversational form), or the string itself."""
-    if isinstance(value, list):
-        for role in ("assistant", "user"):
-            contents = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == role]
-            if contents:
-                return str(contents[-1])
-        return ""
-    return str(value)
-
-
 def parse_prompt(prompt) -> Problem:
     """The problem of a prompt (a string or chat messages) of this task; ConfigError otherwise."""
-    m = _PROMPT_RE.search(_text(prompt))
+    m = _PROMPT_RE.search(message_text(prompt))
     if m is None:
         raise ConfigError(f"not a prompt of the 'tools' task: {prompt!r}")
     return Problem(int(m[1]), int(m[2]))
@@ -162,7 +150,7 @@ def parse_prompt(prompt) -> Problem:
 
 def final_answer(response) -> int | None:
     """The number on the last ``answer=`` line of the final assistant message, None when there is none."""
-    found = _ANSWER_RE.findall(_text(response))
+    found = _ANSWER_RE.findall(message_text(response))
     return int(found[-1]) if found else None
 
 
@@ -287,7 +275,7 @@ class ToolsTask(Task):
         return CORRECT if is_correct(prompt, response) else WRONG
 
     def is_valid(self, response) -> bool:
-        return _ANSWER_RE.fullmatch(_text(response).strip()) is not None
+        return _ANSWER_RE.fullmatch(message_text(response).strip()) is not None
 
     def tokenizer_texts(self) -> list[str]:
         # Words and JSON punctuation; digits stand alone (no number of two digits), as in the arithmetic task.

@@ -40,7 +40,7 @@ import re
 from dataclasses import dataclass
 
 from rlhfkit.errors import ConfigError
-from rlhfkit.tasks.base import Task
+from rlhfkit.tasks.base import Task, message_text
 
 SENTIMENTS = ("positive", "negative")
 PRODUCTS = (
@@ -254,16 +254,18 @@ def gold_score(prompt: str, response: str) -> float:
 def gold_reward(prompts, completions, **kwargs) -> list[float | None]:
     """The gold score as a rule reward: what the annotators want, with no learned proxy between, so a policy
     trained on it is not a study of reward hacking but a strong policy of the task (the distillation
-    quickstart's teacher). None (no opinion) for a prompt that is not one of this task's. Usable as
-    ``online.reward_functions: ["rlhfkit.tasks.reviews:gold_reward"]``."""
+    quickstart's teacher). None (no opinion) for a prompt that is not one of this task's; TRL's
+    conversational prompts and completions are read as their text (:func:`~rlhfkit.tasks.base.message_text`).
+    Usable as ``online.reward_functions: ["rlhfkit.tasks.reviews:gold_reward"]``."""
     out: list[float | None] = []
     for prompt, completion in zip(prompts, completions, strict=True):
+        prompt = message_text(prompt)
         try:
             parse_prompt(prompt)
         except ConfigError:
             out.append(None)
             continue
-        out.append(gold_score(prompt, str(completion)))
+        out.append(gold_score(prompt, message_text(completion)))
     return out
 
 
