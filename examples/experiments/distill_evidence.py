@@ -286,7 +286,7 @@ def run_seed(out: Path, seed: int, preset: str, eval_prompts: int) -> dict:
     )
     # PPO as the teacher was trained (its learning rate), at the distillation's rollouts and batch
     rl = replace(p, ppo_rollouts=d.steps, ppo_batch=d.batch, ppo_lr=d.teacher.ppo_lr)
-    ppo_keys = gold_ppo_settings(sft_dir, files["prompts_train"], rl, seed, p.response_length)
+    ppo_keys = gold_ppo_settings(sft_dir, files["prompts_train"], rl, seed)
     seconds["ppo"] = cached_stage(
         root / "ppo", root / "ppo" / "final", lambda: online.train(config_from("ppo", root / "ppo", ppo_keys))
     )

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhfkit.config import config_from
-from rlhfkit.quickstart.pipeline import PRESETS, HackingMeter, Preset, sft_settings
+from rlhfkit.quickstart.pipeline import PRESETS, HackingMeter, Preset, ppo_settings, sft_settings
 from rlhfkit.quickstart.stages import write_summary
 
 
@@ -134,29 +134,17 @@ def distill_settings(
     }
 
 
-def gold_ppo_settings(
-    policy_dir: Path, prompts: Path, p: Preset, seed: int, response_length: int
-) -> dict[str, Any]:
-    """PPO's keys with the task's gold score as the rule reward (:data:`TEACHER_REWARD`): from the policy in
-    ``policy_dir`` (the critic from it too) on ``prompts``, ``p.ppo_rollouts`` rollouts of ``p.ppo_batch``
-    prompts at a constant ``p.ppo_lr``, KL coefficient 0.1, responses of ``response_length`` tokens."""
-    n = p.ppo_rollouts
+def gold_ppo_settings(policy_dir: Path, prompts: Path, p: Preset, seed: int) -> dict[str, Any]:
+    """The reviews quickstart's PPO keys (:func:`~rlhfkit.quickstart.pipeline.ppo_settings`: ``p``'s rollouts,
+    batch, learning rate and response length, KL coefficient 0.1) from the policy in ``policy_dir`` with the
+    task's gold score as the rule reward (:data:`TEACHER_REWARD`) in the reward model's place, the critic from
+    the policy, a constant learning rate and one evaluation, at the end."""
     return {
-        "seed": seed,
-        "model.name_or_path": policy_dir,
+        **ppo_settings(policy_dir, None, prompts, p, seed),
         "online.critic_model": policy_dir,
-        "data.train_file": prompts,
-        "data.max_prompt_length": 32,
         "online.reward_functions": [TEACHER_REWARD],
-        "online.response_length": response_length,
-        "online.kl_coef": 0.1,
-        "train.max_steps": n,
-        "train.batch_size": p.ppo_batch,
-        "train.learning_rate": p.ppo_lr,
         "train.lr_schedule": "constant",
-        "train.save_steps": n,
-        "train.eval_steps": n,
-        "train.log_steps": 1,
+        "train.eval_steps": p.ppo_rollouts,
     }
 
 
@@ -176,8 +164,8 @@ def build_teacher(
     t = _stage(
         "teacher PPO", f"{t_p.ppo_rollouts} rollouts of {t_p.ppo_batch} prompts, the gold score as reward"
     )
-    length = PRESETS[d.student].response_length  # the student's: the teacher is read on what it writes
-    settings = gold_ppo_settings(out / "teacher_sft" / "final", files["prompts_train"], t_p, seed, length)
+    # the teacher's schedule is the student's preset's (_teacher), its response length too
+    settings = gold_ppo_settings(out / "teacher_sft" / "final", files["prompts_train"], t_p, seed)
     online.train(config_from("ppo", out / "teacher_ppo", settings))
     seconds["teacher_ppo"] = time.perf_counter() - t
     return out / "teacher_ppo" / "final", seconds

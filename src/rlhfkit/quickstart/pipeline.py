@@ -268,16 +268,17 @@ def reward_settings(sft_dir: Path, pairs: dict[str, Any], p: Preset, seed: int) 
 
 
 def ppo_settings(
-    sft_dir: Path, rm_dir: Path, prompts: Path, p: Preset, seed: int, refresh_steps: int = 0
+    sft_dir: Path, rm_dir: Path | None, prompts: Path, p: Preset, seed: int, refresh_steps: int = 0
 ) -> dict[str, Any]:
-    """PPO's keys: from the SFT policy against the reward model (the critic from it too) on the training
-    prompts, ``p.ppo_rollouts`` rollouts of ``p.ppo_batch`` prompts, KL coefficient 0.1."""
+    """PPO's keys: from the SFT policy against the reward model (the critic from it too; ``rm_dir`` None: the
+    caller gives the reward and the critic) on the training prompts, ``p.ppo_rollouts`` rollouts of
+    ``p.ppo_batch`` prompts, KL coefficient 0.1."""
     return {
         "seed": seed,
         "model.name_or_path": sft_dir,
         "data.train_file": prompts,
         "data.max_prompt_length": 32,
-        "online.reward_model": rm_dir,
+        **({"online.reward_model": rm_dir} if rm_dir is not None else {}),  # a None would read as a path
         "online.response_length": p.response_length,
         "train.max_steps": p.ppo_rollouts,
         "train.batch_size": p.ppo_batch,
