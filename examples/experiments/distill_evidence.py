@@ -22,9 +22,12 @@ arms), with the standard error over prompts. The comparisons, b - a per seed:
 - ``loss``: ``distill_jsd`` - ``distill_reverse_kl``, claimed within the plan's 0.1 gold margin.
 
 A seed's folder is ``OUT/seed-N/``; every stage whose output is there is not run again (a stage cut short is
-started over), so an interrupted run continues. ``OUT/seed-N/figures.json`` holds the seed's figures; with
-``--report-only`` the script prints the three comparisons (:mod:`rlhfkit.reporting.paired`: paired, describe, and
-the page's rule ``decide`` under the plan, Holm over the family's two directions) from the seeds that finished::
+started over), so an interrupted run continues. ``OUT/seed-N/figures.json`` holds the seed's figures, copied to
+``examples/experiments/records/distill_evidence/seed-N.json``: the records are committed, so the seeds of a claim
+can be run over several sittings on several machines (a seed with a record is not run again; ``--records DIR``
+keeps them elsewhere). With ``--report-only`` the script prints the three comparisons
+(:mod:`rlhfkit.reporting.paired`: paired, describe, and the page's rule ``decide`` under the plan, Holm over the
+family's two directions) from the seeds that finished::
 
     RLHFKIT_NUM_THREADS=1 python examples/experiments/distill_evidence.py --out runs/distill-evidence --seeds 0 1 2
     python examples/experiments/distill_evidence.py --out runs/distill-evidence --report-only
@@ -44,6 +47,7 @@ from dataclasses import replace
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+RECORDS = Path(__file__).resolve().parent / "records"  # finished seeds' figures, committed
 ARMS = ("distill_reverse_kl", "distill_jsd", "sft_teacher", "ppo")
 READS = ("sft", "teacher", *ARMS)  # every policy of a seed read on the same prompts with the same seed
 # comparison id in the plan's claim "distill" -> (arm a, arm b): the difference read is b - a
@@ -371,12 +375,32 @@ def evidence_main(argv: list[str] | None, doc: str, run_seed, report, name: str,
         "--eval-prompts", type=int, default=None, help="held-out prompts read (default: all; smoke 8)"
     )
     p.add_argument("--report-only", action="store_true", help="only the comparisons, from the finished seeds")
+    p.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help="folder of the finished seeds' figures, one seed-N.json each, read before running a seed (default: "
+        "examples/experiments/records/RUNNER/, committed with the code; none with --smoke)",
+    )
     args = p.parse_args(argv)
     preset = "smoke" if args.smoke else "tiny"
     eval_prompts = args.eval_prompts if args.eval_prompts is not None else (8 if args.smoke else 0)
-    if not args.report_only:
-        for seed in args.seeds:
+    records = args.records
+    if records is None and not args.smoke:
+        records = RECORDS / Path(name).stem
+    for seed in args.seeds:
+        figures = args.out / f"seed-{seed}" / "figures.json"
+        record = records / f"seed-{seed}.json" if records else None
+        if record is not None and record.is_file():
+            if not figures.is_file():  # finished elsewhere: its record stands for the run
+                figures.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(record, figures)
+            continue
+        if not args.report_only:
             run_seed(args.out, seed, preset, eval_prompts)
+        if record is not None and figures.is_file():
+            record.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(figures, record)
     results = [
         json.loads(path.read_text())
         for seed in args.seeds

@@ -98,3 +98,36 @@ def test_distill_evidence_runs_at_smoke_size_and_reuses_its_stages(tmp_path, mon
     assert script.main(["--out", str(out), "--seeds", "0", "--report-only"]) == 0
     printed = capsys.readouterr().out
     assert all(f"- distill.{c} " in printed for c in ("sft", "rl", "loss"))
+
+
+def test_finished_seeds_are_recorded_and_a_recorded_seed_is_not_run_again(tmp_path, capsys):
+    """The records (committed with the code) carry a claim's seeds over sittings: a seed that finished is copied
+    there, and with its record present a fresh output folder neither runs it again nor loses it from the report."""
+    script = load_example("experiments/distill_evidence")
+    ran = []
+
+    def run_seed(out, seed, preset, eval_prompts):
+        ran.append(seed)
+        (out / f"seed-{seed}").mkdir(parents=True)
+        (out / f"seed-{seed}" / "figures.json").write_text(json.dumps({"seed": seed, "gold": 0.5 + seed}))
+
+    def report(results):
+        return " ".join(f"{r['seed']}:{r['gold']}" for r in results)
+
+    records = tmp_path / "records"
+    argv = ["--seeds", "0", "1", "--records", str(records)]
+    assert script.evidence_main([*argv, "--out", str(tmp_path / "a")], "doc", run_seed, report, "x.md") == 0
+    assert ran == [0, 1]
+    assert json.loads((records / "seed-1.json").read_text()) == {"seed": 1, "gold": 1.5}
+    # another sitting: a new output folder, seed 1's record present, seed 2 new
+    (records / "seed-0.json").unlink()
+    out_b = tmp_path / "b"
+    argv = ["--seeds", "0", "1", "2", "--records", str(records), "--out", str(out_b)]
+    assert script.evidence_main(argv, "doc", run_seed, report, "x.md") == 0
+    assert ran == [0, 1, 0, 2]
+    assert capsys.readouterr().out.split() == ["0:0.5", "1:1.5", "0:0.5", "1:1.5", "2:2.5"]
+    assert json.loads((out_b / "seed-1" / "figures.json").read_text())["gold"] == 1.5
+    # --report-only runs nothing and reads the records
+    argv = ["--seeds", "1", "2", "--records", str(records), "--out", str(tmp_path / "c"), "--report-only"]
+    assert script.evidence_main(argv, "doc", run_seed, report, "x.md") == 0
+    assert ran == [0, 1, 0, 2] and capsys.readouterr().out.split() == ["1:1.5", "2:2.5"]
