@@ -83,6 +83,9 @@ Layout: ``OUT/shared`` (SFT policy, pool), ``OUT/seed-N/rm256`` (the reward mode
 ``ARM-reads/rollout-NNNNN.json`` (each checkpoint's read), ``ARM.json`` (the arm's figures), and
 ``OUT/seed-N/CLAIM.json`` (the seed's figures of a claim, with the commit they were run at). A finished stage is
 not rerun; an interrupted PPO run resumes from its newest checkpoint and reuses every read already written.
+Every finished ``ARM.json`` and ``CLAIM.json`` is also copied to ``examples/experiments/records/central_claims/
+seed-N/`` (``--records``), committed with the code: an arm or a claim recorded there is not run again, so the
+20 seeds of a claim can be run over several sittings and machines (the records keep the commit each ran at).
 ``--report-only`` prints each registered comparison (rlhfkit.reporting.paired: ``paired``, ``describe``, and
 ``decide`` with Holm's correction over the plan's ``central`` family, members without data at p = 1)::
 
@@ -117,6 +120,9 @@ from ppo_sweep import Meter  # noqa: E402
 from temperature import add_size_arguments, ppo_config, sizes_of  # noqa: E402
 
 PLAN = Path(__file__).resolve().parents[2] / "docs" / "experiments_plan.json"
+RECORDS = (
+    Path(__file__).resolve().parent / "records" / "central_claims"
+)  # finished claims and arms, committed
 FAMILY = "central"
 SEEDS = list(range(20))  # the seeds the plan registers
 PILOT_SEEDS, PILOT_ROLLOUTS = [100, 101], 60  # the pilot: kl_coef 0 only, seeds outside the registered ones
@@ -325,6 +331,7 @@ def arm_run(
     exact_kl: bool = False,
     keys: dict | None = None,
     reversed_k3: bool = False,
+    records: Path | None = None,
 ) -> dict:
     """One arm: PPO at ``kl_coef`` in ``root/name`` (resumed from its newest checkpoint when interrupted), each
     checkpoint read once (``root/name-reads``); the arm's figures, cached in ``root/name.json``. ``refresh``:
@@ -333,12 +340,17 @@ def arm_run(
     ``kind``: the command (``grpo``); ``exact_kl``: each read records the exact KL too (:func:`read`); ``keys``:
     other dotted keys of the run (left out, the run is overopt-central's, key for key); ``reversed_k3``: the
     run, resumed too, trains under :func:`reversed_k3_penalty` (its config says k3), and its record says so
-    (``penalty``)."""
+    (``penalty``). ``records``: the committed folder of ``root``'s finished arms: an arm recorded there is not
+    run again, and a finished one is copied there."""
     from rlhfkit.engine.checkpoint import checkpoint_step, latest_checkpoint
     from rlhfkit.quickstart.pipeline import task_refresh
     from rlhfkit.trainers import online
 
     done, penalty = root / f"{name}.json", REVERSED_K3 if reversed_k3 else None
+    kept = records / f"{name}.json" if records is not None else None
+    if not done.is_file() and kept is not None and kept.is_file():  # finished in another sitting
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.write_text(kept.read_text())
     if done.is_file():
         record = json.loads(done.read_text())
         if (record["rollouts"], record["eval_every"]) != (s.rollouts, s.eval_every):
@@ -424,6 +436,9 @@ def arm_run(
         record.update(refresh_every=refresh["every"], refresh_labels=len(pairs_file.read_text().splitlines()))
     record.update(peak_and_end(reads), cpu_seconds=time.process_time() - clock)
     done.write_text(json.dumps(record, indent=1))
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(done.read_text())
     return record
 
 
@@ -459,8 +474,10 @@ def run_seed(seed: int, args) -> list[dict]:
     cached); per claim that has run, its figures, also in ``OUT/seed-N/CLAIM.json``."""
     root = args.out / f"seed-{seed}"
     files = {claim: root / f"{claim}.json" for claim in args.claims}
-    if args.report_only:
-        return [json.loads(f.read_text()) for f in files.values() if f.is_file()]
+    done = {claim: recorded(args, seed, claim) for claim in args.claims}
+    if args.report_only or all(done.values()):
+        return [done[c] or json.loads(f.read_text()) for c, f in files.items() if done[c] or f.is_file()]
+    kept = args.records / f"seed-{seed}" if args.records is not None else None
     s, sa = sizes_of(args, SIZES), shared_args(args)
     shared = shared_view(sa)
     quality = WEAK_PAIRS[args.size]
@@ -473,6 +490,9 @@ def run_seed(seed: int, args) -> list[dict]:
     sft = json.loads(sft_file.read_text())
     out = []
     for claim, figures_file in files.items():
+        if done[claim]:
+            out.append(done[claim])
+            continue
         old = json.loads(figures_file.read_text()) if figures_file.is_file() else {}
         arms, rms = dict(old.get("arms", {})), {**old.get("reward_models", {}), "weak": rm}
         for name, arm in CLAIMS[claim]["arms"].items():
@@ -481,7 +501,9 @@ def run_seed(seed: int, args) -> list[dict]:
             if "same_as" in arm:  # another claim's arm, run (or reused) in its folder as that claim runs it
                 other, other_arm = arm["same_as"]
                 kl_coef = CLAIMS[other]["arms"][other_arm]["kl_coef"]
-                arms[name] = arm_run(root / other, other_arm, kl_coef, stage, sft, seed, s)
+                arms[name] = arm_run(
+                    root / other, other_arm, kl_coef, stage, sft, seed, s, records=kept and kept / other
+                )
                 continue
             view, refresh = stage, None
             if arm.get("refresh"):
@@ -498,14 +520,29 @@ def run_seed(seed: int, args) -> list[dict]:
             exact = arm.get("exact_kl", False)
             arms[name] = arm_run(
                 root / claim, name, arm["kl_coef"], view, sft, seed, s, refresh, kind, exact, keys or None,
-                reversed_k3=arm.get("reversed_k3", False),
+                reversed_k3=arm.get("reversed_k3", False), records=kept and kept / claim,
             )  # fmt: skip
         if not arms:  # none of its arms asked (the pilot's kl0 alone), none run before
             continue
         record = {"seed": seed, "claim": claim, "commit": args.commit, "reward_models": rms, "sft": sft}
         out.append({**record, "arms": arms})
         figures_file.write_text(json.dumps(out[-1], indent=1))
+        if kept is not None:
+            (kept / figures_file.name).write_text(figures_file.read_text())
     return out
+
+
+def recorded(args, seed: int, claim: str) -> dict | None:
+    """The committed record of a seed's claim (``RECORDS/seed-N/CLAIM.json``) when it holds every arm of the
+    claim that ``args.arms`` asks for, else None."""
+    if args.records is None:
+        return None
+    path = args.records / f"seed-{seed}" / f"{claim}.json"
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    asked = [a for a in CLAIMS[claim]["arms"] if a in args.arms]
+    return record if all(a in record["arms"] for a in asked) else None
 
 
 def grpo_keys(s) -> dict:
@@ -646,9 +683,19 @@ def parse_args(argv):
         "--jobs", type=int, default=2, help="seeds run at once, each in its own one-thread process"
     )
     p.add_argument("--commit", help="the commit the runs record (default: this checkout's HEAD)")
-    p.add_argument("--report-only", action="store_true", help="only the comparisons, from OUT")
+    p.add_argument(
+        "--report-only", action="store_true", help="only the comparisons, from OUT and the records"
+    )
+    p.add_argument(
+        "--records",
+        type=Path,
+        help="the finished claims and arms, per seed, kept apart from OUT and not run again (default, at the "
+        "default size: examples/experiments/records/central_claims, committed with the code)",
+    )
     p.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.records is None and args.size == "default" and not args.pilot:
+        args.records = RECORDS
     args.overwrite = False  # ppo_arms.run_seeds reads it; a finished stage is never rerun here
     args.seeds = args.seeds or (PILOT_SEEDS if args.pilot else SEEDS)
     if args.pilot:
@@ -667,13 +714,16 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    if not args.report_only:  # the shared stage once, before the seeds' jobs start
+    todo = [k for k in args.seeds if not all(recorded(args, k, c) for c in args.claims)]
+    if args.report_only or not todo:  # from OUT and the records; nothing trained
+        results = [run_seed(seed, args) for seed in args.seeds]
+    else:  # the shared stage once, before the seeds' jobs start
         from rlhfkit.engine.threads import set_num_threads
 
         set_num_threads()
         oq.shared_stage(shared_args(args), sizes_of(args, SIZES))
-    commit = ["--commit", args.commit] if args.commit else []
-    results = ppo_arms.run_seeds(__file__, [*argv, *commit], args, run_seed)
+        commit = ["--commit", args.commit] if args.commit else []
+        results = ppo_arms.run_seeds(__file__, [*argv, *commit], args, run_seed)
     if results is None:
         return 1
     if args.pilot and not args.no_report:

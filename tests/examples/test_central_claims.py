@@ -599,3 +599,69 @@ def test_reversed_k3_penalty_trains_each_arm_on_its_own_penalty_resumed_too_at_t
     again = json.loads((claim / "k3-reversed.json").read_text())
     assert again["penalty"] == ex.REVERSED_K3 and again["reads"] == first["reads"]
     assert kl_module.KL_ESTIMATORS["k3"] is kl_k3
+
+
+def test_a_finished_arm_is_recorded_and_a_recorded_arm_is_not_trained_again(tmp_path, monkeypatch):
+    """The committed records carry arms over sittings: a finished arm is copied there, and in a fresh output
+    folder its record stands for the run (no training)."""
+    from rlhfkit.trainers import online
+
+    s, sft, records, trained = (
+        SimpleNamespace(rollouts=2, eval_every=1),
+        {**_read(0, 0.0, 0.0), "proxy": 0.0},
+        tmp_path / "records",
+        [],
+    )
+
+    def train(cfg, resume, hooks):
+        trained.append(cfg)
+        for k in (1, 2):
+            reads = tmp_path / "a" / "arm-reads" / f"rollout-{k:05d}.json"
+            reads.write_text(json.dumps({**_read(k, 0.1 * k, 0.2 * k), "proxy": 0.0}))
+
+    monkeypatch.setattr(ex, "ppo_config", lambda *args, **kwargs: "cfg")
+    monkeypatch.setattr(online, "train", train)
+    first = ex.arm_run(tmp_path / "a", "arm", 0.0, {}, sft, 0, s, records=records)
+    assert trained == ["cfg"] and json.loads((records / "arm.json").read_text()) == first
+    monkeypatch.setattr(online, "train", lambda *a, **k: pytest.fail("a recorded arm was trained again"))
+    assert ex.arm_run(tmp_path / "b", "arm", 0.0, {}, sft, 0, s, records=records) == first
+    assert json.loads((tmp_path / "b" / "arm.json").read_text()) == first
+    with pytest.raises(
+        SystemExit, match="not the asked"
+    ):  # a record of another length is no cache of this one
+        ex.arm_run(
+            tmp_path / "c", "arm", 0.0, {}, sft, 0, SimpleNamespace(rollouts=4, eval_every=1), records=records
+        )
+
+
+def test_a_recorded_claim_runs_no_stage_and_is_reported(tmp_path, capsys):
+    """A seed whose claim is recorded with every asked arm returns the record without the shared stage or its
+    own (neither exists here); a record missing an asked arm does not stand for the claim."""
+    records, out = tmp_path / "records", tmp_path / "out"
+    (records / "seed-3").mkdir(parents=True)
+    record = {"seed": 3, "claim": "grpo-ppo", "arms": {"ppo": {"end_gold": 0.5}, "grpo": {"end_gold": 0.7}}}
+    (records / "seed-3" / "grpo-ppo.json").write_text(json.dumps(record))
+    args = SimpleNamespace(
+        out=out, claims=["grpo-ppo"], arms=list(ex.ARMS), records=records, report_only=False
+    )
+    assert ex.run_seed(3, args) == [record] and ex.recorded(args, 3, "grpo-ppo") == record
+    assert ex.recorded(SimpleNamespace(**{**vars(args), "arms": ["ppo"]}), 3, "grpo-ppo") == record
+    assert ex.recorded(args, 4, "grpo-ppo") is None
+    argv = [
+        "--out",
+        str(out),
+        "--records",
+        str(records),
+        "--claims",
+        "grpo-ppo",
+        "--seeds",
+        "3",
+        "--rollouts",
+        "20",
+    ]
+    assert ex.main(argv) == 0 and not (out / "shared").exists()
+    printed = capsys.readouterr().out
+    assert "grpo-ppo.end" in printed and "+0.20" in printed  # grpo − ppo of the recorded seed
+    del record["arms"]["grpo"]
+    (records / "seed-3" / "grpo-ppo.json").write_text(json.dumps(record))
+    assert ex.recorded(args, 3, "grpo-ppo") is None
