@@ -120,9 +120,8 @@ from ppo_sweep import Meter  # noqa: E402
 from temperature import add_size_arguments, ppo_config, sizes_of  # noqa: E402
 
 PLAN = Path(__file__).resolve().parents[2] / "docs" / "experiments_plan.json"
-RECORDS = (
-    Path(__file__).resolve().parent / "records" / "central_claims"
-)  # finished claims and arms, committed
+# finished claims and arms, committed
+RECORDS = Path(__file__).resolve().parent / "records" / "central_claims"
 FAMILY = "central"
 SEEDS = list(range(20))  # the seeds the plan registers
 PILOT_SEEDS, PILOT_ROLLOUTS = [100, 101], 60  # the pilot: kl_coef 0 only, seeds outside the registered ones
@@ -349,8 +348,7 @@ def arm_run(
     done, penalty = root / f"{name}.json", REVERSED_K3 if reversed_k3 else None
     kept = records / f"{name}.json" if records is not None else None
     if not done.is_file() and kept is not None and kept.is_file():  # finished in another sitting
-        done.parent.mkdir(parents=True, exist_ok=True)
-        done.write_text(kept.read_text())
+        copy_into(kept, done)
     if done.is_file():
         record = json.loads(done.read_text())
         if (record["rollouts"], record["eval_every"]) != (s.rollouts, s.eval_every):
@@ -362,6 +360,8 @@ def arm_run(
             raise SystemExit(
                 f"{done} was trained with the penalty {record.get('penalty')!r}, not {penalty!r}"
             )
+        if kept is not None and not kept.is_file():  # finished here before records were kept
+            copy_into(done, kept)
         return record
     reads_dir = root / f"{name}-reads"
     reads_dir.mkdir(parents=True, exist_ok=True)
@@ -437,9 +437,14 @@ def arm_run(
     record.update(peak_and_end(reads), cpu_seconds=time.process_time() - clock)
     done.write_text(json.dumps(record, indent=1))
     if kept is not None:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        kept.write_text(done.read_text())
+        copy_into(done, kept)
     return record
+
+
+def copy_into(source: Path, target: Path) -> None:
+    """``source`` copied to ``target``, its folder made first."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(source.read_text())
 
 
 def shared_args(args) -> argparse.Namespace:
@@ -528,7 +533,7 @@ def run_seed(seed: int, args) -> list[dict]:
         out.append({**record, "arms": arms})
         figures_file.write_text(json.dumps(out[-1], indent=1))
         if kept is not None:
-            (kept / figures_file.name).write_text(figures_file.read_text())
+            copy_into(figures_file, kept / figures_file.name)
     return out
 
 

@@ -626,6 +626,10 @@ def test_a_finished_arm_is_recorded_and_a_recorded_arm_is_not_trained_again(tmp_
     monkeypatch.setattr(online, "train", lambda *a, **k: pytest.fail("a recorded arm was trained again"))
     assert ex.arm_run(tmp_path / "b", "arm", 0.0, {}, sft, 0, s, records=records) == first
     assert json.loads((tmp_path / "b" / "arm.json").read_text()) == first
+    # an arm that finished in its output folder before records were kept is recorded when next asked
+    (records / "arm.json").unlink()
+    assert ex.arm_run(tmp_path / "b", "arm", 0.0, {}, sft, 0, s, records=records) == first
+    assert json.loads((records / "arm.json").read_text()) == first
     with pytest.raises(
         SystemExit, match="not the asked"
     ):  # a record of another length is no cache of this one
