@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from rlhfkit.algos import token_divergence
-from rlhfkit.models import Sampling, processed_logits, response_logits
+from rlhfkit.models import Sampling, processed_logits, response_logits, response_readout
 from rlhfkit.models.distill_readout import teacher_divergence
 from rlhfkit.models.head_chunks import chunkable
+from rlhfkit.models.sampling import untruncated
 from tests.helpers import tiny_llama
 from tests.models.test_head_chunks import unknown_transform
 from tests.models.tiny_architectures import bpe_tokenizer, tiny_config
@@ -264,3 +265,47 @@ def test_bad_arguments_raise_before_any_forward():
     assert not calls
     with pytest.raises(ValueError, match="one vocabulary"):  # known from the logits: after the forwards
         teacher_divergence(student, qwen_teacher(vocab=50), ids, mask, START, None, "jsd", 0.5, 4)
+
+
+@pytest.mark.parametrize("plain_path", [False, True])
+@pytest.mark.parametrize("name", ["temperature-suppress", "topk-topp"])
+def test_the_readout_gives_the_students_and_the_teachers_reads_of_the_sampled_tokens(name, plain_path):
+    """``readout=True``: the same divergence, and beside it what response_readout reads from the student (log-
+    probs with their gradient, entropies) and from the teacher untruncated, from the logits of the same chunks;
+    the entropy carries a gradient only when asked for."""
+    student, teacher = tiny_llama(), qwen_teacher()
+    if plain_path:
+        unknown_transform(teacher, lambda logits: logits * 0.5 + 0.1)
+    assert chunkable(teacher) != plain_path
+    ids, mask = batch()
+    sampling = SAMPLINGS[name]  # (top-k / top-p truncate the student's and the teacher's reads differently)
+    for entropy_grad in (False, True):
+        got = teacher_divergence(
+            student,
+            teacher,
+            ids,
+            mask,
+            START,
+            sampling,
+            "jsd",
+            0.3,
+            4,
+            readout=True,
+            entropy_grad=entropy_grad,
+        )
+        torch.testing.assert_close(
+            got.divergence, teacher_divergence(student, teacher, ids, mask, START, sampling, "jsd", 0.3, 4)
+        )
+        want = response_readout(student, ids, mask, START, sampling, entropy=True)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.entropy, want.entropy, atol=1e-5, rtol=1e-5)
+        assert got.entropy.requires_grad == entropy_grad and not got.teacher_logprobs.requires_grad
+        with torch.no_grad():
+            teacher_want = response_readout(teacher, ids, mask, START, untruncated(sampling)).logprobs
+        torch.testing.assert_close(got.teacher_logprobs, teacher_want, atol=1e-5, rtol=1e-5)
+    weights = mask[:, START:].float()
+    got_grads = student_grads(student, got.logprobs + got.entropy, weights)
+    want_grads = student_grads(student, want.logprobs + want.entropy, weights)
+    assert got_grads.keys() == want_grads.keys() and "lm_head.weight" in got_grads
+    for key, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[key], grad, atol=1e-6, rtol=1e-4)

@@ -168,7 +168,9 @@ class OnlineConfig:
         "own forward, detached, instead of a separate no-grad forward of the actor: the ratio is then 1 by "
         "construction and one actor forward per rollout is saved (TRL's GRPO does the same at "
         "num_iterations=1). Only where nothing reads the old log-probs before the update: the KL in the loss "
-        "or kl_coef 0 (no adaptive target), the hf generation backend, after the critic warm-up.",
+        "or kl_coef 0 (no adaptive target), no distillation teacher's sampled term in the rewards, the hf "
+        "generation backend, after the critic warm-up. `train distill` with a full-vocabulary distill.loss "
+        "then reads the student and the teacher in that one pass (no stage-1 read of either).",
     )
     epoch_stats: bool = option(
         False,

@@ -16,6 +16,13 @@ come from its own forward (:func:`rlhfkit.models.readout.response_forward`), the
 grad, then the student's; the divergence is still taken a chunk of positions at a time, checkpointed, so only
 the two models' (B, R, V) logits are whole.
 
+With ``readout=True`` the same forwards also give what the update's own read-out of the student would
+(:func:`rlhfkit.models.head_chunks.response_readout`): the student's log-probs of the sampled tokens (with grad)
+and its entropies under the sampler's processing, and the teacher's log-probs of those tokens under the
+untruncated processing (as the rollout's teacher log-probs are read, :func:`rlhfkit.models.sampling.untruncated`),
+from the logits of the chunk the divergence already holds: a distillation update with a full-vocabulary loss
+then runs the student once, not once for its log-probs and once for the divergence (a :class:`TeacherRead`).
+
 Sampling: both distributions are the sampler's (:func:`rlhfkit.models.sampling.processed_logits`: suppressed ids,
 temperature, top-k / top-p), each truncated by its own logits with the sampled token kept in both, as the
 log-probs are scored. Under truncation the student's set may hold a token outside the teacher's: there the
@@ -27,10 +34,11 @@ Shapes: ``B`` rows, ``L`` sequence length, ``R`` response length, ``H`` hidden s
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
-from rlhfkit.algos import token_divergence
+from rlhfkit.algos import entropy_from_logits, token_divergence
 from rlhfkit.algos.distill import FULL_DIVERGENCES
 from rlhfkit.models.head_chunks import (
     checkpointed_chunks,
@@ -40,8 +48,24 @@ from rlhfkit.models.head_chunks import (
     head_transform,
     response_hidden,
 )
-from rlhfkit.models.readout import hf_model, response_forward
-from rlhfkit.models.sampling import Sampling, processed_logits
+from rlhfkit.models.readout import hf_model, response_forward, sampled_logprobs
+from rlhfkit.models.sampling import Sampling, processed_logits, untruncated
+
+
+class TeacherRead(NamedTuple):
+    """:func:`teacher_divergence` with ``readout=True``; each (B, R) float32, padding positions hold a value too.
+
+    Attributes:
+        divergence: the per-token divergence, with gradient through the student.
+        logprobs: the student's log-probs of the sampled tokens under the sampler's processing, with gradient.
+        entropy: the student's entropy of that distribution (with gradient only when ``entropy_grad``).
+        teacher_logprobs: the teacher's log-probs of the sampled tokens, untruncated, without gradient.
+    """
+
+    divergence: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    teacher_logprobs: torch.Tensor
 
 
 def teacher_divergence(
@@ -54,7 +78,9 @@ def teacher_divergence(
     loss: str,
     beta: float = 0.5,
     chunk_tokens: int | None = None,
-) -> torch.Tensor:
+    readout: bool = False,
+    entropy_grad: bool = True,
+) -> torch.Tensor | TeacherRead:
     """The per-token divergence between the student's and the teacher's next-token distributions over the
     response positions, with gradient through the student only (module docstring).
 
@@ -70,8 +96,11 @@ def teacher_divergence(
         loss: ``full_reverse_kl`` or ``jsd`` (:func:`rlhfkit.algos.token_divergence`).
         beta: the JSD's teacher weight, in (0, 1).
         chunk_tokens: positions per chunk (default :func:`rlhfkit.models.head_chunks.chunk_size`).
+        readout: also the student's and the teacher's read-outs of the sampled tokens (:class:`TeacherRead`).
+        entropy_grad: with ``readout``, False when no loss uses the student's entropies (a metric).
     Returns:
-        (B, R) float32 with R = L - p0; padding positions hold a value too (mask them).
+        (B, R) float32 with R = L - p0; padding positions hold a value too (mask them). With ``readout`` a
+        :class:`TeacherRead` of such tensors.
     """
     sampling = sampling or Sampling()
     length = input_ids.shape[1]
@@ -82,12 +111,13 @@ def teacher_divergence(
     if loss == "jsd" and not 0.0 < beta < 1.0:
         raise ValueError(f"jsd beta must be in (0, 1), got {beta}")
     labels = input_ids[:, start:].long().clamp(min=0)  # (B, R): kept in each model's truncation set
-    divergence = functools.partial(_divergence, sampling, loss, beta)
+    divergence = functools.partial(_divergence, sampling, loss, beta, readout, entropy_grad)
     s_transform, t_transform = head_transform(student), head_transform(teacher)
     if s_transform is None or t_transform is None:
-        return _plain_divergence(
+        parts = _plain_divergence(
             student, teacher, input_ids, attention_mask, start, labels, divergence, chunk_tokens
         )
+        return _joined(parts, labels.shape, readout)
     with torch.no_grad():
         t_hidden, _ = response_hidden(
             teacher, input_ids, attention_mask, start, use_cache=False
@@ -107,14 +137,31 @@ def teacher_divergence(
         labels.reshape(-1),
     )  # (B R, H), (B R, H_t), (B R,)
     parts = checkpointed_chunks(read, flat, chunk_size(vocab, chunk_tokens), recorded)
-    return torch.cat(parts).view(labels.shape)
+    return _joined(parts, labels.shape, readout)
 
 
-def _divergence(sampling, loss, beta, s_logits, t_logits, labels) -> torch.Tensor:
-    """token_divergence of the processed logits (n, V) and (n, V) of one chunk, labels (n,) -> (n,)."""
+def _joined(parts: list, shape: torch.Size, readout: bool) -> torch.Tensor | TeacherRead:
+    """The chunks' outputs, each (n,) or a tuple of four (n,), joined into (B, R) tensors."""
+    if not readout:
+        return torch.cat(parts).view(shape)
+    return TeacherRead(*(torch.cat([p[i] for p in parts]).view(shape) for i in range(4)))
+
+
+def _divergence(sampling, loss, beta, readout, entropy_grad, s_logits, t_logits, labels):
+    """token_divergence of the processed logits (n, V) and (n, V) of one chunk, labels (n,) -> (n,); with
+    ``readout`` also (n,) each: the student's log-probs and entropies (as ``response_readout`` computes them
+    from the same logits) and the teacher's untruncated log-probs of ``labels``."""
     s = processed_logits(s_logits[None], sampling, labels[None])[0]  # (n, V) float32
-    t = processed_logits(t_logits[None], sampling, labels[None])[0]
-    return token_divergence(s, t, loss, beta)
+    with torch.no_grad():
+        t = processed_logits(t_logits[None], sampling, labels[None])[0]
+    value = token_divergence(s, t, loss, beta)
+    if not readout:
+        return value
+    logprobs = sampled_logprobs(s_logits[None], labels[None], sampling)[0]  # (n,)
+    entropy = entropy_from_logits(s if entropy_grad else s.detach())  # no graph for a metric
+    with torch.no_grad():
+        teacher = sampled_logprobs(t_logits[None], labels[None], untruncated(sampling))[0]
+    return value, logprobs, entropy, teacher
 
 
 def _chunk_from_hidden(student, teacher, divergence, s_hidden, t_hidden, labels) -> torch.Tensor:
@@ -131,11 +178,10 @@ def _chunk_from_hidden(student, teacher, divergence, s_hidden, t_hidden, labels)
 
 def _plain_divergence(student, teacher, input_ids, attention_mask, start, labels, divergence, chunk_tokens):
     """The plain path (module docstring): whole response logits from each model's forward, the teacher's first
-    and without grad; the divergence a checkpointed chunk of positions at a time."""
+    and without grad; the divergence a checkpointed chunk of positions at a time. Returns the chunks' outputs."""
     with torch.no_grad():
         t_logits, _ = response_forward(teacher, input_ids, attention_mask, start)  # (B, R, V)
     s_logits, _ = response_forward(student, input_ids, attention_mask, start)  # (B, R, V)
     recorded = torch.is_grad_enabled() and s_logits.requires_grad
     flat = (s_logits.flatten(0, 1), t_logits.flatten(0, 1), labels.reshape(-1))  # (B R, V), (B R, V), (B R,)
-    parts = checkpointed_chunks(divergence, flat, chunk_size(s_logits.shape[-1], chunk_tokens), recorded)
-    return torch.cat(parts).view(labels.shape)
+    return checkpointed_chunks(divergence, flat, chunk_size(s_logits.shape[-1], chunk_tokens), recorded)

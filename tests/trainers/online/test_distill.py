@@ -15,6 +15,8 @@ from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.errors import ConfigError
 from rlhfkit.models.sampling import processed_logits, untruncated
 from rlhfkit.rollout.preflight import preflight
+from rlhfkit.trainers.online import collect
+from rlhfkit.trainers.online import ppo_update as ppo_update_module
 from rlhfkit.trainers.online.collect import prompt_batch, sample_rollout, score_rollout, take_scores
 from rlhfkit.trainers.online.shaping import shape_rollout
 from tests.helpers import tiny_llama, tiny_tokenizer
@@ -246,3 +248,60 @@ def test_train_distill_reads_no_reference_unless_a_kl_to_it_is_asked_for(tmp_pat
         assert bool(calls) == read
         same = torch.equal(rollout.ref_logprobs, rollout.logprobs)
         assert same != read  # not read: the actor's own (a KL of exactly 0); read: the reference's
+
+
+@pytest.mark.parametrize("loss", ["full_reverse_kl", "jsd"])
+def test_a_full_vocabulary_update_reads_the_student_once_and_equals_the_two_pass_run(
+    tmp_path, monkeypatch, loss
+):
+    """With one on-policy update a rollout and a full-vocabulary loss, the update's own pass gives the student's
+    old log-probs, its entropies and the teacher's log-probs of the sampled tokens (layout.teacher_read_in_update):
+    stage 1 reads neither model and the update runs the student once a micro-batch, not twice. The run is the one
+    that reads them apart: the same weights and losses, and the teacher KL and entropy to float rounding."""
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    paths = write_online_problem(tmp_path, reward_model=False)
+    teacher_dir = write_teacher(tmp_path, paths, sharpness=5.0)
+    calls = {"stage 1": 0, "update read-out": 0, "divergence": 0}
+
+    def counted(module, name, key):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(collect, "response_readout", "stage 1")
+    counted(ppo_update_module, "response_readout", "update read-out")
+    counted(ppo_update_module, "teacher_divergence", "divergence")
+    runs = {}
+    for fused in (True, False):
+        out = tmp_path / f"run-{fused}"
+        extra = (
+            f"distill.loss={loss}",
+            "train.max_steps=2",
+            "train.learning_rate=1e-2",
+            f"online.old_logprobs_from_update={str(fused).lower()}",
+        )
+        calls.update(dict.fromkeys(calls, 0))
+        assert cli(out, *distill_overrides(paths, out, teacher_dir, *extra)) == 0
+        rows = read_metrics(out / "metrics.jsonl")
+        runs[fused] = dict(calls), rows, load_file(str(out / "final" / "model.safetensors"))
+    (fused_calls, fused_rows, fused_weights), (plain_calls, plain_rows, plain_weights) = (
+        runs[True],
+        runs[False],
+    )
+    # 2 rollouts of 2 micro-batches (8 rows, 4 a micro-batch): stage 1 reads the actor and the teacher apart,
+    # and the update the student twice, in the plain run only
+    assert fused_calls == {"stage 1": 0, "update read-out": 0, "divergence": 4}
+    assert plain_calls == {"stage 1": 8, "update read-out": 4, "divergence": 4}
+    assert len(fused_rows) == len(plain_rows) == 2
+    for a, b in zip(fused_rows, plain_rows, strict=True):
+        assert a["loss/distill"] == b["loss/distill"] > 0
+        assert a["loss/policy"] == b["loss/policy"] == 0.0  # no score: every advantage is 0
+        for key in ("distill/teacher_kl", "entropy/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+        assert a["distill/teacher_kl"] > 0.05  # read after the update, not from the zeros stage 1 left
+    assert fused_rows[1]["loss/distill"] < fused_rows[0]["loss/distill"]
+    assert all(torch.equal(fused_weights[k], plain_weights[k]) for k in fused_weights)

@@ -49,6 +49,7 @@ from rlhfkit.trainers.online.layout import (
     old_logprobs_from_update,
     reads_reference,
     row_lengths,
+    teacher_read_in_update,
 )
 from rlhfkit.trainers.online.sharding import generation_model, is_sharded, reshard
 from rlhfkit.types import Rollout
@@ -109,7 +110,8 @@ def sample_rollout(
     columns), so the first epoch recomputes exactly these log-probs, in bf16 too; without it (evaluation),
     on chunks of ``online.rollout_batch_size`` rows. ``actor_forward=False`` (default: when
     :func:`~rlhfkit.trainers.online.layout.old_logprobs_from_update` says so for ``step``) skips the actor's
-    forward: ``logprobs`` and ``entropy`` stay 0 until the update's own forward fills them in.
+    forward: ``logprobs`` and ``entropy`` stay 0 until the update's own forward fills them in (and so do
+    ``teacher_logprobs`` where that forward reads the teacher too: ``layout.teacher_read_in_update``).
     ``sync_engine=False`` (vllm): sample from the weights already in the engine, which the caller loaded
     since the actor last moved (dynamic sampling's extra rounds; an evaluation's later chunks).
 
@@ -146,6 +148,8 @@ def sample_rollout(
     teacher_logprobs = zeros() if roles.teacher is not None else None
     if actor_forward is None:  # else the update's own forward gives them (layout.old_logprobs_from_update)
         actor_forward = step is None or not old_logprobs_from_update(ctx, step)
+    # distillation with a full-vocabulary loss: that forward reads the teacher too (layout.teacher_read_in_update)
+    teacher_forward = teacher_logprobs is not None and (actor_forward or not teacher_read_in_update(ctx))
     reference = reads_reference(ctx.cfg)  # else (distill, no KL to it) the actor's own: a KL of exactly 0
     values = zeros() if roles.critic is not None else None
     for model in (roles.actor, roles.critic):
@@ -171,7 +175,7 @@ def sample_rollout(
                 ref_logprobs[rows, :w] = response_readout(
                     roles.reference, ids, attn, start, ctx.sampling, share_prompts=share
                 ).logprobs
-            if teacher_logprobs is not None:  # distillation: the teacher reads the row as the reference does
+            if teacher_forward:  # distillation: the teacher reads the row as the reference does
                 teacher_logprobs[rows, :w] = response_readout(  # untruncated: every sampled token has a
                     roles.teacher, ids, attn, start, untruncated(ctx.sampling), share_prompts=share
                 ).logprobs  # probability under the teacher, whatever its own top-k / top-p would keep

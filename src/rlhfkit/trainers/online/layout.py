@@ -278,9 +278,11 @@ def old_logprobs_from_update(ctx: OnlineContext, step: int) -> bool:
     forward, so that forward can give them, detached: the ratio is 1 by construction and the separate no-grad
     forward of the actor is saved (``online.old_logprobs_from_update``). Only where nothing reads them before
     the update: the per-token rewards do not (the KL is in the loss, or kl_coef is 0 with no adaptive
-    target, and no distillation teacher), the engine's log-prob gap and rollout correction do not (generation_backend=hf), and the actor
-    is trained this rollout (not during the critic warm-up); never with ``online.max_staleness`` > 0, whose old
-    log-probs are the ones the samples were drawn with (:mod:`rlhfkit.trainers.online.async_loop`).
+    target, and no distillation teacher's term is in them: `train distill` with a full-vocabulary loss may),
+    the engine's log-prob gap and rollout correction do not (generation_backend=hf), and the actor is trained
+    this rollout (not during the critic warm-up); never with ``online.max_staleness`` > 0, whose old log-probs
+    are the ones the samples were drawn with (:mod:`rlhfkit.trainers.online.async_loop`). The teacher's
+    ``distill/teacher_kl`` is then logged after the update (:func:`rlhfkit.trainers.online.shaping.teacher_stats`).
     """
     online = ctx.cfg.online
     return bool(
@@ -288,12 +290,22 @@ def old_logprobs_from_update(ctx: OnlineContext, step: int) -> bool:
         and online.ppo_epochs == 1
         and online.num_minibatches == 1
         and (online.kl_in_loss or (online.kl_coef == 0 and online.kl_target is None))
-        and not online.teacher_model  # the teacher's term (and its metric) reads them at stage 3
+        and not teacher_in_rewards(ctx.cfg)  # the teacher's sampled term reads them at stage 3
         and not online.max_staleness  # asynchronous: they are the behaviour policy's, sampled elsewhere
         and ctx.engine is None
         and step > online.critic_warmup_steps
         and "actor" in ctx.trained
     )
+
+
+def teacher_read_in_update(ctx: OnlineContext) -> bool:
+    """Whether an update whose old log-probs are its own (:func:`old_logprobs_from_update`) reads the student and
+    the teacher in one pass (:func:`rlhfkit.models.distill_readout.teacher_divergence` with ``readout``): in
+    `train distill` with a full-vocabulary ``distill.loss``, whose divergence needs both models' logits anyway.
+    The student then runs once a micro-batch, not once for its log-probs and again for the divergence, and the
+    teacher's log-probs of the sampled tokens come from that pass, not from a stage-1 read. Not for a mixture of
+    experts with a router loss, which the student's own read-out gives."""
+    return bool(ctx.roles.teacher is not None and not teacher_in_rewards(ctx.cfg) and not ctx.router_aux_coef)
 
 
 def teacher_in_rewards(cfg) -> bool:

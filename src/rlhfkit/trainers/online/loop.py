@@ -44,10 +44,16 @@ from rlhfkit.trainers.online.context import OnlineContext, StageClock, StatSums,
 from rlhfkit.trainers.online.dynamic import fill_informative_groups
 from rlhfkit.trainers.online.engine_rollout import check_logprob_gap, engine_for_hook, start_engine
 from rlhfkit.trainers.online.hooks import OnlineHooks
-from rlhfkit.trainers.online.layout import old_logprobs_from_update
+from rlhfkit.trainers.online.layout import old_logprobs_from_update, reads_reference
 from rlhfkit.trainers.online.metrics import evaluate, rollout_stats
 from rlhfkit.trainers.online.ppo_update import UpdateResult, ppo_update
-from rlhfkit.trainers.online.shaping import estimate_advantages, group_stats, measured_kl, shape_rollout
+from rlhfkit.trainers.online.shaping import (
+    estimate_advantages,
+    group_stats,
+    measured_kl,
+    shape_rollout,
+    teacher_stats,
+)
 from rlhfkit.trainers.online.sharding import final_models
 from rlhfkit.trainers.online.side_by_side import SideBySideWriter
 from rlhfkit.types import Rollout
@@ -208,8 +214,9 @@ def train_online(
         # 3. KL-shaped rewards: -kl_coef * kl_t per token (unless kl_in_loss), the score on the last real
         # token, and a process reward model's step rewards on the step-end tokens (dense form)
         kl_coef = ctx.kl_ctl.value
+        fused = old_logprobs_from_update(ctx, step)  # the update's forward gives the old log-probs
         with clock("score"):
-            step_stats = shape_rollout(ctx, rollout, kl_coef)
+            step_stats = shape_rollout(ctx, rollout, kl_coef, teacher_metric=not fused)
 
         # 4. advantages (and the critic's returns)
         rollout.advantages, rollout.returns = estimate_advantages(ctx, rollout)
@@ -239,10 +246,12 @@ def train_online(
             )
         if trainer is not None:  # the new weights to the generator that samples with them next
             trainer.publish(step)
-        if old_logprobs_from_update(
-            ctx, step
-        ):  # the update's forward gave the old log-probs (none if skipped)
+        if fused:  # the update's forward gave the old log-probs (none if skipped)
+            if not reads_reference(cfg):  # the reference's are the actor's own (collect.sample_rollout)
+                rollout.ref_logprobs = rollout.logprobs.clone()
             rollout.kl = torch.zeros_like(rollout.kl) if skip else measured_kl(ctx, rollout)
+            if not skip:  # and the teacher's, where it read them too (layout.teacher_read_in_update)
+                step_stats.merge(teacher_stats(rollout))
 
         # the rollout's and the update's statistics, summed over processes in one all-reduce
         metrics = (

@@ -12,6 +12,7 @@ Shapes: ``B`` responses of this process, ``T`` response length, ``V`` vocabulary
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -29,12 +30,14 @@ from rlhfkit.engine import sharded
 from rlhfkit.engine.accel import dp_scale
 from rlhfkit.models import response_readout, set_update_mode
 from rlhfkit.models.distill_readout import teacher_divergence
+from rlhfkit.models.head_chunks import Readout
 from rlhfkit.trainers.online.context import OnlineContext, StatSums, critic_values, input_mask, model_inputs
 from rlhfkit.trainers.online.layout import (
     micro_batches,
     old_logprobs_from_update,
     row_lengths,
     teacher_in_rewards,
+    teacher_read_in_update,
 )
 from rlhfkit.trainers.online.sharding import micro_batch_passes
 from rlhfkit.types import Rollout
@@ -126,6 +129,8 @@ def ppo_update(ctx: OnlineContext, rollout: Rollout, step: int, train_actor: boo
                             w = read["logprobs"].shape[1]
                             rollout.logprobs[rows, :w] = read["logprobs"]
                             rollout.entropy[rows, :w] = read["entropy"]
+                            if "teacher_logprobs" in read:  # read with the student's (layout)
+                                rollout.teacher_logprobs[rows, :w] = read["teacher_logprobs"]
                         ctx.accelerator.backward(loss * dp_scale(ctx.accelerator))
                         first_diff = torch.maximum(first_diff, diff.double())
                 for key, value in parts.items():
@@ -168,7 +173,9 @@ def micro_batch_loss(
 
     With ``read`` (a dict; :func:`~rlhfkit.trainers.online.layout.old_logprobs_from_update`) the old
     log-probs are this forward's own, detached (the ratio is exactly 1 and its gradient is that of the log-
-    probs), and ``read["logprobs"]``, ``read["entropy"]`` receive them, (b, w), 0 at masked positions.
+    probs), and ``read["logprobs"]``, ``read["entropy"]`` receive them, (b, w), 0 at masked positions; where
+    this forward reads the teacher too (:func:`~rlhfkit.trainers.online.layout.teacher_read_in_update`: one
+    pass of the student gives its log-probs and the divergence), ``read["teacher_logprobs"]`` as well.
 
     Returns:
         (loss: a scalar to backpropagate; parts: ``loss/policy``, ``loss/value``, ``loss/entropy``, each
@@ -188,17 +195,35 @@ def micro_batch_loss(
     parts: dict[str, torch.Tensor] = {}
     diff = torch.zeros((), device=ctx.device)
     if train_actor:
-        readout = response_readout(  # the kernels and chunks of stage 1's no-grad read-out
+        # `train distill`'s full-vocabulary term (b, w), gradient through the student only
+        read_teacher = functools.partial(
+            teacher_divergence,
             ctx.trained["actor"],
+            ctx.roles.teacher,
             ids,
             attn,
             start,
             ctx.sampling,
-            entropy=online.ent_coef > 0 or read is not None,
-            entropy_grad=online.ent_coef > 0,  # else a metric (and the rollout's, when read): no graph
-            router_aux=ctx.router_aux_coef > 0,
-            share_prompts=online.group_size > 1,
+            ctx.cfg.distill.loss,
+            ctx.cfg.distill.jsd_beta,
         )
+        divergence = None  # read here when this pass reads the teacher too
+        if read is not None and teacher_read_in_update(ctx):  # the student once for both (layout)
+            both = read_teacher(readout=True, entropy_grad=online.ent_coef > 0)
+            divergence, read["teacher_logprobs"] = both.divergence, fill_masked(both.teacher_logprobs, mask)
+            readout = Readout(both.logprobs, both.entropy, None)
+        else:
+            readout = response_readout(  # the kernels and chunks of stage 1's no-grad read-out
+                ctx.trained["actor"],
+                ids,
+                attn,
+                start,
+                ctx.sampling,
+                entropy=online.ent_coef > 0 or read is not None,
+                entropy_grad=online.ent_coef > 0,  # else a metric (and the rollout's, when read): no graph
+                router_aux=ctx.router_aux_coef > 0,
+                share_prompts=online.group_size > 1,
+            )
         logprobs, aux = readout.logprobs, readout.aux_loss  # (b, w)
         old = mb.logprobs[:, :w] if read is None else logprobs.detach()
         if read is not None:
@@ -241,16 +266,8 @@ def micro_batch_loss(
         if ctx.roles.teacher is not None and not teacher_in_rewards(ctx.cfg):
             # `train distill` with distill.loss full_reverse_kl / jsd: the divergence from the teacher over the
             # whole vocabulary at every sampled position, both heads a chunk of positions at a time
-            divergence = teacher_divergence(  # (b, w), gradient through the student only
-                ctx.trained["actor"],
-                ctx.roles.teacher,
-                ids,
-                attn,
-                start,
-                ctx.sampling,
-                ctx.cfg.distill.loss,
-                ctx.cfg.distill.jsd_beta,
-            )
+            if divergence is None:  # else read with the student's log-probs above
+                divergence = read_teacher()
             parts["loss/distill"] = aggregate(fill_masked(divergence, mask))
             loss = loss + online.teacher_coef * parts["loss/distill"]
         if aux is not None:

@@ -42,13 +42,16 @@ def with_process_rewards(ctx: OnlineContext, rollout: Rollout) -> tuple[torch.Te
     return outcome_and_steps(rollout.scores, dense, rollout.mask), s
 
 
-def shape_rollout(ctx: OnlineContext, rollout: Rollout, kl_coef: float) -> StatSums:
+def shape_rollout(
+    ctx: OnlineContext, rollout: Rollout, kl_coef: float, teacher_metric: bool = True
+) -> StatSums:
     """Stage 3: ``rollout.rewards`` and ``rollout.kl`` from ``shape_rewards``: ``-kl_coef * kl_t`` on every
     token (0 under ``online.kl_in_loss``: the KL is then a loss term), the score on the last real token and a
     process reward model's step rewards on the step-end tokens (:func:`with_process_rewards`); with a
     distillation teacher, ``-teacher_coef * (log pi(y_t) - log pi_teacher(y_t))`` on every token too
     (:func:`~rlhfkit.trainers.online.layout.teacher_in_rewards`), its mean logged as ``distill/teacher_kl``
-    (nats per token). Returns the PRM's and the teacher's statistics (none without them)."""
+    (nats per token; with ``teacher_metric=False`` not here: the update's own forward gives the log-probs, and
+    :func:`teacher_stats` logs it after). Returns the PRM's and the teacher's statistics (none without them)."""
     online = ctx.cfg.online
     shaped, stats = with_process_rewards(ctx, rollout)
     rollout.rewards, rollout.kl = shape_rewards(
@@ -61,10 +64,21 @@ def shape_rollout(ctx: OnlineContext, rollout: Rollout, kl_coef: float) -> StatS
     )
     if rollout.teacher_logprobs is not None:  # on-policy distillation: the teacher in the reference's place
         term = sampled_reverse_kl(rollout.logprobs, rollout.teacher_logprobs, rollout.mask)  # (B, T)
-        stats.add_sum("distill/teacher_kl", term.double().sum(), rollout.mask.sum())
+        if teacher_metric:
+            stats.merge(teacher_stats(rollout))
         if teacher_in_rewards(ctx.cfg):
             rollout.rewards = rollout.rewards - online.teacher_coef * term
     return stats
+
+
+def teacher_stats(rollout: Rollout) -> StatSums:
+    """``distill/teacher_kl``: the mean of ``log pi(y_t) - log pi_teacher(y_t)`` over the rollout's valid tokens
+    (nothing without a teacher)."""
+    s = StatSums(rollout.mask.device)
+    if rollout.teacher_logprobs is not None:
+        term = sampled_reverse_kl(rollout.logprobs, rollout.teacher_logprobs, rollout.mask)  # (B, T)
+        s.add_sum("distill/teacher_kl", term.double().sum(), rollout.mask.sum())
+    return s
 
 
 def measured_kl(ctx: OnlineContext, rollout: Rollout) -> torch.Tensor:
