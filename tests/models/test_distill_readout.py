@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlhfkit.algos import token_divergence
-from rlhfkit.models import Sampling, processed_logits, response_logits, response_readout
+from rlhfkit.models import Sampling, distill_readout, processed_logits, response_logits, response_readout
 from rlhfkit.models.distill_readout import teacher_divergence
 from rlhfkit.models.head_chunks import chunkable
 from rlhfkit.models.sampling import untruncated
@@ -267,6 +267,13 @@ def test_bad_arguments_raise_before_any_forward():
         teacher_divergence(student, qwen_teacher(vocab=50), ids, mask, START, None, "jsd", 0.5, 4)
 
 
+def jsd_readout(student, teacher, ids, mask, sampling, **kwargs):
+    """teacher_divergence with its read-outs: the JSD at beta 0.3, chunks of 4 positions."""
+    return teacher_divergence(
+        student, teacher, ids, mask, START, sampling, "jsd", 0.3, 4, readout=True, **kwargs
+    )
+
+
 @pytest.mark.parametrize("plain_path", [False, True])
 @pytest.mark.parametrize("name", ["temperature-suppress", "topk-topp"])
 def test_the_readout_gives_the_students_and_the_teachers_reads_of_the_sampled_tokens(name, plain_path):
@@ -280,19 +287,7 @@ def test_the_readout_gives_the_students_and_the_teachers_reads_of_the_sampled_to
     ids, mask = batch()
     sampling = SAMPLINGS[name]  # (top-k / top-p truncate the student's and the teacher's reads differently)
     for entropy_grad in (False, True):
-        got = teacher_divergence(
-            student,
-            teacher,
-            ids,
-            mask,
-            START,
-            sampling,
-            "jsd",
-            0.3,
-            4,
-            readout=True,
-            entropy_grad=entropy_grad,
-        )
+        got = jsd_readout(student, teacher, ids, mask, sampling, entropy_grad=entropy_grad)
         torch.testing.assert_close(
             got.divergence, teacher_divergence(student, teacher, ids, mask, START, sampling, "jsd", 0.3, 4)
         )
@@ -309,3 +304,65 @@ def test_the_readout_gives_the_students_and_the_teachers_reads_of_the_sampled_to
     assert got_grads.keys() == want_grads.keys() and "lm_head.weight" in got_grads
     for key, grad in want_grads.items():
         torch.testing.assert_close(got_grads[key], grad, atol=1e-6, rtol=1e-4)
+
+
+def frozen_head_student():
+    """A student whose output head takes no gradient (as under LoRA on the blocks): the chunks' gradients are
+    taken in the forward, row by row (distill_readout._RowGradients)."""
+    student = tiny_llama()
+    student.lm_head.weight.requires_grad_(False)
+    return student
+
+
+@pytest.mark.parametrize("loss, beta", CASES)
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+@pytest.mark.parametrize("chunk", [4, 21])
+def test_a_frozen_head_takes_each_rows_gradient_in_the_forward_and_equals_the_plain_computation(
+    loss, beta, name, chunk, monkeypatch
+):
+    student, teacher = frozen_head_student(), qwen_teacher()
+    calls = []
+    real = distill_readout._RowGradients.apply
+    monkeypatch.setattr(distill_readout._RowGradients, "apply", lambda *a: calls.append(1) or real(*a))
+    ids, mask = batch()
+    sampling = SAMPLINGS[name]
+    got = teacher_divergence(student, teacher, ids, mask, START, sampling, loss, beta, chunk_tokens=chunk)
+    want = plain_divergence(student, teacher, ids, mask, sampling, loss, beta)
+    assert len(calls) == -(-21 // chunk)  # one per chunk: no checkpoint
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    finite = torch.isfinite(want) & mask[:, START:].bool()
+    if not finite.any():
+        return
+    weights = torch.rand(3, 7, generator=torch.Generator().manual_seed(1)) * finite  # each row its own weight
+    got_grads = student_grads(student, torch.where(finite, got, 0.0), weights)
+    want_grads = student_grads(student, torch.where(finite, want, 0.0), weights)
+    assert got_grads.keys() == want_grads.keys() and "lm_head.weight" not in got_grads
+    for key, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[key], grad, atol=1e-6, rtol=1e-4)
+
+
+def test_a_frozen_heads_readout_gives_the_gradients_asked_for_and_no_others():
+    student, teacher = frozen_head_student(), qwen_teacher()
+    ids, mask = batch()
+    sampling = SAMPLINGS["temperature-suppress"]
+    weights = torch.rand(3, 7, generator=torch.Generator().manual_seed(2)) * mask[:, START:]
+    for logprob_grad, entropy_grad in ((True, True), (True, False), (False, True), (False, False)):
+        want = response_readout(student, ids, mask, START, sampling, entropy=True)
+        got = jsd_readout(
+            student, teacher, ids, mask, sampling, entropy_grad=entropy_grad, logprob_grad=logprob_grad
+        )
+        assert got.logprobs.requires_grad == logprob_grad and got.entropy.requires_grad == entropy_grad
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.entropy, want.entropy, atol=1e-5, rtol=1e-5)
+        outputs = [got.divergence * 0.0]  # the divergence's own gradient is tested above
+        reference = [want.logprobs * 0.0]
+        if logprob_grad:
+            outputs.append(got.logprobs)
+            reference.append(want.logprobs)
+        if entropy_grad:
+            outputs.append(3.0 * got.entropy)
+            reference.append(3.0 * want.entropy)
+        got_grads = student_grads(student, sum(outputs), weights)
+        want_grads = student_grads(student, sum(reference), weights)
+        for key, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[key], grad, atol=1e-6, rtol=1e-4)

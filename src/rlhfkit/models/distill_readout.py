@@ -80,6 +80,7 @@ def teacher_divergence(
     chunk_tokens: int | None = None,
     readout: bool = False,
     entropy_grad: bool = True,
+    logprob_grad: bool = True,
 ) -> torch.Tensor | TeacherRead:
     """The per-token divergence between the student's and the teacher's next-token distributions over the
     response positions, with gradient through the student only (module docstring).
@@ -98,6 +99,8 @@ def teacher_divergence(
         chunk_tokens: positions per chunk (default :func:`rlhfkit.models.head_chunks.chunk_size`).
         readout: also the student's and the teacher's read-outs of the sampled tokens (:class:`TeacherRead`).
         entropy_grad: with ``readout``, False when no loss uses the student's entropies (a metric).
+        logprob_grad: with ``readout``, False when no loss takes a gradient through the student's log-probs (a
+            policy loss whose advantages are all 0): they are returned without one.
     Returns:
         (B, R) float32 with R = L - p0; padding positions hold a value too (mask them). With ``readout`` a
         :class:`TeacherRead` of such tensors.
@@ -111,7 +114,7 @@ def teacher_divergence(
     if loss == "jsd" and not 0.0 < beta < 1.0:
         raise ValueError(f"jsd beta must be in (0, 1), got {beta}")
     labels = input_ids[:, start:].long().clamp(min=0)  # (B, R): kept in each model's truncation set
-    divergence = functools.partial(_divergence, sampling, loss, beta, readout, entropy_grad)
+    divergence = functools.partial(_divergence, sampling, loss, beta, readout, entropy_grad, logprob_grad)
     s_transform, t_transform = head_transform(student), head_transform(teacher)
     if s_transform is None or t_transform is None:
         parts = _plain_divergence(
@@ -136,8 +139,53 @@ def teacher_divergence(
         t_hidden.flatten(0, 1),
         labels.reshape(-1),
     )  # (B R, H), (B R, H_t), (B R,)
-    parts = checkpointed_chunks(read, flat, chunk_size(vocab, chunk_tokens), recorded)
+    size = chunk_size(vocab, chunk_tokens)
+    if recorded and not any(
+        p.requires_grad for p in s_head.parameters()
+    ):  # a frozen head: LoRA, a frozen base
+        # the outputs that take a gradient: the divergence, and the student's log-probs and entropies if asked
+        which = (0, *((1,) if logprob_grad else ()), *((2,) if entropy_grad else ())) if readout else (0,)
+        chunks = zip(*(t.split(size) for t in flat), strict=True)
+        parts = [_RowGradients.apply(read, which, *chunk) for chunk in chunks]
+        return _joined([p if readout else p[0] for p in parts], labels.shape, readout)
+    parts = checkpointed_chunks(read, flat, size, recorded)
     return _joined(parts, labels.shape, readout)
+
+
+class _RowGradients(torch.autograd.Function):
+    """One chunk of the chunked path for a student whose output head takes no gradient: every output of the chunk
+    at row i depends on the student's hidden state at row i alone, so the gradient of an output's sum with
+    respect to the chunk's hidden states holds each row's own gradient. The forward builds the chunk's graph
+    once, takes those gradients (one backward through the chunk per output that needs one: the divergence, and
+    with ``readout`` the log-probs and the entropies where asked for), and keeps only them, (n, H) each; the
+    backward scales them by the incoming gradients. Against the checkpointed chunk (forward, then in the backward
+    the whole chunk again and its backward), both heads run once, not twice, and no (n, V) block lives past the
+    forward. Returns the chunk's outputs, detached; those not in ``which`` are not differentiable."""
+
+    @staticmethod
+    def forward(ctx, read, which, s_hidden, t_hidden, labels):
+        with torch.enable_grad():
+            hidden = s_hidden.detach().requires_grad_()
+            outs = read(hidden, t_hidden, labels)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            rows = [  # (n, H) each
+                torch.autograd.grad(outs[i].sum(), hidden, retain_graph=k < len(which) - 1)[0]
+                for k, i in enumerate(which)
+            ]
+        ctx.save_for_backward(*rows)
+        ctx.which, ctx.dtype = which, s_hidden.dtype
+        outs = tuple(o.detach() for o in outs)
+        ctx.mark_non_differentiable(*(o for i, o in enumerate(outs) if i not in which))
+        return outs
+
+    @staticmethod
+    def backward(ctx, *upstream):
+        grad = None
+        for i, rows in zip(ctx.which, ctx.saved_tensors, strict=True):
+            if upstream[i] is not None:
+                term = upstream[i][:, None].to(rows.dtype) * rows
+                grad = term if grad is None else grad + term
+        return None, None, None if grad is None else grad.to(ctx.dtype), None, None
 
 
 def _joined(parts: list, shape: torch.Size, readout: bool) -> torch.Tensor | TeacherRead:
@@ -147,17 +195,20 @@ def _joined(parts: list, shape: torch.Size, readout: bool) -> torch.Tensor | Tea
     return TeacherRead(*(torch.cat([p[i] for p in parts]).view(shape) for i in range(4)))
 
 
-def _divergence(sampling, loss, beta, readout, entropy_grad, s_logits, t_logits, labels):
+def _divergence(sampling, loss, beta, readout, entropy_grad, logprob_grad, s_logits, t_logits, labels):
     """token_divergence of the processed logits (n, V) and (n, V) of one chunk, labels (n,) -> (n,); with
     ``readout`` also (n,) each: the student's log-probs and entropies (as ``response_readout`` computes them
-    from the same logits) and the teacher's untruncated log-probs of ``labels``."""
+    from the same logits; each without a graph unless asked for) and the teacher's untruncated log-probs of
+    ``labels``."""
     s = processed_logits(s_logits[None], sampling, labels[None])[0]  # (n, V) float32
     with torch.no_grad():
         t = processed_logits(t_logits[None], sampling, labels[None])[0]
     value = token_divergence(s, t, loss, beta)
     if not readout:
         return value
-    logprobs = sampled_logprobs(s_logits[None], labels[None], sampling)[0]  # (n,)
+    logprobs = sampled_logprobs(
+        s_logits[None] if logprob_grad else s_logits[None].detach(), labels[None], sampling
+    )[0]
     entropy = entropy_from_logits(s if entropy_grad else s.detach())  # no graph for a metric
     with torch.no_grad():
         teacher = sampled_logprobs(t_logits[None], labels[None], untruncated(sampling))[0]

@@ -13,6 +13,7 @@ from rlhfkit.config import load_config
 from rlhfkit.data import TokenLimits, prepare_examples
 from rlhfkit.engine.metrics_writer import read_metrics
 from rlhfkit.errors import ConfigError
+from rlhfkit.models import distill_readout
 from rlhfkit.models.sampling import processed_logits, untruncated
 from rlhfkit.rollout.preflight import preflight
 from rlhfkit.trainers.online import collect
@@ -250,18 +251,19 @@ def test_train_distill_reads_no_reference_unless_a_kl_to_it_is_asked_for(tmp_pat
         assert same != read  # not read: the actor's own (a KL of exactly 0); read: the reference's
 
 
-@pytest.mark.parametrize("loss", ["full_reverse_kl", "jsd"])
+@pytest.mark.parametrize("loss, lora", [("full_reverse_kl", 0), ("jsd", 0), ("full_reverse_kl", 4)])
 def test_a_full_vocabulary_update_reads_the_student_once_and_equals_the_two_pass_run(
-    tmp_path, monkeypatch, loss
+    tmp_path, monkeypatch, loss, lora
 ):
     """With one on-policy update a rollout and a full-vocabulary loss, the update's own pass gives the student's
     old log-probs, its entropies and the teacher's log-probs of the sampled tokens (layout.teacher_read_in_update):
     stage 1 reads neither model and the update runs the student once a micro-batch, not twice. The run is the one
-    that reads them apart: the same weights and losses, and the teacher KL and entropy to float rounding."""
+    that reads them apart: the same weights and losses, and the teacher KL and entropy to float rounding. LoRA
+    (a frozen head: each chunk's gradients taken in its forward, distill_readout._RowGradients) too."""
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     paths = write_online_problem(tmp_path, reward_model=False)
     teacher_dir = write_teacher(tmp_path, paths, sharpness=5.0)
-    calls = {"stage 1": 0, "update read-out": 0, "divergence": 0}
+    calls = {"stage 1": 0, "update read-out": 0, "divergence": 0, "row gradients": 0}
 
     def counted(module, name, key):
         real = getattr(module, name)
@@ -275,6 +277,7 @@ def test_a_full_vocabulary_update_reads_the_student_once_and_equals_the_two_pass
     counted(collect, "response_readout", "stage 1")
     counted(ppo_update_module, "response_readout", "update read-out")
     counted(ppo_update_module, "teacher_divergence", "divergence")
+    counted(distill_readout._RowGradients, "apply", "row gradients")  # a chunk's, with a frozen head
     runs = {}
     for fused in (True, False):
         out = tmp_path / f"run-{fused}"
@@ -283,6 +286,7 @@ def test_a_full_vocabulary_update_reads_the_student_once_and_equals_the_two_pass
             "train.max_steps=2",
             "train.learning_rate=1e-2",
             f"online.old_logprobs_from_update={str(fused).lower()}",
+            f"model.lora_rank={lora}",
         )
         calls.update(dict.fromkeys(calls, 0))
         assert cli(out, *distill_overrides(paths, out, teacher_dir, *extra)) == 0
@@ -294,8 +298,9 @@ def test_a_full_vocabulary_update_reads_the_student_once_and_equals_the_two_pass
     )
     # 2 rollouts of 2 micro-batches (8 rows, 4 a micro-batch): stage 1 reads the actor and the teacher apart,
     # and the update the student twice, in the plain run only
-    assert fused_calls == {"stage 1": 0, "update read-out": 0, "divergence": 4}
-    assert plain_calls == {"stage 1": 8, "update read-out": 4, "divergence": 4}
+    chunks = 4 if lora else 0  # one chunk a micro-batch (a tiny vocabulary)
+    assert fused_calls == {"stage 1": 0, "update read-out": 0, "divergence": 4, "row gradients": chunks}
+    assert plain_calls == {"stage 1": 8, "update read-out": 4, "divergence": 4, "row gradients": chunks}
     assert len(fused_rows) == len(plain_rows) == 2
     for a, b in zip(fused_rows, plain_rows, strict=True):
         assert a["loss/distill"] == b["loss/distill"] > 0

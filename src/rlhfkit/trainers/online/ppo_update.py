@@ -209,7 +209,12 @@ def micro_batch_loss(
         )
         divergence = None  # read here when this pass reads the teacher too
         if read is not None and teacher_read_in_update(ctx):  # the student once for both (layout)
-            both = read_teacher(readout=True, entropy_grad=online.ent_coef > 0)
+            # the log-probs take a gradient only where a loss has one through them: with every advantage 0 (`train
+            # distill` without a score) the policy loss adds exactly 0 to the gradient
+            moving = bool(fill_masked(mb.advantages[:, :w], mask).ne(0).any())
+            both = read_teacher(
+                readout=True, entropy_grad=online.ent_coef > 0, logprob_grad=moving or online.kl_in_loss
+            )
             divergence, read["teacher_logprobs"] = both.divergence, fill_masked(both.teacher_logprobs, mask)
             readout = Readout(both.logprobs, both.entropy, None)
         else:
