@@ -75,6 +75,21 @@ def test_tensors_replaced_from_outside_are_taken_as_they_are(edit):
     _assert_equal(reserved.update(*new, layer_idx=0), plain.update(*new, layer_idx=0))
 
 
+def test_an_upcast_layer_stores_half_precision_columns_in_float32_exactly():
+    """``upcast``: bf16 columns are written into float32 storage (the prompt's too); the values are the bf16
+    values, converted exactly; float32 columns are stored as they come."""
+    for dtype, stored in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32)):
+        plain, reserved = DynamicCache(), DynamicCache()
+        for cache in (plain, reserved):
+            cache.update(*_step(0, 3, dtype), layer_idx=0)
+        assert reserve_positions(reserved, 8, upcast=True) == 1
+        for step in range(1, 4):
+            new = _step(step, 1, dtype)
+            got, want = reserved.update(*new, layer_idx=0), plain.update(*new, layer_idx=0)
+            assert got[0].dtype == got[1].dtype == stored and want[0].dtype == dtype
+            assert torch.equal(got[0], want[0].float()) and torch.equal(got[1], want[1].float())
+
+
 def test_another_dtype_falls_back_to_the_plain_update():
     plain, reserved = _both(capacity=16)
     new = _step(1, 1, torch.bfloat16)
@@ -101,10 +116,11 @@ def _prompts(model):
 
 def _generate(model, share: bool, reserve: bool, monkeypatch, greedy=False, seed=0):
     eos, pad = model.config.eos_token_id, model.config.pad_token_id
-    counts = []
+    counts, caches = [], []
 
-    def spy(cache, capacity):
-        counts.append(reserve_positions(cache, capacity) if reserve else 0)
+    def spy(cache, capacity, upcast=False):
+        counts.append(reserve_positions(cache, capacity, upcast) if reserve else 0)
+        caches.append((cache, upcast))
         return counts[-1]
 
     monkeypatch.setattr(generation, "reserve_positions", spy)
@@ -122,7 +138,7 @@ def _generate(model, share: bool, reserve: bool, monkeypatch, greedy=False, seed
         return_logprobs=True,
         share_prompts=share,
     )
-    return out, counts
+    return out, counts, caches
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -131,9 +147,13 @@ def test_generation_with_the_reserved_cache_is_the_plain_one_bit_for_bit(precisi
     model = tiny_llama(seed=1, vocab_size=64)
     if precision == "bf16":
         model = float32_attention_on_cpu(autocast_forward(model, torch.bfloat16))
-    plain, none = _generate(model, share, reserve=False, monkeypatch=monkeypatch)
-    fast, counts = _generate(model, share, reserve=True, monkeypatch=monkeypatch)
+    plain, none, _ = _generate(model, share, reserve=False, monkeypatch=monkeypatch)
+    fast, counts, caches = _generate(model, share, reserve=True, monkeypatch=monkeypatch)
     assert none == [0] and counts == [model.config.num_hidden_layers]  # every layer was reserved
+    # a bf16 model whose attention runs in float32 keeps a float32 cache: its columns upcast once, as written
+    ((cache, upcast),) = caches
+    assert upcast == (precision == "bf16")
+    assert {layer.keys.dtype for layer in cache.layers} == {torch.float32}
     assert torch.equal(fast.response_ids, plain.response_ids)
     assert torch.equal(fast.mask, plain.mask)
     assert torch.equal(fast.sampled_logprobs, plain.sampled_logprobs)
@@ -147,7 +167,7 @@ def test_a_model_without_the_default_cache_makes_its_own(monkeypatch):
     assert isinstance(fresh_cache(model), DynamicCache)
     model._supports_default_dynamic_cache = lambda: False
     assert fresh_cache(model) is None
-    out, counts = _generate(model, share=False, reserve=True, monkeypatch=monkeypatch)
+    out, counts, _ = _generate(model, share=False, reserve=True, monkeypatch=monkeypatch)
     assert counts == [] and out.response_ids.shape[0] == 6
 
 

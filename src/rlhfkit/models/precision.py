@@ -277,6 +277,19 @@ def _sdpa_float32_on_cpu(module, query, key, value, attention_mask, **kwargs):
     return out.to(dtype), weights
 
 
+def attention_in_float32(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether ``model`` (possibly wrapped), run on ``device``, computes a half-precision attention in float32
+    (:func:`float32_attention_on_cpu`): its decoding cache may then hold float32 keys and values
+    (:func:`rlhfkit.models.decode_cache.reserve_positions`)."""
+    from rlhfkit.models.readout import hf_model
+
+    config = getattr(hf_model(model), "config", None)
+    return (
+        torch.device(device).type == "cpu"
+        and getattr(config, "_attn_implementation", None) == FLOAT32_CPU_SDPA
+    )
+
+
 def float32_attention_on_cpu(model: torch.nn.Module) -> torch.nn.Module:
     """Give a half-precision model whose attention is ``sdpa`` the same attention computed in float32 on a CPU
     (module docstring); any other attention implementation is left as it is. Returns ``model``."""

@@ -30,7 +30,7 @@ import torch
 
 from rlhfkit.models.decode_cache import fresh_cache, reserve_positions
 from rlhfkit.models.lora import merged_for_generation
-from rlhfkit.models.precision import autocast_region, frozen_linears_cast
+from rlhfkit.models.precision import attention_in_float32, autocast_region, frozen_linears_cast
 from rlhfkit.models.prompt_cache import cache_keyword, shared_prompt_cache
 from rlhfkit.models.sampler import SAMPLERS, ExactDraw, RowStreams, sampler_of
 from rlhfkit.models.sampling import Sampling, generation_kwargs, without_checkpoint_defaults
@@ -200,8 +200,8 @@ def generate_responses(
             held = static_cache(model, cache, capacity) if decode != "dynamic" else None
             if held is None and cache is None:
                 cache = fresh_cache(model)
-            if held is None and cache is not None:
-                reserve_positions(cache, capacity)
+            if held is None and cache is not None:  # float32 storage for a float32 attention (decode_cache)
+                reserve_positions(cache, capacity, upcast=attention_in_float32(model, prompt_ids.device))
             cache = held if held is not None else cache
             if cache is not None:
                 kwargs[cache_keyword(model)] = cache
