@@ -30,6 +30,7 @@ import torch
 
 from rlhfkit.models.decode_cache import fresh_cache, reserve_positions
 from rlhfkit.models.lora import merged_for_generation
+from rlhfkit.models.packed_linear import packed_linears
 from rlhfkit.models.precision import attention_in_float32, autocast_region, frozen_linears_cast
 from rlhfkit.models.prompt_cache import cache_keyword, shared_prompt_cache
 from rlhfkit.models.sampler import SAMPLERS, ExactDraw, RowStreams, sampler_of
@@ -194,6 +195,7 @@ def generate_responses(
             autocast_region(model),
             frozen_linears_cast(model),
             merged_for_generation(model),
+            packed_linears(model, prompt_ids.shape[0]),  # after the merge: the weights the call samples with
         ):
             capacity = prompt_ids.shape[1] + max_new_tokens
             cache = shared_prompt_cache(model, prompt_ids, prompt_mask) if share_prompts else None
