@@ -66,20 +66,3 @@ def test_a_prefill_a_graph_and_extra_terms_keep_sdpa(monkeypatch):
         _sdpa_float32_on_cpu(module, q, k, v, mask, s_aux=torch.zeros(6))  # sinks: sdpa's own error or path
     _sdpa_float32_on_cpu(module, q.requires_grad_(), k, v, mask)  # a training forward's graph
     assert calls == []
-
-
-def test_a_models_decoding_steps_take_it_with_the_keywords_its_layers_pass(monkeypatch):
-    """Inside generate a Llama layer passes use_cache and position_ids beside dropout and scaling: its decoding
-    steps (one query position) take the two products, its prefill sdpa."""
-    from rlhfkit.models.precision import autocast_forward, float32_attention_on_cpu
-    from tests.helpers import tiny_llama
-
-    calls = []
-    real = precision._decode_attention
-    monkeypatch.setattr(precision, "_decode_attention", lambda *a: calls.append(a[0].shape) or real(*a))
-    model = float32_attention_on_cpu(autocast_forward(tiny_llama().requires_grad_(False), torch.bfloat16))
-    ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=4, do_sample=False)
-    layers = model.config.num_hidden_layers
-    assert len(calls) == 3 * layers and all(shape[2] == 1 for shape in calls)  # steps 2-4, not the prefill

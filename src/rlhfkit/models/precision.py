@@ -280,17 +280,12 @@ def _sdpa_float32_on_cpu(module, query, key, value, attention_mask, **kwargs):
     return out.to(dtype), weights
 
 
-# The keywords an attention layer may pass that change nothing of a plain attention (the mask carries a window);
-# any other (sinks, soft-capping, a position bias) keeps transformers' sdpa
 _DECODE_KWARGS = {
     "dropout",
     "scaling",
     "is_causal",
     "sliding_window",
     "position_ids",
-    "use_cache",
-    "cache_position",
-    "output_attentions",
     "cu_seq_lens_q",
     "cu_seq_lens_k",
 }
@@ -303,7 +298,6 @@ def _plain_decode_step(query, attention_mask, kwargs) -> bool:
         query.shape[2] == 1
         and not torch.is_grad_enabled()
         and not kwargs.get("dropout")
-        and not kwargs.get("output_attentions")
         and set(kwargs) <= _DECODE_KWARGS
         and (attention_mask is None or attention_mask.dim() == 4)
     )
