@@ -271,58 +271,10 @@ def _sdpa_float32_on_cpu(module, query, key, value, attention_mask, **kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     dtype = torch.get_autocast_dtype("cpu") if autocast else value.dtype
     with torch.autocast("cpu", enabled=False):  # autocast would cast the attention back to bf16
-        if _plain_decode_step(query, attention_mask, kwargs):
-            out = _decode_attention(query.float(), key.float(), value.float(), attention_mask, kwargs)
-            return out.to(dtype), None
         out, weights = sdpa_attention_forward(
             module, query.float(), key.float(), value.float(), attention_mask, **kwargs
         )
     return out.to(dtype), weights
-
-
-_DECODE_KWARGS = {
-    "dropout",
-    "scaling",
-    "is_causal",
-    "sliding_window",
-    "position_ids",
-    "cu_seq_lens_q",
-    "cu_seq_lens_k",
-}
-
-
-def _plain_decode_step(query, attention_mask, kwargs) -> bool:
-    """A decoding step (one query position, no graph) of a plain attention: no dropout, and none of the extra
-    terms (sinks, soft-capping, a position bias) that only ``sdpa_attention_forward`` knows."""
-    return (
-        query.shape[2] == 1
-        and not torch.is_grad_enabled()
-        and not kwargs.get("dropout")
-        and set(kwargs) <= _DECODE_KWARGS
-        and (attention_mask is None or attention_mask.dim() == 4)
-    )
-
-
-def _decode_attention(query, key, value, attention_mask, kwargs) -> torch.Tensor:
-    """One query position's attention in float32 as two matrix products per key / value head: the query heads
-    of a group (grouped-query attention) multiply that head's keys as one (G, D) block, no key repeated and no
-    flash-attention blocking over a single query row (which ran at a few GFLOP/s on a CPU). Equal to the
-    flash kernel up to float32 rounding (~1e-7 relative). query (B, H, 1, D), key / value (B, KV, L, D), a
-    boolean (True: attend) or additive mask (B, 1 or H, 1, L) -> (B, 1, H, D), as ``sdpa_attention_forward``."""
-    batch, heads, _, dim = query.shape
-    groups = heads // key.shape[1]
-    scaling = kwargs.get("scaling")
-    scores = torch.matmul(
-        query.view(batch, key.shape[1], groups, dim), key.transpose(-1, -2)
-    )  # (B, KV, G, L)
-    scores = scores * (dim**-0.5 if scaling is None else scaling)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1:, : key.shape[2]]  # (b, 1 or H, 1, L)
-        if mask.shape[1] > 1:  # per head: each group's rows
-            mask = mask.reshape(mask.shape[0], key.shape[1], groups, -1)
-        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask
-    out = torch.matmul(torch.softmax(scores, dim=-1), value)  # (B, KV, G, D)
-    return out.view(batch, 1, heads, dim)
 
 
 def attention_in_float32(model: torch.nn.Module, device: torch.device) -> bool:
