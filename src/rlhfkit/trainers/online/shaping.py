@@ -62,21 +62,24 @@ def shape_rollout(
         0.0 if online.kl_in_loss else kl_coef,
         online.kl_estimator,
     )
-    if rollout.teacher_logprobs is not None:  # on-policy distillation: the teacher in the reference's place
+    # on-policy distillation: the teacher in the reference's place
+    in_rewards = teacher_in_rewards(ctx.cfg)
+    if rollout.teacher_logprobs is not None and (teacher_metric or in_rewards):
         term = sampled_reverse_kl(rollout.logprobs, rollout.teacher_logprobs, rollout.mask)  # (B, T)
         if teacher_metric:
-            stats.merge(teacher_stats(rollout))
-        if teacher_in_rewards(ctx.cfg):
+            stats.merge(teacher_stats(rollout, term))
+        if in_rewards:
             rollout.rewards = rollout.rewards - online.teacher_coef * term
     return stats
 
 
-def teacher_stats(rollout: Rollout) -> StatSums:
+def teacher_stats(rollout: Rollout, term: torch.Tensor | None = None) -> StatSums:
     """``distill/teacher_kl``: the mean of ``log pi(y_t) - log pi_teacher(y_t)`` over the rollout's valid tokens
-    (nothing without a teacher)."""
+    (nothing without a teacher); ``term``: that (B, T) term where the caller has it already."""
     s = StatSums(rollout.mask.device)
     if rollout.teacher_logprobs is not None:
-        term = sampled_reverse_kl(rollout.logprobs, rollout.teacher_logprobs, rollout.mask)  # (B, T)
+        if term is None:
+            term = sampled_reverse_kl(rollout.logprobs, rollout.teacher_logprobs, rollout.mask)  # (B, T)
         s.add_sum("distill/teacher_kl", term.double().sum(), rollout.mask.sum())
     return s
 
