@@ -230,6 +230,10 @@ def test_kinds_set_the_advantage_estimator():
     with pytest.raises(ConfigError, match="online.reward_model.*nothing scores"):
         load_config(None, REQUIRED, "ppo")
     assert load_config(None, REQUIRED + ["online.reward_functions=[m:f]"], "ppo").online.reward_model is None
+    alone = load_config(
+        None, REQUIRED + ["online.process_reward_model=prm"], "grpo"
+    ).online  # step rewards only
+    assert alone.process_reward_model == "prm" and not alone.reward_model and not alone.reward_functions
     with pytest.raises(ConfigError, match="online.num_minibatches.*= 32\\), got 3"):
         load_config(None, ONLINE + ["online.num_minibatches=3"], "ppo")
     with pytest.raises(ConfigError, match="unknown kind 'kto'"):

@@ -166,11 +166,12 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 "policy's, token for token)",
             )
         scorers = online.reward_model or online.reward_functions or online.environment
-        if not scorers and not online.teacher_model:
+        if not scorers and not online.teacher_model and not online.process_reward_model:
             fail(
                 "online.reward_model",
                 "set online.reward_model and/or online.reward_functions (or an online.environment with "
-                "get_reward, or an online.teacher_model to distil): nothing scores the responses",
+                "get_reward, an online.process_reward_model whose step rewards are the whole reward, or an "
+                "online.teacher_model to distil): nothing scores the responses",
             )
         if kind == "distill" and run.distill.loss == "full_reverse_kl" and (online.top_k or online.top_p < 1):
             fail(

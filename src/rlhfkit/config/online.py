@@ -75,7 +75,8 @@ class OnlineConfig:
     process_reward_model: str | None = option(
         None,
         "Process reward model folder (from `rlhfkit train prm`): P(step correct) - 1 on every step-end "
-        "token of a response, beside the outcome score on its last token (rlhfkit.rollout.process_rewards).",
+        "token of a response, beside the outcome score on its last token (rlhfkit.rollout.process_rewards); "
+        "alone, with no outcome scorer, the step rewards are the whole reward.",
     )
     teacher_model: str | None = option(
         None,

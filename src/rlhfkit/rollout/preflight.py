@@ -208,6 +208,7 @@ def check_environment_scores(cfg: RunConfig, toolbox: Toolbox) -> None:
         online.reward_model
         or online.reward_functions
         or online.teacher_model
+        or online.process_reward_model
         or toolbox.environment_factory is None
     ):
         return

@@ -15,7 +15,8 @@ removes the gain from adding steps.
 Which reward lands where (stage 3 of the online loop, one call to ``shape_rewards``' dense form):
 
 - the outcome score (reward model and/or reward functions, after the missing-EOS rule and clipping): on the
-  response's last trained token, as without a PRM;
+  response's last trained token, as without a PRM; with no outcome scorer (the PRM alone, as Math-Shepherd's
+  step-by-step PPO uses one) the outcome is 0 and the step rewards are the whole reward;
 - the PRM's step rewards: on each step-end token of the response (a step that the response cuts off
   without its separator earns nothing);
 - ``-kl_coef * kl_t``: on every trained token (unless ``online.kl_in_loss``).

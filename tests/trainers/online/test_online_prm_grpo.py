@@ -86,6 +86,51 @@ def test_ppo_with_a_prm_adds_its_step_rewards_to_the_outcome(problem, tmp_path, 
         assert row["reward/mean"] == pytest.approx(expected, abs=1e-5)
 
 
+def test_grpo_on_a_prm_alone_takes_the_step_rewards_as_the_whole_reward(problem, tmp_path, monkeypatch):
+    """No outcome scorer (Math-Shepherd's PRM-only RL): every response is scored 0 and kept, its reward is the
+    sum of its step rewards, each P - 1 at a step end, less the KL penalty; GRPO's advantages come from that."""
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    from rlhfkit.data import TokenLimits, prepare_examples
+    from rlhfkit.models import load_scalar_model, load_tokenizer
+    from rlhfkit.rollout.process_rewards import process_rewards, step_end_table, step_ends
+
+    tok = load_tokenizer(str(problem / "policy"))
+    texts = ["7+5=12\n12-3=9\nanswer=9\n", "1+1=2\n", "3-1=2\n2+2=", "answer=4\n"]
+    raw = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    raw = [(r + [tok.eos_token_id] * 20)[:20] for r in raw]
+    monkeypatch.setattr(collect, "generate_responses", _hand_built_generation(tok, raw))
+    out = tmp_path / "grpo"
+    args = [a for a in overrides(problem, out) if not a.startswith("online.reward_functions")]
+    prompt = get_task("arithmetic").prompts("train")[0]  # one prompt, so each row's PRM input is known
+    (tmp_path / "one.jsonl").write_text(json.dumps({"prompt": prompt}) + "\n")
+    args += [
+        f"data.train_file={tmp_path / 'one.jsonl'}",
+        f"online.process_reward_model={problem / 'prm'}",
+        "train.max_steps=1",
+        "train.batch_size=2",
+        "online.group_size=2",
+        "online.response_length=20",
+    ]
+    config = tmp_path / "c.yaml"
+    config.write_text("seed: 0\n")
+    assert main(["train", "grpo", "--config", str(config), *args]) == 0
+    (row,) = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    # the PRM's step rewards of the four responses, by hand: P - 1 at each text's step ends
+    prm = load_scalar_model(str(problem / "prm"), frozen=True)
+    limits = TokenLimits(16, None, "left")  # the prompt's ids as the loop prepares them
+    prompt_ids = list(prepare_examples(str(tmp_path / "one.jsonl"), "prompts", tok, limits)[0]["prompt_ids"])
+    steps, per_row = 0, []
+    for r in raw:  # the response runs to its first EOS; the padding after it is masked
+        ids = torch.tensor([prompt_ids + r])
+        mask = (torch.arange(len(r)) <= r.index(tok.eos_token_id))[None]
+        ends = step_ends(torch.tensor([r]), mask, step_end_table(tok, "\n"))
+        steps += int(ends.sum())
+        per_row.append(float(process_rewards(prm, ids, torch.ones_like(ids), len(prompt_ids), ends).sum()))
+    assert row["score/mean"] == 0.0 and row["score/process_steps"] == pytest.approx(steps / 4)
+    assert row["score/process_mean"] == pytest.approx(sum(per_row) / 4, abs=1e-5)
+    assert row["reward/mean"] == pytest.approx(row["score/process_mean"] - 0.2 * row["kl/mean"], abs=1e-5)
+
+
 def test_kl_in_loss_is_k3_against_the_reference_and_leaves_the_reward(problem, tmp_path):
     # the plain k3 loss, chosen by name (the default is an unbiased form: tests/trainers/online/test_loss_terms.py)
     cfg = load_config(

@@ -425,7 +425,7 @@ def score_rollout(
         episodes.close()  # the episodes' tool processes: nothing reads their environments after this
     if parts:
         raw_scores, scored = combine_parts(parts, ctx.scorer.part_weights)
-    else:  # distillation alone: the teacher's per-token term is the whole reward (stage 3)
+    else:  # distillation or a PRM alone: the teacher's term or the step rewards are the whole reward (stage 3)
         raw_scores = torch.zeros(len(records), device=ids.device)
         scored = torch.ones(len(records), dtype=torch.bool, device=ids.device)
     scores = raw_scores

@@ -148,7 +148,8 @@ def build_context(
         roles.reward_model,
         functions,
         online.rollout_batch_size,
-        extra_parts=bool(online.environment or online.teacher_model),  # get_reward; the teacher (stage 3)
+        # get_reward; the teacher's per-token term, the PRM's step rewards (stage 3)
+        extra_parts=bool(online.environment or online.teacher_model or online.process_reward_model),
         weights=online.reward_weights,
     )
     stops = stop_token_ids(cfg, tokenizer)
