@@ -180,9 +180,7 @@ def run_arm(root: Path, arm: str, shared, models, preset, seed: int, args) -> di
 
     done = root / f"{arm}.json"
     kept = args.records / f"seed-{seed}" / f"{arm}.json" if args.records else None
-    if not done.is_file() and kept is not None and kept.is_file():
-        done.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(kept, done)
+    restore_record(done, kept)
     if done.is_file():
         record = json.loads(done.read_text())
         if record["rollouts"] != preset.rollouts:
@@ -218,6 +216,18 @@ def run_arm(root: Path, arm: str, shared, models, preset, seed: int, args) -> di
         "updates": updates_to_reach(reads, preset.rollouts),
         "cpu_seconds": time.process_time() - clock,
     }
+    return write_record(done, record, kept)
+
+
+def restore_record(done: Path, kept: Path | None) -> None:
+    """A run finished in another sitting: its committed record ``kept`` copied to the cache ``done``."""
+    if not done.is_file() and kept is not None and kept.is_file():
+        done.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(kept, done)
+
+
+def write_record(done: Path, record: dict, kept: Path | None) -> dict:
+    """A finished run's ``record`` cached in ``done`` and copied to the committed ``kept``; the record."""
     done.write_text(json.dumps(record, indent=1))
     if kept is not None:
         kept.parent.mkdir(parents=True, exist_ok=True)
@@ -291,21 +301,54 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
+def seed_jobs(script: str, argv: list[str], seeds: list[int], jobs: int) -> bool:
+    """Each seed in its own process of ``script`` (``argv`` + ``--seeds N --no-report --jobs 1``), ``jobs`` at a
+    time, one torch thread each unless ``RLHFKIT_NUM_THREADS`` says otherwise; False (the others stopped) as soon
+    as one fails."""
+    env = {**os.environ, "RLHFKIT_NUM_THREADS": os.environ.get("RLHFKIT_NUM_THREADS", "1")}
+    pending, running = list(seeds), []
+    while pending or running:
+        while pending and len(running) < jobs:
+            child = [*argv, "--seeds", str(pending.pop(0)), "--no-report", "--jobs", "1"]
+            running.append(subprocess.Popen([sys.executable, script, *child], env=env))
+        finished = next((c for c in running if c.poll() is not None), None)
+        if finished is None:
+            time.sleep(2)
+            continue
+        running.remove(finished)
+        if finished.returncode != 0:
+            for c in running:
+                c.terminate()
+            print(f"a seed failed: {' '.join(finished.args)}", file=sys.stderr)
+            return False
+    return True
+
+
+def add_run_arguments(p: argparse.ArgumentParser, records: Path) -> None:
+    """The options a registered runner of seeds shares: which seeds, how many at once, where finished ones are
+    recorded, the commit they run at, and report only."""
     p.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
     p.add_argument("--jobs", type=int, default=1, help="seeds run at once, each in its own process")
-    p.add_argument("--preset", choices=("tiny", "smoke"), default="tiny")
-    p.add_argument("--records", type=Path, default=None, help=f"finished arms kept here (default {RECORDS})")
+    p.add_argument("--records", type=Path, default=None, help=f"finished runs kept here (default {records})")
     p.add_argument("--no-records", action="store_true", help="keep no records (a smoke or a pilot run)")
     p.add_argument("--commit", default=None, help="the commit the runs are at (default: git rev-parse HEAD)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    args.records = None if args.no_records else (args.records or RECORDS)
+
+
+def resolve_run_arguments(args, records: Path):
+    """``args`` with ``records`` (None under ``--no-records``) and ``commit`` filled in."""
+    args.records = None if args.no_records else (args.records or records)
     args.commit = args.commit or git_commit()
     return args
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--preset", choices=("tiny", "smoke"), default="tiny")
+    add_run_arguments(p, RECORDS)
+    return resolve_run_arguments(p.parse_args(argv), RECORDS)
 
 
 def main(argv=None) -> int:
@@ -319,23 +362,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only and args.jobs > 1 and len(args.seeds) > 1:
         shared_stage(args.out, preset)  # once, before the seeds' processes start
-        env = {**os.environ, "RLHFKIT_NUM_THREADS": os.environ.get("RLHFKIT_NUM_THREADS", "1")}
-        pending, running = list(args.seeds), []
         commit = ["--commit", args.commit] if args.commit else []
-        while pending or running:
-            while pending and len(running) < args.jobs:
-                child = [*argv, *commit, "--seeds", str(pending.pop(0)), "--no-report", "--jobs", "1"]
-                running.append(subprocess.Popen([sys.executable, __file__, *child], env=env))
-            finished = next((c for c in running if c.poll() is not None), None)
-            if finished is None:
-                time.sleep(2)
-                continue
-            running.remove(finished)
-            if finished.returncode != 0:
-                for c in running:
-                    c.terminate()
-                print(f"a seed failed: {' '.join(finished.args)}", file=sys.stderr)
-                return 1
+        if not seed_jobs(__file__, [*argv, *commit], args.seeds, args.jobs):
+            return 1
         args.report_only = True  # every figure from the caches now
     results = [run_seed(seed, args, preset) for seed in args.seeds]
     if not args.no_report:
