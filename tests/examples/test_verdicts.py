@@ -1,5 +1,6 @@
 """examples/experiments/verdicts.py: --check passes on the committed page, fails on a stale copy, and a run
-rewrites the stale copy to the committed page."""
+rewrites the stale copy to the committed page; the sections' hand-written Holm values are the family's current
+correction."""
 
 from __future__ import annotations
 
@@ -38,3 +39,32 @@ def test_verdicts_check_needs_the_plans_history(tmp_path):
         and "no committed history" in result.stderr
         and "Traceback" not in result.stderr
     )
+
+
+def holm_mismatches(page: str) -> list[str]:
+    """The section rows whose "(Holm p)" beside a verdict cell is not the family's corrected p as the data
+    file and the plan give it now (Holm's p moves whenever another member of the family gets its data)."""
+    import re
+
+    from rlhfkit.reporting.evidence import corrected, load
+    from rlhfkit.reporting.plan import load_plan
+
+    adjusted = corrected(
+        load(ROOT / "docs" / "experiments_data.json"), load_plan(ROOT / "docs" / "experiments_plan.json")
+    )
+    bad = []
+    for line in page.splitlines():
+        key, holm = re.search(r"<!-- verdict:([\w.-]+) -->", line), re.findall(r"\(Holm ([0-9.e+-]+)\)", line)
+        if key and holm and (adjusted.get(key[1]) is None or f"{adjusted[key[1]]:.2g}" != holm[-1]):
+            bad.append(f"{key[1]}: the page says Holm {holm[-1]}, the data give {adjusted.get(key[1])}")
+    return bad
+
+
+def test_the_sections_holm_values_are_the_familys_current_correction():
+    page = (ROOT / "docs" / "experiments.md").read_text()
+    assert holm_mismatches(page) == []
+    row = "7+ 13−; exact p 0.36 (Holm 0.72) | <!-- verdict:refresh-own-pairs.end -->"
+    assert row in page  # a stale value (as before the family's last member ran) is caught
+    assert holm_mismatches(page.replace(row, row.replace("Holm 0.72", "Holm 1"))) == [
+        "refresh-own-pairs.end: the page says Holm 1, the data give 0.7233963012695312"
+    ]
