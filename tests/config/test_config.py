@@ -234,6 +234,10 @@ def test_kinds_set_the_advantage_estimator():
         None, REQUIRED + ["online.process_reward_model=prm"], "grpo"
     ).online  # step rewards only
     assert alone.process_reward_model == "prm" and not alone.reward_model and not alone.reward_functions
+    with pytest.raises(ConfigError, match="online.dynamic_sampling.*every outcome is 0"):
+        load_config(
+            None, REQUIRED + ["online.process_reward_model=prm", "online.dynamic_sampling=true"], "grpo"
+        )
     with pytest.raises(ConfigError, match="online.num_minibatches.*= 32\\), got 3"):
         load_config(None, ONLINE + ["online.num_minibatches=3"], "ppo")
     with pytest.raises(ConfigError, match="unknown kind 'kto'"):

@@ -205,6 +205,13 @@ def validate(run: RunConfig, kind: str, set_by: dict[str, str]) -> None:
                 f"{online.advantage_estimator} does not compare a prompt's responses; use grpo or rloo, or "
                 "set it to false",
             )
+        if online.dynamic_sampling and online.process_reward_model and not scorers:
+            fail(
+                "online.dynamic_sampling",
+                "compares a group's outcome scores, and with online.process_reward_model alone every outcome "
+                "is 0 (the step rewards are the whole reward), so it would replace every group; add an outcome "
+                "scorer (online.reward_model or online.reward_functions) or set it to false",
+            )
         if online.rollout_correction != "none" and online.generation_backend == "hf":
             fail(
                 "online.rollout_correction",
