@@ -138,31 +138,17 @@ def arm_settings(arm: str, shared: dict[str, Path], models: dict[str, Path], pre
 
 def accuracy_reader(shared: dict[str, Path], preset):
     """``(policy) -> {"exact_match", "step_accuracy", "valid_rate"}``: greedy on the first 256 held-out
-    prompts, as ``rlhfkit.quickstart.verifiable.measure`` reads a saved policy."""
+    prompts (``rlhfkit.quickstart.verifiable.greedy_figures``, as the quickstart measures a saved policy)."""
     from rlhfkit.data import TokenLimits, prepare_examples
     from rlhfkit.models import load_tokenizer
-    from rlhfkit.rollout.evaluate import sample_and_score
+    from rlhfkit.quickstart.verifiable import greedy_figures
     from rlhfkit.tasks import get_task
-    from rlhfkit.tasks.arithmetic import step_labels
 
     task = get_task("arithmetic", seed=0)
     tok = load_tokenizer(str(shared["sft"]))
     limits = TokenLimits(16, None, "left")
     examples = prepare_examples(str(shared["prompts_eval"]), "prompts", tok, limits)[:EVAL_PROMPTS]
-
-    def read(policy) -> dict[str, float]:
-        s = sample_and_score(
-            policy, tok, examples, temperature=1.0, max_new_tokens=preset.response_length, greedy=True,
-            gold_score=task.gold_score, is_valid=task.is_valid,
-        )  # fmt: skip
-        labels = [x for p, r in zip(s.prompts, s.responses, strict=True) for x in step_labels(p, r)]
-        return {
-            "exact_match": sum(s.gold) / len(s.gold),
-            "step_accuracy": sum(labels) / max(len(labels), 1),
-            "valid_rate": sum(s.valid) / len(s.valid),
-        }
-
-    return read
+    return lambda policy: greedy_figures(policy, tok, task, examples, preset.response_length)
 
 
 def updates_to_reach(reads: list[dict], rollouts: int, target: float = TARGET) -> int:
@@ -179,7 +165,7 @@ def run_arm(root: Path, arm: str, shared, models, preset, seed: int, args) -> di
     from rlhfkit.trainers import online
 
     done = root / f"{arm}.json"
-    kept = args.records / f"seed-{seed}" / f"{arm}.json" if args.records else None
+    kept = record_path(args, seed, arm)
     restore_record(done, kept)
     if done.is_file():
         record = json.loads(done.read_text())
@@ -236,18 +222,24 @@ def write_record(done: Path, record: dict, kept: Path | None) -> dict:
 
 
 def run_seed(seed: int, args, preset) -> dict:
-    """Both arms of one seed (the reward models trained first where an arm must run)."""
+    """Both arms of one seed (the shared stage and the reward models made once, where an arm must run)."""
     root = args.out / f"seed-{seed}"
-    out = {"seed": seed}
+    out, stages = {"seed": seed}, None
     for arm in ARMS:
-        kept = args.records / f"seed-{seed}" / f"{arm}.json" if args.records else None
+        kept = record_path(args, seed, arm)
         if (root / f"{arm}.json").is_file() or (kept is not None and kept.is_file()) or args.report_only:
             out[arm] = run_arm(root, arm, None, None, preset, seed, args)
             continue
-        shared = shared_stage(args.out, preset)
-        models = reward_models(root, shared, preset, seed)
-        out[arm] = run_arm(root, arm, shared, models, preset, seed, args)
+        if stages is None:
+            shared = shared_stage(args.out, preset)
+            stages = (shared, reward_models(root, shared, preset, seed))
+        out[arm] = run_arm(root, arm, *stages, preset, seed, args)
     return out
+
+
+def record_path(args, seed: int, arm: str) -> Path | None:
+    """Where ``arm`` of ``seed`` is recorded (None without records)."""
+    return args.records / f"seed-{seed}" / f"{arm}.json" if args.records else None
 
 
 def values_of(results: list[dict], figure: str) -> tuple[list[int], list[float], list[float]]:

@@ -142,17 +142,23 @@ def measure(
     on the first ``num_prompts`` prompts of ``prompts_file``."""
     from rlhfkit.data import TokenLimits, prepare_examples
     from rlhfkit.models import load_causal_lm, load_tokenizer
-    from rlhfkit.rollout.evaluate import sample_and_score
-    from rlhfkit.tasks.arithmetic import step_labels
 
     tok = load_tokenizer(str(policy_dir))
     policy = load_causal_lm(str(policy_dir), tokenizer=tok, frozen=True).eval()
     examples = prepare_examples(str(prompts_file), "prompts", tok, TokenLimits(16, None, "left"))[
         :num_prompts
     ]
+    return greedy_figures(policy, tok, task, examples, length)
+
+
+def greedy_figures(policy, tokenizer, task, examples: list[dict], length: int) -> dict[str, float]:
+    """:func:`measure`'s figures of a policy in memory on prepared prompt ``examples``."""
+    from rlhfkit.rollout.evaluate import sample_and_score
+    from rlhfkit.tasks.arithmetic import step_labels
+
     s = sample_and_score(
-        policy, tok, examples, temperature=1.0, max_new_tokens=length, greedy=True, gold_score=task.gold_score,
-        is_valid=task.is_valid,
+        policy, tokenizer, examples, temperature=1.0, max_new_tokens=length, greedy=True,
+        gold_score=task.gold_score, is_valid=task.is_valid,
     )  # fmt: skip
     labels = [label for p, r in zip(s.prompts, s.responses, strict=True) for label in step_labels(p, r)]
     return {
