@@ -179,13 +179,12 @@ def run_seed(seed: int, args) -> dict:
     stage, rm = oq.reward_stage(root, "rm-length-correlated", shared, pairs, len(selected), seed, s, sa)
     meter = Meter({**stage, "task": IndifferentTask(shared["task"])}, s, seed)
     samples, prompts, repeats = meter.samples(meter.reference, final=True)
-    unequal = [r for r in selected if words(r["chosen"]) != words(r["rejected"])]
     record = {
         "seed": seed,
         "claim": NAME,
         "commit": args.commit,
         "pairs": len(selected),
-        "chosen_longer_share": sum(words(r["chosen"]) > words(r["rejected"]) for r in unequal) / len(unequal),
+        "chosen_longer_share": _longer_share(selected),
         "relabelled_chosen_longer_share": _longer_share(relabelled),
         "reward_model": rm,
         "prompts": len(prompts),
@@ -197,6 +196,7 @@ def run_seed(seed: int, args) -> dict:
 
 
 def _longer_share(records: list[dict]) -> float:
+    """The share of the pairs of unequal length (in words) whose chosen answer is the longer one."""
     unequal = [r for r in records if words(r["chosen"]) != words(r["rejected"])]
     return sum(words(r["chosen"]) > words(r["rejected"]) for r in unequal) / max(len(unequal), 1)
 
@@ -213,14 +213,14 @@ def report(results: list[dict], plan_path: Path = PLAN) -> str:
     ]
     if undefined:
         return f"{NAME}.premise: seeds {undefined}: a correlation is undefined (too few well-formed samples)"
-    key = f"{NAME}.premise"
-    planned = load_plan(plan_path).comparisons[key]
+    key, plan = f"{NAME}.premise", load_plan(plan_path)
+    planned = plan.comparisons[key]
     if not have:
         return f"{key}: no seed has run"
     a = [r["gold_length_correlation"] for r in have]
     b = [r["rm_length_correlation"] for r in have]
     p = paired(a, b)
-    members = load_plan(plan_path).family_members()[cc.FAMILY]
+    members = plan.family_members()[cc.FAMILY]
     adjusted = dict(zip(members, holm([p.exact_p if m == key else 1.0 for m in members]), strict=True))
     word = decide(p, Claim(planned.direction, planned.margin), adjusted[key])
     note = "" if len(have) == planned.n else f" (the plan registers {planned.n}: not its test yet)"
