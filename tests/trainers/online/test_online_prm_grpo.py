@@ -53,9 +53,9 @@ def overrides(root, out, *extra):
     ]
 
 
-def test_ppo_with_a_prm_adds_its_step_rewards_to_the_outcome(problem, tmp_path, monkeypatch):
-    """Responses with steps (a random policy would write none): "sampled" by a stand-in generator."""
-    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+def _stepped_responses(problem, monkeypatch):
+    """The tokenizer and four 20-token responses with steps (one cut off mid-step), each ended by EOS and padded
+    with it, "sampled" by a stand-in generator (a random policy would write no steps)."""
     from rlhfkit.models import load_tokenizer
 
     tok = load_tokenizer(str(problem / "policy"))
@@ -63,6 +63,13 @@ def test_ppo_with_a_prm_adds_its_step_rewards_to_the_outcome(problem, tmp_path, 
     raw = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
     raw = [(r + [tok.eos_token_id] * 20)[:20] for r in raw]
     monkeypatch.setattr(collect, "generate_responses", _hand_built_generation(tok, raw))
+    return tok, raw
+
+
+def test_ppo_with_a_prm_adds_its_step_rewards_to_the_outcome(problem, tmp_path, monkeypatch):
+    """Responses with steps (a random policy would write none): "sampled" by a stand-in generator."""
+    monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
+    _stepped_responses(problem, monkeypatch)
     out = tmp_path / "ppo"
     config = tmp_path / "c.yaml"
     config.write_text("seed: 0\n")
@@ -91,14 +98,10 @@ def test_grpo_on_a_prm_alone_takes_the_step_rewards_as_the_whole_reward(problem,
     sum of its step rewards, each P - 1 at a step end, less the KL penalty; GRPO's advantages come from that."""
     monkeypatch.setenv("RLHFKIT_NUM_THREADS", "1")
     from rlhfkit.data import TokenLimits, prepare_examples
-    from rlhfkit.models import load_scalar_model, load_tokenizer
+    from rlhfkit.models import load_scalar_model
     from rlhfkit.rollout.process_rewards import process_rewards, step_end_table, step_ends
 
-    tok = load_tokenizer(str(problem / "policy"))
-    texts = ["7+5=12\n12-3=9\nanswer=9\n", "1+1=2\n", "3-1=2\n2+2=", "answer=4\n"]
-    raw = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
-    raw = [(r + [tok.eos_token_id] * 20)[:20] for r in raw]
-    monkeypatch.setattr(collect, "generate_responses", _hand_built_generation(tok, raw))
+    tok, raw = _stepped_responses(problem, monkeypatch)
     out = tmp_path / "grpo"
     args = [a for a in overrides(problem, out) if not a.startswith("online.reward_functions")]
     prompt = get_task("arithmetic").prompts("train")[0]  # one prompt, so each row's PRM input is known
