@@ -4,6 +4,7 @@ correction."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,8 +45,6 @@ def test_verdicts_check_needs_the_plans_history(tmp_path):
 def holm_mismatches(page: str) -> list[str]:
     """The section rows whose "(Holm p)" beside a verdict cell is not the family's corrected p as the data
     file and the plan give it now (Holm's p moves whenever another member of the family gets its data)."""
-    import re
-
     from rlhfkit.reporting.evidence import corrected, load
     from rlhfkit.reporting.plan import load_plan
 
@@ -63,8 +62,11 @@ def holm_mismatches(page: str) -> list[str]:
 def test_the_sections_holm_values_are_the_familys_current_correction():
     page = (ROOT / "docs" / "experiments.md").read_text()
     assert holm_mismatches(page) == []
-    row = "7+ 13−; exact p 0.36 (Holm 0.72) | <!-- verdict:refresh-own-pairs.end -->"
-    assert row in page  # a stale value (as before the family's last member ran) is caught
-    assert holm_mismatches(page.replace(row, row.replace("Holm 0.72", "Holm 1"))) == [
-        "refresh-own-pairs.end: the page says Holm 1, the data give 0.7233963012695312"
-    ]
+    # a stale value (as before the family's last member ran) is caught: the refresh row's Holm value planted at 1
+    row = re.search(r"[^\n]*\(Holm ([0-9.e+-]+)\) \| <!-- verdict:refresh-own-pairs\.end -->", page)
+    assert row and row[1] != "1"
+    stale = page.replace(row[0], row[0].replace(f"(Holm {row[1]})", "(Holm 1)"))
+    assert len(holm_mismatches(stale)) == 1
+    assert holm_mismatches(stale)[0].startswith(
+        "refresh-own-pairs.end: the page says Holm 1, the data give 0."
+    )
