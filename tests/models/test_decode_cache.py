@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessorList
 
 import rlhfkit.rollout.generation as generation
-from rlhfkit.models import sampling_for
+from rlhfkit.models import decode_attention, sampling_for
 from rlhfkit.models.decode_cache import fresh_cache, reserve_positions
 from rlhfkit.models.precision import autocast_forward, float32_attention_on_cpu
 from rlhfkit.models.sampling import Sampling, _suppress_in_place, generation_kwargs
@@ -150,10 +150,12 @@ def test_generation_with_the_reserved_cache_is_the_plain_one_bit_for_bit(precisi
     plain, none, _ = _generate(model, share, reserve=False, monkeypatch=monkeypatch)
     fast, counts, caches = _generate(model, share, reserve=True, monkeypatch=monkeypatch)
     assert none == [0] and counts == [model.config.num_hidden_layers]  # every layer was reserved
-    # a bf16 model whose attention runs in float32 keeps a float32 cache: its columns upcast once, as written
+    # a bf16 model whose attention runs in float32 keeps a float32 cache (its columns upcast once, as written)
+    # unless its decoding steps read a bf16 one in float32 (rlhfkit.models.decode_attention)
     ((cache, upcast),) = caches
-    assert upcast == (precision == "bf16")
-    assert {layer.keys.dtype for layer in cache.layers} == {torch.float32}
+    assert upcast == (precision == "bf16" and not decode_attention.available())
+    values = torch.bfloat16 if precision == "bf16" and not upcast else torch.float32  # the keys: after rotary
+    assert {(layer.keys.dtype, layer.values.dtype) for layer in cache.layers} == {(torch.float32, values)}
     assert torch.equal(fast.response_ids, plain.response_ids)
     assert torch.equal(fast.mask, plain.mask)
     assert torch.equal(fast.sampled_logprobs, plain.sampled_logprobs)

@@ -262,7 +262,9 @@ FLOAT32_CPU_SDPA = "rlhfkit_sdpa_float32_on_cpu"
 def _sdpa_float32_on_cpu(module, query, key, value, attention_mask, **kwargs):
     """transformers' ``sdpa`` attention, in float32 when it would run in half precision on a CPU (under autocast,
     or with half-precision inputs); the output in the dtype that attention would have given. The same kernel
-    with and without autograd (module docstring), so a no-grad forward equals a training one bit for bit."""
+    with and without autograd (module docstring), so a no-grad forward equals a training one bit for bit. One
+    decoding step over a bf16 cache is :mod:`rlhfkit.models.decode_attention`'s float32 arithmetic instead (the
+    same function summed in another order; sampling only: no trained forward has one query position)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     autocast = torch.is_autocast_enabled("cpu")
@@ -270,6 +272,12 @@ def _sdpa_float32_on_cpu(module, query, key, value, attention_mask, **kwargs):
     if query.device.type != "cpu" or not half:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     dtype = torch.get_autocast_dtype("cpu") if autocast else value.dtype
+    from rlhfkit.models import decode_attention as decode
+
+    if decode.applies(query, key, value, attention_mask, kwargs):  # one decoding step over a bf16 cache
+        scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        out = decode.decode_attention(query, key, value, attention_mask, scale)
+        return out.transpose(1, 2).contiguous().to(dtype), None
     with torch.autocast("cpu", enabled=False):  # autocast would cast the attention back to bf16
         out, weights = sdpa_attention_forward(
             module, query.float(), key.float(), value.float(), attention_mask, **kwargs

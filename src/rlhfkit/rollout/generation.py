@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhfkit.models import decode_attention
 from rlhfkit.models.decode_cache import fresh_cache, reserve_positions
 from rlhfkit.models.lora import merged_for_generation
 from rlhfkit.models.packed_linear import packed_linears
@@ -203,7 +204,8 @@ def generate_responses(
             if held is None and cache is None:
                 cache = fresh_cache(model)
             if held is None and cache is not None:  # float32 storage for a float32 attention (decode_cache)
-                reserve_positions(cache, capacity, upcast=attention_in_float32(model, prompt_ids.device))
+                upcast = attention_in_float32(model, prompt_ids.device) and not decode_attention.available()
+                reserve_positions(cache, capacity, upcast=upcast)
             cache = held if held is not None else cache
             if cache is not None:
                 kwargs[cache_keyword(model)] = cache
