@@ -87,19 +87,21 @@ static void attend(const float* qp, const K* kp, const V* vp, const bool* mp, fl
                    int64_t Hk, int64_t L, int64_t D, const int64_t* ks, const int64_t* vs, const int64_t* ms,
                    float sc) {
   const int64_t G = Hq / Hk;
+  const int64_t ksb = ks[0], ksh = ks[1], ksl = ks[2], vsb = vs[0], vsh = vs[1], vsl = vs[2];
+  const int64_t msb = ms[0], msl = ms[1];
   at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(G * L), acc(G * D), row(D), mx(G), total(G);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hk, h = i % Hk;
-      const K* kb = kp + b * ks[0] + h * ks[1];
-      const V* vb = vp + b * vs[0] + h * vs[1];
+      const K* kb = kp + b * ksb + h * ksh;
+      const V* vb = vp + b * vsb + h * vsh;
       const float* qb = qp + (b * Hq + h * G) * D;
-      const bool* keep = mp ? mp + b * ms[0] : nullptr;
+      const bool* keep = mp ? mp + b * msb : nullptr;
       for (int64_t g = 0; g < G; ++g) mx[g] = -3.0e38f;
       for (int64_t l = 0; l < L; ++l) {
-        const bool kept = !keep || keep[l * ms[1]];
+        const bool kept = !keep || keep[l * msl];
         if (kept) {
-          const K* kr = kb + l * ks[2];
+          const K* kr = kb + l * ksl;
           for (int64_t d = 0; d < D; ++d) row[d] = to_float(kr[d]);
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -128,8 +130,8 @@ static void attend(const float* qp, const K* kp, const V* vp, const bool* mp, fl
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t l = 0; l < L; ++l) {
-        if (keep && !keep[l * ms[1]]) continue;
-        const V* vr = vb + l * vs[2];
+        if (keep && !keep[l * msl]) continue;
+        const V* vr = vb + l * vsl;
         for (int64_t d = 0; d < D; ++d) row[d] = to_float(vr[d]);
         for (int64_t g = 0; g < G; ++g) {
           const float p = s[g * L + l];

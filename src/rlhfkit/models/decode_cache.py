@@ -13,6 +13,8 @@ A model whose half-precision attention runs in float32 on a CPU
 storage is float32: each new column is upcast once as it is written (an exact conversion), and the attention's
 upcast of the cache is a no-op. The attention reads the same values, so the tokens are the same; the cache takes
 twice the memory of a bf16 one.
+:mod:`rlhfkit.rollout.generation` asks for it only where :mod:`rlhfkit.models.decode_attention`'s kernel is
+not built: that kernel reads bf16 values itself.
 
 Only plain ``DynamicLayer`` layers are reserved; sliding-window, static, quantised or recurrent layers keep their
 own update. A layer whose tensors were replaced from outside (``crop``, ``batch_select_indices``,
