@@ -203,8 +203,8 @@ def generate_responses(
             held = static_cache(model, cache, capacity) if decode != "dynamic" else None
             if held is None and cache is None:
                 cache = fresh_cache(model)
-            if held is None and cache is not None:  # float32 storage for sdpa's float32 attention (decode_cache)
-                # unless the decoding kernel reads the columns as written (rlhfkit.models.decode_attention)
+            if held is None and cache is not None:  # float32 storage for sdpa's float32 attention
+                # (decode_cache), unless the decoding kernel reads the columns as written (decode_attention)
                 upcast = attention_in_float32(model, prompt_ids.device) and not decode_attention.available()
                 reserve_positions(cache, capacity, upcast=upcast)
             cache = held if held is not None else cache
