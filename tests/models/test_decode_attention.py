@@ -9,13 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rlhfkit.rollout.generation as generation
 from rlhfkit.models import decode_attention as decode
-from rlhfkit.models.decode_cache import reserve_positions
 from rlhfkit.models.precision import autocast_forward, float32_attention_on_cpu
-from rlhfkit.models.sampling import Sampling
-from rlhfkit.rollout import generate_responses
 from tests.helpers import tiny_llama
+from tests.models.test_decode_cache import _generate
 
 pytestmark = pytest.mark.skipif(not decode.available(), reason="no C++ compiler for the CPU decode attention")
 
@@ -114,28 +111,10 @@ def kernel_off(monkeypatch):
 
 
 def _sample(model, monkeypatch, greedy):
-    caches = []
-
-    def spy(cache, capacity, upcast=False):
-        caches.append(upcast)
-        return reserve_positions(cache, capacity, upcast)
-
-    monkeypatch.setattr(generation, "reserve_positions", spy)
-    pad, eos = model.config.pad_token_id, model.config.eos_token_id
-    ids = torch.tensor([[pad, pad, 5, 6], [7, 8, 9, 10]]).repeat_interleave(3, 0)
-    torch.manual_seed(0)
-    out = generate_responses(
-        model,
-        ids,
-        (ids != pad).long(),
-        max_new_tokens=20,
-        stop_token_ids=[eos],
-        pad_token_id=pad,
-        sampling=Sampling(temperature=0.8, suppress_ids=(pad,)),
-        greedy=greedy,
-        return_logprobs=True,
-    )
-    return out, caches
+    """test_decode_cache's sampling call (reserved cache, unshared prompts): the responses and each call's
+    ``upcast``."""
+    out, _, caches = _generate(model, share=False, reserve=True, monkeypatch=monkeypatch, greedy=greedy)
+    return out, [upcast for _, upcast in caches]
 
 
 def _bf16_model():

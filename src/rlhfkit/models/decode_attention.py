@@ -232,8 +232,8 @@ def available() -> bool:
 
 def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, kwargs: dict) -> bool:
     """Whether an attention call is one the kernel computes: one query position over cached ones on a CPU, keys
-    and values in float32 or bf16 with unit stride along the head, no autograd, no dropout, softcap or position bias, a
-    boolean mask (or none) shared by the heads, a head size up to ``MAX_HEAD_SIZE``, and not inside
+    and values in float32 or bf16 with unit stride along the head, no autograd, no dropout, softcap or position
+    bias, a boolean mask (or none) shared by the heads, a head size up to ``MAX_HEAD_SIZE``, and not inside
     ``torch.compile``'s tracing."""
     if query.device.type != "cpu" or query.shape[2] != 1 or key.shape[2] < 2:
         return False  # one query position over a cache (a whole sequence of one token is not decoding)
