@@ -15,6 +15,7 @@ import rlhfkit.trainers.online.layout as layout
 from rlhfkit.models.head_chunks import CHUNK_ELEMENTS
 from rlhfkit.trainers.online.layout import (
     default_micro_batch,
+    even_sizes,
     memory_bytes,
     micro_batches,
     prompts_held,
@@ -109,10 +110,10 @@ def big_machine(monkeypatch):
 
 def test_the_default_is_the_largest_micro_batch_within_the_budget(big_machine):
     budget = layout.ACTIVATION_BUDGET_BYTES
-    assert default_micro_batch(_context(128, 48), CAP) == _by_hand(128, 48, budget) == 7
+    assert default_micro_batch(_context(128, 48), CAP) == _by_hand(128, 48, budget) == 3
     # GRPO's groups of 4 on SmolLM2-135M with LoRA, prompts of 96 and responses of 48 tokens (the issue's)
-    assert default_micro_batch(_context(96, 48, group=4), 32) == _by_hand(96, 48, budget, group=4) == 16
-    assert default_micro_batch(_context(128, 48), 4) == 4  # never more than the minibatch
+    assert default_micro_batch(_context(96, 48, group=4), 32) == _by_hand(96, 48, budget, group=4) == 8
+    assert default_micro_batch(_context(128, 48), 2) == 2  # never more than the minibatch
     assert default_micro_batch(_context(128, 48, lora=0), CAP) == _by_hand(128, 48, budget, lora=False)
     assert default_micro_batch(_context(128, 10**6), 32) == 1  # at least one row, however long
 
@@ -121,7 +122,7 @@ def test_bf16_autocast_holds_less_per_token(big_machine):
     """SmolLM2-135M in bf16 with LoRA, GRPO's groups of 4, prompts up to 96 and responses of 48 tokens."""
     budget = layout.ACTIVATION_BUDGET_BYTES
     half = default_micro_batch(_context(96, 48, group=4, half=True), 32)
-    assert half == _by_hand(96, 48, budget, group=4, half=True) == 21
+    assert half == _by_hand(96, 48, budget, group=4, half=True) == 9
     assert half > default_micro_batch(_context(96, 48, group=4), 32)
 
 
@@ -140,10 +141,23 @@ def test_the_default_micro_batch_counts_the_critics_activations_and_the_gradient
 
 def test_a_model_without_the_chunked_read_out_counts_its_whole_logits(big_machine, monkeypatch):
     monkeypatch.setattr(layout, "chunkable", lambda model: False)
-    rows = default_micro_batch(_context(128, 48), CAP)
-    assert rows == _by_hand(128, 48, layout.ACTIVATION_BUDGET_BYTES, chunked=False)
+    rows = default_micro_batch(_context(64, 48), CAP)
+    assert rows == _by_hand(64, 48, layout.ACTIVATION_BUDGET_BYTES, chunked=False)
     monkeypatch.setattr(layout, "chunkable", lambda model: True)
-    assert rows < default_micro_batch(_context(128, 48), CAP)
+    assert rows < default_micro_batch(_context(64, 48), CAP)
+
+
+def test_a_gpu_takes_the_larger_budget(big_machine):
+    """On a GPU larger products pay: the budget there is ACCELERATOR_ACTIVATION_BUDGET_BYTES (the same
+    SmolLM2 GRPO shape takes 21 rows there, 9 on a CPU)."""
+    gpu = _context(96, 48, group=4, half=True)
+    gpu.device = torch.device("cuda", 0)  # memory_bytes is the big machine's: no GPU is touched
+    assert layout.ACCELERATOR_ACTIVATION_BUDGET_BYTES > layout.ACTIVATION_BUDGET_BYTES
+    assert (
+        default_micro_batch(gpu, 32)
+        == _by_hand(96, 48, layout.ACCELERATOR_ACTIVATION_BUDGET_BYTES, group=4, half=True)
+        == 21
+    )
 
 
 def test_the_default_stays_within_a_share_of_the_machines_memory(big_machine, monkeypatch):
@@ -165,11 +179,11 @@ def test_a_micro_batch_holds_the_prompts_of_the_groups_it_touches(rows, group, h
 def test_a_groups_prompt_is_counted_once(big_machine):
     """GRPO reads a group's prompt once (rlhfkit.models.prompt_cache): more rows fit than without groups."""
     budget = layout.ACTIVATION_BUDGET_BYTES
-    grouped = default_micro_batch(_context(512, 48, group=4), CAP)
-    assert grouped == _by_hand(512, 48, budget, group=4) > default_micro_batch(_context(512, 48), CAP)
-    episodes = SimpleNamespace(prompt_limit=lambda: 512)  # an episode's prompt is its own: no sharing
-    assert default_micro_batch(_context(512, 48, group=4, episodes=episodes), CAP) == _by_hand(
-        512, 48, budget
+    grouped = default_micro_batch(_context(256, 48, group=4), CAP)
+    assert grouped == _by_hand(256, 48, budget, group=4) > default_micro_batch(_context(256, 48), CAP)
+    episodes = SimpleNamespace(prompt_limit=lambda: 256)  # an episode's prompt is its own: no sharing
+    assert default_micro_batch(_context(256, 48, group=4, episodes=episodes), CAP) == _by_hand(
+        256, 48, budget
     )
 
 
@@ -196,34 +210,73 @@ def test_the_read_out_holds_a_few_chunks_or_the_whole_logits():
     assert readout_bytes(config, 1000, chunked=False) == 12 * 49152 * 1000
 
 
-def test_default_micro_batches_follow_the_budget_and_an_explicit_size_wins(tmp_path, monkeypatch):
+def _default_layout_context(tmp_path, kind, *overrides):
+    """A tiny run of 8 prompts, one minibatch, the default micro-batch."""
     paths = write_online_problem(tmp_path, reward_model=False)
-    ctx = make_context(
-        online_config(
-            paths,
-            tmp_path / "run",
-            "train.batch_size=8",
-            "online.group_size=1",
-            "online.num_minibatches=1",
-            "train.micro_batch_size=null",
-            kind="ppo",
-        )
-    )
+    overrides = ("train.batch_size=8", "online.num_minibatches=1", "train.micro_batch_size=null", *overrides)
+    return make_context(online_config(paths, tmp_path / "run", *overrides, kind=kind))
+
+
+def test_default_micro_batches_follow_the_budget_and_an_explicit_size_wins(tmp_path, monkeypatch):
+    ctx = _default_layout_context(tmp_path, "ppo", "online.group_size=1")
     lengths = torch.arange(8)
     (micros,) = micro_batches(ctx, 1, 0, lengths)
     assert [len(m) for m in micros] == [8]  # a tiny model: the whole minibatch in one forward
     trained = sum(p.numel() for m in ctx.trained.values() for p in m.parameters() if p.requires_grad)
-    three = update_peak_bytes(  # the actor's and the critic's activations (one backward)
-        ctx.roles.actor.config,
-        3,
-        ctx.cfg.data.max_prompt_length,
-        ctx.cfg.online.response_length,
-        trained,
-        critic_config=ctx.roles.critic.config,
-    )
-    monkeypatch.setattr(layout, "ACTIVATION_BUDGET_BYTES", three)
-    (micros,) = micro_batches(ctx, 1, 0, lengths)
-    assert [len(m) for m in micros] == [3, 3, 2]
-    explicit = dataclasses.replace(ctx.cfg, train=dataclasses.replace(ctx.cfg.train, micro_batch_size=4))
+
+    def peak(rows):  # the actor's and the critic's activations (one backward)
+        return update_peak_bytes(
+            ctx.roles.actor.config,
+            rows,
+            ctx.cfg.data.max_prompt_length,
+            ctx.cfg.online.response_length,
+            trained,
+            critic_config=ctx.roles.critic.config,
+        )
+
+    for budget_rows, sizes in ((3, [3, 3, 2]), (6, [4, 4])):  # [6, 2] would peak at 6 rows in two forwards
+        monkeypatch.setattr(layout, "ACTIVATION_BUDGET_BYTES", peak(budget_rows))
+        (micros,) = micro_batches(ctx, 1, 0, lengths)
+        assert [len(m) for m in micros] == sizes
+    explicit = dataclasses.replace(ctx.cfg, train=dataclasses.replace(ctx.cfg.train, micro_batch_size=6))
     (micros,) = micro_batches(dataclasses.replace(ctx, cfg=explicit), 1, 0, lengths)
-    assert [len(m) for m in micros] == [4, 4]
+    assert [len(m) for m in micros] == [6, 2]  # an explicit size is the size asked for
+
+
+@pytest.mark.parametrize(
+    "n, most, sizes",
+    [
+        (32, 24, [16, 16]),
+        (8, 3, [3, 3, 2]),
+        (10, 3, [3, 3, 2, 2]),
+        (7, 7, [7]),
+        (7, 100, [7]),
+        (5, 1, [1] * 5),
+    ],
+)
+def test_even_sizes_are_the_fewest_pieces_of_sizes_within_one(n, most, sizes):
+    assert even_sizes(n, most) == sizes
+    for n in range(1, 40):
+        for most in range(1, 12):
+            got = even_sizes(n, most)
+            assert sum(got) == n and max(got) <= most and len(got) == -(-n // most)
+            assert max(got) - min(got) <= 1 and got == sorted(got, reverse=True)
+
+
+def test_default_micro_batches_of_groups_are_even_in_whole_groups(tmp_path, monkeypatch):
+    """GRPO, 16 rows in groups of 2, a budget of 10 rows: two forwards of 4 whole groups each (a group's
+    prompt read once), not 10 + 6 rows (a peak of 10); a budget of 7: whole groups, not even rows."""
+    ctx = _default_layout_context(tmp_path, "grpo")
+    g = ctx.cfg.online.group_size
+    assert g == 2
+    monkeypatch.setattr(layout, "default_micro_batch", lambda ctx, rows: 10 if rows == 16 else pytest.fail())
+    lengths = torch.randint(1, 40, (16,), generator=torch.Generator().manual_seed(1))
+    (micros,) = micro_batches(ctx, 1, 0, lengths)
+    assert [len(m) for m in micros] == [8, 8]
+    for m in micros:
+        assert (m.view(-1, g) // g == (m.view(-1, g) // g)[:, :1]).all()  # whole groups
+    monkeypatch.setattr(layout, "default_micro_batch", lambda ctx, rows: 7)  # 3 groups a forward at most
+    (micros,) = micro_batches(ctx, 1, 0, lengths)
+    assert [len(m) for m in micros] == [6, 6, 4]  # 16 rows cut evenly would be 6, 5, 5: a group cut in two
+    for m in micros:
+        assert (m.view(-1, g) // g == (m.view(-1, g) // g)[:, :1]).all()

@@ -75,8 +75,12 @@ def row_lengths(query_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.
 
 
 # The default micro-batch (:func:`default_micro_batch`): the update's predicted peak above the loaded models
-# stays within ACTIVATION_BUDGET_BYTES and within MEMORY_FRACTION of the machine's (or the GPU's) memory.
-ACTIVATION_BUDGET_BYTES = 2 * 2**30
+# stays within ACTIVATION_BUDGET_BYTES on a CPU (ACCELERATOR_ACTIVATION_BUDGET_BYTES on a GPU) and within
+# MEMORY_FRACTION of the machine's (or the GPU's) memory. On a CPU the update's time per token is flat from a
+# few hundred tokens a forward up while every row adds its activations (SmolLM2-135M, bf16: 4% between 8 and
+# 16 rows of 48 tokens, 1 GB of peak; docs/performance.md), so the CPU's budget is the smaller.
+ACTIVATION_BUDGET_BYTES = 2**30
+ACCELERATOR_ACTIVATION_BUDGET_BYTES = 2 * 2**30
 MEMORY_FRACTION = 1 / 8
 
 # The terms of :func:`update_peak_bytes`, fitted to the peaks of benchmarks/micro_batch_calibration.py
@@ -203,9 +207,10 @@ def memory_bytes(device: torch.device | str = "cpu") -> int:
 
 def default_micro_batch(ctx: OnlineContext, minibatch_rows: int) -> int:
     """Rows per forward / backward when ``train.micro_batch_size`` is unset: the most rows, up to the
-    minibatch, whose :func:`update_peak_bytes` stays within :data:`ACTIVATION_BUDGET_BYTES` and within
-    :data:`MEMORY_FRACTION` of :func:`memory_bytes`, at least 1. Fewer forwards are faster (one thread,
-    SmolLM2-135M: docs/performance.md), so the default takes the largest that fits.
+    minibatch, whose :func:`update_peak_bytes` stays within :data:`ACTIVATION_BUDGET_BYTES` on a CPU
+    (:data:`ACCELERATOR_ACTIVATION_BUDGET_BYTES` on a GPU) and within :data:`MEMORY_FRACTION` of
+    :func:`memory_bytes`, at least 1. Fewer forwards are not slower, so the default takes the largest that
+    fits; :func:`micro_batches` then cuts the minibatch into even pieces of at most that many rows.
 
     The rows are of the longest possible sequence (``data.max_prompt_length`` + ``online.response_length``,
     the same on every process, plus the tokens tools add to a prompt). With a critic (PPO's ``gae``), the
@@ -221,7 +226,9 @@ def default_micro_batch(ctx: OnlineContext, minibatch_rows: int) -> int:
     trained = sum(
         p.numel() for m in (actor, critic) if m is not None for p in m.parameters() if p.requires_grad
     )
-    budget = min(ACTIVATION_BUDGET_BYTES, int(MEMORY_FRACTION * memory_bytes(getattr(ctx, "device", "cpu"))))
+    device = torch.device(getattr(ctx, "device", "cpu"))
+    ceiling = ACTIVATION_BUDGET_BYTES if device.type == "cpu" else ACCELERATOR_ACTIVATION_BUDGET_BYTES
+    budget = min(ceiling, int(MEMORY_FRACTION * memory_bytes(device)))
     shape = dict(
         config=hf_model(actor).config,
         prompt=prompt,
@@ -250,7 +257,9 @@ def micro_batches(
     """The micro-batches of each minibatch of ``epoch`` of rollout ``step``: local row indices.
 
     Each minibatch of :func:`local_minibatches` is sorted by ``lengths`` (stable, so ties keep the shuffled
-    order) and cut into ``train.micro_batch_size`` rows (default: :func:`default_micro_batch`).
+    order) and cut into ``train.micro_batch_size`` rows; without it, into the fewest micro-batches of at most
+    :func:`default_micro_batch` rows, of even sizes (:func:`even_sizes`; in whole groups where the layout
+    keeps them).
 
     Args:
         lengths: (B,) the length of each local row (:func:`row_lengths`).
@@ -258,17 +267,33 @@ def micro_batches(
         one list per minibatch (possibly empty: this process holds no row of it) of (b,) long tensors.
     """
     first, local, total = ctx.rows()
-    micro = ctx.cfg.train.micro_batch_size or default_micro_batch(
-        ctx, local // ctx.cfg.online.num_minibatches
-    )
+    explicit = ctx.cfg.train.micro_batch_size
+    micro = max(explicit or default_micro_batch(ctx, local // ctx.cfg.online.num_minibatches), 1)
     g = group_layout(ctx)
-    if g > 1 and first % g == 0 and local % g == 0:  # sort whole groups, by their longest row
+    whole_groups = g > 1 and first % g == 0 and local % g == 0
+    if whole_groups:  # sort whole groups, by their longest row
         lengths = lengths.view(-1, g).amax(1).repeat_interleave(g)
     out = []
     for rows in local_minibatches(ctx, step, epoch):
         rows = rows[torch.argsort(lengths[rows], stable=True)]
-        out.append(list(rows.split(max(micro, 1))) if rows.numel() else [])  # split([]) is [[]]
+        if not rows.numel():  # split([]) is [[]]
+            out.append([])
+        elif explicit:
+            out.append(list(rows.split(micro)))
+        else:  # as many forwards as the largest fitting size needs, of even sizes: a lower peak, no more work
+            unit = g if whole_groups and micro >= g and rows.numel() % g == 0 else 1
+            sizes = even_sizes(rows.numel() // unit, micro // unit)
+            out.append(list(rows.split([s * unit for s in sizes])))
     return out
+
+
+def even_sizes(n: int, most: int) -> list[int]:
+    """``n`` items cut into the fewest pieces of at most ``most`` items, of sizes that differ by at most one,
+    the larger first (they take the shorter rows of a length-sorted minibatch). ``even_sizes(32, 24)`` is
+    ``[16, 16]`` where cutting by ``most`` would give ``[24, 8]``: as many forwards, a third less peak."""
+    count = -(-n // max(most, 1))
+    base, extra = divmod(n, count)
+    return [base + 1] * extra + [base] * (count - extra)
 
 
 def old_logprobs_from_update(ctx: OnlineContext, step: int) -> bool:
