@@ -260,3 +260,20 @@ def test_vllm_logs_to_stdout_as_it_is_when_it_writes(engine_and_model, capsys):
     logger.warning("probe after")
     out, err = capsys.readouterr()
     assert "probe after" in out and "Logging error" not in err
+
+
+@needs_vllm
+def test_a_call_whose_prompts_exceed_a_steps_token_budget_samples_as_row_by_row(engine_and_model):
+    """32 seeded prompts of 140 tokens (4,480 tokens, more than the 4,096 a CPU engine schedules in one step):
+    a prefill vLLM would split across steps makes it rewind the request's generator, which a CPU generator
+    cannot do (RuntimeError: "CPU Generator does not use offset"). The call completes, and each row's tokens
+    are the ones it draws alone."""
+    engine, model = engine_and_model
+    engine.load_weights(model)
+    ids, mask = prompts(rows=32, seed=7)
+    seeds = list(range(100, 132))
+    kwargs = generation(False)
+    out = engine.generate(ids, mask, seeds=seeds, **kwargs)
+    for row in (0, 17, 31):
+        alone = engine.generate(ids[row : row + 1], mask[row : row + 1], seeds=[seeds[row]], **kwargs)
+        assert torch.equal(alone.response_ids, out.response_ids[row : row + 1])

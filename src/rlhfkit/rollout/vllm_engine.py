@@ -100,6 +100,10 @@ def check_engine_can_run(config, where: str, on_cpu: bool) -> None:
         )
 
 
+# The tokens a CPU engine schedules in one step (vLLM's own default there), at least a whole row.
+CPU_STEP_TOKENS = 4096
+
+
 def row_seeds(base: int, rows: int) -> list[int]:
     """``rows`` request seeds, a stateless function of (``base``, row): 63-bit, from SHA-256."""
     return [
@@ -197,6 +201,13 @@ class VLLMEngine:
         if not on_cpu:  # a GPU engine is sized by its share of the device's memory
             total = torch.cuda.get_device_properties(device).total_memory / 2**30
             extra["gpu_memory_utilization"] = min(0.9, settings.kv_cache_gib / total)
+        else:
+            # A prompt whose prefill vLLM splits across steps (a call's prompts beyond the step's 4,096 tokens)
+            # has its sampled token discarded and its seeded generator rewound by an offset, which a CPU
+            # generator does not have ("CPU Generator does not use offset"). Unsplit prefills: a prompt that
+            # does not fit a step waits for the next one.
+            extra["enable_chunked_prefill"] = False
+            extra["max_num_batched_tokens"] = max(CPU_STEP_TOKENS, settings.max_model_len)
         # vLLM makes a one-process torch.distributed world here unless one exists (a launcher's): it is then
         # vLLM's to destroy in close(), which a later engine of this process needs.
         self._owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
