@@ -151,7 +151,8 @@ class TrainConfig:
         "rloo): the most rows of the longest sequence (data.max_prompt_length + online.response_length), up "
         "to the minibatch, whose predicted update peak fits 1 GiB on a CPU (2 GiB on a GPU) and an eighth of "
         "the machine's (or GPU's) memory, the minibatch then cut into the fewest micro-batches of at most that "
-        "many rows, of even sizes (whole groups for grpo / rloo / reinforce_pp): per token and decoder layer a number of bytes per hidden unit fitted to measured peaks "
+        "many rows, of even sizes (whole groups for grpo / rloo / reinforce_pp): per token and decoder layer "
+        "a number of bytes per hidden unit fitted to measured peaks "
         "(float32 or bf16; LoRA or full fine-tuning; a GRPO group's prompt once; the critic's tokens too, as "
         "both models' forwards make one backward), the chunked read-out's few float32 blocks and the "
         "gradients (docs/performance.md); at least 1.",
